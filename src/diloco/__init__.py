@@ -1,0 +1,23 @@
+"""diloco: Decoupled DiLoCo for PyTorch.
+
+Independent learners run many local optimizer steps and stream compressed parameter
+fragments to a central syncer, which merges whatever has arrived and applies an outer
+Nesterov step. See ``docs/algorithm.md`` for the contract and the choices we made.
+
+Nothing is started at import time; heavy modules (gRPC, the learner) load lazily.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["Learner", "LearnerConfig", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import diloco` stays cheap and never touches gRPC.
+    if name in ("Learner", "LearnerConfig"):
+        from diloco.learner import learner as _learner
+
+        return getattr(_learner, name)
+    raise AttributeError(f"module 'diloco' has no attribute {name!r}")

@@ -1,0 +1,40 @@
+"""The ``diloco`` command line: one sub-command per job.
+
+Each sub-command lives in its own module and registers itself through a
+``register(subparsers)`` function, so this file only wires them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (sub-command, module that provides ``register(subparsers)``)
+_COMMANDS: list[tuple[str, str]] = [
+    ("selfcheck", "diloco.selfcheck"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco",
+        description="Decoupled DiLoCo: resilient, asynchronous, low-communication training.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for _name, module in _COMMANDS:
+        importlib.import_module(module).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
