@@ -1,0 +1,157 @@
+"""When a round closes, and whether a contribution is admitted: pure decisions.
+
+A **round** collects contributions for one fragment. It closes when at least K contributions
+are in AND the grace window after reaching quorum has passed, or at once when every live
+learner has contributed. The grace window lets a learner that is just about to send join
+the round instead of landing, stale, in the next one:
+
+    grace = clip(γ · (τ·ξ_step − ξ_quorum − ξ_sync), 0, ξ_step)
+
+with ξ_step a learner step, ξ_quorum the time from a round's first arrival to quorum, and
+ξ_sync the merge + persist + broadcast time (running EMAs, see ``Ema``). The intuition: a
+merged fragment is expected back at a learner within τ steps; whatever is left of that budget
+after waiting for quorum and syncing can be spent waiting for stragglers, but never more than
+one step. Before a step estimate exists the grace window is 0 (close at quorum): waiting on a
+guess could only stall the first rounds. Missing ξ_quorum and ξ_sync count as 0.
+
+Fewer than K learners live: the "every live learner has contributed" rule still closes the
+round with the live ones, so training never stalls because of dead learners. A round whose
+contributors all died is closed too (nobody else will come).
+
+**Staleness.** A contribution computed against version ``b`` of a fragment whose current
+version is ``v`` has staleness ``s = v − b``. ``s = 0`` is fresh; ``1 ≤ s ≤ max_staleness`` is
+accepted with its weight multiplied by ``1 / (1 + s)`` (its anchor is ``s`` commits old, so it
+partly repeats progress the global model already has); beyond that it is refused and the
+learner is told to resync. A base version from the future is invalid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """Running estimates in seconds; ``None`` until the first measurement."""
+
+    step_s: float | None = None
+    quorum_s: float | None = None
+    sync_s: float | None = None
+
+
+@dataclass(frozen=True)
+class OpenRound:
+    """What ``decide_round`` needs to know of an open round."""
+
+    contributors: frozenset[str]
+    """Learner ids with a contribution in the round."""
+    opened_at: float
+    """Time of the round's first arrival."""
+    quorum_at: float | None = None
+    """Time the round first reached quorum, or ``None``."""
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    close: bool
+    """Close the round now."""
+    wait_until: float | None
+    """If not closing: the time to decide again (``None``: on the next arrival or liveness change)."""
+    reason: str
+    grace_s: float
+    """The grace window used for this decision (seconds)."""
+
+
+def grace_window(estimates: Estimates, *, gamma: float, tau: float) -> float:
+    """``clip(γ·(τ·ξ_step − ξ_quorum − ξ_sync), 0, ξ_step)``; 0 before a step estimate exists."""
+    if estimates.step_s is None:
+        return 0.0
+    step = estimates.step_s
+    raw = gamma * (tau * step - (estimates.quorum_s or 0.0) - (estimates.sync_s or 0.0))
+    return min(max(raw, 0.0), step)
+
+
+def decide_round(
+    now: float,
+    round_: OpenRound | None,
+    live: Collection[str],
+    *,
+    quorum: int,
+    gamma: float,
+    tau: float,
+    estimates: Estimates,
+) -> RoundDecision:
+    """Decide whether the open round of one fragment closes now (see the module docstring).
+
+    ``live`` are the learner ids whose lease is valid at ``now``; ``quorum`` is K (≥ 1).
+    """
+    if quorum < 1:
+        raise ValueError(f"quorum must be >= 1, got {quorum}")
+    grace = grace_window(estimates, gamma=gamma, tau=tau)
+    if round_ is None or not round_.contributors:
+        return RoundDecision(False, None, "no contributions yet", grace)
+    n = len(round_.contributors)
+    if all(learner in round_.contributors for learner in live):
+        why = "every live learner has contributed" if live else "no learner is live"
+        return RoundDecision(True, None, f"{why} ({n} in round)", grace)
+    if n < quorum:
+        return RoundDecision(False, None, f"waiting for quorum ({n}/{quorum})", grace)
+    quorum_at = round_.quorum_at if round_.quorum_at is not None else now
+    deadline = quorum_at + grace
+    if now >= deadline:
+        return RoundDecision(
+            True, None, f"quorum {n}/{quorum} and grace {grace:.3f}s elapsed", grace
+        )
+    return RoundDecision(False, deadline, f"quorum {n}/{quorum}, grace until {deadline:.3f}", grace)
+
+
+@dataclass(frozen=True)
+class Admission:
+    accept: bool
+    discount: float
+    """Multiplier on the contribution's weight (1 when fresh, 0 when refused)."""
+    staleness: int
+    resync: bool
+    """Refused because too stale: the learner should pull the fragment again."""
+    reason: str
+
+
+def staleness_discount(staleness: int) -> float:
+    """Weight multiplier for a contribution ``staleness`` commits behind: ``1 / (1 + s)``."""
+    return 1.0 / (1.0 + staleness)
+
+
+def admit_contribution(
+    *, base_version: int, current_version: int, max_staleness: int = 2
+) -> Admission:
+    """Admit a contribution computed against ``base_version`` of a fragment now at ``current_version``."""
+    s = current_version - base_version
+    if base_version < 0 or s < 0:
+        return Admission(
+            False,
+            0.0,
+            s,
+            False,
+            f"base version {base_version} is not a committed version (current {current_version})",
+        )
+    if s == 0:
+        return Admission(True, 1.0, 0, False, "fresh")
+    if s <= max_staleness:
+        d = staleness_discount(s)
+        return Admission(True, d, s, False, f"stale by {s}, weight x{d:.3f}")
+    return Admission(False, 0.0, s, True, f"stale by {s} > {max_staleness}: resync the fragment")
+
+
+class Ema:
+    """Exponential moving average; ``value`` is ``None`` until the first update."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.value: float | None = None
+
+    def update(self, x: float) -> float:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+        return self.value
