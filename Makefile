@@ -37,7 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_algorithm.py
 
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -Isrc --python_out=src --grpc_python_out=src src/diloco/wire/diloco.proto
+	$(PY) -m grpc_tools.protoc -Isrc --python_out=src --grpc_python_out=src --pyi_out=src src/diloco/wire/diloco.proto
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
