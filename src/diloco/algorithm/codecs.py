@@ -1,0 +1,262 @@
+"""Wire formats for tensors: ``fp32``, ``bf16``, ``int8`` and ``int4``.
+
+Why these four (DESIGN §1): learners send outer gradients ``Δ = A_p − θ_p`` *up* to the syncer
+in ``int4`` by default; the paper found int4 outer gradients about as good as bf16, while 2-bit
+collapses. Merged fragments go *down* in ``bf16`` or ``fp32``: they are parameters, not
+gradients, and an error there is not averaged away by the next round.
+
+Payloads are raw little-endian bytes (never pickle). A payload carries no header: the receiver
+knows the codec and the shape from the message around it, and :func:`decode` checks that the
+length is exactly :func:`encoded_nbytes`. The tensor is flattened in row-major order. Every
+multi-byte value goes through a numpy dtype with explicit ``<`` byte order, so payloads are
+little-endian on any host (a big-endian host byte-swaps).
+
+=======  ==========================================================  =========================
+codec    byte layout (n values)                                      error bound per value
+=======  ==========================================================  =========================
+fp32     n × float32                                                 exact
+bf16     n × uint16, the bfloat16 bits (round-to-nearest-even)       ``|x|·2⁻⁸`` (relative)
+int8     nb × float32 scales, then n × int8 in [-127, 127]           ``scale/2``, scale=absmax/127
+int4     nb × float32 scales, then ⌈n/2⌉ bytes of signed nibbles     ``scale/2``, scale=absmax/7
+=======  ==========================================================  =========================
+
+``nb = ⌈n / BLOCK_SIZE⌉``; block ``b`` holds values ``[b·BLOCK_SIZE, (b+1)·BLOCK_SIZE)`` (the
+last one may be partial) and ``absmax`` is the largest ``|x|`` in the block. Quantization is
+symmetric absmax: ``q = round(x / absmax · L)`` with ``L = 127`` or ``7`` (round half to
+even), decoded as ``q · scale``. The range is symmetric so zero is exact and ±absmax round-trip
+to ±absmax; a block of zeros has scale 0 and decodes to exact zeros. int4 nibbles are two's
+complement, two per byte, the *low* nibble first; for odd n the last high nibble is 0. The
+values -128 (int8) and -8 (int4) are never produced and are refused on decode.
+
+The bounds hold up to float32 rounding (a few ulps of absmax, see :func:`roundtrip_error_bound`);
+values below float32's smallest normal (~1.2e-38) may lose all precision in a block whose absmax
+is itself that small.
+
+``BLOCK_SIZE = 128`` with float32 scales: int4 costs ``0.5 + 4/128 = 0.531`` bytes per value and
+int8 ``1.031``. float16 scales would save 2 bytes per block but overflow above 65504 (and lose
+precision below 6e-5), which outer gradients of a diverging run can reach; float32 scales never
+do. Smaller blocks track outliers better but cost more bytes; 128 keeps the overhead near 6 %.
+
+Non-finite input (NaN/Inf, including values that overflow float32 or bfloat16) is refused with
+:class:`NonFiniteError`: a NaN on the wire would poison every learner after the next merge.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import torch
+
+CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+
+#: Values per absmax scale block for int8/int4 (one float32 scale each).
+BLOCK_SIZE = 128
+
+_LEVELS = {"int8": 127, "int4": 7}  # largest |q|
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
+_BF16_REL = 2.0**-8  # half an ulp of bfloat16's 8-bit significand, relative
+
+# Decode tables: payload byte -> float32 quantized value(s); the never-produced code is NaN so
+# one finiteness check catches it. int4 tables give (low nibble, high nibble) per byte.
+_NIB = np.array([v if v < 8 else v - 16 for v in range(16)], dtype=np.float32)
+_NIB[8] = np.nan
+_INT4_LUT = np.stack([np.tile(_NIB, 16), np.repeat(_NIB, 16)], axis=1)  # (256, 2)
+_INT8_LUT = np.arange(256, dtype=np.int64).astype(np.uint8).view(np.int8).astype(np.float32)
+_INT8_LUT[128] = np.nan  # byte 0x80 == -128
+
+
+class CodecError(ValueError):
+    """Bad codec name, wrong payload length, bad shape or a payload this codec never produces."""
+
+
+class NonFiniteError(CodecError):
+    """A tensor (to encode) or payload (to decode) holds NaN or Inf values."""
+
+
+def check_codec(name: str) -> str:
+    """Return ``name`` if it is one of :data:`CODECS`, else raise :class:`CodecError`."""
+    if name not in CODECS:
+        raise CodecError(f"unknown codec {name!r}; valid codecs are {', '.join(CODECS)}")
+    return name
+
+
+def encoded_nbytes(numel: int, codec: str) -> int:
+    """Exact payload size in bytes for ``numel`` values in ``codec``."""
+    check_codec(codec)
+    if numel < 0:
+        raise CodecError(f"numel must be >= 0, got {numel}")
+    if codec == "fp32":
+        return 4 * numel
+    if codec == "bf16":
+        return 2 * numel
+    scales = 4 * (-(-numel // BLOCK_SIZE))
+    return scales + (numel if codec == "int8" else (numel + 1) // 2)
+
+
+def _non_finite_error(x: torch.Tensor, codec: str, what: str) -> NonFiniteError:
+    nan = int(torch.isnan(x).sum())
+    inf = int(torch.isinf(x).sum())
+    return NonFiniteError(
+        f"{codec}: {what} has {nan + inf} non-finite value(s) of {x.numel()} "
+        f"(NaN: {nan}, Inf: {inf}); refusing it"
+    )
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """True if ``t`` has no NaN/Inf. min/max propagate NaN; far faster than ``isfinite().all()``."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def _le(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """``t`` (CPU, contiguous) as a numpy array with explicit little-endian ``dtype``."""
+    return t.numpy().astype(dtype, copy=False)
+
+
+def _flat_f32(tensor: torch.Tensor, codec: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise CodecError(f"{codec}: expected a floating-point torch.Tensor, got {tensor!r:.80}")
+    return tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+
+
+def _block_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Per-block max |x| of a zero-padded (nb, BLOCK_SIZE) view; NaN/Inf propagate."""
+    lo, hi = torch.aminmax(x, dim=1)
+    return torch.maximum(hi, -lo)
+
+
+def encode(tensor: torch.Tensor, codec: str) -> bytes:
+    """Encode ``tensor`` (any float dtype, shape and device) into ``codec``'s payload.
+
+    Deterministic: the same values always give the same bytes. The input is not modified.
+    Raises :class:`NonFiniteError` if any value is NaN/Inf (or overflows float32/bfloat16),
+    :class:`CodecError` for an unknown codec or a non-float tensor.
+    """
+    check_codec(codec)
+    if codec in _LEVELS:
+        return _encode_int(tensor, codec)
+    x = _flat_f32(tensor, codec)
+    if codec == "fp32":
+        if not _all_finite(x):
+            raise _non_finite_error(x, codec, "tensor")
+        return _le(x, "<f4").tobytes()
+    y = x.to(torch.bfloat16)  # round to nearest even
+    if not _all_finite(y):
+        raise _non_finite_error(y, codec, "tensor (after rounding to bfloat16)")
+    return _le(y.view(torch.int16), "<i2").tobytes()
+
+
+def _encode_int(tensor: torch.Tensor, codec: str) -> bytes:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise CodecError(f"{codec}: expected a floating-point torch.Tensor, got {tensor!r:.80}")
+    src = tensor.detach().reshape(-1)
+    n = src.numel()
+    nb = -(-n // BLOCK_SIZE)
+    buf = torch.empty(nb * BLOCK_SIZE, dtype=torch.float32)  # working copy, zero-padded
+    buf[:n].copy_(src)
+    buf[n:].zero_()
+    blocks = buf.view(nb, BLOCK_SIZE)
+    absmax = _block_absmax(blocks)
+    if not _all_finite(absmax):
+        raise _non_finite_error(buf[:n], codec, "tensor")
+    levels = _LEVELS[codec]
+    scale = absmax / levels
+    # Keep levels·scale <= absmax so decoding never overflows float32 (absmax near FLT_MAX).
+    scale = torch.where(scale * levels > absmax, torch.nextafter(scale, torch.zeros(())), scale)
+    # x / absmax is in [-1, 1] even for subnormal absmax (1/absmax could overflow).
+    denom = torch.where(absmax > 0, absmax, torch.ones(()))
+    q = blocks.div_(denom[:, None]).mul_(levels).round_().to(torch.int8).view(-1)
+    if codec == "int4":
+        u = q.view(torch.uint8).view(-1, 2)  # nb·BLOCK_SIZE is even
+        q = ((u[:, 0] & 0x0F) | (u[:, 1] << 4))[: (n + 1) // 2]
+    else:
+        q = q[:n]
+    scales = _le(scale, "<f4").view(np.uint8)
+    out = np.empty(scales.size + q.numel(), dtype=np.uint8)
+    out[: scales.size] = scales
+    out[scales.size :] = q.numpy().view(np.uint8)
+    return out.tobytes()
+
+
+def _numel(shape: tuple[int, ...] | int) -> tuple[tuple[int, ...], int]:
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(not isinstance(d, int) or d < 0 for d in dims):
+        raise CodecError(f"bad shape {shape!r}: dimensions must be non-negative ints")
+    return dims, math.prod(dims)
+
+
+def decode(
+    data: bytes | bytearray | memoryview, shape: tuple[int, ...] | int, codec: str
+) -> torch.Tensor:
+    """Decode a payload into a new float32 tensor of ``shape`` (the caller owns it).
+
+    Raises :class:`CodecError` if ``len(data) != encoded_nbytes(numel, codec)``, on an unknown
+    codec or bad shape, or on a quantized code the encoder never produces; raises
+    :class:`NonFiniteError` if a decoded value or scale is NaN/Inf.
+    """
+    check_codec(codec)
+    dims, n = _numel(shape)
+    mv = memoryview(data).cast("B")
+    want = encoded_nbytes(n, codec)
+    if mv.nbytes != want:
+        raise CodecError(
+            f"{codec}: payload is {mv.nbytes} bytes, expected {want} for {n} values {dims}"
+        )
+    if codec in _LEVELS:
+        out = _decode_int(mv, n, codec)
+    else:
+        if codec == "fp32":
+            out = torch.from_numpy(np.frombuffer(mv, dtype="<f4").astype(np.float32))
+        else:
+            # bfloat16 bits are the high half of float32: place them, zero the low half.
+            wide = np.zeros(2 * n, dtype=np.uint16)
+            wide[1 if sys.byteorder == "little" else 0 :: 2] = np.frombuffer(mv, dtype="<u2")
+            out = torch.from_numpy(wide.view(np.float32))
+        if not _all_finite(out):
+            raise _non_finite_error(out, codec, "payload")
+    return out.view(dims)
+
+
+def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
+    levels = _LEVELS[codec]
+    nb = -(-n // BLOCK_SIZE)
+    scale = torch.from_numpy(np.frombuffer(mv, dtype="<f4", count=nb).astype(np.float32))
+    if not _all_finite(scale):
+        raise _non_finite_error(scale, codec, "payload scales")
+    if bool((scale < 0).any()) or bool((scale > _F32_MAX / levels).any()):
+        raise CodecError(f"{codec}: payload has a scale outside [0, float32 max / {levels}]")
+    codes = np.frombuffer(mv, dtype=np.uint8, offset=4 * nb)
+    if codec == "int4":
+        vals = np.take(_INT4_LUT, codes, axis=0).reshape(-1)[:n]
+    else:
+        vals = np.take(_INT8_LUT, codes)
+    out = torch.from_numpy(vals)
+    full = (n // BLOCK_SIZE) * BLOCK_SIZE
+    out[:full].view(-1, BLOCK_SIZE).mul_(scale[: full // BLOCK_SIZE, None])
+    if full < n:
+        out[full:].mul_(scale[-1])
+    if not _all_finite(out):  # only the never-produced code can be NaN here
+        raise CodecError(f"{codec}: payload holds the code -{levels + 1}, never produced")
+    return out
+
+
+def roundtrip_error_bound(tensor: torch.Tensor, codec: str) -> float:
+    """Largest ``|decode(encode(t)) - t|`` over elements that ``codec`` guarantees for ``t``.
+
+    fp32: 0. bf16: ``max|t| · 2⁻⁸`` (elementwise the bound is relative: ``|t_i| · 2⁻⁸``).
+    int8/int4: the largest ``absmax_b / levels / 2`` over blocks, plus float32 rounding slack
+    (2⁻²⁰ of absmax) and an absolute ``2⁻¹²⁶`` for subnormals.
+    """
+    check_codec(codec)
+    x = _flat_f32(tensor, codec)
+    if x.numel() == 0 or codec == "fp32":
+        return 0.0
+    top = float(x.abs().max())
+    if codec == "bf16":
+        return top * _BF16_REL + _F32_TINY
+    return top * (0.5 / _LEVELS[codec] + 2.0**-20) + _F32_TINY

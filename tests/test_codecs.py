@@ -1,0 +1,299 @@
+"""Wire codecs: layout golden bytes, exact sizes, error bounds, refusal of bad input/payloads."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.algorithm.codecs import (
+    BLOCK_SIZE,
+    CODECS,
+    CodecError,
+    NonFiniteError,
+    check_codec,
+    decode,
+    encode,
+    encoded_nbytes,
+    roundtrip_error_bound,
+)
+
+LEVELS = {"int8": 127, "int4": 7}
+TINY = float(torch.finfo(torch.float32).tiny)
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _elementwise_bound(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """Per-element bound from the module docstring, computed independently of the codec."""
+    x = x.double().reshape(-1)
+    if codec == "fp32":
+        return torch.zeros_like(x)
+    if codec == "bf16":
+        return x.abs() * 2.0**-8 + TINY
+    n = x.numel()
+    pad = torch.zeros(-(-n // BLOCK_SIZE) * BLOCK_SIZE, dtype=torch.float64)
+    pad[:n] = x.abs()
+    absmax = pad.view(-1, BLOCK_SIZE).amax(1).repeat_interleave(BLOCK_SIZE)[:n]
+    return absmax / LEVELS[codec] / 2 + absmax * 2.0**-20 + TINY
+
+
+def _roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
+    data = encode(x, codec)
+    assert len(data) == encoded_nbytes(x.numel(), codec)
+    y = decode(data, tuple(x.shape), codec)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    return y
+
+
+def _assert_within_bound(x: torch.Tensor, codec: str) -> None:
+    y = _roundtrip(x, codec)
+    err = (y.double() - x.double()).abs().reshape(-1)
+    assert bool((err <= _elementwise_bound(x, codec)).all()), (codec, float(err.max()))
+    if x.numel():
+        assert float(err.max()) <= roundtrip_error_bound(x, codec)
+
+
+# ---------------------------------------------------------------- names and sizes
+
+
+def test_check_codec_accepts_known_and_lists_valid_names_otherwise():
+    for c in CODECS:
+        assert check_codec(c) == c
+    for call in (
+        lambda: check_codec("int2"),
+        lambda: encode(torch.ones(3), "fp16"),
+        lambda: decode(b"", 0, "INT4"),
+        lambda: encoded_nbytes(3, "bf8"),
+    ):
+        with pytest.raises(CodecError, match="fp32, bf16, int8, int4"):
+            call()
+
+
+@pytest.mark.parametrize(
+    ("n", "codec", "nbytes"),
+    [
+        (0, "fp32", 0),
+        (0, "int4", 0),
+        (0, "int8", 0),
+        (3, "fp32", 12),
+        (3, "bf16", 6),
+        (1, "int8", 4 + 1),
+        (1, "int4", 4 + 1),
+        (BLOCK_SIZE, "int4", 4 + BLOCK_SIZE // 2),
+        (BLOCK_SIZE + 1, "int4", 8 + BLOCK_SIZE // 2 + 1),
+        (BLOCK_SIZE + 1, "int8", 8 + BLOCK_SIZE + 1),
+    ],
+)
+def test_exact_sizes(n, codec, nbytes):
+    assert encoded_nbytes(n, codec) == nbytes
+    assert len(encode(torch.randn(n), codec)) == nbytes
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1024, 200_000))
+def test_payload_overhead_per_value(n):
+    assert encoded_nbytes(n, "int4") / n <= 0.55
+    assert encoded_nbytes(n, "int8") / n <= 1.05
+
+
+# ---------------------------------------------------------------- golden layout
+
+
+def test_golden_bytes_int4_low_nibble_first_twos_complement():
+    x = torch.tensor([7.0, -7.0, 1.0, -1.0, 0.0, 3.5, 2.4])
+    data = encode(x, "int4")
+    assert data[:4] == struct.pack("<f", 1.0)  # absmax 7 / 7
+    assert data[4:].hex() == "97f14002"  # (7,-7) (1,-1) (0,4: half to even) (2, pad 0)
+    assert decode(data, 7, "int4").tolist() == [7.0, -7.0, 1.0, -1.0, 0.0, 4.0, 2.0]
+
+
+def test_golden_bytes_int8_bf16_fp32():
+    x = torch.tensor([127.0, -127.0, 0.0, 1.0])
+    assert encode(x, "int8") == struct.pack("<f", 1.0) + bytes([127, 129, 0, 1])
+    assert encode(torch.tensor([1.0, -2.0]), "bf16") == bytes.fromhex("803f00c0")
+    assert encode(torch.tensor([1.0]), "fp32") == struct.pack("<f", 1.0)
+
+
+def test_scales_come_first_one_per_block():
+    x = torch.cat([torch.full((BLOCK_SIZE,), 2.0), torch.full((3,), -0.5)])
+    data = encode(x, "int8")
+    assert struct.unpack("<2f", data[:8]) == pytest.approx((2.0 / 127, 0.5 / 127))
+
+
+# ---------------------------------------------------------------- error bounds
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@settings(max_examples=50, deadline=None)
+@given(
+    n=st.integers(1, 700),
+    exponent=st.integers(-30, 30),
+    seed=st.integers(0, 2**31 - 1),
+    sparsity=st.sampled_from([0.0, 0.5, 0.99]),
+)
+def test_roundtrip_within_bound_random(codec, n, exponent, seed, sparsity):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 10.0**exponent
+    x[torch.rand(n, generator=g) < sparsity] = 0.0
+    _assert_within_bound(x, codec)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("n", [1, 2, 127, 128, 129, 255, 257, 1001])
+@pytest.mark.parametrize("value", [0.0, 1.0, -3.25, 1e-30, -1e30, 1e-40])
+def test_roundtrip_constant_tiny_huge_and_odd_lengths(codec, n, value):
+    _assert_within_bound(torch.full((n,), value), codec)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_zero_is_exact_and_zero_blocks_have_zero_scale(codec):
+    x = torch.zeros(3 * BLOCK_SIZE + 5)
+    x[BLOCK_SIZE + 7] = 5.0  # only block 1 is non-zero
+    x[BLOCK_SIZE + 9] = 0.0
+    y = _roundtrip(x, codec)
+    assert bool((y[x == 0] == 0).all())
+    if codec in LEVELS:
+        scales = struct.unpack("<4f", encode(x, codec)[:16])
+        assert scales[0] == scales[2] == scales[3] == 0.0 and scales[1] > 0
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_int_codecs_near_float32_max_decode_finite(codec):
+    x = torch.tensor([F32_MAX, -F32_MAX, 1.0, 3e38])
+    y = _roundtrip(x, codec)
+    assert bool(torch.isfinite(y).all())
+    _assert_within_bound(x, codec)
+
+
+def test_bf16_is_relative_and_handles_huge():
+    x = torch.tensor([1e30, -3e-30, 1.0 + 2.0**-9, 3e38])
+    y = _roundtrip(x, "bf16")
+    assert bool(((y - x).abs() <= x.abs() * 2.0**-8).all())
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_any_float_dtype_and_non_contiguous_input(codec, dtype):
+    base = torch.randn(40, 30, dtype=torch.float64)
+    x = base.to(dtype).t()  # non-contiguous
+    before = x.clone()
+    _assert_within_bound(x.float(), codec)
+    assert encode(x, codec) == encode(x.float().contiguous(), codec)
+    assert torch.equal(x, before)  # input untouched
+
+
+# ---------------------------------------------------------------- shapes, empty, determinism
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_empty_tensor(codec):
+    assert encode(torch.empty(0), codec) == b""
+    assert decode(b"", (3, 0), codec).shape == (3, 0)
+    assert decode(b"", 0, codec).dtype == torch.float32
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_decode_shape_and_buffer_types(codec):
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    data = encode(x, codec)
+    for buf in (data, bytearray(data), memoryview(data)):
+        y = decode(buf, (2, 3, 5), codec)
+        assert y.shape == (2, 3, 5) and y.dtype == torch.float32
+    assert decode(data, 30, codec).shape == (30,)
+    y = decode(data, (2, 3, 5), codec)
+    first = y.clone()
+    y += 1  # the result is writable and owned by the caller: the payload is not aliased
+    assert torch.equal(decode(data, (2, 3, 5), codec), first)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(0, 600), seed=st.integers(0, 2**31 - 1))
+def test_encode_is_deterministic(codec, n, seed):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    assert encode(x, codec) == encode(x.clone(), codec)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_refused(codec, bad):
+    x = torch.randn(300)
+    x[[5, 200]] = bad
+    with pytest.raises(NonFiniteError, match=rf"{codec}.* 2 non-finite value"):
+        encode(x, codec)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_overflow_to_float32_refused(codec):
+    with pytest.raises(NonFiniteError):
+        encode(torch.tensor([1e39, 1.0], dtype=torch.float64), codec)
+
+
+def test_bf16_overflow_refused():
+    with pytest.raises(NonFiniteError, match="bfloat16"):
+        encode(torch.tensor([3.4e38]), "bf16")
+
+
+def test_non_float_tensor_refused():
+    with pytest.raises(CodecError, match="floating-point"):
+        encode(torch.arange(4), "int4")
+    with pytest.raises(CodecError, match="floating-point"):
+        encode(torch.arange(4), "fp32")
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("n", [1, 129, 1000])
+def test_wrong_length_refused(codec, n):
+    data = encode(torch.randn(n), codec)
+    for bad in (data[:-1], data + b"\0", b""):
+        with pytest.raises(CodecError, match="expected"):
+            decode(bad, n, codec)
+    with pytest.raises(CodecError):
+        decode(data, n + 2, codec)
+
+
+def test_bad_shape_refused():
+    with pytest.raises(CodecError, match="shape"):
+        decode(b"", (-1,), "fp32")
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_crafted_non_finite_scale_refused(codec, scale):
+    data = bytearray(encode(torch.randn(200), codec))
+    data[4:8] = struct.pack("<f", scale)  # second block's scale
+    with pytest.raises(NonFiniteError, match="scale"):
+        decode(bytes(data), 200, codec)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("scale", [-1.0, F32_MAX])
+def test_crafted_out_of_range_scale_refused(codec, scale):
+    data = bytearray(encode(torch.randn(10), codec))
+    data[0:4] = struct.pack("<f", scale)
+    with pytest.raises(CodecError, match="scale"):
+        decode(bytes(data), 10, codec)
+
+
+@pytest.mark.parametrize(("codec", "byte"), [("int8", 0x80), ("int4", 0x08), ("int4", 0x80)])
+def test_crafted_never_produced_code_refused(codec, byte):
+    data = bytearray(encode(torch.randn(10), codec))
+    data[-1] = byte
+    with pytest.raises(CodecError, match="never produced"):
+        decode(bytes(data), 10, codec)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16"])
+def test_crafted_non_finite_float_payload_refused(codec):
+    data = bytearray(encode(torch.ones(4), codec))
+    width = 4 if codec == "fp32" else 2
+    data[width : 2 * width] = np.array([np.nan], "<f4").tobytes()[4 - width :]
+    with pytest.raises(NonFiniteError, match="payload"):
+        decode(bytes(data), 4, codec)
