@@ -13,6 +13,8 @@ import sys
 # (sub-command, module that provides ``register(subparsers)``)
 _COMMANDS: list[tuple[str, str]] = [
     ("selfcheck", "diloco.selfcheck"),
+    ("syncer", "diloco.syncer.cli"),
+    ("learner", "diloco.learner.worker"),
 ]
 
 

@@ -1,0 +1,311 @@
+"""``Learner``: the three lines a user adds to an ordinary PyTorch training loop.
+
+    learner = diloco.Learner(model, syncer="127.0.0.1:7000")
+    for batch in data:
+        loss = model(batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
+        learner.step(tokens=batch.numel())   # never blocks on the network
+    learner.close()
+
+For every fragment p the learner keeps the anchor ``A_p`` (the last global value it
+received, exactly as decoded, so download rounding never leaks into a delta), its version,
+and the counters ``steps_p``, ``tokens_p`` since it last received p. When p is due
+(``diloco.algorithm.fragments.due_fragments``) it queues ``Δ = A_p − θ_p`` with the base
+version and counters. A merged fragment that arrived is applied at the next ``step`` call:
+overwrite by default (``θ_p ← Θ_p``), or ``θ_p ← αθ_p + (1−α)Θ_p``. The inner optimizer's
+state (AdamW moments) is left alone. A fragment never received yet is not sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diloco.algorithm.fragments import FragmentLayout, balanced_fragments, due_fragments
+from diloco.learner.link import SyncerLink, UploadJob
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    fragments: int = 24
+    """P: number of fragments the model is cut into (must match the syncer)."""
+    sync_every: int = 24
+    """H: each fragment is sent every H local steps."""
+    alpha: float = 0.0
+    """Mixing on receive: θ_p ← αθ_p + (1−α)Θ_p; 0 overwrites (the paper's rule)."""
+    learner_id: str | None = None
+    """Identity at the syncer; default ``<hostname>-<pid>``. Keep it across restarts to rejoin."""
+    cpu_threads: int | None = 1
+    """``torch.set_num_threads`` applied when the model is on CPU (None: leave as is)."""
+    flush_timeout_s: float = 10.0
+    """How long ``close`` waits for queued uploads to go out."""
+    step_time_decay: float = 0.9
+    """EMA decay of the measured step time reported to the syncer."""
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1 or self.sync_every < 1:
+            raise ValueError(
+                f"fragments and sync_every must be >= 1 (got {self.fragments}, {self.sync_every})"
+            )
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(
+                f"alpha must be in [0, 1) (got {self.alpha}); 0 overwrites with the global value"
+            )
+
+
+class Learner:
+    """Wraps a model whose parameters are trained by the user's own optimizer.
+
+    ``step`` is called once per inner optimizer step, after ``optimizer.step()``. It never
+    waits for the network: it applies fragments that have arrived, advances the counters and
+    queues due fragments for a background thread. If the syncer refused this learner (model
+    mismatch, authentication) the next ``step`` raises ``RuntimeError`` with the reason.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        syncer: str,
+        config: LearnerConfig | None = None,
+        layout: FragmentLayout | None = None,
+        link_options: dict | None = None,
+        state: dict | None = None,
+        **overrides,
+    ) -> None:
+        cfg = config or LearnerConfig(**overrides)
+        if config is not None and overrides:
+            raise ValueError("pass either config= or keyword overrides, not both")
+        self.config = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.params = dict(model.named_parameters())
+        first = next(iter(self.params.values()), None)
+        if first is None:
+            raise ValueError("the model has no parameters")
+        if cfg.cpu_threads and first.device.type == "cpu":
+            torch.set_num_threads(cfg.cpu_threads)
+        self.layout = layout or balanced_fragments(model.named_parameters(), cfg.fragments)
+        if self.layout.num_fragments != cfg.fragments:
+            raise ValueError(
+                f"layout has {self.layout.num_fragments} fragments, config says {cfg.fragments}"
+            )
+        P = self.layout.num_fragments
+        self.learner_id = cfg.learner_id or _default_id()
+        self.local_step = 0
+        self.total_tokens = 0
+        self.anchors: list[torch.Tensor | None] = [None] * P
+        self.versions = [-1] * P
+        self.steps_since = [0] * P
+        self.tokens_since = [0] * P
+        self.applied = 0
+        self._arrived: dict[int, tuple[int, torch.Tensor]] = {}
+        self._arrived_lock = threading.Lock()
+        self._step_time: float | None = None
+        self._last_step_at: float | None = None
+        self._state = "starting"
+        self._closed = False
+        if state is not None:
+            self.load_state_dict(state)
+        self.link = SyncerLink(
+            syncer,
+            self.learner_id,
+            self.layout,
+            on_fragment=self._on_fragment,
+            have_versions=self._have_versions,
+            heartbeat_info=self._heartbeat_info,
+            **(link_options or {}),
+        ).start()
+
+    # ----------------------------------------------------------------- public
+    def step(self, tokens: int) -> list[int]:
+        """Record one inner step of ``tokens`` tokens; returns the fragments queued for upload."""
+        if self._closed:
+            raise RuntimeError("step() after close()")
+        if self.link.error is not None:
+            raise RuntimeError(str(self.link.error))
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at
+            d = self.config.step_time_decay
+            self._step_time = dt if self._step_time is None else d * self._step_time + (1 - d) * dt
+        self._last_step_at = now
+        self.local_step += 1
+        self.total_tokens += tokens
+        self._state = "training"
+        for p in range(self.layout.num_fragments):
+            self.steps_since[p] += 1
+            self.tokens_since[p] += tokens
+        due = [
+            p
+            for p in due_fragments(self.local_step, self.config.sync_every, self.config.fragments)
+            if self.versions[p] >= 0
+        ]
+        for p in due:
+            self._queue(p)
+        self.apply_arrived()
+        return due
+
+    def apply_arrived(self) -> int:
+        """Apply every fragment that has arrived since the last call; returns how many."""
+        with self._arrived_lock:
+            arrived, self._arrived = self._arrived, {}
+        alpha = self.config.alpha
+        with torch.no_grad():
+            for p, (version, value) in sorted(arrived.items()):
+                if version <= self.versions[p]:
+                    continue
+                if alpha == 0.0 or self.anchors[p] is None:
+                    self.layout.scatter(p, value, self.params)
+                else:
+                    mixed = (
+                        self.layout.gather(p, self.params).mul_(alpha).add_(value, alpha=1 - alpha)
+                    )
+                    self.layout.scatter(p, mixed, self.params)
+                self.anchors[p] = value
+                self.versions[p] = version
+                self.steps_since[p] = 0
+                self.tokens_since[p] = 0
+                self.applied += 1
+        return len(arrived)
+
+    def wait_for_global(self, timeout: float = 60.0) -> bool:
+        """Block until every fragment has been received once (for a fresh start); True if so."""
+        deadline = time.monotonic() + timeout
+        while min(self.versions) < 0:
+            if self.link.error is not None:
+                raise RuntimeError(str(self.link.error))
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+            self.apply_arrived()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Queue every fragment with progress since it was received and wait for the uploads.
+
+        Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
+        Returns True if everything went out within ``timeout``.
+        """
+        for p in range(self.layout.num_fragments):
+            if self.versions[p] >= 0 and self.steps_since[p] > 0:
+                self._queue(p)
+        return self.link.wait_idle(self.config.flush_timeout_s if timeout is None else timeout)
+
+    def close(self, *, flush: bool = True) -> None:
+        """Optionally flush, leave the syncer and stop the background threads (bounded)."""
+        if self._closed:
+            return
+        if flush and self.link.connected.is_set():
+            self.flush()
+        self._state = "closed"
+        self._closed = True
+        self.link.close()
+
+    def state_dict(self) -> dict:
+        """What a restarted learner needs to carry on: anchors, versions, counters, step.
+
+        Save it with the model and the inner optimizer (``torch.save``; load with
+        ``weights_only=True``) and pass it back as ``Learner(..., state=...)``: the learner
+        then resubscribes with these versions and only receives fragments that moved on.
+        """
+        return {
+            "local_step": self.local_step,
+            "total_tokens": self.total_tokens,
+            "versions": list(self.versions),
+            "steps_since": list(self.steps_since),
+            "tokens_since": list(self.tokens_since),
+            "anchors": [a.clone() if a is not None else torch.empty(0) for a in self.anchors],
+            "layout_hash": self.layout.hash,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("layout_hash") != self.layout.hash:
+            raise ValueError("this learner state belongs to another model or fragmentation")
+        P = self.layout.num_fragments
+        if len(state["versions"]) != P or len(state["anchors"]) != P:
+            raise ValueError(f"learner state has {len(state['versions'])} fragments, expected {P}")
+        self.local_step = int(state["local_step"])
+        self.total_tokens = int(state["total_tokens"])
+        self.versions = [int(v) for v in state["versions"]]
+        self.steps_since = [int(v) for v in state["steps_since"]]
+        self.tokens_since = [int(v) for v in state["tokens_since"]]
+        self.anchors = [
+            a.clone() if v >= 0 and a.numel() == self.layout.fragments[p].numel else None
+            for p, (a, v) in enumerate(zip(state["anchors"], self.versions, strict=True))
+        ]
+        self.versions = [
+            v if self.anchors[p] is not None else -1 for p, v in enumerate(self.versions)
+        ]
+
+    @property
+    def stats(self) -> dict:
+        s = self.link.stats
+        return {
+            "learner_id": self.learner_id,
+            "step": self.local_step,
+            "tokens": self.total_tokens,
+            "connected": self.link.connected.is_set(),
+            "fragments_applied": self.applied,
+            "bytes_up": s.bytes_up,
+            "bytes_down": s.bytes_down,
+            "uploads_sent": s.uploads_sent,
+            "uploads_refused": s.uploads_refused,
+            "stale_replies": s.stale_replies,
+        }
+
+    def __enter__(self) -> Learner:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(flush=exc_type is None)
+
+    # --------------------------------------------------------------- internal
+    def _queue(self, p: int) -> None:
+        anchor = self.anchors[p]
+        if anchor is None:
+            return
+        delta = anchor - self.layout.gather(p, self.params)
+        self.link.submit(
+            UploadJob(
+                p,
+                self.versions[p],
+                self.steps_since[p],
+                self.tokens_since[p],
+                delta,
+                self._step_time or 0.0,
+            )
+        )
+
+    def _on_fragment(self, fragment: int, version: int, value: torch.Tensor) -> None:
+        with self._arrived_lock:
+            current = self._arrived.get(fragment)
+            if current is None or current[0] < version:
+                self._arrived[fragment] = (version, value)
+
+    def _have_versions(self) -> list[int]:
+        with self._arrived_lock:
+            pending = {p: v for p, (v, _) in self._arrived.items()}
+        return [max(v, pending.get(p, -1)) for p, v in enumerate(self.versions)]
+
+    def _heartbeat_info(self) -> dict:
+        sps = 1.0 / self._step_time if self._step_time else 0.0
+        return {
+            "step": self.local_step,
+            "tokens": self.total_tokens,
+            "steps_per_s": sps,
+            "state": self._state,
+        }
+
+
+def _default_id() -> str:
+    import os
+    import socket
+
+    return f"{socket.gethostname()[:40]}-{os.getpid()}"

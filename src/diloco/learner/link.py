@@ -1,0 +1,337 @@
+"""The learner's connection to the syncer, run entirely on background threads.
+
+``SyncerLink`` joins (layout handshake), keeps a subscription that receives every new
+fragment version, sends queued uploads and heartbeats, and reconnects with exponential
+backoff when the syncer goes away. The training loop only ever calls ``submit`` (puts a
+job in a dict, never blocks) and reads what ``on_fragment`` delivered.
+
+Threads: ``link`` (connect / reconnect and the subscription stream), ``sender`` (encodes
+and uploads), ``heartbeat``. A refused join (another model) is fatal: ``error`` is set and
+the owner raises it to the user.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from diloco.algorithm import codecs
+from diloco.algorithm.fragments import FragmentLayout
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
+
+
+@dataclass
+class UploadJob:
+    """One outer gradient to send: fragment ``fragment``'s ``A_p − θ_p``."""
+
+    fragment: int
+    base_version: int
+    steps: int
+    tokens: int
+    delta: torch.Tensor
+    step_time_s: float
+
+
+@dataclass
+class LinkStats:
+    bytes_up: int = 0
+    bytes_down: int = 0
+    uploads_sent: int = 0
+    uploads_refused: int = 0
+    uploads_failed: int = 0
+    stale_replies: int = 0
+    fragments_received: int = 0
+    connects: int = 0
+
+
+class SyncerLink:
+    """Background connection of one learner (or observer) to one syncer."""
+
+    def __init__(
+        self,
+        address: str,
+        learner_id: str,
+        layout: FragmentLayout,
+        *,
+        on_fragment: Callable[[int, int, torch.Tensor], None],
+        have_versions: Callable[[], list[int]],
+        heartbeat_info: Callable[[], dict] = dict,
+        observer: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
+        rpc_timeout_s: float = 30.0,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.learner_id = learner_id
+        self.layout = layout
+        self.on_fragment = on_fragment
+        self.have_versions = have_versions
+        self.heartbeat_info = heartbeat_info
+        self.observer = observer
+        self.credentials = credentials
+        self.metadata = metadata
+        self.rpc_timeout_s = rpc_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.stats = LinkStats()
+        self.error: BaseException | None = None
+        self.connected = threading.Event()
+        self.up_codec = "int4"
+        self._session = ""
+        self._heartbeat_s = 1.0
+        self._stub: pb_grpc.SyncerStub | None = None
+        self._channel: grpc.Channel | None = None
+        self._closing = threading.Event()
+        self._jobs: dict[int, UploadJob] = {}
+        self._jobs_cond = threading.Condition()
+        self._in_flight = 0
+        self._threads = [
+            threading.Thread(target=self._link_loop, name=f"link-{learner_id}", daemon=True),
+            threading.Thread(target=self._send_loop, name=f"sender-{learner_id}", daemon=True),
+            threading.Thread(
+                target=self._heartbeat_loop, name=f"heartbeat-{learner_id}", daemon=True
+            ),
+        ]
+
+    # ------------------------------------------------------------------ public
+    def start(self) -> SyncerLink:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def submit(self, job: UploadJob) -> None:
+        """Queue an upload; a queued, unsent job for the same fragment is replaced."""
+        with self._jobs_cond:
+            self._jobs[job.fragment] = job
+            self._jobs_cond.notify()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every queued upload has been sent (or given up); True if idle in time."""
+        deadline = time.monotonic() + timeout
+        with self._jobs_cond:
+            while self._jobs or self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.connected.is_set():
+                    return False
+                self._jobs_cond.wait(min(left, 0.1))
+        return True
+
+    def close(self, *, leave: bool = True) -> None:
+        """Stop all threads (bounded) and, if connected, tell the syncer we leave."""
+        self._closing.set()
+        with self._jobs_cond:
+            self._jobs_cond.notify_all()
+        if leave and self._stub is not None and self.connected.is_set():
+            try:
+                self._stub.Leave(
+                    pb.LeaveRequest(learner_id=self.learner_id, session=self._session),
+                    timeout=2,
+                    metadata=self.metadata,
+                )
+            except grpc.RpcError:
+                pass
+        channel = self._channel
+        if channel is not None:
+            channel.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    # ---------------------------------------------------------------- threads
+    def _link_loop(self) -> None:
+        backoff = 0.1
+        while not self._closing.is_set():
+            try:
+                self._connect_and_listen()
+                backoff = 0.1
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if (
+                    code
+                    in (
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                    )
+                    and not self.connected.is_set()
+                    and self._session == ""
+                ):
+                    self.error = RuntimeError(
+                        f"the syncer at {self.address} refused this learner: {exc.details()}"
+                    )
+                    log.error("%s", self.error)
+                    return
+                log.debug("link to %s lost: %s", self.address, code)
+            except Exception as exc:  # never let the link thread die silently
+                log.warning("link error: %r", exc)
+            self.connected.clear()
+            self._close_channel()
+            if self._closing.wait(backoff):
+                return
+            backoff = min(backoff * 2, self.max_backoff_s)
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    def _connect_and_listen(self) -> None:
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if self.credentials is not None:
+            channel = grpc.secure_channel(self.address, self.credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(self.address, options=options)
+        self._channel = channel
+        stub = pb_grpc.SyncerStub(channel)
+        tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in self.layout.tensors]
+        reply = stub.Join(
+            pb.JoinRequest(
+                learner_id=self.learner_id,
+                layout_hash=self.layout.hash,
+                num_fragments=self.layout.num_fragments,
+                tensors=tensors,
+                observer=self.observer,
+            ),
+            timeout=self.rpc_timeout_s,
+            metadata=self.metadata,
+        )
+        self._session, self._heartbeat_s, self.up_codec = (
+            reply.session,
+            max(0.05, reply.heartbeat_s),
+            reply.up_codec,
+        )
+        self._stub = stub
+        self.stats.connects += 1
+        stream = stub.Subscribe(
+            pb.SubscribeRequest(
+                learner_id=self.learner_id,
+                session=reply.session,
+                have_versions=self.have_versions(),
+            ),
+            metadata=self.metadata,
+        )
+        self.connected.set()
+        with self._jobs_cond:
+            self._jobs_cond.notify_all()
+        parts: list[bytes] = []
+        for chunk in stream:
+            if self._closing.is_set():
+                stream.cancel()
+                return
+            if chunk.chunk_index == 0:
+                parts = []
+            parts.append(chunk.data)
+            if chunk.chunk_index + 1 == chunk.num_chunks:
+                payload = b"".join(parts)
+                self.stats.bytes_down += len(payload)
+                numel = self.layout.fragments[chunk.fragment].numel
+                value = codecs.decode(payload, numel, chunk.codec)
+                self.stats.fragments_received += 1
+                self.on_fragment(chunk.fragment, chunk.version, value)
+
+    def _send_loop(self) -> None:
+        while not self._closing.is_set():
+            with self._jobs_cond:
+                while not self._closing.is_set() and (
+                    not self._jobs or not self.connected.is_set()
+                ):
+                    self._jobs_cond.wait(0.2)
+                if self._closing.is_set() and not self._jobs:
+                    return
+                if not self._jobs:
+                    continue
+                fragment = min(self._jobs)
+                job = self._jobs.pop(fragment)
+                self._in_flight += 1
+            try:
+                self._upload(job)
+            finally:
+                with self._jobs_cond:
+                    self._in_flight -= 1
+                    self._jobs_cond.notify_all()
+
+    def _upload(self, job: UploadJob) -> None:
+        stub = self._stub
+        if stub is None:
+            return
+        payload = codecs.encode(job.delta, self.up_codec)
+        view = memoryview(payload)
+        pieces = [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [
+            view[:0]
+        ]
+
+        def chunks():
+            for i, piece in enumerate(pieces):
+                yield pb.UploadChunk(
+                    learner_id=self.learner_id,
+                    session=self._session,
+                    fragment=job.fragment,
+                    base_version=job.base_version,
+                    steps=job.steps,
+                    tokens=job.tokens,
+                    codec=self.up_codec,
+                    numel=job.delta.numel(),
+                    chunk_index=i,
+                    num_chunks=len(pieces),
+                    data=bytes(piece),
+                    step_time_s=job.step_time_s,
+                )
+
+        try:
+            reply = stub.Upload(chunks(), timeout=self.rpc_timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.PERMISSION_DENIED,
+            ):
+                self.stats.uploads_refused += 1
+                log.warning("upload of fragment %d refused: %s", job.fragment, exc.details())
+            else:
+                self.stats.uploads_failed += 1
+            return
+        self.stats.bytes_up += len(payload)
+        self.stats.uploads_sent += 1
+        if not reply.accepted:
+            self.stats.stale_replies += 1
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closing.wait(self._heartbeat_s):
+            stub = self._stub
+            if stub is None or not self.connected.is_set():
+                continue
+            info = self.heartbeat_info()
+            try:
+                reply = stub.Heartbeat(
+                    pb.HeartbeatRequest(
+                        learner_id=self.learner_id,
+                        session=self._session,
+                        step=int(info.get("step", 0)),
+                        tokens=int(info.get("tokens", 0)),
+                        steps_per_s=float(info.get("steps_per_s", 0.0)),
+                        state=str(info.get("state", "")),
+                    ),
+                    timeout=max(2.0, 2 * self._heartbeat_s),
+                    metadata=self.metadata,
+                )
+            except grpc.RpcError:
+                continue
+            if not reply.known and self._channel is not None:
+                # The syncer restarted or dropped us: reconnect (join again) from the link thread.
+                self._channel.close()

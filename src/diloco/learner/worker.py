@@ -1,0 +1,114 @@
+"""``diloco learner``: one learner process training a recipe with the ``Learner`` library.
+
+This is an ordinary training loop plus the ``Learner`` lines; the supervisor starts one
+per learner. SIGTERM (a preemption notice) stops the loop at the next step boundary, flushes
+every fragment's progress to the syncer and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from diloco.learner.learner import Learner, LearnerConfig
+    from diloco.recipes import get_recipe
+
+    torch.set_num_threads(args.threads)
+    recipe = get_recipe(args.recipe, data_path=args.data)
+    model = recipe.build_model(args.seed)
+    optimizer = recipe.build_optimizer(model)
+    stream = recipe.stream(learner_id=args.index, seed=args.seed, batch_size=args.batch_size)
+    workdir = Path(args.workdir) if args.workdir else None
+    if workdir:
+        workdir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    config = LearnerConfig(
+        fragments=args.fragments,
+        sync_every=args.sync_every,
+        learner_id=args.id,
+        cpu_threads=args.threads,
+    )
+    learner = Learner(model, optimizer, syncer=args.syncer, config=config)
+    if not learner.wait_for_global(timeout=args.join_timeout):
+        print(
+            f"learner {args.id}: no global model from {args.syncer} within {args.join_timeout}s; training from the local init"
+        )
+    progress = (workdir / "progress.jsonl").open("a") if workdir else None
+    last_report = time.time()
+    started = time.time()
+    while not stop.is_set() and (not args.total_steps or learner.local_step < args.total_steps):
+        step = learner.local_step
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.lr_at(step, args.schedule_steps or args.total_steps or 0)
+        t0 = time.perf_counter()
+        x, y = stream.next_batch()
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if args.slow > 1.0:  # emulate slower hardware: stretch this step to `slow` times its cost
+            time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
+        learner.step(tokens=x.numel())
+        now = time.time()
+        if progress and now - last_report >= args.report_every:
+            last_report = now
+            sps = learner.local_step / max(now - started, 1e-9)
+            progress.write(
+                json.dumps(
+                    {
+                        "t": now,
+                        "step": learner.local_step,
+                        "tokens": learner.total_tokens,
+                        "loss": float(loss),
+                        "steps_per_s": sps,
+                    }
+                )
+                + "\n"
+            )
+            progress.flush()
+    learner.close(flush=True)
+    if progress:
+        progress.write(json.dumps({"t": time.time(), "event": "exit", **learner.stats}) + "\n")
+        progress.close()
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("learner", help="run one learner process")
+    p.add_argument("--syncer", required=True, help="syncer address host:port")
+    p.add_argument("--id", required=True, help="learner id (keep it across restarts)")
+    p.add_argument(
+        "--index", type=int, default=0, help="learner index: selects this learner's data stream"
+    )
+    p.add_argument("--recipe", default="shakespeare")
+    p.add_argument("--data", help="UTF-8 text file instead of Shakespeare")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument(
+        "--slow", type=float, default=1.0, help="emulated slowdown factor (3: each step takes 3x)"
+    )
+    p.add_argument("--fragments", type=int, default=24)
+    p.add_argument("--sync-every", type=int, default=24)
+    p.add_argument(
+        "--total-steps", type=int, default=0, help="stop after this many steps (0: until SIGTERM)"
+    )
+    p.add_argument(
+        "--schedule-steps", type=int, default=0, help="length of the lr schedule (0: --total-steps)"
+    )
+    p.add_argument("--workdir", help="directory for progress and checkpoints")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--join-timeout", type=float, default=60.0)
+    p.add_argument("--report-every", type=float, default=1.0, help="seconds between progress lines")
+    p.set_defaults(func=run)

@@ -1,0 +1,59 @@
+"""Configuration of the syncer service (one keyword-only dataclass, checked on creation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco.algorithm.codecs import CODECS
+
+
+@dataclass(kw_only=True)
+class SyncerConfig:
+    quorum: int = 1
+    """K: contributions a round needs before the grace window starts."""
+    gamma: float = 1.0
+    """γ: scale of the adaptive grace window (0 disables it: close at quorum)."""
+    tau: float = 2.0
+    """τ: steps within which a merged fragment is expected back at a learner."""
+    ema_decay: float = 0.8
+    """Decay of the running estimates ξ_step, ξ_quorum, ξ_sync."""
+    max_staleness: int = 2
+    """Contributions up to this many versions behind are accepted (discounted), older refused."""
+    wait_for_all: int = 0
+    """Synchronous mode: if > 0, every round waits for this many contributions (no grace)."""
+    lease_s: float = 5.0
+    """A learner is live while its last heartbeat or upload is at most this old."""
+    heartbeat_s: float = 1.0
+    """Heartbeat interval suggested to learners."""
+    outer_lr: float = 1.0
+    """Outer Nesterov learning rate (see docs/algorithm.md for the sweep behind it)."""
+    outer_momentum: float = 0.0
+    """Outer Nesterov momentum μ."""
+    up_codec: str = "int4"
+    """Codec learners use for their outer gradients."""
+    down_codec: str = "bf16"
+    """Codec of the fragments the syncer broadcasts."""
+    max_tokens_per_step: int = 1 << 24
+    """Sanity bound on ``tokens / steps`` in a contribution."""
+    max_steps_per_contribution: int = 1 << 24
+    """Sanity bound on ``steps`` in a contribution."""
+
+    def __post_init__(self) -> None:
+        if self.quorum < 1:
+            raise ValueError(f"quorum must be >= 1 (got {self.quorum})")
+        if self.gamma < 0 or self.tau < 0:
+            raise ValueError(f"gamma and tau must be >= 0 (got {self.gamma}, {self.tau})")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in [0, 1) (got {self.ema_decay})")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (got {self.max_staleness})")
+        if self.wait_for_all < 0:
+            raise ValueError(f"wait_for_all must be >= 0 (got {self.wait_for_all})")
+        if not self.heartbeat_s > 0 or self.lease_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s}) must be at least twice heartbeat_s ({self.heartbeat_s}) "
+                "so one lost heartbeat does not drop a learner"
+            )
+        for field in ("up_codec", "down_codec"):
+            if getattr(self, field) not in CODECS:
+                raise ValueError(f"{field} must be one of {CODECS} (got {getattr(self, field)!r})")

@@ -1,0 +1,469 @@
+"""The syncer's gRPC service: decode, validate, call the state machine, persist, broadcast.
+
+Threads: gRPC's pool runs the RPC handlers (each ``Subscribe`` stream holds one thread for
+its lifetime, so the pool is sized from ``max_learners``); one **committer** thread closes
+rounds, writes each commit to disk, appends it to the tape and only then hands the new
+fragment to every subscriber. All state changes happen under one lock, and nothing slow
+(decoding, encoding, disk, network) happens while it is held, except the merge itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import torch
+
+from diloco.algorithm import codecs
+from diloco.algorithm.fragments import FragmentLayout
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.state import Commit, Refused, SyncerState
+from diloco.syncer.store import EventTape, FragmentStore, state_hash
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+CHUNK_BYTES = 1 << 20
+"""Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
+MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
+"""gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
+
+
+def chunk_payload(payload: bytes) -> list[memoryview]:
+    """Split ``payload`` into ``CHUNK_BYTES`` pieces (one empty piece for an empty payload)."""
+    view = memoryview(payload)
+    return [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [view[:0]]
+
+
+class _Subscriber:
+    """Latest pending version of each fragment for one stream; older ones are superseded."""
+
+    def __init__(self, learner_id: str, session: str, observer: bool) -> None:
+        self.learner_id, self.session, self.observer = learner_id, session, observer
+        self.pending: dict[int, tuple[int, bytes]] = {}
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def offer(self, fragment: int, version: int, payload: bytes) -> None:
+        with self.cond:
+            self.pending[fragment] = (version, payload)
+            self.cond.notify()
+
+    def take(self, timeout: float) -> list[tuple[int, int, bytes]]:
+        with self.cond:
+            if not self.pending and not self.closed:
+                self.cond.wait(timeout)
+            items = sorted((p, v, b) for p, (v, b) in self.pending.items())
+            self.pending.clear()
+            return items
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class SyncerService(pb_grpc.SyncerServicer):
+    """The RPC handlers plus the committer thread. Use ``SyncerServer`` to run it."""
+
+    def __init__(
+        self, state: SyncerState, *, store: FragmentStore | None, tape: EventTape | None
+    ) -> None:
+        self.state = state
+        self.store = store
+        self.tape = tape
+        self.lock = threading.Lock()
+        self.started_at = time.time()
+        self._subscribers: set[_Subscriber] = set()
+        self._payloads: dict[int, tuple[int, bytes]] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        for p in state.served:
+            self._payloads[p] = (
+                state.versions[p],
+                codecs.encode(state.params[p], state.config.down_codec),
+            )
+        self._committer = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._committer.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        for sub in list(self._subscribers):
+            sub.close()
+        self._committer.join(timeout=10)
+
+    def _emit(self, record: dict, sync: bool = False) -> None:
+        if self.tape is not None:
+            self.tape.append(record, sync=sync)
+
+    # ------------------------------------------------------------------ helpers
+    def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused):
+        with self.lock:
+            self.state.note_refusal(learner_id, f"{err.code}: {err.message}", time.time())
+        context.abort(getattr(grpc.StatusCode, err.code), err.message)
+
+    # --------------------------------------------------------------------- RPCs
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        tensors = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
+        try:
+            with self.lock:
+                info = self.state.join(
+                    request.learner_id,
+                    tensors=tensors,
+                    layout_hash=request.layout_hash,
+                    num_fragments=request.num_fragments,
+                    observer=request.observer,
+                    now=time.time(),
+                )
+                versions = list(self.state.versions)
+        except Refused as err:
+            return self._refuse(context, request.learner_id, err)
+        cfg = self.state.config
+        return pb.JoinReply(
+            session=info.session,
+            versions=versions,
+            lease_s=cfg.lease_s,
+            heartbeat_s=cfg.heartbeat_s,
+            up_codec=cfg.up_codec,
+            down_codec=cfg.down_codec,
+            fragments=self.state.served,
+            syncer_id=self.state.syncer_id,
+        )
+
+    def Subscribe(
+        self, request: pb.SubscribeRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FragmentChunk]:
+        try:
+            with self.lock:
+                info = self.state.session_of(request.learner_id, request.session)
+        except Refused as err:
+            return self._refuse(context, request.learner_id, err)
+        sub = _Subscriber(info.learner_id, info.session, info.observer)
+        have = list(request.have_versions)
+        with self.lock:
+            self._subscribers.add(sub)
+            for p, (version, payload) in self._payloads.items():
+                if p >= len(have) or have[p] != version:
+                    sub.offer(p, version, payload)
+        context.add_callback(sub.close)
+        codec = self.state.config.down_codec
+        try:
+            while context.is_active() and not self._stopping.is_set() and not sub.closed:
+                for p, version, payload in sub.take(timeout=0.5):
+                    pieces = chunk_payload(payload)
+                    numel = self.state.layout.fragments[p].numel
+                    for i, piece in enumerate(pieces):
+                        yield pb.FragmentChunk(
+                            fragment=p,
+                            version=version,
+                            codec=codec,
+                            numel=numel,
+                            chunk_index=i,
+                            num_chunks=len(pieces),
+                            data=bytes(piece),
+                        )
+                    with self.lock:
+                        info.bytes_down += len(payload)
+                        self.state.bytes_down += len(payload)
+        finally:
+            with self.lock:
+                self._subscribers.discard(sub)
+                self.state.leave(
+                    sub.learner_id, sub.session, now=time.time(), reason="stream closed"
+                )
+            self._wake.set()
+
+    def Upload(
+        self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext
+    ) -> pb.UploadReply:
+        learner_id = ""
+        try:
+            header, payload = self._receive_upload(request_iterator)
+            learner_id = header.learner_id
+            numel = self.state.layout.fragments[header.fragment].numel
+            try:
+                delta = codecs.decode(payload, numel, header.codec)
+            except codecs.CodecError as exc:
+                raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
+            with self.lock:
+                admission = self.state.submit(
+                    header.learner_id,
+                    header.session,
+                    fragment=header.fragment,
+                    base_version=header.base_version,
+                    steps=header.steps,
+                    tokens=header.tokens,
+                    delta=delta,
+                    step_time_s=header.step_time_s,
+                    nbytes=len(payload),
+                    now=time.time(),
+                )
+                current = self.state.versions[header.fragment]
+        except Refused as err:
+            return self._refuse(context, learner_id, err)
+        self._wake.set()
+        return pb.UploadReply(
+            accepted=admission.accept,
+            reason=admission.reason,
+            resync=admission.resync,
+            current_version=current,
+        )
+
+    def _receive_upload(self, chunks: Iterator[pb.UploadChunk]) -> tuple[pb.UploadChunk, bytes]:
+        """Reassemble one upload, checking chunk order, header consistency and sizes."""
+        header = None
+        parts: list[bytes] = []
+        received = 0
+        expected = 0
+        for i, chunk in enumerate(chunks):
+            if header is None:
+                header = chunk
+                if not 0 <= chunk.fragment < self.state.layout.num_fragments:
+                    raise Refused(
+                        "INVALID_ARGUMENT",
+                        f"fragment {chunk.fragment} out of range [0, {self.state.layout.num_fragments})",
+                    )
+                if chunk.codec not in codecs.CODECS:
+                    raise Refused(
+                        "INVALID_ARGUMENT",
+                        f"unknown codec {chunk.codec!r}; valid: {', '.join(codecs.CODECS)}",
+                    )
+                numel = self.state.layout.fragments[chunk.fragment].numel
+                if chunk.numel != numel:
+                    raise Refused(
+                        "INVALID_ARGUMENT",
+                        f"fragment {chunk.fragment} has {numel} values, header says {chunk.numel}",
+                    )
+                expected = codecs.encoded_nbytes(numel, chunk.codec)
+                max_chunks = max(1, -(-expected // CHUNK_BYTES))
+                if not 1 <= chunk.num_chunks <= max_chunks:
+                    raise Refused(
+                        "INVALID_ARGUMENT",
+                        f"num_chunks must be in [1, {max_chunks}], got {chunk.num_chunks}",
+                    )
+            elif (
+                chunk.learner_id,
+                chunk.session,
+                chunk.fragment,
+                chunk.base_version,
+                chunk.num_chunks,
+                chunk.codec,
+            ) != (
+                header.learner_id,
+                header.session,
+                header.fragment,
+                header.base_version,
+                header.num_chunks,
+                header.codec,
+            ):
+                raise Refused("INVALID_ARGUMENT", f"chunk {i} header differs from chunk 0")
+            if chunk.chunk_index != i or i >= header.num_chunks:
+                raise Refused(
+                    "INVALID_ARGUMENT",
+                    f"chunk {chunk.chunk_index} arrived at position {i} of {header.num_chunks}",
+                )
+            received += len(chunk.data)
+            if received > expected:
+                raise Refused(
+                    "INVALID_ARGUMENT", f"upload exceeds the {expected} bytes its header implies"
+                )
+            parts.append(chunk.data)
+        if header is None:
+            raise Refused("INVALID_ARGUMENT", "empty upload")
+        if len(parts) != header.num_chunks or received != expected:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"upload truncated: {len(parts)}/{header.num_chunks} chunks, {received}/{expected} bytes",
+            )
+        return header, b"".join(parts)
+
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatReply:
+        with self.lock:
+            try:
+                self.state.heartbeat(
+                    request.learner_id,
+                    request.session,
+                    now=time.time(),
+                    step=max(0, request.step),
+                    tokens=max(0, request.tokens),
+                    steps_per_s=request.steps_per_s if request.steps_per_s >= 0 else 0.0,
+                    state=request.state,
+                )
+            except Refused:
+                return pb.HeartbeatReply(known=False, versions=self.state.versions)
+            return pb.HeartbeatReply(known=True, versions=self.state.versions)
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        with self.lock:
+            self.state.leave(request.learner_id, request.session, now=time.time(), reason="left")
+        self._wake.set()
+        return pb.LeaveReply()
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        with self.lock:
+            s = self.state
+            live = s.live(time.time())
+            learners = [
+                pb.LearnerStatus(
+                    learner_id=i.learner_id,
+                    live=i.learner_id in live,
+                    step=i.step,
+                    tokens=i.tokens,
+                    steps_per_s=i.steps_per_s,
+                    state=i.state,
+                    contributions=i.contributions,
+                    bytes_up=i.bytes_up,
+                    bytes_down=i.bytes_down,
+                )
+                for i in s.learners.values()
+                if not i.observer
+            ]
+            return pb.StatusReply(
+                syncer_id=s.syncer_id,
+                versions=s.versions,
+                rounds=s.rounds_committed,
+                bytes_up=s.bytes_up,
+                bytes_down=s.bytes_down,
+                learners=learners,
+                uptime_s=time.time() - self.started_at,
+                refused=s.refused,
+            )
+
+    # ---------------------------------------------------------------- committer
+    def _commit_loop(self) -> None:
+        wake_at: float | None = None
+        while not self._stopping.is_set():
+            timeout = 0.25 if wake_at is None else min(0.25, max(0.0, wake_at - time.time()))
+            self._wake.wait(timeout)
+            self._wake.clear()
+            t0 = time.time()
+            with self.lock:
+                commits, wake_at = self.state.poll(t0)
+            for commit in commits:
+                self._publish(commit, t0)
+
+    def _publish(self, commit: Commit, t0: float) -> None:
+        """Persist, then record, then broadcast one commit (in that order)."""
+        if self.store is not None:
+            self.store.save(commit.fragment, commit.version, commit.params, commit.momentum)
+        payload = codecs.encode(commit.params, self.state.config.down_codec)
+        record = dict(commit.record)
+        record["sync_s"] = round(time.time() - t0, 6)
+        self._emit(record, sync=True)
+        with self.lock:
+            self._payloads[commit.fragment] = (commit.version, payload)
+            for sub in self._subscribers:
+                sub.offer(commit.fragment, commit.version, payload)
+            self.state.record_sync_time(time.time() - t0)
+
+    def committed_hash(self) -> str:
+        with self.lock:
+            return state_hash(self.state.versions, self.state.params)
+
+
+class SyncerServer:
+    """A running syncer: state (loaded from ``state_dir`` if it holds one) behind a gRPC server."""
+
+    def __init__(
+        self,
+        layout: FragmentLayout,
+        initial_params: Sequence[torch.Tensor],
+        config: SyncerConfig | None = None,
+        *,
+        bind: str = "127.0.0.1:0",
+        state_dir: str | Path | None = None,
+        tape_path: str | Path | None = None,
+        fragments: Sequence[int] | None = None,
+        max_learners: int = 64,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
+    ) -> None:
+        self.config = config or SyncerConfig()
+        self.layout = layout
+        self.tape = EventTape(tape_path) if tape_path else None
+        emit = self.tape.append if self.tape else (lambda record: None)
+        self.store = FragmentStore(state_dir) if state_dir else None
+        params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
+        versions = [0] * layout.num_fragments
+        restored = {}
+        if self.store is not None:
+            self.store.initialize(layout, {k: v for k, v in vars(self.config).items()})
+            for p in range(layout.num_fragments):
+                loaded = self.store.load(p, layout.fragments[p].numel)
+                if loaded is not None:
+                    versions[p], params[p], restored[p] = loaded
+        self.state = SyncerState(
+            layout, params, self.config, versions=versions, emit=emit, fragments=fragments
+        )
+        for p, momentum in restored.items():
+            self.state.outer.load_fragment_state(p, momentum)
+        self.service = SyncerService(self.state, store=self.store, tape=self.tape)
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=2 * max_learners + 16, thread_name_prefix="syncer-rpc"
+            ),
+            options=options,
+            interceptors=list(interceptors),
+        )
+        pb_grpc.add_SyncerServicer_to_server(self.service, self._server)
+        if credentials is not None:
+            self.port = self._server.add_secure_port(bind, credentials)
+        else:
+            self.port = self._server.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"cannot bind the syncer to {bind}")
+        self.host = bind.rsplit(":", 1)[0]
+        self._emit_start(restored)
+
+    def _emit_start(self, restored: dict) -> None:
+        if self.tape is not None:
+            self.tape.append(
+                {
+                    "event": "start",
+                    "t": time.time(),
+                    "syncer_id": self.state.syncer_id,
+                    "restored_fragments": len(restored),
+                    "versions": list(self.state.versions),
+                    "state_hash": state_hash(self.state.versions, self.state.params),
+                },
+                sync=True,
+            )
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> SyncerServer:
+        self.service.start()
+        self._server.start()
+        return self
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (bounded by ``grace`` seconds) and close the tape."""
+        self.service.stop()
+        self._server.stop(grace).wait(grace + 5)
+        if self.tape is not None:
+            self.tape.append(
+                {"event": "stop", "t": time.time(), "versions": list(self.state.versions)},
+                sync=True,
+            )
+            self.tape.close()
+
+    def __enter__(self) -> SyncerServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,440 @@
+"""The syncer's state machine: learners, open rounds, commits. No sockets, no sleeps.
+
+Every method takes ``now`` (seconds, any monotonic-ish clock) so tests drive it with a fake
+clock. The gRPC server (``server.py``) only decodes requests, calls these methods under one
+lock, persists commits and broadcasts them.
+
+Per fragment p the state holds the global value Θ_p (fp32, the single source of truth), its
+version, the outer optimizer's momentum and at most one open round. A round collects one
+contribution per learner (a newer one from the same learner replaces the older) and closes
+as ``diloco.algorithm.rounds.decide_round`` says; closing merges the contributions with
+token weights (× staleness discount), applies the outer Nesterov step and bumps the version.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.algorithm.fragments import FragmentLayout
+from diloco.algorithm.merge import merge_contributions, token_weight
+from diloco.algorithm.outer import NesterovOuter
+from diloco.algorithm.rounds import (
+    Admission,
+    Ema,
+    Estimates,
+    OpenRound,
+    admit_contribution,
+    decide_round,
+)
+from diloco.syncer.config import SyncerConfig
+
+
+class Refused(Exception):
+    """A request that is invalid; ``code`` names the gRPC status the server answers with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class LearnerInfo:
+    learner_id: str
+    session: str
+    joined_at: float
+    last_seen: float
+    observer: bool = False
+    connected: bool = True
+    live: bool = True
+    step: int = 0
+    tokens: int = 0
+    steps_per_s: float = 0.0
+    state: str = "joined"
+    contributions: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+@dataclass
+class Contribution:
+    learner_id: str
+    delta: torch.Tensor
+    base_version: int
+    steps: int
+    tokens: int
+    discount: float
+    arrived_at: float
+    nbytes: int
+
+    @property
+    def weight(self) -> float:
+        return token_weight(self.tokens, self.steps) * self.discount
+
+
+@dataclass
+class FragmentRound:
+    opened_at: float
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    quorum_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A closed round: the new value of one fragment, to persist and then broadcast."""
+
+    fragment: int
+    version: int
+    params: torch.Tensor
+    momentum: dict[str, torch.Tensor]
+    record: dict
+
+
+class SyncerState:
+    """All mutable state of one syncer. Not thread-safe: callers hold one lock."""
+
+    def __init__(
+        self,
+        layout: FragmentLayout,
+        params: Sequence[torch.Tensor],
+        config: SyncerConfig,
+        *,
+        versions: Sequence[int] | None = None,
+        emit: Callable[[dict], None] = lambda record: None,
+        fragments: Sequence[int] | None = None,
+    ) -> None:
+        if len(params) != layout.num_fragments:
+            raise ValueError(
+                f"{len(params)} parameter vectors for {layout.num_fragments} fragments"
+            )
+        for p, t in enumerate(params):
+            if t.numel() != layout.fragments[p].numel:
+                raise ValueError(
+                    f"fragment {p} has {t.numel()} values, layout says {layout.fragments[p].numel}"
+                )
+        self.layout = layout
+        self.config = config
+        self.params = [t.detach().to(torch.float32).clone().reshape(-1) for t in params]
+        self.versions = list(versions) if versions is not None else [0] * layout.num_fragments
+        self.served = (
+            sorted(fragments) if fragments is not None else list(range(layout.num_fragments))
+        )
+        self.outer = NesterovOuter(lr=config.outer_lr, momentum=config.outer_momentum)
+        self.rounds: dict[int, FragmentRound] = {}
+        self.learners: dict[str, LearnerInfo] = {}
+        self.emit = emit
+        self.syncer_id = uuid.uuid4().hex[:12]
+        self.rounds_committed = 0
+        self.refused = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._ema_step = Ema(config.ema_decay)
+        self._ema_quorum = Ema(config.ema_decay)
+        self._ema_sync = Ema(config.ema_decay)
+
+    # ----------------------------------------------------------------- learners
+    def join(
+        self,
+        learner_id: str,
+        *,
+        tensors: Sequence[tuple[str, tuple[int, ...], str]],
+        layout_hash: str,
+        num_fragments: int,
+        observer: bool,
+        now: float,
+    ) -> LearnerInfo:
+        """Admit a learner (or observer) whose model matches the layout; returns its record.
+
+        Raises ``Refused("FAILED_PRECONDITION", ...)`` naming the first mismatching tensor.
+        A learner that joins again gets a new session; its previous one is forgotten.
+        """
+        _check_id(learner_id)
+        if num_fragments != self.layout.num_fragments:
+            raise Refused(
+                "FAILED_PRECONDITION",
+                f"the syncer uses {self.layout.num_fragments} fragments, learner asked for {num_fragments}",
+            )
+        try:
+            self.layout.check_compatible(tensors)
+        except ValueError as exc:
+            raise Refused(
+                "FAILED_PRECONDITION", f"model does not match the syncer's: {exc}"
+            ) from None
+        if layout_hash != self.layout.hash:
+            raise Refused(
+                "FAILED_PRECONDITION",
+                "layout hash differs although tensors match: different fragmentation",
+            )
+        info = LearnerInfo(
+            learner_id, uuid.uuid4().hex, joined_at=now, last_seen=now, observer=observer
+        )
+        old = self.learners.get(learner_id)
+        if old is not None:
+            info.contributions, info.bytes_up, info.bytes_down = (
+                old.contributions,
+                old.bytes_up,
+                old.bytes_down,
+            )
+        self.learners[learner_id] = info
+        self.emit(
+            {
+                "event": "join",
+                "t": now,
+                "learner": learner_id,
+                "observer": observer,
+                "rejoin": old is not None,
+            }
+        )
+        return info
+
+    def session_of(self, learner_id: str, session: str) -> LearnerInfo:
+        info = self.learners.get(learner_id)
+        if info is None or info.session != session:
+            raise Refused(
+                "FAILED_PRECONDITION", f"unknown session for learner {learner_id!r}: join first"
+            )
+        return info
+
+    def heartbeat(
+        self,
+        learner_id: str,
+        session: str,
+        *,
+        now: float,
+        step: int = 0,
+        tokens: int = 0,
+        steps_per_s: float = 0.0,
+        state: str = "",
+    ) -> LearnerInfo:
+        info = self.session_of(learner_id, session)
+        info.last_seen = now
+        info.step, info.tokens, info.steps_per_s = step, tokens, steps_per_s
+        info.state = state[:64] or info.state
+        if not info.live and info.connected:
+            info.live = True
+            self.emit({"event": "revive", "t": now, "learner": learner_id})
+        return info
+
+    def leave(self, learner_id: str, session: str, *, now: float, reason: str = "left") -> None:
+        """Mark a learner gone (clean leave or its stream closed). Unknown sessions are ignored."""
+        info = self.learners.get(learner_id)
+        if info is None or info.session != session or not info.connected:
+            return
+        info.connected = False
+        info.live = False
+        info.state = reason
+        self.emit({"event": "leave", "t": now, "learner": learner_id, "reason": reason})
+
+    def expire(self, now: float) -> None:
+        """Drop learners whose lease ran out from the live set (they may come back)."""
+        for info in self.learners.values():
+            if info.live and now - info.last_seen > self.config.lease_s:
+                info.live = False
+                info.state = "lease expired"
+                self.emit(
+                    {
+                        "event": "expire",
+                        "t": now,
+                        "learner": info.learner_id,
+                        "silent_s": round(now - info.last_seen, 3),
+                    }
+                )
+
+    def live(self, now: float) -> set[str]:
+        """Ids of live, non-observer learners at ``now``."""
+        return {
+            i.learner_id
+            for i in self.learners.values()
+            if i.live and not i.observer and now - i.last_seen <= self.config.lease_s
+        }
+
+    # ------------------------------------------------------------ contributions
+    def submit(
+        self,
+        learner_id: str,
+        session: str,
+        *,
+        fragment: int,
+        base_version: int,
+        steps: int,
+        tokens: int,
+        delta: torch.Tensor,
+        step_time_s: float,
+        nbytes: int,
+        now: float,
+    ) -> Admission:
+        """Put a decoded contribution into fragment ``fragment``'s open round.
+
+        Raises ``Refused`` for invalid requests (state unchanged); returns the admission
+        (refused-as-stale contributions come back with ``resync=True``).
+        """
+        info = self.session_of(learner_id, session)
+        if info.observer:
+            raise Refused("PERMISSION_DENIED", "observers cannot contribute")
+        if fragment not in self.served:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"fragment {fragment} is not served here (serving {self.served[0]}..{self.served[-1]})",
+            )
+        expected = self.layout.fragments[fragment].numel
+        if delta.dim() != 1 or delta.numel() != expected:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"fragment {fragment} has {expected} values, got {delta.numel()}",
+            )
+        if not 1 <= steps <= self.config.max_steps_per_contribution:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"steps must be in [1, {self.config.max_steps_per_contribution}], got {steps}",
+            )
+        if not 1 <= tokens <= steps * self.config.max_tokens_per_step:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"tokens must be in [1, steps*{self.config.max_tokens_per_step}], got {tokens}",
+            )
+        if not (step_time_s >= 0 and step_time_s < 3600):
+            raise Refused(
+                "INVALID_ARGUMENT", f"step_time_s must be in [0, 3600), got {step_time_s}"
+            )
+        if not bool(torch.isfinite(delta).all()):
+            raise Refused("INVALID_ARGUMENT", "delta has non-finite values")
+        current = self.versions[fragment]
+        if base_version > current:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"base version {base_version} is ahead of the syncer's {current}",
+            )
+        admission = admit_contribution(
+            base_version=base_version,
+            current_version=current,
+            max_staleness=self.config.max_staleness,
+        )
+        info.last_seen = now
+        if info.connected:
+            info.live = True
+        info.bytes_up += nbytes
+        self.bytes_up += nbytes
+        if step_time_s > 0:
+            self._ema_step.update(step_time_s)
+        if not admission.accept:
+            self.emit(
+                {
+                    "event": "stale",
+                    "t": now,
+                    "learner": learner_id,
+                    "fragment": fragment,
+                    "reason": admission.reason,
+                }
+            )
+            return admission
+        round_ = self.rounds.get(fragment)
+        if round_ is None:
+            round_ = self.rounds[fragment] = FragmentRound(opened_at=now)
+        round_.contributions[learner_id] = Contribution(
+            learner_id, delta, base_version, steps, tokens, admission.discount, now, nbytes
+        )
+        info.contributions += 1
+        if round_.quorum_at is None and len(round_.contributions) >= self._quorum():
+            round_.quorum_at = now
+            self._ema_quorum.update(now - round_.opened_at)
+        return admission
+
+    def note_refusal(self, learner_id: str, reason: str, now: float) -> None:
+        self.refused += 1
+        self.emit({"event": "refuse", "t": now, "learner": learner_id[:64], "reason": reason[:300]})
+
+    # -------------------------------------------------------------------- rounds
+    def estimates(self) -> Estimates:
+        return Estimates(self._ema_step.value, self._ema_quorum.value, self._ema_sync.value)
+
+    def record_sync_time(self, seconds: float) -> None:
+        """Feed ξ_sync: measured merge + persist + broadcast time of one commit."""
+        self._ema_sync.update(seconds)
+
+    def _quorum(self) -> int:
+        return self.config.wait_for_all or self.config.quorum
+
+    def _decide(self, now: float, fragment: int, live: set[str]):
+        round_ = self.rounds[fragment]
+        if self.config.wait_for_all:  # synchronous DiLoCo: wait for everyone, no grace
+            n = len(round_.contributions)
+            done = n >= self.config.wait_for_all
+            return done, None, f"synchronous: {n}/{self.config.wait_for_all} contributions"
+        d = decide_round(
+            now,
+            OpenRound(frozenset(round_.contributions), round_.opened_at, round_.quorum_at),
+            live,
+            quorum=self.config.quorum,
+            gamma=self.config.gamma,
+            tau=self.config.tau,
+            estimates=self.estimates(),
+        )
+        return d.close, d.wait_until, d.reason
+
+    def poll(self, now: float) -> tuple[list[Commit], float | None]:
+        """Close every round that should close at ``now``.
+
+        Returns the commits (in fragment order) and the earliest time a waiting round must
+        be decided again (``None``: only a new arrival or liveness change can close one).
+        """
+        self.expire(now)
+        live = self.live(now)
+        commits, wake = [], None
+        for fragment in sorted(self.rounds):
+            close, wait_until, reason = self._decide(now, fragment, live)
+            if close:
+                commits.append(self._commit(fragment, reason, now))
+            elif wait_until is not None:
+                wake = wait_until if wake is None else min(wake, wait_until)
+        return commits, wake
+
+    def _commit(self, fragment: int, reason: str, now: float) -> Commit:
+        round_ = self.rounds.pop(fragment)
+        contribs = sorted(round_.contributions.values(), key=lambda c: c.learner_id)
+        weights = [c.weight for c in contribs]
+        merged = merge_contributions(
+            [c.delta for c in contribs], weights, self.layout.fragments[fragment]
+        )
+        self.outer.step(fragment, self.params[fragment], merged)
+        self.versions[fragment] += 1
+        self.rounds_committed += 1
+        record = {
+            "event": "round",
+            "t": now,
+            "fragment": fragment,
+            "version": self.versions[fragment],
+            "participants": [c.learner_id for c in contribs],
+            "weights": [round(w, 6) for w in weights],
+            "staleness": [self.versions[fragment] - 1 - c.base_version for c in contribs],
+            "steps": [c.steps for c in contribs],
+            "tokens": sum(c.tokens for c in contribs),
+            "tokens_by_learner": {c.learner_id: c.tokens for c in contribs},
+            "bytes_up": sum(c.nbytes for c in contribs),
+            "opened_at": round_.opened_at,
+            "wait_s": round(now - round_.opened_at, 6),
+            "reason": reason,
+            "delta_norm": float(merged.norm()),
+        }
+        return Commit(
+            fragment,
+            self.versions[fragment],
+            self.params[fragment].clone(),
+            self.outer.fragment_state(fragment),
+            record,
+        )
+
+
+def _check_id(learner_id: str) -> None:
+    if (
+        not learner_id
+        or len(learner_id) > 64
+        or not all(c.isalnum() or c in "-_.:" for c in learner_id)
+    ):
+        raise Refused(
+            "INVALID_ARGUMENT",
+            "learner id must be 1-64 characters of letters, digits, '-', '_', '.', ':'",
+        )

@@ -1,0 +1,196 @@
+"""Durable syncer state: one atomic, checksummed file per fragment, plus the event tape.
+
+Layout of a state directory::
+
+    meta.json                  layout (names, shapes, pieces), its hash, the config used
+    fragments/p007.safetensors Θ_7, momentum_7; metadata: version, sha256 of the tensors
+
+A commit writes only its own fragment (1/P of the model): to a temp file, fsync, rename,
+fsync of the directory. A crash leaves either the old file or the new one. Files are
+safetensors (no pickle); each carries a SHA-256 of its tensor bytes, so a corrupt file is
+detected at start and reported, never silently loaded.
+
+The **event tape** is an append-only JSONL file: one record per decision (join, leave,
+round, refusal, injected fault, ...). Lines are written with a single ``write`` on an
+``O_APPEND`` descriptor, so several processes (syncer, supervisor) can share one tape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from diloco.algorithm.fragments import FragmentLayout
+
+
+class StateError(RuntimeError):
+    """The state directory is unusable (corrupt file, other model); the message says which."""
+
+
+def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the names and raw bytes of ``tensors`` (sorted by name)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(
+            t.numpy().tobytes()
+            if t.dtype != torch.bfloat16
+            else t.view(torch.int16).numpy().tobytes()
+        )
+    return h.hexdigest()
+
+
+def state_hash(versions: Sequence[int], params: Sequence[torch.Tensor]) -> str:
+    """Hash of a syncer's committed state (versions and every Θ_p): equal iff identical."""
+    h = hashlib.sha256(json.dumps(list(versions)).encode())
+    for t in params:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FragmentStore:
+    """Reads and writes one syncer's state directory."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.fragment_dir = self.root / "fragments"
+
+    def path(self, fragment: int) -> Path:
+        return self.fragment_dir / f"p{fragment:03d}.safetensors"
+
+    def initialize(self, layout: FragmentLayout, config: dict) -> None:
+        """Create the directory, or check that an existing one holds the same model."""
+        self.fragment_dir.mkdir(parents=True, exist_ok=True)
+        meta_path = self.root / "meta.json"
+        if meta_path.exists():
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise StateError(
+                    f"{meta_path} is unreadable ({exc}); move the state directory away to start fresh"
+                ) from None
+            if meta.get("layout_hash") != layout.hash:
+                raise StateError(
+                    f"{self.root} holds the state of another model or fragmentation "
+                    f"(layout hash {meta.get('layout_hash')!r} != {layout.hash!r}); use another --state-dir"
+                )
+            return
+        tmp = meta_path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {"layout_hash": layout.hash, "layout": layout.to_dict(), "config": config}, indent=1
+            )
+        )
+        os.replace(tmp, meta_path)
+        _fsync_dir(self.root)
+
+    def save(
+        self, fragment: int, version: int, params: torch.Tensor, momentum: dict[str, torch.Tensor]
+    ) -> None:
+        """Atomically write fragment ``fragment`` at ``version`` (returns once it is on disk)."""
+        tensors = {"params": params.detach().contiguous()}
+        if "momentum" in momentum:
+            tensors["momentum"] = momentum["momentum"].detach().contiguous()
+        meta = {
+            "fragment": str(fragment),
+            "version": str(version),
+            "sha256": tensor_digest(tensors),
+        }
+        final = self.path(fragment)
+        tmp = final.with_name(final.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        _fsync_dir(self.fragment_dir)
+
+    def load(
+        self, fragment: int, numel: int
+    ) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None:
+        """Return ``(version, params, momentum_state)`` of a saved fragment, or ``None``.
+
+        Raises ``StateError`` if the file is corrupt (bad format, checksum, shape).
+        """
+        path = self.path(fragment)
+        if not path.exists():
+            return None
+        try:
+            tensors = load_file(str(path))
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+        except Exception as exc:  # safetensors raises several types for a damaged file
+            raise StateError(f"{path} is corrupt: {exc}") from None
+        if meta.get("sha256") != tensor_digest(tensors):
+            raise StateError(f"{path} is corrupt: checksum mismatch")
+        if meta.get("fragment") != str(fragment) or "params" not in tensors:
+            raise StateError(f"{path} does not hold fragment {fragment}")
+        params = tensors["params"]
+        if params.dtype != torch.float32 or params.numel() != numel:
+            raise StateError(
+                f"{path}: expected {numel} float32 values, found {params.numel()} {params.dtype}"
+            )
+        try:
+            version = int(meta["version"])
+        except (KeyError, ValueError):
+            raise StateError(f"{path}: missing or bad version") from None
+        momentum = {"momentum": tensors["momentum"]} if "momentum" in tensors else {}
+        return version, params, momentum
+
+
+class EventTape:
+    """Append-only JSONL log of decisions; safe to share between processes."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    def append(self, record: dict, *, sync: bool = False) -> None:
+        line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+        with self._lock:
+            if self._fd < 0:
+                return
+            os.write(self._fd, line)
+            if sync:
+                os.fsync(self._fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def read_tape(path: str | os.PathLike) -> list[dict]:
+    """All complete records of a tape (a torn last line from a crash is skipped)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records

@@ -1,0 +1,195 @@
+"""Syncer service and Learner library over real gRPC on loopback (in one process)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from diloco.algorithm import balanced_fragments, codecs
+from diloco.learner.learner import Learner
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.server import SyncerServer
+from diloco.syncer.store import read_tape
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+P = 4
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def make_server(tmp_path, **cfg) -> SyncerServer:
+    model = make_model(0)
+    layout = balanced_fragments(model.named_parameters(), P)
+    named = dict(model.named_parameters())
+    params = [layout.gather(p, named) for p in range(P)]
+    config = SyncerConfig(
+        **{
+            "quorum": 1,
+            "up_codec": "fp32",
+            "down_codec": "fp32",
+            "lease_s": 2.0,
+            "heartbeat_s": 0.2,
+            **cfg,
+        }
+    )
+    return SyncerServer(
+        layout, params, config, state_dir=tmp_path / "state", tape_path=tmp_path / "events.jsonl"
+    )
+
+
+def train(learner: Learner, model: nn.Module, seed: int, steps: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    w = torch.linspace(-1, 1, 8)
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        loss = ((model(x).squeeze(-1) - x @ w) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        learner.step(tokens=16)
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_learners_train_and_end_with_the_syncers_parameters(tmp_path):
+    server = make_server(tmp_path).start()
+    try:
+        models = [make_model(seed=10 + i) for i in range(2)]
+        learners = [
+            Learner(m, syncer=server.address, fragments=P, sync_every=4, learner_id=f"l{i}")
+            for i, m in enumerate(models)
+        ]
+        for lr in learners:
+            assert lr.wait_for_global(timeout=10)
+        # Global model replaced each learner's own init.
+        for m in models:
+            for p in range(P):
+                assert torch.equal(
+                    server.layout.gather(p, dict(m.named_parameters())), server.state.params[p]
+                )
+        threads = [
+            threading.Thread(target=train, args=(lr, m, i, 40))
+            for i, (lr, m) in enumerate(zip(learners, models, strict=True))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        for lr in learners:
+            assert lr.flush(timeout=10)
+        # Every fragment committed at least once; then let the last versions reach the learners.
+        wait_until(
+            lambda: min(server.state.versions) >= 1 and not server.state.rounds,
+            10,
+            "rounds to close",
+        )
+
+        def synced() -> bool:
+            for lr in learners:
+                lr.apply_arrived()
+            return all(lr.versions == server.state.versions for lr in learners)
+
+        wait_until(synced, 10, "learners to receive the final versions")
+        for lr, m in zip(learners, models, strict=True):
+            named = dict(m.named_parameters())
+            for p in range(P):
+                assert torch.equal(server.layout.gather(p, named), server.state.params[p])
+            assert lr.stats["bytes_up"] > 0 and lr.stats["uploads_refused"] == 0
+        for lr in learners:
+            lr.close(flush=False)
+    finally:
+        server.stop()
+    tape = read_tape(tmp_path / "events.jsonl")
+    rounds = [r for r in tape if r["event"] == "round"]
+    assert {r["fragment"] for r in rounds} == set(range(P))
+    assert sum(r["event"] == "join" for r in tape) >= 2
+
+
+@pytest.mark.timeout(30)
+def test_layout_mismatch_is_refused_with_the_tensor_name(tmp_path):
+    server = make_server(tmp_path).start()
+    try:
+        torch.manual_seed(0)
+        other = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))  # head differs
+        learner = Learner(other, syncer=server.address, fragments=P, sync_every=4, learner_id="odd")
+        wait_until(lambda: learner.link.error is not None, 10, "the refusal")
+        assert "2.weight" in str(learner.link.error)
+        with pytest.raises(RuntimeError, match="refused"):
+            learner.step(tokens=1)
+        learner.close(flush=False)
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(30)
+def test_bad_upload_gets_a_status_and_changes_nothing(tmp_path):
+    server = make_server(tmp_path).start()
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.SyncerStub(ch)
+            tensors = [
+                pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in server.layout.tensors
+            ]
+            reply = stub.Join(
+                pb.JoinRequest(
+                    learner_id="a", layout_hash=server.layout.hash, num_fragments=P, tensors=tensors
+                ),
+                timeout=5,
+            )
+            numel = server.layout.fragments[0].numel
+            good = codecs.encode(torch.ones(numel), "fp32")
+            before = server.service.committed_hash()
+
+            def upload(**kw):
+                fields = dict(
+                    learner_id="a",
+                    session=reply.session,
+                    fragment=0,
+                    base_version=0,
+                    steps=1,
+                    tokens=1,
+                    codec="fp32",
+                    numel=numel,
+                    chunk_index=0,
+                    num_chunks=1,
+                    data=good,
+                )
+                fields.update(kw)
+                return stub.Upload(iter([pb.UploadChunk(**fields)]), timeout=5)
+
+            for bad, code in [
+                ({"fragment": 99}, grpc.StatusCode.INVALID_ARGUMENT),
+                ({"data": good[:-4]}, grpc.StatusCode.INVALID_ARGUMENT),
+                ({"codec": "zip"}, grpc.StatusCode.INVALID_ARGUMENT),
+                ({"numel": numel + 1}, grpc.StatusCode.INVALID_ARGUMENT),
+                ({"session": "nope"}, grpc.StatusCode.FAILED_PRECONDITION),
+                (
+                    {"data": codecs.encode(torch.ones(numel), "fp32")[:-4] + b"\x00\x00\xc0\x7f"},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ),
+            ]:
+                with pytest.raises(grpc.RpcError) as info:
+                    upload(**bad)
+                assert info.value.code() == code, bad
+            assert server.service.committed_hash() == before and not server.state.rounds
+            status = stub.Status(pb.StatusRequest(), timeout=5)
+            assert status.refused == 6
+    finally:
+        server.stop()

@@ -1,0 +1,195 @@
+"""The syncer's state machine with a fake clock and no sockets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diloco.algorithm import balanced_fragments, token_weight
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.state import Refused, SyncerState
+
+
+def make_state(P=2, **cfg):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    layout = balanced_fragments(model.named_parameters(), P)
+    named = dict(model.named_parameters())
+    params = [layout.gather(p, named) for p in range(P)]
+    events = []
+    state = SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append)
+    return state, layout, events
+
+
+def join(state, lid, layout, now=0.0, observer=False):
+    return state.join(
+        lid,
+        tensors=layout.tensors,
+        layout_hash=layout.hash,
+        num_fragments=layout.num_fragments,
+        observer=observer,
+        now=now,
+    ).session
+
+
+def submit(state, lid, session, fragment, delta, now, base=0, steps=2, tokens=10):
+    return state.submit(
+        lid,
+        session,
+        fragment=fragment,
+        base_version=base,
+        steps=steps,
+        tokens=tokens,
+        delta=delta,
+        step_time_s=1.0,
+        nbytes=delta.numel(),
+        now=now,
+    )
+
+
+def test_round_closes_early_when_every_live_learner_contributed():
+    state, layout, events = make_state(quorum=1)
+    n = layout.fragments[0].numel
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    before = state.params[0].clone()
+    submit(state, "a", sa, 0, torch.full((n,), 1.0), now=1.0)
+    commits, wake = state.poll(1.0)
+    # quorum 1 reached; grace = clip(1*(2*1 - 0 - 0), 0, 1) = 1 s because step estimate is 1 s
+    assert commits == [] and wake == pytest.approx(2.0)
+    submit(state, "b", sb, 0, torch.full((n,), 3.0), now=1.5)
+    commits, _ = state.poll(1.5)
+    assert [c.fragment for c in commits] == [0]
+    assert state.versions == [1, 0]
+    # equal weights, parallel deltas: RDA = mean = 2; outer lr 1, μ 0: Θ ← Θ − 2
+    assert torch.allclose(state.params[0], before - 2.0)
+    record = commits[0].record
+    assert record["participants"] == ["a", "b"] and record["tokens"] == 20
+    assert "every live learner" in record["reason"]
+
+
+def test_grace_window_then_close_with_quorum():
+    state, layout, _ = make_state(quorum=1)
+    n = layout.fragments[1].numel
+    sa, _ = join(state, "a", layout), join(state, "b", layout)
+    submit(state, "a", sa, 1, torch.ones(n), now=1.0)
+    assert state.poll(1.5)[0] == []
+    commits, _ = state.poll(2.01)
+    assert [c.fragment for c in commits] == [1] and commits[0].record["participants"] == ["a"]
+
+
+def test_token_weights_and_replacement():
+    state, layout, _ = make_state(quorum=2, gamma=0.0)
+    n = layout.fragments[0].numel
+    sa, sb, _ = join(state, "a", layout), join(state, "b", layout), join(state, "c", layout)
+    before = state.params[0].clone()
+    submit(state, "a", sa, 0, torch.full((n,), 100.0), now=1.0)
+    submit(
+        state, "a", sa, 0, torch.full((n,), 1.0), now=1.1, tokens=30, steps=3
+    )  # replaces the first
+    submit(state, "b", sb, 0, torch.full((n,), 2.0), now=1.2, tokens=10, steps=1)
+    commits, _ = state.poll(1.2)
+    assert commits and commits[0].record["weights"] == [token_weight(30, 3), token_weight(10, 1)]
+    # weights 300 and 100 on parallel deltas 1 and 2: RDA = (300*1 + 100*2)/400 = 1.25
+    assert torch.allclose(state.params[0], before - 1.25)
+
+
+def test_stale_contribution_discounted_or_refused():
+    state, layout, events = make_state(quorum=1, gamma=0.0, max_staleness=1)
+    n = layout.fragments[0].numel
+    sa = join(state, "a", layout)
+    for t in range(2):
+        submit(state, "a", sa, 0, torch.ones(n), now=float(t), base=t)
+        assert state.poll(float(t))[0]
+    adm = submit(state, "a", sa, 0, torch.ones(n), now=3.0, base=1)
+    assert adm.accept and adm.discount == pytest.approx(0.5)
+    state.poll(3.0)
+    adm = submit(state, "a", sa, 0, torch.ones(n), now=4.0, base=1)
+    assert not adm.accept and adm.resync
+    assert events[-1]["event"] == "stale"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"fragment": 5}, "not served"),
+        ({"delta_len": 3}, "values"),
+        ({"steps": 0}, "steps"),
+        ({"tokens": 0}, "tokens"),
+        ({"base": 7}, "ahead"),
+        ({"nan": True}, "non-finite"),
+        ({"session": "bogus"}, "unknown session"),
+    ],
+)
+def test_invalid_submissions_change_nothing(kwargs, match):
+    state, layout, _ = make_state()
+    sa = join(state, "a", layout)
+    fragment = kwargs.get("fragment", 0)
+    n = kwargs.get("delta_len", layout.fragments[0].numel)
+    delta = torch.ones(n)
+    if kwargs.get("nan"):
+        delta[0] = float("nan")
+    snapshot = [t.clone() for t in state.params], list(state.versions)
+    with pytest.raises(Refused, match=match):
+        state.submit(
+            "a",
+            kwargs.get("session", sa),
+            fragment=fragment,
+            base_version=kwargs.get("base", 0),
+            steps=kwargs.get("steps", 1),
+            tokens=kwargs.get("tokens", 1),
+            delta=delta,
+            step_time_s=0.1,
+            nbytes=1,
+            now=1.0,
+        )
+    assert state.rounds == {} and state.versions == snapshot[1]
+    assert all(torch.equal(a, b) for a, b in zip(state.params, snapshot[0], strict=True))
+
+
+def test_join_refuses_another_model_naming_the_tensor():
+    state, layout, _ = make_state()
+    tensors = list(layout.tensors)
+    name, shape, dtype = tensors[1]
+    tensors[1] = (name, (99,), dtype)
+    with pytest.raises(Refused, match=name.replace(".", r"\.")):
+        state.join(
+            "x",
+            tensors=tensors,
+            layout_hash="h",
+            num_fragments=layout.num_fragments,
+            observer=False,
+            now=0,
+        )
+
+
+def test_lease_expiry_and_leave():
+    state, layout, events = make_state(lease_s=2.0, heartbeat_s=0.5)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    assert state.live(1.0) == {"a", "b"}
+    state.heartbeat("a", sa, now=2.5)
+    state.poll(3.0)
+    assert state.live(3.0) == {"a"}
+    assert any(e["event"] == "expire" and e["learner"] == "b" for e in events)
+    state.leave("a", sa, now=3.1)
+    assert state.live(3.2) == set()
+    state.leave("b", "old-session", now=3.3)  # unknown session: ignored
+    assert sum(e["event"] == "leave" for e in events) == 1
+    assert sb
+
+
+def test_observer_is_never_live_and_cannot_contribute():
+    state, layout, _ = make_state()
+    so = join(state, "eval", layout, observer=True)
+    assert state.live(0.5) == set()
+    with pytest.raises(Refused, match="observers"):
+        submit(state, "eval", so, 0, torch.ones(layout.fragments[0].numel), now=1.0)
+
+
+def test_synchronous_mode_waits_for_everyone():
+    state, layout, _ = make_state(wait_for_all=2)
+    n = layout.fragments[0].numel
+    sa, _ = join(state, "a", layout), join(state, "b", layout)
+    state.leave("b", _, now=0.5)  # even when b is gone, a sync round waits for it
+    submit(state, "a", sa, 0, torch.ones(n), now=1.0)
+    assert state.poll(100.0)[0] == []
