@@ -15,6 +15,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("selfcheck", "diloco.selfcheck"),
     ("syncer", "diloco.syncer.cli"),
     ("learner", "diloco.learner.worker"),
+    ("run", "diloco.launch.run"),
 ]
 
 

@@ -42,6 +42,9 @@ class LearnerConfig:
     """``torch.set_num_threads`` applied when the model is on CPU (None: leave as is)."""
     flush_timeout_s: float = 10.0
     """How long ``close`` waits for queued uploads to go out."""
+    drain_timeout_s: float = 3.0
+    """After the final flush, how long ``close`` waits for the merged fragments to come back,
+    so a learner that stops cleanly ends holding the global values (0: do not wait)."""
     step_time_decay: float = 0.9
     """EMA decay of the measured step time reported to the syncer."""
 
@@ -109,6 +112,7 @@ class Learner:
         self._last_step_at: float | None = None
         self._state = "starting"
         self._closed = False
+        self._flushed: dict[int, int] = {}
         if state is not None:
             self.load_state_dict(state)
         self.link = SyncerLink(
@@ -193,17 +197,34 @@ class Learner:
         Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
         Returns True if everything went out within ``timeout``.
         """
+        self._flushed = {}
         for p in range(self.layout.num_fragments):
             if self.versions[p] >= 0 and self.steps_since[p] > 0:
                 self._queue(p)
+                self._flushed[p] = self.versions[p]
         return self.link.wait_idle(self.config.flush_timeout_s if timeout is None else timeout)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every fragment sent by the last ``flush`` has come back merged, and apply
+        what arrived. Returns True if all came back within ``timeout`` (bounded, never hangs).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            have = self._have_versions()
+            done = all(have[p] > base for p, base in self._flushed.items())
+            if done or time.monotonic() >= deadline or not self.link.connected.is_set():
+                break
+            time.sleep(0.02)
+        self.apply_arrived()
+        return done
 
     def close(self, *, flush: bool = True) -> None:
         """Optionally flush, leave the syncer and stop the background threads (bounded)."""
         if self._closed:
             return
-        if flush and self.link.connected.is_set():
-            self.flush()
+        flushed = flush and self.link.connected.is_set() and self.flush()
+        if flushed and self.config.drain_timeout_s > 0:
+            self.drain(self.config.drain_timeout_s)
         self._state = "closed"
         self._closed = True
         self.link.close()

@@ -32,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.exit_with_parent:
+        from diloco.launch.procs import exit_with_parent
+
+        exit_with_parent(stop)
 
     config = LearnerConfig(
         fragments=args.fragments,
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     while not stop.is_set() and (not args.total_steps or learner.local_step < args.total_steps):
         step = learner.local_step
         for group in optimizer.param_groups:
-            group["lr"] = recipe.lr_at(step, args.schedule_steps or args.total_steps or 0)
+            group["lr"] = recipe.lr_at(step, schedule_length(args, step, time.time() - started))
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         _, loss = model(x, y)
@@ -79,10 +83,39 @@ def run(args: argparse.Namespace) -> int:
             )
             progress.flush()
     learner.close(flush=True)
+    if workdir:
+        write_final_state(workdir, learner)
     if progress:
         progress.write(json.dumps({"t": time.time(), "event": "exit", **learner.stats}) + "\n")
         progress.close()
     return 0
+
+
+def schedule_length(args: argparse.Namespace, step: int, elapsed: float) -> int:
+    """Length of the lr schedule in steps: given, or estimated from a time budget.
+
+    With ``--schedule-seconds`` the schedule ends when the time budget does: the length is
+    re-estimated every step as ``step × budget / elapsed`` (0 = unknown, constant lr).
+    """
+    if args.schedule_steps or args.total_steps:
+        return args.schedule_steps or args.total_steps
+    if args.schedule_seconds and step > 0 and elapsed > 0:
+        return max(step + 1, int(step * args.schedule_seconds / elapsed))
+    return 0
+
+
+def write_final_state(workdir: Path, learner) -> None:
+    """Write what this learner holds at exit: its anchor (last global value received) and
+    version per fragment, as ``final.safetensors`` + ``final.json``, for audits and tests."""
+    from safetensors.torch import save_file
+
+    anchors = {
+        f"anchor.{p}": a.contiguous() for p, a in enumerate(learner.anchors) if a is not None
+    }
+    save_file(anchors, str(workdir / "final.safetensors"))
+    (workdir / "final.json").write_text(
+        json.dumps({"versions": learner.versions, **learner.stats}, indent=1)
+    )
 
 
 def register(subparsers) -> None:
@@ -107,8 +140,17 @@ def register(subparsers) -> None:
     p.add_argument(
         "--schedule-steps", type=int, default=0, help="length of the lr schedule (0: --total-steps)"
     )
+    p.add_argument(
+        "--schedule-seconds",
+        type=float,
+        default=0.0,
+        help="fit the lr schedule to this time budget when the step count is unknown",
+    )
     p.add_argument("--workdir", help="directory for progress and checkpoints")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--report-every", type=float, default=1.0, help="seconds between progress lines")
+    p.add_argument(
+        "--exit-with-parent", action="store_true", help="stop (cleanly) if the parent process dies"
+    )
     p.set_defaults(func=run)

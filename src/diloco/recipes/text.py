@@ -121,7 +121,9 @@ class BatchStream:
         self.index = int(state["index"])
 
 
-def heldout_windows(val: torch.Tensor, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def heldout_windows(
+    val: torch.Tensor, seq_len: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` evenly spaced held-out windows (the same ones every time)."""
     last = val.numel() - seq_len - 1
     starts = torch.linspace(0, last, steps=max(1, count)).long().tolist()
@@ -130,7 +132,9 @@ def heldout_windows(val: torch.Tensor, seq_len: int, count: int) -> tuple[torch.
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, windows: tuple[torch.Tensor, torch.Tensor], batch: int = 16) -> float:
+def evaluate(
+    model: torch.nn.Module, windows: tuple[torch.Tensor, torch.Tensor], batch: int = 16
+) -> float:
     """Mean held-out loss (nats per byte) of ``model`` on fixed windows."""
     was_training = model.training
     model.eval()

@@ -92,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.exit_with_parent:
+        from diloco.launch.procs import exit_with_parent
+
+        exit_with_parent(stop)
     server.start()
     if args.port_file:
         tmp = Path(str(args.port_file) + ".tmp")
@@ -126,5 +130,8 @@ def register(subparsers) -> None:
         "--fragments", type=int, default=24, help="P: fragments (must match the learners)"
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument(
+        "--exit-with-parent", action="store_true", help="stop (cleanly) if the parent process dies"
+    )
     add_syncer_arguments(p)
     p.set_defaults(func=run)

@@ -1,0 +1,73 @@
+"""The evaluator: an observer of the syncer that scores the global model on held-out text.
+
+It joins as an *observer* (it never uploads and never counts towards quorum or liveness),
+receives every merged fragment like a learner does, and on request writes the latest
+fragments into its own copy of the model and measures the held-out loss.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from diloco.algorithm.fragments import balanced_fragments
+from diloco.learner.link import SyncerLink
+
+
+class Evaluator:
+    """Keeps the latest global fragments from ``address`` and evaluates them with ``recipe``."""
+
+    def __init__(self, recipe, address: str, *, seed: int, fragments: int, link_options=None):
+        self.recipe = recipe
+        self.model = recipe.build_model(seed)
+        self.named = dict(self.model.named_parameters())
+        self.layout = balanced_fragments(self.model.named_parameters(), fragments)
+        self._latest: dict[int, tuple[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.versions = [-1] * fragments
+        self.link = SyncerLink(
+            address,
+            "evaluator",
+            self.layout,
+            on_fragment=self._on_fragment,
+            have_versions=self._have_versions,
+            observer=True,
+            **(link_options or {}),
+        ).start()
+
+    def _on_fragment(self, fragment: int, version: int, value: torch.Tensor) -> None:
+        with self._lock:
+            old = self._latest.get(fragment)
+            if old is None or old[0] < version:
+                self._latest[fragment] = (version, value)
+
+    def _have_versions(self) -> list[int]:
+        with self._lock:
+            return [self._latest.get(p, (v,))[0] for p, v in enumerate(self.versions)]
+
+    def received_versions(self) -> list[int]:
+        return self._have_versions()
+
+    def wait_for_versions(self, versions: list[int], timeout: float) -> bool:
+        """Block (bounded) until every fragment has reached at least ``versions``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(h >= v for h, v in zip(self._have_versions(), versions, strict=True)):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def evaluate(self) -> tuple[float, list[int]]:
+        """Held-out loss of the newest global model received, and the versions it used."""
+        with self._lock:
+            latest = dict(self._latest)
+        for p, (version, value) in latest.items():
+            if version > self.versions[p]:
+                self.layout.scatter(p, value, self.named)
+                self.versions[p] = version
+        return self.recipe.evaluate(self.model), list(self.versions)
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,409 @@
+"""``diloco run``: the embedded default. A syncer, M learners and an evaluator on this machine.
+
+The supervisor (this process) starts the syncer and the learners as separate processes, joins
+the syncer as an evaluator, draws the live view, and stops everything at ``--minutes``,
+``--tokens``, when every learner has finished, or on Ctrl+C. Shutdown is ordered and bounded:
+learners get SIGTERM (each flushes its progress and exits), then the evaluator scores the final
+global model, then the syncer stops. The run directory holds everything:
+
+    runs/<name>/config.json        the command's settings
+    runs/<name>/syncer/            durable syncer state and the event tape (events.jsonl)
+    runs/<name>/learners/<id>/     progress.jsonl, final.json, final.safetensors
+    runs/<name>/logs/              one log per process
+    runs/<name>/metrics.jsonl      held-out loss of the global model over time
+    runs/<name>/summary.json       the summary (also printed; ``--json`` prints it as JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from diloco.syncer.cli import add_syncer_arguments
+
+DEFAULT_LEARNERS = 2
+DEFAULT_MINUTES = 3.0
+
+
+@dataclass
+class LearnerPlan:
+    """What one learner process is asked to do."""
+
+    id: str
+    index: int
+    batch_size: int
+    slow: float
+
+
+def parse_assignments(values: list[str], flag: str, learners: int, cast) -> dict[int, float]:
+    """``["1=3", "0=2.5"]`` -> ``{1: 3, 0: 2.5}``; raises ValueError with the flag's name."""
+    out = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        try:
+            index, parsed = int(key), cast(value)
+        except ValueError:
+            raise ValueError(f"{flag} {item!r}: expected INDEX=VALUE, e.g. {flag} 1=3") from None
+        if not sep or not 0 <= index < learners:
+            raise ValueError(f"{flag} {item!r}: learner index must be in [0, {learners})")
+        out[index] = parsed
+    return out
+
+
+def plan_learners(args: argparse.Namespace, default_batch: int) -> list[LearnerPlan]:
+    batches = parse_assignments(args.batch, "--batch", args.learners, int)
+    slows = parse_assignments(args.slow, "--slow", args.learners, float)
+    plans = []
+    for i in range(args.learners):
+        b = batches.get(i, args.batch_size or default_batch)
+        f = slows.get(i, 1.0)
+        if b < 1:
+            raise ValueError(f"learner {i}: batch size must be >= 1, got {b}")
+        if f < 1.0:
+            raise ValueError(f"learner {i}: --slow factor must be >= 1, got {f}")
+        plans.append(LearnerPlan(f"learner-{i}", i, b, f))
+    return plans
+
+
+def syncer_flags(args: argparse.Namespace) -> list[str]:
+    wait_for_all = args.learners if args.mode == "sync" else args.wait_for_all
+    return [
+        f"--quorum={args.quorum}",
+        f"--wait-for-all={wait_for_all}",
+        f"--gamma={0.0 if args.mode == 'sync' else args.gamma}",
+        f"--tau={args.tau}",
+        f"--max-staleness={args.max_staleness}",
+        f"--lease={args.lease}",
+        f"--outer-lr={args.outer_lr}",
+        f"--outer-momentum={args.outer_momentum}",
+        f"--up-codec={args.up_codec}",
+        f"--down-codec={args.down_codec}",
+    ]
+
+
+def recipe_flags(args: argparse.Namespace) -> list[str]:
+    flags = [f"--recipe={args.recipe}", f"--seed={args.seed}", f"--fragments={args.fragments}"]
+    return flags + ([f"--data={args.data}"] if args.data else [])
+
+
+class StatusClient:
+    """Polls the syncer's Status RPC (bounded); returns None when the syncer does not answer."""
+
+    def __init__(self, address: str) -> None:
+        import grpc
+
+        from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.SyncerStub(self._channel)
+
+    def fetch(self):
+        import grpc
+
+        from diloco.wire import diloco_pb2 as pb
+
+        try:
+            return self._stub.Status(pb.StatusRequest(), timeout=2.0)
+        except grpc.RpcError:
+            return None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _last_progress(path: Path) -> dict:
+    """The last progress record of a learner, merged with its exit record if any."""
+    out: dict = {}
+    try:
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out.update(rec)
+    except OSError:
+        pass
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from diloco.launch.evaluator import Evaluator
+    from diloco.launch.procs import Child, diloco_command, stop_all, wait_for_file
+    from diloco.launch.summary import build_summary, format_summary
+    from diloco.recipes import DataError, get_recipe
+
+    torch.set_num_threads(1)
+    try:
+        recipe = get_recipe(args.recipe, data_path=args.data)
+        recipe.corpus  # noqa: B018  (load and validate the data before starting anything)
+        plans = plan_learners(args, recipe.batch_size)
+    except (DataError, ValueError) as exc:
+        print(f"diloco run: {exc}", file=sys.stderr)
+        return 2
+    name = args.name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.runs_dir) / name
+    if run_dir.exists():
+        print(f"diloco run: {run_dir} already exists; pick another --name", file=sys.stderr)
+        return 2
+    (run_dir / "logs").mkdir(parents=True)
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    (run_dir / "config.json").write_text(json.dumps(config, indent=1))
+
+    stop = threading.Event()
+    interrupts = []
+
+    def on_signal(signum, _frame) -> None:
+        interrupts.append(signum)
+        stop.set()
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    learners: dict[str, Child] = {}
+    syncer = None
+    evaluator = None
+    status_client = None
+    started = time.time()
+    try:
+        port_file = run_dir / "syncer.addr"
+        syncer = Child(
+            "syncer",
+            diloco_command(
+                "syncer",
+                "--bind=127.0.0.1:0",
+                f"--port-file={port_file}",
+                f"--state-dir={run_dir / 'syncer'}",
+                "--exit-with-parent",
+                *recipe_flags(args),
+                *syncer_flags(args),
+            ),
+            run_dir / "logs" / "syncer.log",
+        )
+        address = wait_for_file(port_file, args.start_timeout, alive=syncer)
+        status_client = StatusClient(address)
+        model0 = recipe.build_model(args.seed)
+        num_params = sum(p.numel() for p in model0.parameters())
+        val_initial = recipe.evaluate(model0)
+        del model0
+        evaluator = Evaluator(recipe, address, seed=args.seed, fragments=args.fragments)
+        budget_s = args.minutes * 60 if args.minutes else 0.0
+        for plan in plans:
+            workdir = run_dir / "learners" / plan.id
+            learners[plan.id] = Child(
+                plan.id,
+                diloco_command(
+                    "learner",
+                    f"--syncer={address}",
+                    f"--id={plan.id}",
+                    f"--index={plan.index}",
+                    f"--batch-size={plan.batch_size}",
+                    f"--slow={plan.slow}",
+                    f"--sync-every={args.sync_every}",
+                    f"--total-steps={args.steps}",
+                    f"--schedule-seconds={budget_s}",
+                    f"--workdir={workdir}",
+                    f"--join-timeout={args.start_timeout}",
+                    "--exit-with-parent",
+                    *recipe_flags(args),
+                ),
+                run_dir / "logs" / f"{plan.id}.log",
+            )
+        stopped_by = supervise(
+            args, stop, started, syncer, learners, plans, evaluator, status_client, run_dir
+        )
+        if interrupts:
+            stopped_by = "interrupt"
+        codes = stop_all(list(learners.values()), timeout=args.stop_timeout)
+        status = status_client.fetch()
+        if status is not None:
+            evaluator.wait_for_versions(list(status.versions), timeout=5.0)
+        val_final, versions = evaluator.evaluate()
+        _append_metric(run_dir, started, status, val_final, versions)
+        evaluator.close()
+        evaluator = None
+        syncer_code = syncer.stop(timeout=10.0)
+        per_learner = []
+        by_id = {ls.learner_id: ls for ls in status.learners} if status is not None else {}
+        for plan in plans:
+            prog = _last_progress(run_dir / "learners" / plan.id / "progress.jsonl")
+            st = by_id.get(plan.id)
+            per_learner.append(
+                {
+                    "id": plan.id,
+                    "steps": int(prog.get("step", st.step if st else 0)),
+                    "tokens": int(prog.get("tokens", st.tokens if st else 0)),
+                    "steps_per_s": float(prog.get("steps_per_s", 0.0)),
+                    "batch_size": plan.batch_size,
+                    "slow": plan.slow,
+                    "exit_code": codes.get(plan.id),
+                    "contributions": int(st.contributions) if st else 0,
+                    "bytes_up": int(st.bytes_up) if st else 0,
+                    "bytes_down": int(st.bytes_down) if st else 0,
+                }
+            )
+        summary = build_summary(
+            mode=args.mode,
+            run_dir=str(run_dir),
+            wall_s=time.time() - started,
+            val_initial=val_initial,
+            val_final=val_final,
+            rounds=int(status.rounds) if status is not None else 0,
+            learners=per_learner,
+            num_params=num_params,
+            seq_len=recipe.model.seq_len,
+            stopped_by=stopped_by,
+        )
+        summary["syncer_exit_code"] = syncer_code
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if args.json:
+            print(json.dumps(summary, indent=1))
+        else:
+            print(format_summary(summary))
+        return 0 if syncer_code == 0 and all(c == 0 for c in codes.values()) else 1
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"diloco run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if evaluator is not None:
+            evaluator.close()
+        if status_client is not None:
+            status_client.close()
+        leftover = [c for c in [*learners.values(), *([syncer] if syncer else [])] if c.running]
+        if leftover:
+            stop_all(leftover, timeout=5.0)
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+
+
+def _append_metric(run_dir: Path, started: float, status, loss: float, versions: list[int]):
+    rec = {
+        "t": round(time.time() - started, 3),
+        "val_loss": loss,
+        "versions": sum(max(v, 0) for v in versions),
+        "tokens": sum(ls.tokens for ls in status.learners) if status is not None else None,
+        "rounds": status.rounds if status is not None else None,
+    }
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def supervise(args, stop, started, syncer, learners, plans, evaluator, status_client, run_dir):
+    """The supervisor loop: view, evaluation, stop conditions. Returns why it stopped."""
+    from diloco.launch.view import LiveView
+
+    view = LiveView(enabled=not args.json and not args.no_view)
+    last_eval = 0.0
+    last_loss = None
+    prev_tokens: dict[str, tuple[float, int]] = {}
+    rate: dict[str, float] = {}
+    while True:
+        now = time.time()
+        elapsed = now - started
+        if stop.wait(0.5):
+            return "interrupt"
+        if not syncer.running:
+            raise RuntimeError(f"the syncer exited with code {syncer.poll()}:\n{syncer.tail()}")
+        status = status_client.fetch()
+        tokens = sum(ls.tokens for ls in status.learners) if status is not None else 0
+        if now - last_eval >= args.eval_every:
+            last_eval = now
+            last_loss, versions = evaluator.evaluate()
+            _append_metric(run_dir, started, status, last_loss, versions)
+        by_id = {ls.learner_id: ls for ls in status.learners} if status is not None else {}
+        rows = []
+        for plan in plans:
+            child, st = learners[plan.id], by_id.get(plan.id)
+            step, tok = (int(st.step), int(st.tokens)) if st else (0, 0)
+            t0, tok0 = prev_tokens.get(plan.id, (now, tok))
+            if now - t0 >= 2.0:
+                rate[plan.id] = (tok - tok0) / (now - t0)
+                prev_tokens[plan.id] = (now, tok)
+            prev_tokens.setdefault(plan.id, (now, tok))
+            if not child.running:
+                state = f"exited ({child.poll()})"
+            elif st is None:
+                state = "starting"
+            else:
+                state = st.state if st.live else "not live"
+            rows.append(
+                {
+                    "id": plan.id,
+                    "step": step,
+                    "tokens": tok,
+                    "tokens_per_s": rate.get(plan.id, 0.0),
+                    "state": state,
+                }
+            )
+        view.update(
+            {
+                "elapsed": elapsed,
+                "val_loss": last_loss,
+                "rounds": status.rounds if status is not None else 0,
+                "bytes_up": sum(ls.bytes_up for ls in status.learners) if status else 0,
+                "bytes_down": sum(ls.bytes_down for ls in status.learners) if status else 0,
+                "learners": rows,
+            }
+        )
+        if args.minutes and elapsed >= args.minutes * 60:
+            return "time"
+        if args.tokens and tokens >= args.tokens:
+            return "tokens"
+        if all(not c.running for c in learners.values()):
+            return "learners finished"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a syncer, M learners and an evaluator on this machine (the embedded default)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--learners", "-m", type=int, default=DEFAULT_LEARNERS, help="M (default 2)")
+    p.add_argument(
+        "--minutes", type=float, default=DEFAULT_MINUTES, help="wall-clock budget (0: none)"
+    )
+    p.add_argument("--tokens", type=int, default=0, help="stop after this many tokens in total")
+    p.add_argument("--steps", type=int, default=0, help="each learner stops after N steps")
+    p.add_argument(
+        "--mode",
+        choices=["diloco", "sync"],
+        default="diloco",
+        help="diloco: asynchronous rounds (quorum + grace); sync: every round waits for all M",
+    )
+    p.add_argument("--recipe", default="shakespeare", help="shakespeare (default) or tiny")
+    p.add_argument("--data", help="train on this UTF-8 text file instead of Shakespeare")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=0, help="batch size of every learner")
+    p.add_argument(
+        "--batch",
+        action="append",
+        default=[],
+        metavar="I=N",
+        help="batch size of learner I (repeatable)",
+    )
+    p.add_argument(
+        "--slow",
+        action="append",
+        default=[],
+        metavar="I=F",
+        help="learner I takes F times as long per step (repeatable), e.g. --slow 1=3",
+    )
+    p.add_argument("--fragments", type=int, default=24, help="P (default 24)")
+    p.add_argument("--sync-every", type=int, default=24, help="H in steps (default 24)")
+    p.add_argument(
+        "--eval-every", type=float, default=5.0, help="seconds between evaluations (default 5)"
+    )
+    p.add_argument("--name", help="run name (default: the start time)")
+    p.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-view", action="store_true", help="no live view")
+    p.add_argument("--start-timeout", type=float, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--stop-timeout", type=float, default=30.0, help=argparse.SUPPRESS)
+    add_syncer_arguments(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,85 @@
+"""The run summary (``summary.json``) and the bandwidth comparison with data-parallel.
+
+Pure functions: they take what the supervisor collected and return plain dicts.
+"""
+
+from __future__ import annotations
+
+
+def data_parallel_bytes_per_token(num_params: int, learners: int, tokens_per_step: int) -> float:
+    """Bytes data-parallel training would put on the wire per token, for the same workers.
+
+    Ring all-reduce of fp32 gradients every step: each of the M workers sends
+    ``2·(M−1)/M · 4·N`` bytes per step, so all together ``2·(M−1)·4·N`` bytes per step of
+    ``tokens_per_step`` tokens (the global batch). One worker sends nothing (0.0).
+    """
+    if learners < 1 or tokens_per_step < 1:
+        raise ValueError("learners and tokens_per_step must be >= 1")
+    return 2 * (learners - 1) * 4 * num_params / tokens_per_step
+
+
+def build_summary(
+    *,
+    mode: str,
+    run_dir: str,
+    wall_s: float,
+    val_initial: float,
+    val_final: float,
+    rounds: int,
+    learners: list[dict],
+    num_params: int,
+    seq_len: int,
+    stopped_by: str,
+) -> dict:
+    """``summary.json``: what ran, how long, how well, how many bytes.
+
+    ``learners`` holds per learner ``id``, ``steps``, ``tokens``, ``steps_per_s``,
+    ``batch_size``, ``slow``, ``exit_code``, ``bytes_up``, ``bytes_down``.
+    """
+    tokens = sum(int(ln["tokens"]) for ln in learners)
+    up = sum(int(ln["bytes_up"]) for ln in learners)
+    down = sum(int(ln["bytes_down"]) for ln in learners)
+    per_token = (up + down) / tokens if tokens else None
+    tokens_per_step = sum(int(ln["batch_size"]) * seq_len for ln in learners)
+    dp = data_parallel_bytes_per_token(num_params, len(learners), tokens_per_step)
+    return {
+        "mode": mode,
+        "run_dir": run_dir,
+        "stopped_by": stopped_by,
+        "learners": len(learners),
+        "wall_s": round(wall_s, 2),
+        "tokens": tokens,
+        "params": num_params,
+        "val_loss": {"initial": val_initial, "final": val_final},
+        "rounds": rounds,
+        "bytes": {
+            "up": up,
+            "down": down,
+            "per_token": per_token,
+            "data_parallel_per_token": dp,
+            "reduction_vs_data_parallel": (dp / per_token) if per_token and dp else None,
+        },
+        "per_learner": {ln["id"]: {k: v for k, v in ln.items() if k != "id"} for ln in learners},
+    }
+
+
+def format_summary(s: dict) -> str:
+    """A few human lines for the end of ``diloco run``."""
+    b = s["bytes"]
+    lines = [
+        f"run {s['run_dir']} ({s['mode']}, {s['learners']} learners, stopped by {s['stopped_by']})",
+        f"  wall {s['wall_s']:.1f}s  tokens {s['tokens']:,}  rounds {s['rounds']}",
+        f"  held-out loss {s['val_loss']['initial']:.3f} -> {s['val_loss']['final']:.3f} nats/byte",
+    ]
+    if b["per_token"] is not None:
+        ratio = b["reduction_vs_data_parallel"]
+        lines.append(
+            f"  bytes up {b['up']:,} down {b['down']:,} = {b['per_token']:.2f} B/token"
+            + (f" ({ratio:.0f}x less than data-parallel)" if ratio else "")
+        )
+    for name, ln in s["per_learner"].items():
+        lines.append(
+            f"  {name}: {ln['steps']} steps, {ln['tokens']:,} tokens, "
+            f"{ln['steps_per_s']:.2f} steps/s, exit {ln['exit_code']}"
+        )
+    return "\n".join(lines)
