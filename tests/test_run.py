@@ -1,0 +1,160 @@
+"""``diloco run`` end to end: real processes, real gRPC, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diloco.algorithm import balanced_fragments
+from diloco.recipes import get_recipe
+from diloco.syncer.store import FragmentStore, read_tape
+
+pytestmark = pytest.mark.slow
+
+P = 24
+
+
+def diloco(*args: str) -> list[str]:
+    return [sys.executable, "-m", "diloco.cli", *args]
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """Processes whose command line contains ``text`` (to find leftovers)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_three_learners_train_and_end_with_the_syncers_parameters(tmp_path):
+    proc = subprocess.run(
+        diloco(
+            "run",
+            "--recipe=tiny",
+            "--learners=3",
+            "--steps=150",
+            "--slow=2=2",  # learner 2 finishes later than the others
+            "--minutes=1.2",
+            "--down-codec=fp32",
+            "--eval-every=2",
+            f"--runs-dir={tmp_path}",
+            "--name=it",
+            "--json",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=140,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    summary = json.loads(proc.stdout)
+    run_dir = tmp_path / "it"
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "learners finished"
+    for key in ("mode", "learners", "wall_s", "tokens", "rounds"):
+        assert key in summary
+    assert summary["learners"] == 3
+    assert {ln["steps"] for ln in summary["per_learner"].values()} == {150}
+    assert all(ln["steps_per_s"] > 0 for ln in summary["per_learner"].values())
+    assert summary["bytes"]["up"] > 0 and summary["bytes"]["down"] > 0
+    assert summary["bytes"]["per_token"] > 0
+
+    # The global model learned: held-out loss fell clearly.
+    loss = summary["val_loss"]
+    assert loss["final"] < 0.8 * loss["initial"], loss
+
+    # Every fragment was committed at least once, and the tape agrees with the summary.
+    rounds = [r for r in read_tape(run_dir / "syncer" / "events.jsonl") if r["event"] == "round"]
+    assert {r["fragment"] for r in rounds} == set(range(P))
+    assert len(rounds) == summary["rounds"]
+    joins = {
+        r["learner"] for r in read_tape(run_dir / "syncer" / "events.jsonl") if r["event"] == "join"
+    }
+    assert {"learner-0", "learner-1", "learner-2"} <= joins
+
+    # Every learner ends holding the syncer's final value of each fragment it received last.
+    model = get_recipe("tiny").build_model(0)
+    layout = balanced_fragments(model.named_parameters(), P)
+    store = FragmentStore(run_dir / "syncer")
+    final = {p: store.load(p, layout.fragments[p].numel) for p in range(P)}
+    matched = 0
+    for i in range(3):
+        workdir = run_dir / "learners" / f"learner-{i}"
+        versions = json.loads((workdir / "final.json").read_text())["versions"]
+        anchors = load_file(str(workdir / "final.safetensors"))
+        for p in range(P):
+            version, params, _ = final[p]
+            assert 0 <= versions[p] <= version
+            if versions[p] == version:
+                assert torch.equal(anchors[f"anchor.{p}"], params), (i, p)
+                matched += 1
+    assert matched >= P  # at least one learner's worth of fragments is current
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_process_and_still_writes_the_summary(tmp_path):
+    proc = subprocess.Popen(
+        diloco(
+            "run",
+            "--recipe=tiny",
+            "--learners=2",
+            "--minutes=5",
+            f"--runs-dir={tmp_path}",
+            "--name=int",
+            "--no-view",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    run_dir = tmp_path / "int"
+    deadline = time.monotonic() + 60
+    progress = run_dir / "learners" / "learner-1" / "progress.jsonl"
+    while time.monotonic() < deadline and not (progress.exists() and progress.stat().st_size):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    assert progress.exists(), "learners never started training"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "interrupt"
+    assert summary["tokens"] > 0
+    assert "held-out loss" in out
+    assert pids_mentioning(str(run_dir)) == []
+
+
+def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
+    for args, message in [
+        (["--slow=5=3"], "learner index"),
+        (["--batch=x"], "INDEX=VALUE"),
+        (["--slow=0=0.5"], "must be >= 1"),
+        (["--data", str(tmp_path / "missing.txt")], "cannot read"),
+    ]:
+        proc = subprocess.run(
+            diloco("run", "--recipe=tiny", f"--runs-dir={tmp_path}", *args),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert message in proc.stderr, (args, proc.stderr)
+    assert not any(tmp_path.iterdir()) or all(p.suffix == ".txt" for p in tmp_path.iterdir())
