@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     try:
         recipe = get_recipe(args.recipe, data_path=args.data)
-        recipe.corpus  # noqa: B018  (load and validate the data before starting anything)
+        recipe.load_data()  # validate the data before starting anything
         plans = plan_learners(args, recipe.batch_size)
     except (DataError, ValueError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)

@@ -47,6 +47,10 @@ class Recipe:
 
     @property
     def corpus(self) -> TextCorpus:
+        return self.load_data()
+
+    def load_data(self) -> TextCorpus:
+        """Read and validate the text once (raises ``DataError`` with a clear message)."""
         if self._corpus is None:
             corpus = load_text_file(self.data_path) if self.data_path else load_shakespeare()
             corpus.check_fits(self.model.seq_len)

@@ -1,0 +1,90 @@
+"""Recipes: data split, per-learner streams, schedule, model, clear data errors."""
+
+import pytest
+import torch
+
+from diloco.recipes import DataError, get_recipe
+from diloco.recipes.text import TextCorpus
+
+
+def test_shakespeare_split_holds_out_five_percent_of_every_play():
+    corpus = get_recipe("tiny").load_data()
+    total = corpus.train.numel() + corpus.val.numel()
+    assert total > 5_000_000  # the plays are ~5.3 MB
+    assert 0.045 < corpus.val.numel() / total < 0.055
+
+
+def test_held_out_bytes_never_appear_in_training_windows():
+    corpus = TextCorpus([b"a" * 100 + b"B" * 5, b"c" * 100 + b"D" * 5])
+    assert set(corpus.val.tolist()) == {ord("B"), ord("D")}
+    assert ord("B") not in corpus.train.tolist()
+
+
+def test_streams_are_deterministic_per_learner_and_resume_exactly():
+    recipe = get_recipe("tiny")
+    a = recipe.stream(learner_id=0, seed=1)
+    b = recipe.stream(learner_id=0, seed=1)
+    other = recipe.stream(learner_id=1, seed=1)
+    xa, ya = a.next_batch()
+    xb, _ = b.next_batch()
+    assert torch.equal(xa, xb)
+    assert not torch.equal(xa, other.next_batch()[0])
+    assert torch.equal(xa[:, 1:], ya[:, :-1])  # targets are the next bytes
+    state = a.state_dict()
+    expected = a.next_batch()[0]
+    resumed = recipe.stream(learner_id=0, seed=1)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.next_batch()[0], expected)
+    with pytest.raises(ValueError):
+        other.load_state_dict(state)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    r = get_recipe("shakespeare")
+    assert r.lr_at(0, 1000) == pytest.approx(r.lr / r.warmup_steps)
+    assert r.lr_at(r.warmup_steps, 1000) == pytest.approx(r.lr)
+    assert r.lr_at(1000, 1000) == pytest.approx(r.lr * r.min_lr_ratio)
+    assert r.lr_at(5000, 0) == r.lr  # unknown length: constant after warm-up
+    lrs = [r.lr_at(s, 1000) for s in range(r.warmup_steps, 1001)]
+    assert all(x >= y for x, y in zip(lrs, lrs[1:], strict=False))
+
+
+def test_model_is_a_function_of_the_seed_and_learns():
+    r = get_recipe("tiny")
+    m1, m2, m3 = r.build_model(0), r.build_model(0), r.build_model(1)
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
+    assert not torch.equal(next(m1.parameters()), next(m3.parameters()))
+    names = [n for n, _ in m1.named_parameters()]
+    assert names[:2] == ["tok_emb.weight", "pos_emb.weight"]
+    before = r.evaluate(m1)
+    opt = r.build_optimizer(m1)
+    stream = r.stream(learner_id=0)
+    for _ in range(60):
+        x, y = stream.next_batch()
+        m1(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert r.evaluate(m1) < before - 1.0
+
+
+def test_data_file_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00 not utf-8")
+    with pytest.raises(DataError, match="not UTF-8"):
+        get_recipe("tiny", data_path=str(bad)).load_data()
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(DataError, match="split has"):
+        get_recipe("tiny", data_path=str(short)).load_data()
+    with pytest.raises(DataError, match="cannot read"):
+        get_recipe("tiny", data_path=str(tmp_path / "none.txt")).load_data()
+    with pytest.raises(ValueError, match="unknown recipe"):
+        get_recipe("gpt5")
+
+
+def test_any_utf8_file_trains(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Über alles, naïve café. " * 400)
+    r = get_recipe("tiny", data_path=str(text))
+    x, y = r.stream(learner_id=0).next_batch()
+    assert x.shape == (r.batch_size, r.model.seq_len) and int(x.max()) < 256
