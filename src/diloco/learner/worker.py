@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,10 @@ from pathlib import Path
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if not args.syncer and not args.no_sync:
+        print("diloco learner: --syncer HOST:PORT is required (or --no-sync)", file=sys.stderr)
+        return 2
 
     from diloco.learner.learner import Learner, LearnerConfig
     from diloco.recipes import get_recipe
@@ -43,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
         learner_id=args.id,
         cpu_threads=args.threads,
     )
-    learner = Learner(model, optimizer, syncer=args.syncer, config=config)
+    if args.no_sync:
+        learner = LocalOnly()
+    else:
+        learner = Learner(model, optimizer, syncer=args.syncer, config=config)
     if not learner.wait_for_global(timeout=args.join_timeout):
         print(
             f"learner {args.id}: no global model from {args.syncer} within {args.join_timeout}s; training from the local init"
@@ -82,13 +90,39 @@ def run(args: argparse.Namespace) -> int:
                 + "\n"
             )
             progress.flush()
+    train_s = time.time() - started
     learner.close(flush=True)
-    if workdir:
+    if workdir and not args.no_sync:
         write_final_state(workdir, learner)
     if progress:
-        progress.write(json.dumps({"t": time.time(), "event": "exit", **learner.stats}) + "\n")
+        final = {"t": time.time(), "event": "exit", **learner.stats}
+        final["steps_per_s"] = learner.local_step / max(train_s, 1e-9)
+        progress.write(json.dumps(final) + "\n")
         progress.close()
     return 0
+
+
+class LocalOnly:
+    """Stands in for ``Learner`` with ``--no-sync``: counts steps, talks to nobody (baseline)."""
+
+    def __init__(self) -> None:
+        self.local_step = 0
+        self.total_tokens = 0
+
+    def wait_for_global(self, timeout: float) -> bool:
+        return True
+
+    def step(self, tokens: int) -> list[int]:
+        self.local_step += 1
+        self.total_tokens += tokens
+        return []
+
+    def close(self, flush: bool = True) -> None:
+        pass
+
+    @property
+    def stats(self) -> dict:
+        return {"step": self.local_step, "tokens": self.total_tokens}
 
 
 def schedule_length(args: argparse.Namespace, step: int, elapsed: float) -> int:
@@ -120,7 +154,10 @@ def write_final_state(workdir: Path, learner) -> None:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("learner", help="run one learner process")
-    p.add_argument("--syncer", required=True, help="syncer address host:port")
+    p.add_argument("--syncer", help="syncer address host:port (required unless --no-sync)")
+    p.add_argument(
+        "--no-sync", action="store_true", help="train alone without a syncer (a baseline)"
+    )
     p.add_argument("--id", required=True, help="learner id (keep it across restarts)")
     p.add_argument(
         "--index", type=int, default=0, help="learner index: selects this learner's data stream"
