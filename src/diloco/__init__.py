@@ -11,7 +11,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Learner", "LearnerConfig", "__version__"]
+__all__ = ["Learner", "LearnerConfig", "SyncerServer", "SyncerConfig", "__version__"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,12 @@ def __getattr__(name: str):
         from diloco.learner import learner as _learner
 
         return getattr(_learner, name)
+    if name == "SyncerServer":
+        from diloco.syncer.server import SyncerServer
+
+        return SyncerServer
+    if name == "SyncerConfig":
+        from diloco.syncer.config import SyncerConfig
+
+        return SyncerConfig
     raise AttributeError(f"module 'diloco' has no attribute {name!r}")

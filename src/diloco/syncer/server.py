@@ -426,7 +426,29 @@ class SyncerServer:
         if self.port == 0:
             raise OSError(f"cannot bind the syncer to {bind}")
         self.host = bind.rsplit(":", 1)[0]
+        self._started = False
         self._emit_start(restored)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        *,
+        fragments: int = 24,
+        config: SyncerConfig | None = None,
+        **kwargs,
+    ) -> SyncerServer:
+        """A syncer whose global model starts from ``model``'s parameters, cut into
+        ``fragments`` fragments exactly as ``diloco.Learner`` cuts them (same layout hash).
+
+        Other keyword arguments go to the constructor (``bind``, ``state_dir``, ...).
+        """
+        from diloco.algorithm.fragments import balanced_fragments
+
+        layout = balanced_fragments(model.named_parameters(), fragments)
+        named = dict(model.named_parameters())
+        params = [layout.gather(p, named) for p in range(layout.num_fragments)]
+        return cls(layout, params, config, **kwargs)
 
     def _emit_start(self, restored: dict) -> None:
         if self.tape is not None:
@@ -447,8 +469,11 @@ class SyncerServer:
         return f"{self.host}:{self.port}"
 
     def start(self) -> SyncerServer:
-        self.service.start()
-        self._server.start()
+        """Start serving; calling it again (e.g. inside ``with``) does nothing."""
+        if not self._started:
+            self._started = True
+            self.service.start()
+            self._server.start()
         return self
 
     def stop(self, grace: float = 1.0) -> None:
