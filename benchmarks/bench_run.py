@@ -13,6 +13,11 @@ Run: ``.venv/bin/python benchmarks/bench_run.py [--steps 300] [--repeats 3]``.
     data-parallel fp32 ring all-reduce for the same workers (formula in
     ``diloco.launch.summary.data_parallel_bytes_per_token``), from the runs of (b).
 
+The runs of (a) and (b) evaluate the global model only at the start and the end
+(``--eval-every 0``): the periodic evaluator of ``diloco run`` shares the machine's second core
+with the syncer and is not part of what a learner pays for syncing (on 2 cores it costs
+the learner about 10% at the default of one evaluation every 5 s).
+
 Each configuration runs ``--repeats`` times; the median is reported.
 """
 
@@ -64,6 +69,7 @@ def diloco_run(steps: int, runs: Path, name: str, *extra: str) -> dict:
             f"--name={name}",
             "--json",
             "--minutes=0",
+            "--eval-every=0",
             *extra,
         )
     )

@@ -311,7 +311,7 @@ def supervise(args, stop, started, syncer, learners, plans, evaluator, status_cl
             raise RuntimeError(f"the syncer exited with code {syncer.poll()}:\n{syncer.tail()}")
         status = status_client.fetch()
         tokens = sum(ls.tokens for ls in status.learners) if status is not None else 0
-        if now - last_eval >= args.eval_every:
+        if args.eval_every and now - last_eval >= args.eval_every:
             last_eval = now
             last_loss, versions = evaluator.evaluate()
             _append_metric(run_dir, started, status, last_loss, versions)
@@ -397,7 +397,7 @@ def register(subparsers) -> None:
     p.add_argument("--fragments", type=int, default=24, help="P (default 24)")
     p.add_argument("--sync-every", type=int, default=24, help="H in steps (default 24)")
     p.add_argument(
-        "--eval-every", type=float, default=5.0, help="seconds between evaluations (default 5)"
+        "--eval-every", type=float, default=5.0, help="seconds between evaluations (default 5; 0: only at the start and the end)"
     )
     p.add_argument("--name", help="run name (default: the start time)")
     p.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
