@@ -76,11 +76,15 @@ class Child:
         except subprocess.TimeoutExpired:
             self.kill()
             code = self.proc.wait(5)
-        self._log.close()
+        self.close_log()
         return code
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
+
+    def close_log(self) -> None:
+        if not self._log.closed:
+            self._log.close()
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -93,6 +97,7 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> dict[str, int]:
     """Stop children in parallel (SIGTERM, bounded wait, SIGKILL); name -> exit code."""
     for c in children:
         c.signal(signal.SIGTERM)
+        c.signal(signal.SIGCONT)  # a stopped (hung) process handles SIGTERM only once resumed
     codes: dict[str, int] = {}
     deadline = time.monotonic() + timeout
     for c in children:
@@ -102,7 +107,7 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> dict[str, int]:
         except subprocess.TimeoutExpired:
             c.kill()
             codes[c.name] = c.proc.wait(5)
-        c._log.close()
+        c.close_log()
     return codes
 
 

@@ -117,35 +117,25 @@ class StatusClient:
         self._channel.close()
 
 
-def _last_progress(path: Path) -> dict:
-    """The last progress record of a learner, merged with its exit record if any."""
-    out: dict = {}
-    try:
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            out.update(rec)
-    except OSError:
-        pass
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from diloco.chaos import ChaosSpecError, parse_spec, schedule
     from diloco.launch.evaluator import Evaluator
-    from diloco.launch.procs import Child, diloco_command, stop_all, wait_for_file
-    from diloco.launch.summary import build_summary, format_summary
+    from diloco.launch.procs import diloco_command, wait_for_file
+    from diloco.launch.summary import format_summary
+    from diloco.launch.supervisor import Supervisor
     from diloco.recipes import DataError, get_recipe
+    from diloco.syncer.store import EventTape
 
     torch.set_num_threads(1)
     try:
         recipe = get_recipe(args.recipe, data_path=args.data)
         recipe.load_data()  # validate the data before starting anything
         plans = plan_learners(args, recipe.batch_size)
-    except (DataError, ValueError) as exc:
+        horizon = args.minutes * 60 if args.minutes else 24 * 3600.0
+        chaos = schedule(parse_spec(args.chaos or ""), args.learners, horizon, args.seed)
+    except (DataError, ChaosSpecError, ValueError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 2
     name = args.name or time.strftime("%Y%m%d-%H%M%S")
@@ -156,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     (run_dir / "logs").mkdir(parents=True)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     (run_dir / "config.json").write_text(json.dumps(config, indent=1))
+    tape = EventTape(run_dir / "syncer" / "events.jsonl")
 
     stop = threading.Event()
     interrupts = []
@@ -165,14 +156,13 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    learners: dict[str, Child] = {}
-    syncer = None
+    started = time.time()
+    sup = Supervisor(tape=tape.append, clock=lambda: time.time() - started, chaos=chaos)
     evaluator = None
     status_client = None
-    started = time.time()
     try:
         port_file = run_dir / "syncer.addr"
-        syncer = Child(
+        syncer = sup.add(
             "syncer",
             diloco_command(
                 "syncer",
@@ -185,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
             ),
             run_dir / "logs" / "syncer.log",
         )
-        address = wait_for_file(port_file, args.start_timeout, alive=syncer)
+        address = wait_for_file(port_file, args.start_timeout, alive=syncer.child)
+        # A restarted syncer comes back on the same address, so learners just reconnect.
+        syncer.argv = [f"--bind={address}" if a == "--bind=127.0.0.1:0" else a for a in syncer.argv]
         status_client = StatusClient(address)
         model0 = recipe.build_model(args.seed)
         num_params = sum(p.numel() for p in model0.parameters())
@@ -194,8 +186,7 @@ def run(args: argparse.Namespace) -> int:
         evaluator = Evaluator(recipe, address, seed=args.seed, fragments=args.fragments)
         budget_s = args.minutes * 60 if args.minutes else 0.0
         for plan in plans:
-            workdir = run_dir / "learners" / plan.id
-            learners[plan.id] = Child(
+            sup.add(
                 plan.id,
                 diloco_command(
                     "learner",
@@ -207,65 +198,50 @@ def run(args: argparse.Namespace) -> int:
                     f"--sync-every={args.sync_every}",
                     f"--total-steps={args.steps}",
                     f"--schedule-seconds={budget_s}",
-                    f"--workdir={workdir}",
+                    f"--run-started={started}",
+                    f"--checkpoint-every={args.checkpoint_every}",
+                    f"--workdir={run_dir / 'learners' / plan.id}",
                     f"--join-timeout={args.start_timeout}",
                     "--exit-with-parent",
                     *recipe_flags(args),
                 ),
                 run_dir / "logs" / f"{plan.id}.log",
             )
-        stopped_by = supervise(
-            args, stop, started, syncer, learners, plans, evaluator, status_client, run_dir
-        )
+        stopped_by = supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir)
         if interrupts:
             stopped_by = "interrupt"
-        codes = stop_all(list(learners.values()), timeout=args.stop_timeout)
-        status = status_client.fetch()
+        train_end = time.time()
+        codes = sup.stop([p.id for p in plans], timeout=args.stop_timeout)
+        if not sup.running("syncer"):  # it may be down for a chaos restart: bring it back
+            sup.slots["syncer"].restart_at = 0.0
+            sup.poll()
+        status = wait_for_status(status_client, timeout=args.start_timeout)
         if status is not None:
             evaluator.wait_for_versions(list(status.versions), timeout=5.0)
         val_final, versions = evaluator.evaluate()
         _append_metric(run_dir, started, status, val_final, versions)
         evaluator.close()
         evaluator = None
-        syncer_code = syncer.stop(timeout=10.0)
-        per_learner = []
-        by_id = {ls.learner_id: ls for ls in status.learners} if status is not None else {}
-        for plan in plans:
-            prog = _last_progress(run_dir / "learners" / plan.id / "progress.jsonl")
-            st = by_id.get(plan.id)
-            per_learner.append(
-                {
-                    "id": plan.id,
-                    "steps": int(prog.get("step", st.step if st else 0)),
-                    "tokens": int(prog.get("tokens", st.tokens if st else 0)),
-                    "steps_per_s": float(prog.get("steps_per_s", 0.0)),
-                    "batch_size": plan.batch_size,
-                    "slow": plan.slow,
-                    "exit_code": codes.get(plan.id),
-                    "contributions": int(st.contributions) if st else 0,
-                    "bytes_up": int(st.bytes_up) if st else 0,
-                    "bytes_down": int(st.bytes_down) if st else 0,
-                }
-            )
-        summary = build_summary(
-            mode=args.mode,
-            run_dir=str(run_dir),
-            wall_s=time.time() - started,
-            val_initial=val_initial,
-            val_final=val_final,
-            rounds=int(status.rounds) if status is not None else 0,
-            learners=per_learner,
-            num_params=num_params,
-            seq_len=recipe.model.seq_len,
-            stopped_by=stopped_by,
-        )
+        syncer_code = sup.stop(["syncer"], timeout=10.0)["syncer"]
+        facts = {
+            "started": started,
+            "train_end": train_end,
+            "val_initial": val_initial,
+            "val_final": val_final,
+            "num_params": num_params,
+            "seq_len": recipe.model.seq_len,
+            "stopped_by": stopped_by,
+            "codes": codes,
+        }
+        summary = summarize(args, run_dir, plans, sup, facts)
         summary["syncer_exit_code"] = syncer_code
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if args.json:
             print(json.dumps(summary, indent=1))
         else:
             print(format_summary(summary))
-        return 0 if syncer_code == 0 and all(c == 0 for c in codes.values()) else 1
+        clean = syncer_code == 0 and all(c in (0, None) for c in codes.values())
+        return 0 if clean else 1
     except (RuntimeError, TimeoutError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 1
@@ -274,11 +250,99 @@ def run(args: argparse.Namespace) -> int:
             evaluator.close()
         if status_client is not None:
             status_client.close()
-        leftover = [c for c in [*learners.values(), *([syncer] if syncer else [])] if c.running]
-        if leftover:
-            stop_all(leftover, timeout=5.0)
+        leftovers = [n for n, s in sup.slots.items() if s.child is not None and s.child.running]
+        if leftovers:
+            sup.stop(leftovers, timeout=5.0)
+        sup.kill_everything()
+        tape.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def wait_for_status(client: StatusClient, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = client.fetch()
+        if status is not None:
+            return status
+        time.sleep(0.2)
+    return None
+
+
+def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
+    """``summary.json`` from the event tape and the learners' progress files.
+
+    ``facts`` holds ``started``, ``train_end``, ``val_initial``, ``val_final``, ``num_params``,
+    ``seq_len``, ``stopped_by`` and ``codes`` (last exit code per learner).
+    """
+    from diloco.launch.goodput import learner_speed, tape_metrics
+    from diloco.launch.summary import build_summary
+    from diloco.syncer.store import read_tape
+
+    records = read_tape(run_dir / "syncer" / "events.jsonl")
+    rounds = [r for r in records if r.get("event") == "round"]
+    per_learner, speeds = [], {}
+    for plan in plans:
+        progress = _progress(run_dir / "learners" / plan.id / "progress.jsonl")
+        last = {k: v for rec in progress for k, v in rec.items()}
+        speeds[plan.id] = learner_speed(progress)
+        per_learner.append(
+            {
+                "id": plan.id,
+                "steps": int(last.get("step", 0)),
+                "tokens": int(last.get("tokens", 0)),
+                "steps_per_s": float(last.get("steps_per_s", 0.0)),
+                "batch_size": plan.batch_size,
+                "slow": plan.slow,
+                "exit_code": facts["codes"].get(plan.id),
+                "restarts": sup.slots[plan.id].restarts,
+                "contributions": sum(1 for r in rounds if plan.id in r["participants"]),
+                "bytes_up": _transport_total(progress, "bytes_up"),
+                "bytes_down": _transport_total(progress, "bytes_down"),
+            }
+        )
+    summary = build_summary(
+        mode=args.mode,
+        run_dir=str(run_dir),
+        wall_s=time.time() - facts["started"],
+        val_initial=facts["val_initial"],
+        val_final=facts["val_final"],
+        rounds=len(rounds),
+        learners=per_learner,
+        num_params=facts["num_params"],
+        seq_len=facts["seq_len"],
+        stopped_by=facts["stopped_by"],
+    )
+    summary.update(
+        tape_metrics(records, fragments=args.fragments, end=facts["train_end"], speeds=speeds)
+    )
+    summary["syncer_restarts"] = sup.slots["syncer"].restarts
+    return summary
+
+
+def _progress(path: Path) -> list[dict]:
+    records = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return records
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+    return records
+
+
+def _transport_total(progress: list[dict], key: str) -> int:
+    """Bytes over all incarnations: each restart starts its counter at 0 again."""
+    total, last = 0, 0
+    for rec in progress:
+        value = int(rec.get(key, 0))
+        if value < last:
+            total += last
+        last = value
+    return total + last
 
 
 def _append_metric(run_dir: Path, started: float, status, loss: float, versions: list[int]):
@@ -293,40 +357,55 @@ def _append_metric(run_dir: Path, started: float, status, loss: float, versions:
         f.write(json.dumps(rec) + "\n")
 
 
-def supervise(args, stop, started, syncer, learners, plans, evaluator, status_client, run_dir):
-    """The supervisor loop: view, evaluation, stop conditions. Returns why it stopped."""
+MAX_UNPLANNED_RESTARTS = 5
+
+
+def supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir) -> str:
+    """The supervisor loop: failures and restarts, view, evaluation, stop conditions.
+
+    Returns why it stopped. Raises RuntimeError if a process keeps crashing on its own.
+    """
     from diloco.launch.view import LiveView
 
     view = LiveView(enabled=not args.json and not args.no_view)
     last_eval = 0.0
     last_loss = None
+    last_status = None
     prev_tokens: dict[str, tuple[float, int]] = {}
     rate: dict[str, float] = {}
     while True:
+        if stop.wait(0.25):
+            return "interrupt"
+        sup.poll()
+        for slot in sup.slots.values():
+            crashes = sum(1 for c in slot.exit_codes if c != 0) - _planned(slot)
+            if crashes > MAX_UNPLANNED_RESTARTS:
+                tail = slot.child.tail() if slot.child else ""
+                raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
         now = time.time()
         elapsed = now - started
-        if stop.wait(0.5):
-            return "interrupt"
-        if not syncer.running:
-            raise RuntimeError(f"the syncer exited with code {syncer.poll()}:\n{syncer.tail()}")
-        status = status_client.fetch()
-        tokens = sum(ls.tokens for ls in status.learners) if status is not None else 0
+        status = status_client.fetch() if sup.running("syncer") else None
+        last_status = status or last_status
+        tokens = sum(ls.tokens for ls in last_status.learners) if last_status else 0
         if args.eval_every and now - last_eval >= args.eval_every:
             last_eval = now
             last_loss, versions = evaluator.evaluate()
             _append_metric(run_dir, started, status, last_loss, versions)
-        by_id = {ls.learner_id: ls for ls in status.learners} if status is not None else {}
+        by_id = {ls.learner_id: ls for ls in last_status.learners} if last_status else {}
         rows = []
         for plan in plans:
-            child, st = learners[plan.id], by_id.get(plan.id)
+            slot, st = sup.slots[plan.id], by_id.get(plan.id)
             step, tok = (int(st.step), int(st.tokens)) if st else (0, 0)
-            t0, tok0 = prev_tokens.get(plan.id, (now, tok))
+            t0, tok0 = prev_tokens.setdefault(plan.id, (now, tok))
             if now - t0 >= 2.0:
-                rate[plan.id] = (tok - tok0) / (now - t0)
+                rate[plan.id] = max(0.0, (tok - tok0) / (now - t0))
                 prev_tokens[plan.id] = (now, tok)
-            prev_tokens.setdefault(plan.id, (now, tok))
-            if not child.running:
-                state = f"exited ({child.poll()})"
+            if slot.finished:
+                state = "finished"
+            elif slot.resume_at is not None:
+                state = "hung (chaos)"
+            elif slot.restart_at is not None:
+                state = f"down, restart in {max(0.0, slot.restart_at - elapsed):.0f}s"
             elif st is None:
                 state = "starting"
             else:
@@ -344,9 +423,11 @@ def supervise(args, stop, started, syncer, learners, plans, evaluator, status_cl
             {
                 "elapsed": elapsed,
                 "val_loss": last_loss,
-                "rounds": status.rounds if status is not None else 0,
-                "bytes_up": sum(ls.bytes_up for ls in status.learners) if status else 0,
-                "bytes_down": sum(ls.bytes_down for ls in status.learners) if status else 0,
+                "rounds": last_status.rounds if last_status else 0,
+                "bytes_up": sum(ls.bytes_up for ls in last_status.learners) if last_status else 0,
+                "bytes_down": sum(ls.bytes_down for ls in last_status.learners)
+                if last_status
+                else 0,
                 "learners": rows,
             }
         )
@@ -354,8 +435,13 @@ def supervise(args, stop, started, syncer, learners, plans, evaluator, status_cl
             return "time"
         if args.tokens and tokens >= args.tokens:
             return "tokens"
-        if all(not c.running for c in learners.values()):
+        if all(s.finished for s in sup.learners()):
             return "learners finished"
+
+
+def _planned(slot) -> int:
+    """Exits that the chaos schedule caused (restarts minus unplanned crashes are planned)."""
+    return slot.planned_deaths
 
 
 def register(subparsers) -> None:
@@ -397,7 +483,22 @@ def register(subparsers) -> None:
     p.add_argument("--fragments", type=int, default=24, help="P (default 24)")
     p.add_argument("--sync-every", type=int, default=24, help="H in steps (default 24)")
     p.add_argument(
-        "--eval-every", type=float, default=5.0, help="seconds between evaluations (default 5; 0: only at the start and the end)"
+        "--eval-every",
+        type=float,
+        default=5.0,
+        help="seconds between evaluations (default 5; 0: only at the start and the end)",
+    )
+    p.add_argument(
+        "--chaos",
+        default="",
+        metavar="SPEC",
+        help="inject failures, e.g. 'kill:mtbf=60s,down=5-15s;syncer-kill:at=120s' (docs/cli.md)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=10.0,
+        help="seconds between learners' local checkpoints (default 10)",
     )
     p.add_argument("--name", help="run name (default: the start time)")
     p.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -48,21 +49,38 @@ def run(args: argparse.Namespace) -> int:
         learner_id=args.id,
         cpu_threads=args.threads,
     )
+    checkpoint = workdir / CHECKPOINT if workdir and not args.no_sync else None
+    saved = load_checkpoint(checkpoint) if checkpoint else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        stream.load_state_dict(saved["stream"])
+        print(
+            f"learner {args.id}: resumed from {checkpoint} at step {saved['learner']['local_step']}"
+        )
     if args.no_sync:
         learner = LocalOnly()
     else:
-        learner = Learner(model, optimizer, syncer=args.syncer, config=config)
+        learner = Learner(
+            model,
+            optimizer,
+            syncer=args.syncer,
+            config=config,
+            state=saved["learner"] if saved else None,
+        )
     if not learner.wait_for_global(timeout=args.join_timeout):
         print(
             f"learner {args.id}: no global model from {args.syncer} within {args.join_timeout}s; training from the local init"
         )
     progress = (workdir / "progress.jsonl").open("a") if workdir else None
-    last_report = time.time()
+    last_report = last_checkpoint = time.time()
     started = time.time()
+    run_started = args.run_started or started
+    first_step = learner.local_step  # > 0 when resumed from a checkpoint
     while not stop.is_set() and (not args.total_steps or learner.local_step < args.total_steps):
         step = learner.local_step
         for group in optimizer.param_groups:
-            group["lr"] = recipe.lr_at(step, schedule_length(args, step, time.time() - started))
+            group["lr"] = recipe.lr_at(step, schedule_length(args, step, time.time() - run_started))
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         _, loss = model(x, y)
@@ -74,9 +92,12 @@ def run(args: argparse.Namespace) -> int:
             time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
         learner.step(tokens=x.numel())
         now = time.time()
+        if checkpoint and args.checkpoint_every and now - last_checkpoint >= args.checkpoint_every:
+            last_checkpoint = now
+            save_checkpoint(checkpoint, model, optimizer, learner, stream)
         if progress and now - last_report >= args.report_every:
             last_report = now
-            sps = learner.local_step / max(now - started, 1e-9)
+            sps = (learner.local_step - first_step) / max(now - started, 1e-9)
             progress.write(
                 json.dumps(
                     {
@@ -85,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
                         "tokens": learner.total_tokens,
                         "loss": float(loss),
                         "steps_per_s": sps,
+                        "bytes_up": learner.stats.get("bytes_up", 0),
+                        "bytes_down": learner.stats.get("bytes_down", 0),
                     }
                 )
                 + "\n"
@@ -92,14 +115,59 @@ def run(args: argparse.Namespace) -> int:
             progress.flush()
     train_s = time.time() - started
     learner.close(flush=True)
+    if checkpoint:
+        save_checkpoint(checkpoint, model, optimizer, learner, stream)
     if workdir and not args.no_sync:
         write_final_state(workdir, learner)
     if progress:
         final = {"t": time.time(), "event": "exit", **learner.stats}
-        final["steps_per_s"] = learner.local_step / max(train_s, 1e-9)
+        final["steps_per_s"] = (learner.local_step - first_step) / max(train_s, 1e-9)
         progress.write(json.dumps(final) + "\n")
         progress.close()
     return 0
+
+
+CHECKPOINT = "checkpoint.pt"
+
+
+def save_checkpoint(path: Path, model, optimizer, learner, stream) -> None:
+    """This learner's own local checkpoint: model, inner optimizer, Learner state, data position.
+
+    Written to a temporary file, fsynced and renamed, so a crash never leaves a torn file.
+    """
+    import torch
+
+    tmp = path.with_suffix(".tmp")
+    state = {
+        "format": 1,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "learner": learner.state_dict(),
+        "stream": stream.state_dict(),
+    }
+    with tmp.open("wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict | None:
+    """The checkpoint at ``path`` (``weights_only=True``), or None if there is none or it is
+    unreadable (then the learner starts fresh from the global model, and says so)."""
+    import torch
+
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:  # a damaged checkpoint must not keep a learner down
+        print(f"ignoring unreadable checkpoint {path}: {exc}", file=sys.stderr)
+        return None
+    if not isinstance(state, dict) or state.get("format") != 1:
+        print(f"ignoring checkpoint {path}: unknown format", file=sys.stderr)
+        return None
+    return state
 
 
 class LocalOnly:
@@ -182,6 +250,18 @@ def register(subparsers) -> None:
         type=float,
         default=0.0,
         help="fit the lr schedule to this time budget when the step count is unknown",
+    )
+    p.add_argument(
+        "--run-started",
+        type=float,
+        default=0.0,
+        help="epoch seconds the run started (schedule-seconds counts from it; default: now)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=30.0,
+        help="seconds between local checkpoints in --workdir (0: only at exit)",
     )
     p.add_argument("--workdir", help="directory for progress and checkpoints")
     p.add_argument("--threads", type=int, default=1)

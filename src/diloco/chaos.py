@@ -1,0 +1,147 @@
+"""Chaos: a failure taxonomy, a spec syntax and a seeded schedule of failures.
+
+Pure functions only; the supervisor of ``diloco run`` carries the events out with real signals.
+
+Spec syntax (``diloco run --chaos SPEC``): clauses separated by ``;``, each ``KIND:key=value,...``.
+Durations take ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIGH``.
+
+=====================================  ==================================================
+``kill:mtbf=60s,down=5-15s``           every learner is SIGKILLed with exponential
+                                       inter-arrival times (mean ``mtbf``) and restarted
+                                       after a down time drawn uniformly from ``down``
+``hang:mtbf=90s,down=3-8s``            SIGSTOP a learner, SIGCONT it after the down time
+``syncer-kill:at=120s,down=2s``        SIGKILL the syncer at ``at``, restart it after ``down``
+``kill:at=20s,down=3s,learners=1``     one failure at a fixed time (also for ``hang``)
+=====================================  ==================================================
+
+Any clause may add ``learners=0+2`` to restrict it to those learner indices, and
+``start=10s`` to leave the first seconds of the run alone (default 5 s). Slow learners are
+set with ``--slow I=F``, which is not a failure but a permanent property.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+KINDS = ("kill", "hang", "syncer-kill")
+
+
+class ChaosSpecError(ValueError):
+    """The chaos spec does not parse; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class Clause:
+    kind: str
+    mtbf_s: float = 0.0
+    down_s: tuple[float, float] = (5.0, 15.0)
+    at_s: float = 0.0
+    learners: tuple[int, ...] | None = None
+    start_s: float = 5.0
+
+
+@dataclass(frozen=True, order=True)
+class ChaosEvent:
+    """At ``t`` seconds into the run, do ``kind`` to ``target`` for ``down_s`` seconds."""
+
+    t: float
+    kind: str
+    target: str
+    down_s: float
+
+
+def parse_duration(text: str) -> float:
+    text = text.strip()
+    scale = 1.0
+    if text.endswith("m"):
+        scale, text = 60.0, text[:-1]
+    elif text.endswith("s"):
+        text = text[:-1]
+    value = float(text) * scale
+    if value < 0:
+        raise ValueError("negative duration")
+    return value
+
+
+def parse_range(text: str) -> tuple[float, float]:
+    low, sep, high = text.partition("-")
+    lo = parse_duration(low)
+    hi = parse_duration(high) if sep else lo
+    if hi < lo:
+        raise ValueError(f"range {text!r} is reversed")
+    return lo, hi
+
+
+def parse_spec(spec: str) -> list[Clause]:
+    """Parse a chaos spec; raises :class:`ChaosSpecError` naming the bad clause."""
+    clauses = []
+    for raw in filter(None, (c.strip() for c in spec.split(";"))):
+        kind, _, rest = raw.partition(":")
+        kind = kind.strip()
+        if kind not in KINDS:
+            raise ChaosSpecError(
+                f"{raw!r}: unknown kind {kind!r}; choose one of {', '.join(KINDS)}"
+            )
+        fields: dict = {"kind": kind}
+        try:
+            for item in filter(None, (x.strip() for x in rest.split(","))):
+                key, sep, value = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{item!r} is not key=value")
+                if key == "mtbf":
+                    fields["mtbf_s"] = parse_duration(value)
+                elif key == "down":
+                    fields["down_s"] = parse_range(value)
+                elif key == "at":
+                    fields["at_s"] = parse_duration(value)
+                elif key == "start":
+                    fields["start_s"] = parse_duration(value)
+                elif key == "learners":
+                    fields["learners"] = tuple(int(i) for i in value.split("+"))
+                else:
+                    raise ValueError(f"unknown key {key!r}")
+        except ValueError as exc:
+            raise ChaosSpecError(f"{raw!r}: {exc}") from None
+        clause = Clause(**fields)
+        if kind in ("kill", "hang") and clause.mtbf_s <= 0 and clause.at_s <= 0:
+            raise ChaosSpecError(f"{raw!r}: {kind} needs mtbf=DURATION or at=DURATION")
+        if kind == "syncer-kill" and clause.at_s <= 0:
+            raise ChaosSpecError(f"{raw!r}: syncer-kill needs at=DURATION > 0")
+        clauses.append(clause)
+    return clauses
+
+
+def schedule(clauses: list[Clause], learners: int, horizon_s: float, seed: int) -> list[ChaosEvent]:
+    """Every failure of the run up to ``horizon_s``, sorted by time; a pure function of its inputs.
+
+    Per learner and clause, failures arrive with exponential inter-arrival times of mean
+    ``mtbf``; the clock for the next one starts when the learner is back up.
+    """
+    rng = random.Random(seed)
+    events: list[ChaosEvent] = []
+    for clause in clauses:
+        if clause.kind == "syncer-kill":
+            if clause.at_s <= horizon_s:
+                events.append(
+                    ChaosEvent(clause.at_s, "syncer-kill", "syncer", rng.uniform(*clause.down_s))
+                )
+            continue
+        targets = clause.learners if clause.learners is not None else range(learners)
+        for index in targets:
+            if not 0 <= index < learners:
+                raise ChaosSpecError(f"learner {index} does not exist (M = {learners})")
+            if clause.at_s > 0:  # one failure at a fixed time
+                if clause.at_s <= horizon_s:
+                    down = rng.uniform(*clause.down_s)
+                    events.append(ChaosEvent(clause.at_s, clause.kind, f"learner-{index}", down))
+                continue
+            t = clause.start_s
+            while True:
+                t += rng.expovariate(1.0 / clause.mtbf_s)
+                if t > horizon_s:
+                    break
+                down = rng.uniform(*clause.down_s)
+                events.append(ChaosEvent(round(t, 3), clause.kind, f"learner-{index}", down))
+                t += down
+    return sorted(events)

@@ -1,0 +1,167 @@
+"""The supervisor's process table: start, restart and inject failures into the run's children.
+
+Policy (DESIGN §2): a learner that dies is restarted after its down time (the chaos schedule's,
+or ``restart_delay_s`` for an unplanned crash) with the same id and work directory, so it
+resumes from its own checkpoint and rejoins; a learner that exits 0 has finished and stays
+down. The syncer is restarted from its state directory on the same address whenever it dies.
+Every injected failure and every restart is appended to the event tape (``chaos`` and
+``restart`` records) next to the syncer's own records.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diloco.chaos import ChaosEvent
+from diloco.launch.procs import Child
+
+
+@dataclass
+class Slot:
+    """One supervised process and what the supervisor knows about it."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    child: Child | None = None
+    restart_at: float | None = None
+    resume_at: float | None = None
+    finished: bool = False
+    restarts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+    expected_death: bool = False
+    planned_deaths: int = 0
+
+
+class Supervisor:
+    """Runs ``slots`` (learners and the syncer), carries out ``chaos`` events, restarts the dead.
+
+    ``tape`` is called with each record to append; ``clock`` gives seconds since the run
+    started. ``poll`` is called from the supervisor loop; it never blocks for long.
+    """
+
+    def __init__(
+        self,
+        *,
+        tape: Callable[[dict], None],
+        clock: Callable[[], float],
+        chaos: list[ChaosEvent] = (),
+        restart_delay_s: float = 1.0,
+    ) -> None:
+        self.slots: dict[str, Slot] = {}
+        self.tape = tape
+        self.clock = clock
+        self.pending = sorted(chaos)
+        self.restart_delay_s = restart_delay_s
+
+    def add(self, name: str, argv: list[str], log: Path) -> Slot:
+        slot = Slot(name, argv, log)
+        slot.child = Child(name, argv, log)
+        self.slots[name] = slot
+        return slot
+
+    def learners(self) -> list[Slot]:
+        return [s for s in self.slots.values() if s.name != "syncer"]
+
+    def running(self, name: str) -> bool:
+        slot = self.slots[name]
+        return slot.child is not None and slot.child.running
+
+    # ------------------------------------------------------------------------ loop step
+    def poll(self) -> None:
+        now = self.clock()
+        while self.pending and self.pending[0].t <= now:
+            self._inject(self.pending.pop(0), now)
+        for slot in self.slots.values():
+            self._check(slot, now)
+
+    def _inject(self, event: ChaosEvent, now: float) -> None:
+        slot = self.slots.get(event.target)
+        if slot is None or slot.finished or slot.child is None or not slot.child.running:
+            return  # nothing to fail: already down or done
+        if slot.resume_at is not None:
+            return  # hung already
+        self.tape(
+            {
+                "event": "chaos",
+                "t": time.time(),
+                "kind": event.kind,
+                "target": event.target,
+                "down_s": round(event.down_s, 3),
+            }
+        )
+        if event.kind in ("kill", "syncer-kill"):
+            slot.expected_death = True
+            slot.planned_deaths += 1
+            slot.child.kill()
+            slot.child.proc.wait(10)
+            slot.restart_at = now + event.down_s
+        elif event.kind == "hang":
+            slot.child.signal(signal.SIGSTOP)
+            slot.resume_at = now + event.down_s
+
+    def _check(self, slot: Slot, now: float) -> None:
+        child = slot.child
+        if slot.resume_at is not None and now >= slot.resume_at:
+            slot.resume_at = None
+            child.signal(signal.SIGCONT)
+            self.tape({"event": "resume", "t": time.time(), "target": slot.name})
+        if child is not None and not child.running and slot.restart_at is None:
+            code = child.poll()
+            slot.exit_codes.append(code)
+            child.close_log()
+            if code == 0 and slot.name != "syncer":
+                slot.finished = True
+                slot.child = None
+                return
+            if not slot.expected_death:
+                self.tape(
+                    {"event": "crash", "t": time.time(), "target": slot.name, "exit_code": code}
+                )
+            slot.restart_at = now + (0.0 if slot.name == "syncer" else self.restart_delay_s)
+        if slot.restart_at is not None and now >= slot.restart_at:
+            slot.restart_at = None
+            slot.expected_death = False
+            slot.restarts += 1
+            slot.child = Child(slot.name, slot.argv, slot.log)
+            self.tape({"event": "restart", "t": time.time(), "target": slot.name})
+
+    # ------------------------------------------------------------------------ shutdown
+    def stop(self, names: list[str], timeout: float) -> dict[str, int | None]:
+        """Stop the named processes (resume hung ones first); name -> exit code of the clean
+        stop, 0 if it had finished before, None if it was down when asked to stop."""
+        from diloco.launch.procs import stop_all
+
+        live = []
+        for name in names:
+            slot = self.slots[name]
+            slot.restart_at = None
+            slot.resume_at = None
+            if slot.child is not None and slot.child.running:
+                live.append(slot.child)
+        for c in live:
+            c.signal(signal.SIGCONT)
+        codes = stop_all(live, timeout=timeout)
+        out = {}
+        for name in names:
+            slot = self.slots[name]
+            if name in codes:
+                slot.exit_codes.append(codes[name])
+                out[name] = codes[name]
+            elif slot.finished:
+                out[name] = 0
+            else:
+                out[name] = None  # down (failed or waiting for its restart) when the run ended
+            if slot.child is not None and slot.child.running is False:
+                slot.child.close_log()
+        return out
+
+    def kill_everything(self) -> None:
+        for slot in self.slots.values():
+            if slot.child is not None and slot.child.running:
+                slot.child.signal(signal.SIGCONT)
+                slot.child.kill()
