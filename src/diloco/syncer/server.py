@@ -21,7 +21,7 @@ import torch
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.state import Commit, Refused, SyncerState
+from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import EventTape, FragmentStore, state_hash
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -459,6 +459,7 @@ class SyncerServer:
                     "syncer_id": self.state.syncer_id,
                     "restored_fragments": len(restored),
                     "versions": list(self.state.versions),
+                    "digests": [fragment_digest(t) for t in self.state.params],
                     "state_hash": state_hash(self.state.versions, self.state.params),
                 },
                 sync=True,

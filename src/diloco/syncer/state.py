@@ -13,6 +13,7 @@ token weights (× staleness discount), applies the outer Nesterov step and bumps
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -418,6 +419,7 @@ class SyncerState:
             "wait_s": round(now - round_.opened_at, 6),
             "reason": reason,
             "delta_norm": float(merged.norm()),
+            "digest": fragment_digest(self.params[fragment]),
         }
         return Commit(
             fragment,
@@ -426,6 +428,14 @@ class SyncerState:
             self.outer.fragment_state(fragment),
             record,
         )
+
+
+def fragment_digest(params: torch.Tensor) -> str:
+    """Short SHA-256 of a fragment's float32 values: the tape records it for every commit, and
+    a restarted syncer's ``start`` record shows the digests it restored, so an audit can check
+    that no committed round was lost."""
+    data = params.detach().to(torch.float32).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _check_id(learner_id: str) -> None:

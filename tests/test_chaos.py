@@ -1,0 +1,111 @@
+"""Chaos spec parsing and schedules; goodput, uptime and reintegration from a tape."""
+
+import pytest
+
+from diloco.chaos import ChaosSpecError, parse_spec, schedule
+from diloco.launch.goodput import learner_speed, tape_metrics, uptime
+
+
+def test_spec_parses_all_kinds():
+    clauses = parse_spec(
+        "kill:mtbf=60s,down=5-15s; hang:mtbf=2m,down=3s,learners=0+2;syncer-kill:at=120"
+    )
+    assert [c.kind for c in clauses] == ["kill", "hang", "syncer-kill"]
+    assert clauses[0].mtbf_s == 60 and clauses[0].down_s == (5, 15)
+    assert (
+        clauses[1].mtbf_s == 120 and clauses[1].learners == (0, 2) and clauses[1].down_s == (3, 3)
+    )
+    assert clauses[2].at_s == 120
+    assert parse_spec("") == []
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("explode:mtbf=1", "unknown kind"),
+        ("kill:down=1", "mtbf"),
+        ("kill:mtbf=x", "could not convert"),
+        ("kill:mtbf=5,down=9-3", "reversed"),
+        ("kill:mtbf=5,colour=red", "unknown key"),
+        ("kill:mtbf", "key=value"),
+        ("syncer-kill:down=3", "at="),
+    ],
+)
+def test_bad_specs_name_the_clause(spec, message):
+    with pytest.raises(ChaosSpecError, match=message):
+        parse_spec(spec)
+
+
+def test_schedule_is_seeded_sorted_and_respects_the_horizon():
+    clauses = parse_spec("kill:mtbf=20s,down=5-15s;syncer-kill:at=50s,down=2s")
+    a = schedule(clauses, 3, 600, seed=1)
+    assert a == schedule(clauses, 3, 600, seed=1)
+    assert a != schedule(clauses, 3, 600, seed=2)
+    assert a == sorted(a) and all(5 < e.t <= 600 for e in a)
+    assert sum(e.kind == "syncer-kill" for e in a) == 1
+    for target in ("learner-0", "learner-1", "learner-2"):
+        mine = [e for e in a if e.target == target]
+        assert 10 < len(mine) < 60  # about 600 / (20 + 10) failures each
+        for first, second in zip(mine, mine[1:], strict=False):
+            assert second.t >= first.t + first.down_s  # the next failure waits for the restart
+        assert all(5 <= e.down_s <= 15 for e in mine)
+
+
+def test_fixed_time_failures_and_unknown_learners():
+    events = schedule(parse_spec("hang:at=7s,down=2s,learners=1"), 2, 60, seed=0)
+    assert [(e.t, e.kind, e.target, e.down_s) for e in events] == [(7, "hang", "learner-1", 2)]
+    with pytest.raises(ChaosSpecError, match="does not exist"):
+        schedule(parse_spec("kill:mtbf=5,learners=4"), 2, 60, seed=0)
+
+
+def tape():
+    rounds = []
+    for i in range(100):  # a commit every 0.1 s from t=1 to t=11 by learner a, b joins later
+        t = 1 + i * 0.1
+        who = ["a"] if t < 6 else ["a", "b"]
+        rounds.append(
+            {
+                "event": "round",
+                "t": t,
+                "participants": who,
+                "tokens_by_learner": {m: 10 * 4 for m in who},  # 4 fragments, 10 tokens each
+            }
+        )
+    rounds = [r for r in rounds if not 4 <= r["t"] < 5]  # a one-second outage
+    return [
+        {"event": "join", "t": 1.0, "learner": "a"},
+        {"event": "join", "t": 1.0, "learner": "ev", "observer": True},
+        {"event": "chaos", "t": 4.0, "kind": "syncer-kill", "target": "syncer", "down_s": 1},
+        {"event": "join", "t": 5.5, "learner": "b"},
+        {"event": "restart", "t": 5.5, "target": "b"},
+        *rounds,
+    ]
+
+
+def test_tape_metrics():
+    m = tape_metrics(tape(), fragments=4, end=11.0, speeds={"a": 100.0, "b": 100.0})
+    assert m["useful_tokens"] == {"a": 900, "b": 500}
+    assert m["provisioned_tokens"] == {"a": 1000, "b": 550}
+    assert m["goodput"] == pytest.approx(1400 / 1550)
+    assert m["max_commit_gap_s"] == pytest.approx(1.1)
+    assert m["uptime"] == pytest.approx(0.93, abs=0.005)
+    assert m["failures_injected"] == [
+        {"t": 4.0, "kind": "syncer-kill", "target": "syncer", "down_s": 1}
+    ]
+    assert m["reintegrations"][0]["learner"] == "b"
+    assert m["reintegrations"][0]["reintegration_s"] == pytest.approx(0.5)
+
+
+def test_uptime_edges_and_learner_speed():
+    assert uptime([], 0, 10) == 0.0
+    assert uptime([1.0], 5, 5) == 0.0
+    progress = [
+        {"t": 0, "tokens": 0},
+        {"t": 1, "tokens": 100},
+        {"t": 2, "tokens": 200},
+        {"t": 30, "tokens": 50},  # restarted from a checkpoint: skipped
+        {"t": 31, "tokens": 150},
+        {"t": 32, "event": "exit", "tokens": 160},
+    ]
+    assert learner_speed(progress) == 100
+    assert learner_speed([]) == 0.0
