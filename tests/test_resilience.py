@@ -1,0 +1,148 @@
+"""Failures with real processes and real signals: SIGKILL a learner, SIGSTOP a learner,
+SIGKILL the syncer, all in one seeded ``diloco run --chaos`` run, against a fault-free run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diloco.syncer.store import read_tape
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2500
+KILL_AT, KILL_DOWN = 8.0, 2.0  # learner-1
+SYNCER_AT, SYNCER_DOWN = 16.0, 1.0
+HANG_AT, HANG_DOWN = 24.0, 4.0  # learner-0
+CHAOS = (
+    f"kill:at={KILL_AT}s,down={KILL_DOWN}s,learners=1;"
+    f"syncer-kill:at={SYNCER_AT}s,down={SYNCER_DOWN}s;"
+    f"hang:at={HANG_AT}s,down={HANG_DOWN}s,learners=0"
+)
+#: A faulty run may end at most this much above the fault-free run's held-out loss.
+LOSS_BOUND = 1.10
+
+
+def run(tmp_path, name: str, *extra: str) -> tuple[dict, list[dict]]:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "run",
+            "--recipe=tiny",
+            "--learners=2",
+            f"--steps={STEPS}",
+            "--minutes=2",
+            "--checkpoint-every=2",
+            "--eval-every=0",
+            f"--runs-dir={tmp_path}",
+            f"--name={name}",
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), read_tape(tmp_path / name / "syncer" / "events.jsonl")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resilience")
+    clean = run(tmp, "clean")
+    faulty = run(tmp, "chaos", f"--chaos={CHAOS}")
+    return clean, faulty
+
+
+def rounds_between(tape, t0, t1, learner=None):
+    return [
+        r
+        for r in tape
+        if r["event"] == "round"
+        and t0 <= r["t"] <= t1
+        and (learner is None or learner in r["participants"])
+    ]
+
+
+def one(tape, event, **match):
+    found = [
+        r for r in tape if r["event"] == event and all(r.get(k) == v for k, v in match.items())
+    ]
+    assert len(found) == 1, (event, match, found)
+    return found[0]
+
+
+@pytest.mark.timeout(420)
+def test_every_injected_failure_is_on_the_tape(runs):
+    _, (summary, tape) = runs
+    kinds = sorted((f["kind"], f["target"]) for f in summary["failures_injected"])
+    assert kinds == [("hang", "learner-0"), ("kill", "learner-1"), ("syncer-kill", "syncer")]
+    assert summary["syncer_restarts"] == 1
+    assert summary["per_learner"]["learner-1"]["restarts"] == 1
+    assert {"goodput", "uptime", "max_commit_gap_s", "reintegrations"} <= summary.keys()
+    assert 0 < summary["goodput"] <= 1.05 and 0 < summary["uptime"] <= 1
+
+
+def test_killed_learner_is_replaced_others_keep_committing_and_it_contributes_again(runs):
+    _, (summary, tape) = runs
+    kill = one(tape, "chaos", kind="kill")
+    back = one(tape, "restart", target="learner-1")
+    assert back["t"] - kill["t"] >= KILL_DOWN
+    # Contributions that arrived before the kill may still close their rounds just after it.
+    during = rounds_between(tape, kill["t"] + 1.0, back["t"])
+    assert during and all("learner-1" not in r["participants"] for r in during)
+    assert rounds_between(tape, back["t"], float("inf"), "learner-1")
+    reint = [r for r in summary["reintegrations"] if r["learner"] == "learner-1"]
+    assert reint and reint[0]["reintegration_s"] is not None
+    # It resumed from its own checkpoint, not from step 0.
+    log = Path(summary["run_dir"]) / "logs" / "learner-1.log"
+    assert "resumed from" in log.read_text()
+
+
+def test_hung_learner_drops_out_while_others_commit_and_comes_back(runs):
+    _, (_, tape) = runs
+    hang = one(tape, "chaos", kind="hang")
+    resume = one(tape, "resume", target="learner-0")
+    assert resume["t"] - hang["t"] >= HANG_DOWN - 0.5
+    assert rounds_between(tape, hang["t"] + 1, resume["t"], "learner-1")
+    assert not rounds_between(tape, hang["t"] + 1, resume["t"], "learner-0")
+    assert rounds_between(tape, resume["t"], float("inf"), "learner-0")
+
+
+def test_syncer_restarts_with_every_committed_round(runs):
+    _, (summary, tape) = runs
+    kill = one(tape, "chaos", kind="syncer-kill")
+    starts = [r for r in tape if r["event"] == "start"]
+    assert len(starts) == 2
+    restart = starts[1]
+    # The restarted syncer holds exactly the last committed version and values of each fragment.
+    last: dict[int, dict] = {}
+    for r in tape:
+        if r["event"] == "round" and r["t"] < restart["t"]:
+            last[r["fragment"]] = r
+    for p, version in enumerate(restart["versions"]):
+        assert version == last[p]["version"], p
+        assert restart["digests"][p] == last[p]["digest"], p
+    # Commits resume after the restart, from both learners.
+    after = rounds_between(tape, restart["t"], float("inf"))
+    assert {"learner-0", "learner-1"} <= {m for r in after for m in r["participants"]}
+    # The longest gap between commits is the syncer's own outage, bounded.
+    assert summary["max_commit_gap_s"] < SYNCER_DOWN + 15
+    assert restart["t"] > kill["t"]
+
+
+def test_quality_within_bound_of_a_fault_free_run(runs):
+    (clean, _), (faulty, _) = runs
+    assert clean["val_loss"]["final"] < 0.8 * clean["val_loss"]["initial"]
+    assert faulty["val_loss"]["final"] <= LOSS_BOUND * clean["val_loss"]["final"], (
+        faulty["val_loss"],
+        clean["val_loss"],
+    )
