@@ -1,5 +1,6 @@
 """Failures with real processes and real signals: SIGKILL a learner, SIGSTOP a learner,
-SIGKILL the syncer, all in one seeded ``diloco run --chaos`` run, against a fault-free run."""
+SIGKILL the syncer, cut a learner's network, all in one seeded ``diloco run --chaos`` run,
+against a fault-free run."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from diloco.syncer.store import read_tape
 
 pytestmark = pytest.mark.slow
 
-STEPS = 2500
+STEPS = 3000
 KILL_AT, KILL_DOWN = 8.0, 2.0  # learner-1
 SYNCER_AT, SYNCER_DOWN = 16.0, 1.0
 HANG_AT, HANG_DOWN = 24.0, 4.0  # learner-0
+PART_AT, PART_DOWN = 31.0, 6.0  # learner-1
 CHAOS = (
     f"kill:at={KILL_AT}s,down={KILL_DOWN}s,learners=1;"
     f"syncer-kill:at={SYNCER_AT}s,down={SYNCER_DOWN}s;"
-    f"hang:at={HANG_AT}s,down={HANG_DOWN}s,learners=0"
+    f"hang:at={HANG_AT}s,down={HANG_DOWN}s,learners=0;"
+    f"partition:at={PART_AT}s,down={PART_DOWN}s,learners=1"
 )
 #: A faulty run may end at most this much above the fault-free run's held-out loss.
 LOSS_BOUND = 1.10
@@ -84,7 +87,12 @@ def one(tape, event, **match):
 def test_every_injected_failure_is_on_the_tape(runs):
     _, (summary, tape) = runs
     kinds = sorted((f["kind"], f["target"]) for f in summary["failures_injected"])
-    assert kinds == [("hang", "learner-0"), ("kill", "learner-1"), ("syncer-kill", "syncer")]
+    assert kinds == [
+        ("hang", "learner-0"),
+        ("kill", "learner-1"),
+        ("partition", "learner-1"),
+        ("syncer-kill", "syncer"),
+    ]
     assert summary["syncer_restarts"] == 1
     assert summary["per_learner"]["learner-1"]["restarts"] == 1
     assert {"goodput", "uptime", "max_commit_gap_s", "reintegrations"} <= summary.keys()
@@ -146,3 +154,21 @@ def test_quality_within_bound_of_a_fault_free_run(runs):
         faulty["val_loss"],
         clean["val_loss"],
     )
+
+
+def test_partitioned_learner_keeps_training_and_contributes_after_the_link_heals(runs):
+    _, (summary, tape) = runs
+    cut = one(tape, "chaos", kind="partition")
+    heal = one(tape, "heal", target="learner-1")
+    assert heal["t"] - cut["t"] >= PART_DOWN - 0.5
+    assert rounds_between(tape, cut["t"] + 1, heal["t"], "learner-0")
+    assert not rounds_between(tape, cut["t"] + 1, heal["t"], "learner-1")
+    assert rounds_between(tape, heal["t"], float("inf"), "learner-1")
+    progress = [
+        json.loads(line)
+        for line in (Path(summary["run_dir"]) / "learners" / "learner-1" / "progress.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    steps = [r["step"] for r in progress if "step" in r and cut["t"] + 1 <= r["t"] <= heal["t"]]
+    assert len(steps) >= 2 and steps[-1] > steps[0]  # it trained while cut off

@@ -10,6 +10,8 @@ Durations take ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIGH``.
                                        inter-arrival times (mean ``mtbf``) and restarted
                                        after a down time drawn uniformly from ``down``
 ``hang:mtbf=90s,down=3-8s``            SIGSTOP a learner, SIGCONT it after the down time
+``partition:mtbf=90s,down=5-10s``      cut a learner's network (a TCP relay drops its
+                                       connections and refuses new ones); it keeps training
 ``syncer-kill:at=120s,down=2s``        SIGKILL the syncer at ``at``, restart it after ``down``
 ``kill:at=20s,down=3s,learners=1``     one failure at a fixed time (also for ``hang``)
 =====================================  ==================================================
@@ -24,7 +26,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "syncer-kill")
+KINDS = ("kill", "hang", "partition", "syncer-kill")
 
 
 class ChaosSpecError(ValueError):
@@ -104,7 +106,7 @@ def parse_spec(spec: str) -> list[Clause]:
         except ValueError as exc:
             raise ChaosSpecError(f"{raw!r}: {exc}") from None
         clause = Clause(**fields)
-        if kind in ("kill", "hang") and clause.mtbf_s <= 0 and clause.at_s <= 0:
+        if kind in ("kill", "hang", "partition") and clause.mtbf_s <= 0 and clause.at_s <= 0:
             raise ChaosSpecError(f"{raw!r}: {kind} needs mtbf=DURATION or at=DURATION")
         if kind == "syncer-kill" and clause.at_s <= 0:
             raise ChaosSpecError(f"{raw!r}: syncer-kill needs at=DURATION > 0")

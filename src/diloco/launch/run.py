@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from diloco.chaos import ChaosSpecError, parse_spec, schedule
     from diloco.launch.evaluator import Evaluator
     from diloco.launch.procs import diloco_command, wait_for_file
+    from diloco.launch.relay import Relay
     from diloco.launch.summary import format_summary
     from diloco.launch.supervisor import Supervisor
     from diloco.recipes import DataError, get_recipe
@@ -134,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         recipe.load_data()  # validate the data before starting anything
         plans = plan_learners(args, recipe.batch_size)
         horizon = args.minutes * 60 if args.minutes else 24 * 3600.0
-        chaos = schedule(parse_spec(args.chaos or ""), args.learners, horizon, args.seed)
+        clauses = parse_spec(args.chaos or "")
+        chaos = schedule(clauses, args.learners, horizon, args.seed)
     except (DataError, ChaosSpecError, ValueError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 2
@@ -179,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         # A restarted syncer comes back on the same address, so learners just reconnect.
         syncer.argv = [f"--bind={address}" if a == "--bind=127.0.0.1:0" else a for a in syncer.argv]
         status_client = StatusClient(address)
+        if any(c.kind == "partition" for c in clauses):  # learners reach the syncer via relays
+            sup.relays.update({p.id: Relay(address, name=f"relay-{p.id}") for p in plans})
         model0 = recipe.build_model(args.seed)
         num_params = sum(p.numel() for p in model0.parameters())
         val_initial = recipe.evaluate(model0)
@@ -190,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
                 plan.id,
                 diloco_command(
                     "learner",
-                    f"--syncer={address}",
+                    f"--syncer={sup.relays[plan.id].address if plan.id in sup.relays else address}",
                     f"--id={plan.id}",
                     f"--index={plan.index}",
                     f"--batch-size={plan.batch_size}",
@@ -254,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
         if leftovers:
             sup.stop(leftovers, timeout=5.0)
         sup.kill_everything()
+        for relay in sup.relays.values():
+            relay.close()
         tape.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)

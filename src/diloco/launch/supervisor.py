@@ -34,6 +34,7 @@ class Slot:
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     expected_death: bool = False
+    heal_at: float | None = None
     planned_deaths: int = 0
 
 
@@ -51,7 +52,9 @@ class Supervisor:
         clock: Callable[[], float],
         chaos: list[ChaosEvent] = (),
         restart_delay_s: float = 1.0,
+        relays: dict | None = None,
     ) -> None:
+        self.relays = relays or {}
         self.slots: dict[str, Slot] = {}
         self.tape = tape
         self.clock = clock
@@ -83,8 +86,10 @@ class Supervisor:
         slot = self.slots.get(event.target)
         if slot is None or slot.finished or slot.child is None or not slot.child.running:
             return  # nothing to fail: already down or done
-        if slot.resume_at is not None:
-            return  # hung already
+        if slot.resume_at is not None or slot.heal_at is not None:
+            return  # hung or partitioned already
+        if event.kind == "partition" and event.target not in self.relays:
+            return
         self.tape(
             {
                 "event": "chaos",
@@ -103,9 +108,16 @@ class Supervisor:
         elif event.kind == "hang":
             slot.child.signal(signal.SIGSTOP)
             slot.resume_at = now + event.down_s
+        elif event.kind == "partition":
+            self.relays[event.target].partition(event.down_s)
+            slot.heal_at = now + event.down_s
 
     def _check(self, slot: Slot, now: float) -> None:
         child = slot.child
+        if slot.heal_at is not None and now >= slot.heal_at:
+            slot.heal_at = None
+            self.relays[slot.name].heal()
+            self.tape({"event": "heal", "t": time.time(), "target": slot.name})
         if slot.resume_at is not None and now >= slot.resume_at:
             slot.resume_at = None
             child.signal(signal.SIGCONT)

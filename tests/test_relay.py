@@ -1,0 +1,74 @@
+"""The partition relay: forwards bytes, cuts connections, refuses while partitioned, heals."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from diloco.launch.relay import Relay
+
+
+@pytest.fixture
+def echo_server():
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+    def echo(conn):
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    server.close()
+    thread.join(2)
+
+
+def connect(address):
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def roundtrip(sock, payload=b"x" * 3_000_000):
+    sock.sendall(payload)
+    got = b""
+    while len(got) < len(payload):
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        got += chunk
+    return got == payload
+
+
+def test_relay_forwards_partitions_and_heals(echo_server):
+    relay = Relay(echo_server)
+    try:
+        a = connect(relay.address)
+        assert roundtrip(a)
+        relay.partition(30)
+        assert a.recv(10) == b""  # the open connection is cut
+        b = connect(relay.address)  # the port still accepts, then drops the connection
+        assert b.recv(10) == b""
+        relay.heal()
+        c = connect(relay.address)
+        assert roundtrip(c)
+        relay.partition(0.3)
+        time.sleep(0.4)  # partitions end by themselves
+        d = connect(relay.address)
+        assert roundtrip(d, b"hello")
+    finally:
+        relay.close()
