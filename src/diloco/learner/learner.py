@@ -180,16 +180,28 @@ class Learner:
         return len(arrived)
 
     def wait_for_global(self, timeout: float = 60.0) -> bool:
-        """Block until every fragment has been received once (for a fresh start); True if so."""
+        """Block until this learner holds every fragment at least at the version the syncer had
+        when it joined, and apply them; True if so within ``timeout``.
+
+        Call it once before training: a fresh learner then starts from the global model, and
+        one restored from a checkpoint catches up before it sends (instead of sending deltas
+        against versions the syncer has moved past, which it would refuse as too stale).
+        """
         deadline = time.monotonic() + timeout
-        while min(self.versions) < 0:
+        while True:
             if self.link.error is not None:
                 raise RuntimeError(str(self.link.error))
+            target = self.link.joined_versions
+            have = self._have_versions()
+            if target is not None and all(
+                h >= max(t, 0) for h, t in zip(have, target, strict=False)
+            ):
+                self.apply_arrived()
+                return True
             if time.monotonic() > deadline:
+                self.apply_arrived()
                 return False
             time.sleep(0.02)
-            self.apply_arrived()
-        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Queue every fragment with progress since it was received and wait for the uploads.

@@ -88,6 +88,8 @@ class SyncerLink:
         self.stats = LinkStats()
         self.error: BaseException | None = None
         self.connected = threading.Event()
+        self.joined_versions: list[int] | None = None
+        """Fragment versions the syncer reported at the last join (None before the first)."""
         self.up_codec = "int4"
         self._session = ""
         self._heartbeat_s = 1.0
@@ -210,6 +212,7 @@ class SyncerLink:
             timeout=self.rpc_timeout_s,
             metadata=self.metadata,
         )
+        self.joined_versions = list(reply.versions)
         self._session, self._heartbeat_s, self.up_codec = (
             reply.session,
             max(0.05, reply.heartbeat_s),
@@ -255,11 +258,20 @@ class SyncerLink:
                     return
                 if not self._jobs:
                     continue
-                fragment = min(self._jobs)
+                # Oldest waiting fragment first: a replaced job keeps its place in the queue,
+                # so when uploads cannot keep up every fragment still gets its turn.
+                fragment = next(iter(self._jobs))
                 job = self._jobs.pop(fragment)
                 self._in_flight += 1
             try:
                 self._upload(job)
+            except ValueError:
+                # The link thread closed the channel under us (connection lost): the job is
+                # dropped; its progress is still in the learner and goes out when next due.
+                self.stats.uploads_failed += 1
+            except Exception as exc:  # the sender must never die silently
+                self.stats.uploads_failed += 1
+                log.warning("upload of fragment %d failed: %r", job.fragment, exc)
             finally:
                 with self._jobs_cond:
                     self._in_flight -= 1
@@ -330,7 +342,7 @@ class SyncerLink:
                     timeout=max(2.0, 2 * self._heartbeat_s),
                     metadata=self.metadata,
                 )
-            except grpc.RpcError:
+            except (grpc.RpcError, ValueError):  # ValueError: channel closed by the link thread
                 continue
             if not reply.known and self._channel is not None:
                 # The syncer restarted or dropped us: reconnect (join again) from the link thread.
