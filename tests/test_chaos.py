@@ -98,6 +98,8 @@ def test_tape_metrics():
 
 def test_uptime_edges_and_learner_speed():
     assert uptime([], 0, 10) == 0.0
+    batched = [t / 10 for t in range(100) for _ in range(3)]  # 3 commits per poll, 10 polls/s
+    assert uptime(batched, 0, 10) == pytest.approx(1.0)
     assert uptime([1.0], 5, 5) == 0.0
     progress = [
         {"t": 0, "tokens": 0},

@@ -12,7 +12,7 @@ Definitions used here:
 * **goodput** = Σ useful / Σ provisioned.
 * **uptime**: the fraction of the time between the first join and the end of the run that lies
   within ``window`` seconds after some commit, where ``window = 4 × median gap between
-  commits``: the global model is "advancing" while commits keep coming at their usual
+  consecutive distinct commit times``: the global model is "advancing" while commits keep coming at their usual
   pace.
 * **max_commit_gap_s**: the longest time between two consecutive commits (any fragment).
 * **reintegration**: for every learner restart, the time from the restart to the first
@@ -46,8 +46,8 @@ def uptime(commit_times: list[float], start: float, end: float) -> float:
     ts = sorted(t for t in commit_times if start <= t <= end)
     if not ts:
         return 0.0
-    gaps = commit_gaps(ts)
-    window = max(1e-3, 4 * statistics.median(gaps)) if gaps else 1.0
+    gaps = [g for g in commit_gaps(ts) if g > 0]  # commits closed in one poll share a time
+    window = 4 * statistics.median(gaps) if gaps else 1.0
     covered = 0.0
     reach = start
     for t in ts:
