@@ -37,7 +37,7 @@ class Evaluator:
             **(link_options or {}),
         ).start()
 
-    def _on_fragment(self, fragment: int, version: int, value: torch.Tensor) -> None:
+    def _on_fragment(self, fragment: int, version: int, value: torch.Tensor, _contributors=()):
         with self._lock:
             old = self._latest.get(fragment)
             if old is None or old[0] < version:

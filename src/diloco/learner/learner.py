@@ -34,6 +34,10 @@ class LearnerConfig:
     """P: number of fragments the model is cut into (must match the syncer)."""
     sync_every: int = 24
     """H: each fragment is sent every H local steps."""
+    rebase_foreign: bool = True
+    """When a merged fragment arrives that does not include this learner's latest
+    contribution, move the local progress onto it (``θ ← θ + (Θ − A)``, counters kept) instead
+    of discarding it; merges that include the contribution are applied by ``alpha`` as usual."""
     alpha: float = 0.0
     """Mixing on receive: θ_p ← αθ_p + (1−α)Θ_p; 0 overwrites (the paper's rule)."""
     learner_id: str | None = None
@@ -106,7 +110,10 @@ class Learner:
         self.steps_since = [0] * P
         self.tokens_since = [0] * P
         self.applied = 0
-        self._arrived: dict[int, tuple[int, torch.Tensor]] = {}
+        self._arrived: dict[int, tuple[int, torch.Tensor, frozenset[str]]] = {}
+        # Latest delta queued per fragment and the counters it covered; forgotten once a
+        # merge that includes it (or one rebased over it) is applied.
+        self._sent: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._arrived_lock = threading.Lock()
         self._step_time: float | None = None
         self._last_step_at: float | None = None
@@ -157,25 +164,50 @@ class Learner:
         return due
 
     def apply_arrived(self) -> int:
-        """Apply every fragment that has arrived since the last call; returns how many."""
+        """Apply every fragment that has arrived since the last call; returns how many.
+
+        A merge that includes this learner's latest contribution (or any merge, with
+        ``rebase_foreign=False``) is applied by the paper's rule: overwrite (or α-mix), anchor
+        and counters reset. A merge of other learners' contributions only is a *rebase*: the
+        local progress since the anchor is kept on top of the new value, and so are the
+        counters; a delta still in flight is taken out of the next one (its progress is on
+        its way to the syncer already).
+        """
         with self._arrived_lock:
             arrived, self._arrived = self._arrived, {}
         alpha = self.config.alpha
         with torch.no_grad():
-            for p, (version, value) in sorted(arrived.items()):
+            for p, (version, value, contributors) in sorted(arrived.items()):
                 if version <= self.versions[p]:
                     continue
-                if alpha == 0.0 or self.anchors[p] is None:
-                    self.layout.scatter(p, value, self.params)
+                anchor = self.anchors[p]
+                foreign = self.learner_id not in contributors
+                if anchor is not None and foreign and self.config.rebase_foreign:
+                    local = self.layout.gather(p, self.params)
+                    self.layout.scatter(p, local.add_(value).sub_(anchor), self.params)
+                    in_flight = self._sent.pop(p, None)
+                    if in_flight is None:
+                        self.anchors[p] = value
+                    else:
+                        delta, steps, tokens = in_flight
+                        self.anchors[p] = value - delta
+                        self.steps_since[p] = max(0, self.steps_since[p] - steps)
+                        self.tokens_since[p] = max(0, self.tokens_since[p] - tokens)
                 else:
-                    mixed = (
-                        self.layout.gather(p, self.params).mul_(alpha).add_(value, alpha=1 - alpha)
-                    )
-                    self.layout.scatter(p, mixed, self.params)
-                self.anchors[p] = value
+                    if alpha == 0.0 or anchor is None:
+                        self.layout.scatter(p, value, self.params)
+                    else:
+                        mixed = (
+                            self.layout.gather(p, self.params)
+                            .mul_(alpha)
+                            .add_(value, alpha=1 - alpha)
+                        )
+                        self.layout.scatter(p, mixed, self.params)
+                    self.anchors[p] = value
+                    self.steps_since[p] = 0
+                    self.tokens_since[p] = 0
+                    self._sent.pop(p, None)
                 self.versions[p] = version
-                self.steps_since[p] = 0
-                self.tokens_since[p] = 0
                 self.applied += 1
         return len(arrived)
 
@@ -305,6 +337,7 @@ class Learner:
         if anchor is None:
             return
         delta = anchor - self.layout.gather(p, self.params)
+        self._sent[p] = (delta, self.steps_since[p], self.tokens_since[p])
         self.link.submit(
             UploadJob(
                 p,
@@ -316,15 +349,19 @@ class Learner:
             )
         )
 
-    def _on_fragment(self, fragment: int, version: int, value: torch.Tensor) -> None:
+    def _on_fragment(
+        self, fragment: int, version: int, value: torch.Tensor, contributors=frozenset()
+    ) -> None:
         with self._arrived_lock:
             current = self._arrived.get(fragment)
+            if current is not None:  # superseded before it was applied: keep who it merged
+                contributors = frozenset(contributors) | current[2]
             if current is None or current[0] < version:
-                self._arrived[fragment] = (version, value)
+                self._arrived[fragment] = (version, value, frozenset(contributors))
 
     def _have_versions(self) -> list[int]:
         with self._arrived_lock:
-            pending = {p: v for p, (v, _) in self._arrived.items()}
+            pending = {p: v for p, (v, _, _) in self._arrived.items()}
         return [max(v, pending.get(p, -1)) for p, v in enumerate(self.versions)]
 
     def _heartbeat_info(self) -> dict:

@@ -65,7 +65,7 @@ class SyncerLink:
         learner_id: str,
         layout: FragmentLayout,
         *,
-        on_fragment: Callable[[int, int, torch.Tensor], None],
+        on_fragment: Callable[[int, int, torch.Tensor, frozenset[str]], None],
         have_versions: Callable[[], list[int]],
         heartbeat_info: Callable[[], dict] = dict,
         observer: bool = False,
@@ -232,12 +232,14 @@ class SyncerLink:
         with self._jobs_cond:
             self._jobs_cond.notify_all()
         parts: list[bytes] = []
+        contributors: frozenset[str] = frozenset()
         for chunk in stream:
             if self._closing.is_set():
                 stream.cancel()
                 return
             if chunk.chunk_index == 0:
                 parts = []
+                contributors = frozenset(chunk.contributors)
             parts.append(chunk.data)
             if chunk.chunk_index + 1 == chunk.num_chunks:
                 payload = b"".join(parts)
@@ -245,7 +247,7 @@ class SyncerLink:
                 numel = self.layout.fragments[chunk.fragment].numel
                 value = codecs.decode(payload, numel, chunk.codec)
                 self.stats.fragments_received += 1
-                self.on_fragment(chunk.fragment, chunk.version, value)
+                self.on_fragment(chunk.fragment, chunk.version, value, contributors)
 
     def _send_loop(self) -> None:
         while not self._closing.is_set():

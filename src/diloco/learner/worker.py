@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                         "t": now,
                         "step": learner.local_step,
                         "tokens": learner.total_tokens,
-                        "loss": float(loss),
+                        "loss": loss.item(),
                         "steps_per_s": sps,
                         "bytes_up": learner.stats.get("bytes_up", 0),
                         "bytes_down": learner.stats.get("bytes_down", 0),

@@ -43,20 +43,26 @@ class _Subscriber:
 
     def __init__(self, learner_id: str, session: str, observer: bool) -> None:
         self.learner_id, self.session, self.observer = learner_id, session, observer
-        self.pending: dict[int, tuple[int, bytes]] = {}
+        self.pending: dict[int, tuple[int, bytes, frozenset[str]]] = {}
         self.cond = threading.Condition()
         self.closed = False
 
-    def offer(self, fragment: int, version: int, payload: bytes) -> None:
+    def offer(
+        self, fragment: int, version: int, payload: bytes, contributors: frozenset[str]
+    ) -> None:
+        """Queue a version; one still pending is superseded, its contributors carried over."""
         with self.cond:
-            self.pending[fragment] = (version, payload)
+            skipped = self.pending.get(fragment)
+            if skipped is not None:
+                contributors = contributors | skipped[2]
+            self.pending[fragment] = (version, payload, contributors)
             self.cond.notify()
 
-    def take(self, timeout: float) -> list[tuple[int, int, bytes]]:
+    def take(self, timeout: float) -> list[tuple[int, int, bytes, frozenset[str]]]:
         with self.cond:
             if not self.pending and not self.closed:
                 self.cond.wait(timeout)
-            items = sorted((p, v, b) for p, (v, b) in self.pending.items())
+            items = sorted((p, v, b, c) for p, (v, b, c) in self.pending.items())
             self.pending.clear()
             return items
 
@@ -78,13 +84,14 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.lock = threading.Lock()
         self.started_at = time.time()
         self._subscribers: set[_Subscriber] = set()
-        self._payloads: dict[int, tuple[int, bytes]] = {}
+        self._payloads: dict[int, tuple[int, bytes, frozenset[str]]] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
         for p in state.served:
             self._payloads[p] = (
                 state.versions[p],
                 codecs.encode(state.params[p], state.config.down_codec),
+                frozenset(),
             )
         self._committer = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
 
@@ -149,14 +156,14 @@ class SyncerService(pb_grpc.SyncerServicer):
         have = list(request.have_versions)
         with self.lock:
             self._subscribers.add(sub)
-            for p, (version, payload) in self._payloads.items():
+            for p, (version, payload, _) in self._payloads.items():
                 if p >= len(have) or have[p] != version:
-                    sub.offer(p, version, payload)
+                    sub.offer(p, version, payload, frozenset())
         context.add_callback(sub.close)
         codec = self.state.config.down_codec
         try:
             while context.is_active() and not self._stopping.is_set() and not sub.closed:
-                for p, version, payload in sub.take(timeout=0.5):
+                for p, version, payload, contributors in sub.take(timeout=0.5):
                     pieces = chunk_payload(payload)
                     numel = self.state.layout.fragments[p].numel
                     for i, piece in enumerate(pieces):
@@ -168,6 +175,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                             chunk_index=i,
                             num_chunks=len(pieces),
                             data=bytes(piece),
+                            contributors=sorted(contributors) if i == 0 else (),
                         )
                     with self.lock:
                         info.bytes_down += len(payload)
@@ -360,9 +368,10 @@ class SyncerService(pb_grpc.SyncerServicer):
         record["sync_s"] = round(time.time() - t0, 6)
         self._emit(record, sync=True)
         with self.lock:
-            self._payloads[commit.fragment] = (commit.version, payload)
+            contributors = frozenset(commit.record["participants"])
+            self._payloads[commit.fragment] = (commit.version, payload, contributors)
             for sub in self._subscribers:
-                sub.offer(commit.fragment, commit.version, payload)
+                sub.offer(commit.fragment, commit.version, payload, contributors)
             self.state.record_sync_time(time.time() - t0)
 
     def committed_hash(self) -> str:

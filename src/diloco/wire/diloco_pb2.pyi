@@ -61,7 +61,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "numel", "chunk_index", "num_chunks", "data")
+    __slots__ = ("fragment", "version", "codec", "numel", "chunk_index", "num_chunks", "data", "contributors")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class FragmentChunk(_message.Message):
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -76,7 +77,8 @@ class FragmentChunk(_message.Message):
     chunk_index: int
     num_chunks: int
     data: bytes
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("learner_id", "session", "fragment", "base_version", "steps", "tokens", "codec", "numel", "chunk_index", "num_chunks", "data", "step_time_s")

@@ -1,0 +1,95 @@
+"""How arrived fragments are applied: overwrite when the merge includes our contribution,
+rebase (keep local progress) when it merged only other learners'."""
+
+import torch
+
+import diloco
+
+
+def make_learner(**overrides):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3, bias=False)
+    # No syncer listens on port 1: the link just retries in the background; nothing here
+    # needs the network, fragments are handed to the learner as its link would.
+    learner = diloco.Learner(
+        model, syncer="127.0.0.1:1", fragments=1, sync_every=4, learner_id="me", **overrides
+    )
+    return model, learner
+
+
+def weight(model):
+    return model.weight.detach().reshape(-1).clone()
+
+
+def test_foreign_merge_is_rebased_and_in_flight_progress_is_not_sent_twice():
+    model, learner = make_learner()
+    try:
+        v0 = torch.arange(12.0)
+        learner._on_fragment(0, 1, v0, frozenset())
+        learner.apply_arrived()
+        assert torch.equal(weight(model), v0)
+        d1 = torch.full((12,), 0.5)
+        with torch.no_grad():
+            model.weight.add_(d1.reshape(3, 4))
+        learner.steps_since[0], learner.tokens_since[0] = 4, 40
+        learner._queue(0)  # delta −d1 goes out against version 1
+        g = torch.full((12,), 2.0)
+        learner._on_fragment(0, 2, v0 + g, frozenset({"other"}))
+        learner.apply_arrived()
+        assert torch.allclose(weight(model), v0 + g + d1)  # our progress survived
+        assert learner.versions[0] == 2
+        assert torch.allclose(learner.anchors[0] - weight(model), torch.zeros(12))
+        assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
+        d2 = torch.full((12,), -0.25)
+        with torch.no_grad():
+            model.weight.add_(d2.reshape(3, 4))
+        assert torch.allclose(learner.anchors[0] - weight(model), -d2)  # only the new progress
+        # The merge that includes our contribution arrives: the paper's overwrite.
+        learner._on_fragment(0, 3, v0 + 7, frozenset({"me", "other"}))
+        learner.apply_arrived()
+        assert torch.equal(weight(model), v0 + 7)
+        assert learner.steps_since[0] == 0 and learner.versions[0] == 3
+    finally:
+        learner.close(flush=False)
+
+
+def test_foreign_merge_without_anything_in_flight_keeps_counters():
+    model, learner = make_learner()
+    try:
+        learner._on_fragment(0, 1, torch.zeros(12), frozenset())
+        learner.apply_arrived()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        learner.steps_since[0], learner.tokens_since[0] = 3, 30
+        learner._on_fragment(0, 2, torch.full((12,), 5.0), frozenset({"other"}))
+        learner.apply_arrived()
+        assert torch.allclose(weight(model), torch.full((12,), 6.0))
+        assert (learner.steps_since[0], learner.tokens_since[0]) == (3, 30)
+        assert torch.allclose(learner.anchors[0] - weight(model), torch.full((12,), -1.0))
+    finally:
+        learner.close(flush=False)
+
+
+def test_overwrite_everything_when_rebase_is_off():
+    model, learner = make_learner(rebase_foreign=False)
+    try:
+        learner._on_fragment(0, 1, torch.zeros(12), frozenset())
+        learner.apply_arrived()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        learner._on_fragment(0, 2, torch.full((12,), 5.0), frozenset({"other"}))
+        learner.apply_arrived()
+        assert torch.equal(weight(model), torch.full((12,), 5.0))
+        assert learner.steps_since[0] == 0
+    finally:
+        learner.close(flush=False)
+
+
+def test_skipped_versions_keep_their_contributors():
+    _, learner = make_learner()
+    try:
+        learner._on_fragment(0, 1, torch.zeros(12), frozenset({"me"}))
+        learner._on_fragment(0, 2, torch.ones(12), frozenset({"other"}))
+        assert learner._arrived[0][2] == {"me", "other"}
+    finally:
+        learner.close(flush=False)
