@@ -15,11 +15,13 @@ from diloco.syncer.store import read_tape
 
 pytestmark = pytest.mark.slow
 
-MINUTES = 0.7  # both runs stop by time: the chaos run must outlast its last failure
-KILL_AT, KILL_DOWN = 8.0, 2.0  # learner-1
-SYNCER_AT, SYNCER_DOWN = 16.0, 1.0
-HANG_AT, HANG_DOWN = 24.0, 4.0  # learner-0
-PART_AT, PART_DOWN = 31.0, 6.0  # learner-1
+MINUTES = 0.75  # both runs stop by time: the chaos run must outlast its last failure
+# Learners join ~4-5 s after launch (imports, handshake); the first fault leaves them
+# several seconds of training so that a checkpoint exists before the kill.
+KILL_AT, KILL_DOWN = 12.0, 2.0  # learner-1
+SYNCER_AT, SYNCER_DOWN = 19.0, 1.0
+HANG_AT, HANG_DOWN = 26.0, 4.0  # learner-0
+PART_AT, PART_DOWN = 33.0, 6.0  # learner-1
 CHAOS = (
     f"kill:at={KILL_AT}s,down={KILL_DOWN}s,learners=1;"
     f"syncer-kill:at={SYNCER_AT}s,down={SYNCER_DOWN}s;"
@@ -40,7 +42,7 @@ def run(tmp_path, name: str, *extra: str) -> tuple[dict, list[dict]]:
             "--recipe=tiny",
             "--learners=2",
             f"--minutes={MINUTES}",
-            "--checkpoint-every=2",
+            "--checkpoint-every=1",
             "--eval-every=0",
             f"--runs-dir={tmp_path}",
             f"--name={name}",
