@@ -51,6 +51,20 @@ def test_schedule_is_seeded_sorted_and_respects_the_horizon():
         assert all(5 <= e.down_s <= 15 for e in mine)
 
 
+def test_network_kinds_drop_and_delay():
+    clauses = parse_spec("drop:mtbf=10s;delay:at=20s,down=4s,latency=300ms,learners=1")
+    assert clauses[1].latency_s == pytest.approx(0.3)
+    assert parse_spec("delay:mtbf=1m")[0].latency_s == 0.2  # the default
+    events = schedule(clauses, 2, 120, seed=3)
+    drops = [e for e in events if e.kind == "drop"]
+    assert drops and all(e.down_s == 0 and e.latency_s == 0 for e in drops)
+    assert {e.target for e in drops} == {"learner-0", "learner-1"}
+    (delay,) = [e for e in events if e.kind == "delay"]
+    assert (delay.t, delay.target, delay.down_s, delay.latency_s) == (20, "learner-1", 4, 0.3)
+    with pytest.raises(ChaosSpecError, match="mtbf"):
+        parse_spec("drop:latency=1s")
+
+
 def test_fixed_time_failures_and_unknown_learners():
     events = schedule(parse_spec("hang:at=7s,down=2s,learners=1"), 2, 60, seed=0)
     assert [(e.t, e.kind, e.target, e.down_s) for e in events] == [(7, "hang", "learner-1", 2)]

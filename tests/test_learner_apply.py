@@ -93,3 +93,18 @@ def test_skipped_versions_keep_their_contributors():
         assert learner._arrived[0][2] == {"me", "other"}
     finally:
         learner.close(flush=False)
+
+
+def test_a_learner_without_local_progress_takes_a_foreign_merge_bit_exactly():
+    model, learner = make_learner()
+    try:
+        torch.manual_seed(1)
+        first, second = torch.randn(12), torch.randn(12)
+        learner._on_fragment(0, 1, first, frozenset({"me"}))
+        learner.apply_arrived()
+        learner._on_fragment(0, 2, second, frozenset({"other"}))
+        learner.apply_arrived()
+        # θ + (Θ − A) computed as Θ + (θ − A) is Θ itself, not Θ up to rounding.
+        assert torch.equal(weight(model), second)
+    finally:
+        learner.close(flush=False)

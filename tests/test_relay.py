@@ -72,3 +72,41 @@ def test_relay_forwards_partitions_and_heals(echo_server):
         assert roundtrip(d, b"hello")
     finally:
         relay.close()
+
+
+def timed_roundtrip(sock, payload=b"ping"):
+    t0 = time.monotonic()
+    assert roundtrip(sock, payload)
+    return time.monotonic() - t0
+
+
+def test_relay_delay_adds_latency_both_ways_and_ends(echo_server):
+    relay = Relay(echo_server)
+    try:
+        a = connect(relay.address)
+        assert timed_roundtrip(a) < 0.1
+        relay.delay(1.0, 0.2)
+        assert timed_roundtrip(a) >= 0.4  # 0.2 s on the way in and 0.2 s on the way back
+        assert roundtrip(a)  # large payloads still arrive intact and in order
+        time.sleep(1.0)  # delays end by themselves
+        assert timed_roundtrip(a) < 0.1
+        relay.delay(30, 0.2)
+        relay.heal()
+        assert timed_roundtrip(a) < 0.1
+        with pytest.raises(ValueError):
+            relay.delay(1, -0.1)
+    finally:
+        relay.close()
+
+
+def test_relay_drop_cuts_open_connections_but_accepts_new_ones(echo_server):
+    relay = Relay(echo_server)
+    try:
+        a = connect(relay.address)
+        assert roundtrip(a)
+        relay.drop()
+        assert a.recv(10) == b""
+        b = connect(relay.address)
+        assert roundtrip(b)
+    finally:
+        relay.close()

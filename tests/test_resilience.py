@@ -15,18 +15,21 @@ from diloco.syncer.store import read_tape
 
 pytestmark = pytest.mark.slow
 
-MINUTES = 0.75  # both runs stop by time: the chaos run must outlast its last failure
-# Learners join ~4-5 s after launch (imports, handshake); the first fault leaves them
-# several seconds of training so that a checkpoint exists before the kill.
-KILL_AT, KILL_DOWN = 12.0, 2.0  # learner-1
-SYNCER_AT, SYNCER_DOWN = 19.0, 1.0
-HANG_AT, HANG_DOWN = 26.0, 4.0  # learner-0
-PART_AT, PART_DOWN = 33.0, 6.0  # learner-1
+MINUTES = 0.9  # both runs stop by time: the chaos run must outlast its last failure
+# Chaos times count from the moment both learners are training (a few seconds after launch).
+KILL_AT, KILL_DOWN = 6.0, 2.0  # learner-1
+DROP_AT = 10.0  # learner-0
+SYNCER_AT, SYNCER_DOWN = 14.0, 1.0
+HANG_AT, HANG_DOWN = 20.0, 4.0  # learner-0
+PART_AT, PART_DOWN = 26.0, 5.0  # learner-1
+DELAY_AT, DELAY_DOWN, LATENCY = 26.0, 5.0, 0.3  # learner-0, while learner-1 is cut off
 CHAOS = (
     f"kill:at={KILL_AT}s,down={KILL_DOWN}s,learners=1;"
+    f"drop:at={DROP_AT}s,learners=0;"
     f"syncer-kill:at={SYNCER_AT}s,down={SYNCER_DOWN}s;"
     f"hang:at={HANG_AT}s,down={HANG_DOWN}s,learners=0;"
-    f"partition:at={PART_AT}s,down={PART_DOWN}s,learners=1"
+    f"partition:at={PART_AT}s,down={PART_DOWN}s,learners=1;"
+    f"delay:at={DELAY_AT}s,down={DELAY_DOWN}s,latency={LATENCY}s,learners=0"
 )
 #: A faulty run may end at most this much above the fault-free run's held-out loss.
 LOSS_BOUND = 1.10
@@ -89,6 +92,8 @@ def test_every_injected_failure_is_on_the_tape(runs):
     _, (summary, tape) = runs
     kinds = sorted((f["kind"], f["target"]) for f in summary["failures_injected"])
     assert kinds == [
+        ("delay", "learner-0"),
+        ("drop", "learner-0"),
         ("hang", "learner-0"),
         ("kill", "learner-1"),
         ("partition", "learner-1"),
@@ -177,3 +182,22 @@ def test_partitioned_learner_keeps_training_and_contributes_after_the_link_heals
     ]
     steps = [r["step"] for r in progress if "step" in r and cut["t"] + 1 <= r["t"] <= heal["t"]]
     assert len(steps) >= 2 and steps[-1] > steps[0]  # it trained while cut off
+
+
+def test_dropped_connections_lose_only_messages_in_flight(runs):
+    _, (_, tape) = runs
+    drop = one(tape, "chaos", kind="drop")
+    hang = one(tape, "chaos", kind="hang")
+    # learner-0 reconnects at once and contributes again well before its next fault.
+    assert rounds_between(tape, drop["t"] + 0.5, hang["t"], "learner-0")
+
+
+def test_delayed_learner_keeps_contributing_through_the_latency(runs):
+    _, (_, tape) = runs
+    delay = one(tape, "chaos", kind="delay")
+    assert delay["latency_s"] == LATENCY
+    healed = one(tape, "heal", target="learner-0")
+    assert healed["t"] - delay["t"] >= DELAY_DOWN - 0.5
+    # learner-1 is cut off meanwhile: every round of the window is learner-0's, sent through
+    # a link with 0.3 s of one-way latency.
+    assert rounds_between(tape, delay["t"] + 1, healed["t"], "learner-0")

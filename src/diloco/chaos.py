@@ -3,7 +3,7 @@
 Pure functions only; the supervisor of ``diloco run`` carries the events out with real signals.
 
 Spec syntax (``diloco run --chaos SPEC``): clauses separated by ``;``, each ``KIND:key=value,...``.
-Durations take ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIGH``.
+Durations take ``ms``, ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIGH``.
 
 =====================================  ==================================================
 ``kill:mtbf=60s,down=5-15s``           every learner is SIGKILLed with exponential
@@ -12,12 +12,18 @@ Durations take ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIGH``.
 ``hang:mtbf=90s,down=3-8s``            SIGSTOP a learner, SIGCONT it after the down time
 ``partition:mtbf=90s,down=5-10s``      cut a learner's network (a TCP relay drops its
                                        connections and refuses new ones); it keeps training
+``drop:mtbf=30s``                      cut a learner's open connections once: messages in
+                                       flight are lost, it may reconnect at once
+``delay:mtbf=60s,down=5-10s,latency=300ms``
+                                       add one-way latency to a learner's network for the
+                                       down time (default latency 200 ms)
 ``syncer-kill:at=120s,down=2s``        SIGKILL the syncer at ``at``, restart it after ``down``
-``kill:at=20s,down=3s,learners=1``     one failure at a fixed time (also for ``hang``)
+``kill:at=20s,down=3s,learners=1``     one failure at a fixed time (any learner kind)
 =====================================  ==================================================
 
 Any clause may add ``learners=0+2`` to restrict it to those learner indices, and
-``start=10s`` to leave the first seconds of the run alone (default 5 s). Slow learners are
+``start=10s`` to leave the first seconds alone (default 5 s). Times count from the moment
+every learner is training (the supervisor's chaos clock), not from the launch. Slow learners are
 set with ``--slow I=F``, which is not a failure but a permanent property.
 """
 
@@ -26,7 +32,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "partition", "syncer-kill")
+KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill")
+#: Kinds carried out on a learner's network through its relay (see diloco.launch.relay).
+NETWORK_KINDS = ("partition", "drop", "delay")
 
 
 class ChaosSpecError(ValueError):
@@ -41,22 +49,27 @@ class Clause:
     at_s: float = 0.0
     learners: tuple[int, ...] | None = None
     start_s: float = 5.0
+    latency_s: float = 0.2
 
 
 @dataclass(frozen=True, order=True)
 class ChaosEvent:
-    """At ``t`` seconds into the run, do ``kind`` to ``target`` for ``down_s`` seconds."""
+    """At ``t`` seconds into the run, do ``kind`` to ``target`` for ``down_s`` seconds
+    (``latency_s``: the added one-way latency of a ``delay``)."""
 
     t: float
     kind: str
     target: str
     down_s: float
+    latency_s: float = 0.0
 
 
 def parse_duration(text: str) -> float:
     text = text.strip()
     scale = 1.0
-    if text.endswith("m"):
+    if text.endswith("ms"):
+        scale, text = 0.001, text[:-2]
+    elif text.endswith("m"):
         scale, text = 60.0, text[:-1]
     elif text.endswith("s"):
         text = text[:-1]
@@ -99,6 +112,8 @@ def parse_spec(spec: str) -> list[Clause]:
                     fields["at_s"] = parse_duration(value)
                 elif key == "start":
                     fields["start_s"] = parse_duration(value)
+                elif key == "latency":
+                    fields["latency_s"] = parse_duration(value)
                 elif key == "learners":
                     fields["learners"] = tuple(int(i) for i in value.split("+"))
                 else:
@@ -106,7 +121,7 @@ def parse_spec(spec: str) -> list[Clause]:
         except ValueError as exc:
             raise ChaosSpecError(f"{raw!r}: {exc}") from None
         clause = Clause(**fields)
-        if kind in ("kill", "hang", "partition") and clause.mtbf_s <= 0 and clause.at_s <= 0:
+        if kind != "syncer-kill" and clause.mtbf_s <= 0 and clause.at_s <= 0:
             raise ChaosSpecError(f"{raw!r}: {kind} needs mtbf=DURATION or at=DURATION")
         if kind == "syncer-kill" and clause.at_s <= 0:
             raise ChaosSpecError(f"{raw!r}: syncer-kill needs at=DURATION > 0")
@@ -133,17 +148,25 @@ def schedule(clauses: list[Clause], learners: int, horizon_s: float, seed: int) 
         for index in targets:
             if not 0 <= index < learners:
                 raise ChaosSpecError(f"learner {index} does not exist (M = {learners})")
+            target = f"learner-{index}"
             if clause.at_s > 0:  # one failure at a fixed time
                 if clause.at_s <= horizon_s:
-                    down = rng.uniform(*clause.down_s)
-                    events.append(ChaosEvent(clause.at_s, clause.kind, f"learner-{index}", down))
+                    events.append(_event(clause, clause.at_s, target, rng))
                 continue
             t = clause.start_s
             while True:
                 t += rng.expovariate(1.0 / clause.mtbf_s)
                 if t > horizon_s:
                     break
-                down = rng.uniform(*clause.down_s)
-                events.append(ChaosEvent(round(t, 3), clause.kind, f"learner-{index}", down))
-                t += down
+                event = _event(clause, round(t, 3), target, rng)
+                events.append(event)
+                t += event.down_s
     return sorted(events)
+
+
+def _event(clause: Clause, t: float, target: str, rng: random.Random) -> ChaosEvent:
+    """One failure of ``clause`` at ``t``; a ``drop`` is instantaneous (no down time)."""
+    if clause.kind == "drop":
+        return ChaosEvent(t, "drop", target, 0.0)
+    latency = clause.latency_s if clause.kind == "delay" else 0.0
+    return ChaosEvent(t, clause.kind, target, rng.uniform(*clause.down_s), latency)

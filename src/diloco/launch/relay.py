@@ -1,13 +1,20 @@
-"""A TCP relay between one learner and the syncer, used to cut that learner's network.
+"""A TCP relay between one learner and the syncer, used to break that learner's network.
 
-With ``partition`` chaos, the supervisor points each learner at its own relay instead of at the
-syncer. ``partition(seconds)`` closes every open connection and refuses new ones until the time
-is up; the learner sees a real broken network (its gRPC channel fails and reconnects with
-backoff) while its process keeps running and training. Bytes are copied unchanged.
+With network chaos (``partition``, ``drop``, ``delay``) the supervisor points each learner at its
+own relay instead of at the syncer. The learner sees a real network fault while its process
+keeps running and training; bytes are always copied unchanged:
+
+- ``partition(seconds)`` closes every open connection and refuses new ones until the time is
+  up (its gRPC channel fails and reconnects with backoff);
+- ``drop()`` closes every open connection once: whatever messages were in flight (a fragment
+  upload, a broadcast) are lost, and the learner may reconnect at once;
+- ``delay(seconds, latency)`` holds every byte for ``latency`` seconds in both directions
+  until the time is up (one-way latency, without a bandwidth cap).
 """
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
@@ -24,6 +31,8 @@ class Relay:
         self._listener.settimeout(0.2)
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._blocked_until = 0.0
+        self._delayed_until = 0.0
+        self._latency = 0.0
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -34,16 +43,33 @@ class Relay:
     def partitioned(self) -> bool:
         return time.monotonic() < self._blocked_until
 
+    def latency(self) -> float:
+        """The one-way latency added to bytes read now (0 outside a delay)."""
+        return self._latency if time.monotonic() < self._delayed_until else 0.0
+
     def partition(self, seconds: float) -> None:
         """Cut every connection now and refuse new ones for ``seconds``."""
         self._blocked_until = time.monotonic() + seconds
+        self.drop()
+
+    def drop(self) -> None:
+        """Cut every open connection now (messages in flight are lost); new ones are accepted."""
         with self._lock:
             conns, self._conns = self._conns, set()
         for c in conns:
             _close(c)
 
+    def delay(self, seconds: float, latency: float) -> None:
+        """Add ``latency`` seconds to every byte, both ways, for the next ``seconds``."""
+        if latency < 0:
+            raise ValueError("latency must be >= 0")
+        self._latency = latency
+        self._delayed_until = time.monotonic() + seconds
+
     def heal(self) -> None:
+        """End a partition or a delay now."""
         self._blocked_until = 0.0
+        self._delayed_until = 0.0
 
     def close(self) -> None:
         self._closing.set()
@@ -72,23 +98,40 @@ class Relay:
             with self._lock:
                 self._conns.update((client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                pipe: queue.SimpleQueue = queue.SimpleQueue()
+                threading.Thread(target=self._read, args=(a, b, pipe), daemon=True).start()
+                threading.Thread(target=self._write, args=(a, b, pipe), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _read(self, src: socket.socket, dst: socket.socket, pipe: queue.SimpleQueue) -> None:
+        """Reads ``src`` and queues each block with the time it may be written; None at the end
+        (the writer closes both sockets once it has written everything before it)."""
         try:
-            while True:
-                data = src.recv(1 << 20)
-                if not data:
-                    break
+            while data := src.recv(1 << 20):
+                pipe.put((time.monotonic() + self.latency(), data))
+        except OSError:
+            pass
+        finally:
+            pipe.put(None)
+
+    def _write(self, src: socket.socket, dst: socket.socket, pipe: queue.SimpleQueue) -> None:
+        """Writes queued blocks to ``dst`` in order, each no earlier than its due time."""
+        try:
+            while (item := pipe.get()) is not None:
+                due, data = item
+                if (wait := due - time.monotonic()) > 0:
+                    time.sleep(wait)
                 dst.sendall(data)
         except OSError:
             pass
         finally:
-            with self._lock:
-                self._conns.discard(src)
-                self._conns.discard(dst)
-            _close(src)
-            _close(dst)
+            self._forget(src, dst)
+
+    def _forget(self, src: socket.socket, dst: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(src)
+            self._conns.discard(dst)
+        _close(src)
+        _close(dst)
 
 
 def _close(sock: socket.socket) -> None:

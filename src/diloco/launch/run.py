@@ -120,7 +120,7 @@ class StatusClient:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from diloco.chaos import ChaosSpecError, parse_spec, schedule
+    from diloco.chaos import NETWORK_KINDS, ChaosSpecError, parse_spec, schedule
     from diloco.launch.evaluator import Evaluator
     from diloco.launch.procs import diloco_command, wait_for_file
     from diloco.launch.relay import Relay
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         # A restarted syncer comes back on the same address, so learners just reconnect.
         syncer.argv = [f"--bind={address}" if a == "--bind=127.0.0.1:0" else a for a in syncer.argv]
         status_client = StatusClient(address)
-        if any(c.kind == "partition" for c in clauses):  # learners reach the syncer via relays
+        if any(c.kind in NETWORK_KINDS for c in clauses):  # learners reach the syncer via relays
             sup.relays.update({p.id: Relay(address, name=f"relay-{p.id}") for p in plans})
         model0 = recipe.build_model(args.seed)
         num_params = sum(p.numel() for p in model0.parameters())
@@ -398,6 +398,9 @@ def supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir
             last_loss, versions = evaluator.evaluate()
             _append_metric(run_dir, started, status, last_loss, versions)
         by_id = {ls.learner_id: ls for ls in last_status.learners} if last_status else {}
+        everyone_trains = all(by_id.get(p.id) and by_id[p.id].step > 0 for p in plans)
+        if everyone_trains or elapsed > args.start_timeout:
+            sup.start_chaos()
         rows = []
         for plan in plans:
             slot, st = sup.slots[plan.id], by_id.get(plan.id)

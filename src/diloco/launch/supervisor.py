@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diloco.chaos import ChaosEvent
+from diloco.chaos import NETWORK_KINDS, ChaosEvent
 from diloco.launch.procs import Child
 
 
@@ -43,6 +43,10 @@ class Supervisor:
 
     ``tape`` is called with each record to append; ``clock`` gives seconds since the run
     started. ``poll`` is called from the supervisor loop; it never blocks for long.
+
+    Chaos times count from :meth:`start_chaos` (called once every learner is training), not
+    from the launch: start-up takes seconds and varies with the machine's load, and a fault
+    meant for a training learner must not hit one that is still importing torch.
     """
 
     def __init__(
@@ -60,6 +64,14 @@ class Supervisor:
         self.clock = clock
         self.pending = sorted(chaos)
         self.restart_delay_s = restart_delay_s
+        self.chaos_started: float | None = None  # clock() when chaos times start counting
+
+    def start_chaos(self) -> None:
+        """Start the chaos clock now (idempotent); records a ``chaos-clock`` tape event."""
+        if self.chaos_started is None:
+            self.chaos_started = self.clock()
+            if self.pending:
+                self.tape({"event": "chaos-clock", "t": time.time()})
 
     def add(self, name: str, argv: list[str], log: Path) -> Slot:
         slot = Slot(name, argv, log)
@@ -77,8 +89,9 @@ class Supervisor:
     # ------------------------------------------------------------------------ loop step
     def poll(self) -> None:
         now = self.clock()
-        while self.pending and self.pending[0].t <= now:
-            self._inject(self.pending.pop(0), now)
+        if self.chaos_started is not None:
+            while self.pending and self.pending[0].t <= now - self.chaos_started:
+                self._inject(self.pending.pop(0), now)
         for slot in self.slots.values():
             self._check(slot, now)
 
@@ -87,18 +100,19 @@ class Supervisor:
         if slot is None or slot.finished or slot.child is None or not slot.child.running:
             return  # nothing to fail: already down or done
         if slot.resume_at is not None or slot.heal_at is not None:
-            return  # hung or partitioned already
-        if event.kind == "partition" and event.target not in self.relays:
+            return  # hung, or a network fault (partition, delay) is still on
+        if event.kind in NETWORK_KINDS and event.target not in self.relays:
             return
-        self.tape(
-            {
-                "event": "chaos",
-                "t": time.time(),
-                "kind": event.kind,
-                "target": event.target,
-                "down_s": round(event.down_s, 3),
-            }
-        )
+        record = {
+            "event": "chaos",
+            "t": time.time(),
+            "kind": event.kind,
+            "target": event.target,
+            "down_s": round(event.down_s, 3),
+        }
+        if event.kind == "delay":
+            record["latency_s"] = event.latency_s
+        self.tape(record)
         if event.kind in ("kill", "syncer-kill"):
             slot.expected_death = True
             slot.planned_deaths += 1
@@ -111,6 +125,11 @@ class Supervisor:
         elif event.kind == "partition":
             self.relays[event.target].partition(event.down_s)
             slot.heal_at = now + event.down_s
+        elif event.kind == "delay":
+            self.relays[event.target].delay(event.down_s, event.latency_s)
+            slot.heal_at = now + event.down_s
+        elif event.kind == "drop":
+            self.relays[event.target].drop()
 
     def _check(self, slot: Slot, now: float) -> None:
         child = slot.child

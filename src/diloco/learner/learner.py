@@ -183,8 +183,10 @@ class Learner:
                 anchor = self.anchors[p]
                 foreign = self.learner_id not in contributors
                 if anchor is not None and foreign and self.config.rebase_foreign:
-                    local = self.layout.gather(p, self.params)
-                    self.layout.scatter(p, local.add_(value).sub_(anchor), self.params)
+                    # value + (local − anchor): exactly the new value when there is no
+                    # local progress (a finished learner ends with the syncer's parameters).
+                    progress = self.layout.gather(p, self.params).sub_(anchor)
+                    self.layout.scatter(p, progress.add_(value), self.params)
                     in_flight = self._sent.pop(p, None)
                     if in_flight is None:
                         self.anchors[p] = value
