@@ -41,8 +41,15 @@ def diloco_run(minutes: float, learners: int, runs: str, name: str, *extra: str)
 
 def digest(s: dict) -> dict:
     times = [r["reintegration_s"] for r in s["reintegrations"] if r["reintegration_s"] is not None]
+    kills = [f for f in s["failures_injected"] if f["kind"] == "kill"]
+    learner_seconds = s["learners"] * s["wall_s"]
     return {
         "tokens": s["tokens"],
+        # The ceiling on goodput that failures alone set: learner time spent down (the
+        # schedule's down times), and down plus rejoining until the first commit again.
+        "down_fraction": sum(f["down_s"] for f in kills) / learner_seconds,
+        "down_and_rejoin_fraction": (sum(f["down_s"] for f in kills) + sum(times))
+        / learner_seconds,
         "val_loss_final": s["val_loss"]["final"],
         "goodput": s["goodput"],
         "uptime": s["uptime"],
@@ -60,10 +67,12 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--learners", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", help="write the two run directories here (default: a temp dir)")
     args = parser.parse_args()
     half = args.minutes * 30
     spec = f"kill:mtbf=60s,down=5-15s;syncer-kill:at={half}s,down=2s"
-    with tempfile.TemporaryDirectory() as runs:
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = args.keep or tmp
         chaos = diloco_run(
             args.minutes, args.learners, runs, "chaos", f"--chaos={spec}", f"--seed={args.seed}"
         )

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Learner", "LearnerConfig", "SyncerServer", "SyncerConfig", "__version__"]
+__all__ = [
+    "IslandLearner",
+    "Learner",
+    "LearnerConfig",
+    "SyncerServer",
+    "SyncerConfig",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -20,6 +27,10 @@ def __getattr__(name: str):
         from diloco.learner import learner as _learner
 
         return getattr(_learner, name)
+    if name == "IslandLearner":
+        from diloco.learner.island import IslandLearner
+
+        return IslandLearner
     if name == "SyncerServer":
         from diloco.syncer.server import SyncerServer
 

@@ -110,6 +110,7 @@ class Learner:
         self.steps_since = [0] * P
         self.tokens_since = [0] * P
         self.applied = 0
+        self.last_applied: list[int] = []  # fragments changed by the last apply_arrived()
         self._arrived: dict[int, tuple[int, torch.Tensor, frozenset[str]]] = {}
         # Latest delta queued per fragment and the counters it covered; forgotten once a
         # merge that includes it (or one rebased over it) is applied.
@@ -176,10 +177,12 @@ class Learner:
         with self._arrived_lock:
             arrived, self._arrived = self._arrived, {}
         alpha = self.config.alpha
+        self.last_applied = []
         with torch.no_grad():
             for p, (version, value, contributors) in sorted(arrived.items()):
                 if version <= self.versions[p]:
                     continue
+                self.last_applied.append(p)
                 anchor = self.anchors[p]
                 foreign = self.learner_id not in contributors
                 if anchor is not None and foreign and self.config.rebase_foreign:
@@ -211,7 +214,7 @@ class Learner:
                     self._sent.pop(p, None)
                 self.versions[p] = version
                 self.applied += 1
-        return len(arrived)
+        return len(self.last_applied)
 
     def wait_for_global(self, timeout: float = 60.0) -> bool:
         """Block until this learner holds every fragment at least at the version the syncer had

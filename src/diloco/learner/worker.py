@@ -28,13 +28,23 @@ def run(args: argparse.Namespace) -> int:
     from diloco.recipes import get_recipe
 
     torch.set_num_threads(args.threads)
+    rank, world = island_rank()  # (0, 1) unless started by torchrun with several ranks
     recipe = get_recipe(args.recipe, data_path=args.data)
     model = recipe.build_model(args.seed)
+    train_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_model = DistributedDataParallel(model)
     optimizer = recipe.build_optimizer(model)
-    stream = recipe.stream(learner_id=args.index, seed=args.seed, batch_size=args.batch_size)
+    # Every rank of every island reads its own stream of the data.
+    stream = recipe.stream(
+        learner_id=args.index * world + rank, seed=args.seed, batch_size=args.batch_size
+    )
     workdir = Path(args.workdir) if args.workdir else None
     if workdir:
         workdir.mkdir(parents=True, exist_ok=True)
+    leader = rank == 0  # the rank that reports progress and writes the learner's files
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -49,17 +59,28 @@ def run(args: argparse.Namespace) -> int:
         learner_id=args.id,
         cpu_threads=args.threads,
     )
-    checkpoint = workdir / CHECKPOINT if workdir and not args.no_sync else None
+    name = CHECKPOINT if leader else f"checkpoint.rank{rank}.pt"
+    checkpoint = workdir / name if workdir and not args.no_sync else None
     saved = load_checkpoint(checkpoint) if checkpoint else None
     if saved is not None:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         stream.load_state_dict(saved["stream"])
-        print(
-            f"learner {args.id}: resumed from {checkpoint} at step {saved['learner']['local_step']}"
-        )
+        if leader:
+            step = saved["learner"]["local_step"]
+            print(f"learner {args.id}: resumed from {checkpoint} at step {step}")
     if args.no_sync:
         learner = LocalOnly()
+    elif world > 1:
+        from diloco.learner.island import IslandLearner
+
+        learner = IslandLearner(
+            train_model,
+            optimizer,
+            syncer=args.syncer,
+            config=config,
+            state=saved["learner"] if saved and leader else None,
+        )
     else:
         learner = Learner(
             model,
@@ -72,18 +93,30 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"learner {args.id}: no global model from {args.syncer} within {args.join_timeout}s; training from the local init"
         )
-    progress = (workdir / "progress.jsonl").open("a") if workdir else None
+    progress = (workdir / "progress.jsonl").open("a") if workdir and leader else None
     last_report = last_checkpoint = time.time()
     started = time.time()
     run_started = args.run_started or started
     first_step = learner.local_step  # > 0 when resumed from a checkpoint
-    while not stop.is_set() and (not args.total_steps or learner.local_step < args.total_steps):
+    while not args.total_steps or learner.local_step < args.total_steps:
         step = learner.local_step
+        now = time.time()
+        length = schedule_length(args, step, now - run_started)
+        save = bool(checkpoint and args.checkpoint_every)
+        save = save and now - last_checkpoint >= args.checkpoint_every
+        should_stop = stop.is_set()
+        if world > 1:  # the ranks of an island agree on stopping, the lr and checkpoints
+            should_stop, length, save = island_agree(should_stop, length, save)
+        if save:
+            last_checkpoint = now
+            save_checkpoint(checkpoint, model, optimizer, learner, stream)
+        if should_stop:
+            break
         for group in optimizer.param_groups:
-            group["lr"] = recipe.lr_at(step, schedule_length(args, step, time.time() - run_started))
+            group["lr"] = recipe.lr_at(step, length)
         t0 = time.perf_counter()
         x, y = stream.next_batch()
-        _, loss = model(x, y)
+        _, loss = train_model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -92,9 +125,6 @@ def run(args: argparse.Namespace) -> int:
             time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
         learner.step(tokens=x.numel())
         now = time.time()
-        if checkpoint and args.checkpoint_every and now - last_checkpoint >= args.checkpoint_every:
-            last_checkpoint = now
-            save_checkpoint(checkpoint, model, optimizer, learner, stream)
         if progress and now - last_report >= args.report_every:
             last_report = now
             sps = (learner.local_step - first_step) / max(now - started, 1e-9)
@@ -117,8 +147,17 @@ def run(args: argparse.Namespace) -> int:
     learner.close(flush=True)
     if checkpoint:
         save_checkpoint(checkpoint, model, optimizer, learner, stream)
-    if workdir and not args.no_sync:
+    if workdir and not args.no_sync and leader:
         write_final_state(workdir, learner)
+    if world > 1:
+        if workdir:  # what every replica holds at exit, to check that they agree
+            from safetensors.torch import save_file
+
+            params = {n: t.detach().contiguous() for n, t in model.named_parameters()}
+            save_file(params, str(workdir / f"replica.rank{rank}.safetensors"))
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     if progress:
         final = {"t": time.time(), "event": "exit", **learner.stats}
         final["steps_per_s"] = (learner.local_step - first_step) / max(train_s, 1e-9)
@@ -128,6 +167,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 CHECKPOINT = "checkpoint.pt"
+
+
+def island_rank() -> tuple[int, int]:
+    """``(rank, world size)``; under torchrun with several ranks, initializes the process
+    group (gloo: the recipes train on CPU) so that this process is one rank of an island."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def island_agree(stop: bool, schedule_len: int, save: bool) -> tuple[bool, int, bool]:
+    """One collective per step, so that every rank does the same thing at the same step:
+    stop if any rank was asked to; rank 0's lr schedule length and checkpoint decision."""
+    import torch
+    import torch.distributed as dist
+
+    leader = dist.get_rank() == 0
+    mine = [int(stop), schedule_len if leader else 0, int(save and leader)]
+    flags = torch.tensor(mine, dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), int(flags[1]), bool(flags[2])
 
 
 def save_checkpoint(path: Path, model, optimizer, learner, stream) -> None:
