@@ -184,7 +184,7 @@ class Learner:
                 foreign = self.learner_id not in contributors
                 if anchor is not None and foreign and self.config.rebase_foreign:
                     local = self.layout.gather(p, self.params)
-                    self.layout.scatter(p, local.add_(value).sub_(anchor), self.params)
+                    self.layout.scatter(p, local.sub_(anchor).add_(value), self.params)
                     in_flight = self._sent.pop(p, None)
                     if in_flight is None:
                         self.anchors[p] = value
