@@ -14,6 +14,10 @@ Durations take ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIGH``.
                                        connections and refuses new ones); it keeps training
 ``syncer-kill:at=120s,down=2s``        SIGKILL the syncer at ``at``, restart it after ``down``
 ``kill:at=20s,down=3s,learners=1``     one failure at a fixed time (also for ``hang``)
+``corrupt:learners=1,how=huge``        silent data corruption: from ``start`` (for ``down``
+                                       seconds, default the whole run) the learner damages
+                                       every delta it uploads: ``huge`` (x1000), ``flip``
+                                       (sign) or ``nan`` (see ``diloco.learner.corrupt``)
 =====================================  ==================================================
 
 Any clause may add ``learners=0+2`` to restrict it to those learner indices, and
@@ -26,7 +30,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "partition", "syncer-kill")
+KINDS = ("kill", "hang", "partition", "syncer-kill", "corrupt")
+CORRUPT_HOWS = ("huge", "flip", "nan")
 
 
 class ChaosSpecError(ValueError):
@@ -41,6 +46,8 @@ class Clause:
     at_s: float = 0.0
     learners: tuple[int, ...] | None = None
     start_s: float = 5.0
+    how: str = ""
+    """``corrupt`` only: how deltas are damaged (one of ``CORRUPT_HOWS``)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -101,10 +108,16 @@ def parse_spec(spec: str) -> list[Clause]:
                     fields["start_s"] = parse_duration(value)
                 elif key == "learners":
                     fields["learners"] = tuple(int(i) for i in value.split("+"))
+                elif key == "how" and kind == "corrupt":
+                    fields["how"] = value.strip()
                 else:
                     raise ValueError(f"unknown key {key!r}")
         except ValueError as exc:
             raise ChaosSpecError(f"{raw!r}: {exc}") from None
+        if kind == "corrupt":
+            if fields.get("how") not in CORRUPT_HOWS:
+                raise ChaosSpecError(f"{raw!r}: corrupt needs how={'|'.join(CORRUPT_HOWS)}")
+            fields.setdefault("down_s", (float("inf"), float("inf")))  # default: whole run
         clause = Clause(**fields)
         if kind in ("kill", "hang", "partition") and clause.mtbf_s <= 0 and clause.at_s <= 0:
             raise ChaosSpecError(f"{raw!r}: {kind} needs mtbf=DURATION or at=DURATION")
@@ -123,6 +136,8 @@ def schedule(clauses: list[Clause], learners: int, horizon_s: float, seed: int) 
     rng = random.Random(seed)
     events: list[ChaosEvent] = []
     for clause in clauses:
+        if clause.kind == "corrupt":  # not an event: a window, see ``corruptions``
+            continue
         if clause.kind == "syncer-kill":
             if clause.at_s <= horizon_s:
                 events.append(
@@ -147,3 +162,27 @@ def schedule(clauses: list[Clause], learners: int, horizon_s: float, seed: int) 
                 events.append(ChaosEvent(round(t, 3), clause.kind, f"learner-{index}", down))
                 t += down
     return sorted(events)
+
+
+@dataclass(frozen=True)
+class CorruptWindow:
+    """Learner ``index`` corrupts its uploads as ``how`` from ``start_s`` to ``end_s`` (run time)."""
+
+    index: int
+    how: str
+    start_s: float
+    end_s: float
+
+
+def corruptions(clauses: list[Clause], learners: int) -> list[CorruptWindow]:
+    """The ``corrupt`` clauses as one window per targeted learner (a pure function)."""
+    out = []
+    for clause in clauses:
+        if clause.kind != "corrupt":
+            continue
+        for index in clause.learners if clause.learners is not None else range(learners):
+            if not 0 <= index < learners:
+                raise ChaosSpecError(f"learner {index} does not exist (M = {learners})")
+            end = clause.start_s + clause.down_s[0]
+            out.append(CorruptWindow(index, clause.how, clause.start_s, end))
+    return out
