@@ -25,8 +25,11 @@ def test_median_of_history_replaces_warm_up_once_there_is_enough():
     v = check_norm(20.0, history, 1e6, k=10, min_history=8)
     assert not v.accept and v.limit == pytest.approx(10.0) and "median" in v.reason
     assert check_norm(9.0, history, 1e6, k=10, min_history=8).accept
-    # With fewer than min_history norms the parameter norm (here huge) still rules.
-    assert check_norm(20.0, history[:7], 1e6, k=10, min_history=8).accept
+    # With fewer than min_history norms the smaller of median and parameter norm rules.
+    assert not check_norm(20.0, history[:7], 1e6, k=10, min_history=8).accept
+    assert check_norm(20.0, [5.0], 3.0, k=10, min_history=8).accept  # 20 <= 10 x min(5, 3)
+    v = check_norm(31.0, [1000.0], 3.0, k=10, min_history=8)  # a bad first norm cannot loosen
+    assert not v.accept and v.limit == 30.0
 
 
 def test_non_finite_norms_are_refused_even_when_disabled_and_k0_disables():

@@ -10,9 +10,11 @@ Decision (a pure function, :func:`check_norm`):
 
 - **Reference.** Once the fragment has ``min_history`` accepted norms, the reference is the
   median of its last ``window`` accepted norms (a median: a minority of bad learners cannot
-  move it). Before that (warm-up) the reference is the norm of the fragment's own global
-  parameters ``‖Θ_p‖``: no honest outer gradient moves a fragment by many times its own size.
-  If the reference is 0 (an all-zero fragment in warm-up) nothing is refused.
+  move it). Before that (warm-up) it is the smaller of that median (if any norm is known) and
+  the norm of the fragment's own global parameters ``‖Θ_p‖``: no honest outer gradient moves
+  a fragment by many times its own size, and the first honest norms tighten the limit at
+  once (a corrupt contribution that slipped in first cannot loosen it). If the reference is
+  0 (an all-zero fragment, nothing known yet) nothing is refused.
 - **Limit.** A contribution is refused when ``‖Δ‖ > k · reference``; ``k = 0`` disables the
   guard. Default ``k = 10``: honest norms vary by a few × across a run (lr warm-up and decay,
   a learner back from a partition sending more steps at once), corruption by orders of
@@ -69,6 +71,9 @@ def check_norm(
     if len(history) >= min_history:
         reference = statistics.median(history)
         what = f"the median {reference:.4g} of the last {len(history)} accepted norms"
+    elif history and statistics.median(history) < param_norm:
+        reference = statistics.median(history)
+        what = f"the median {reference:.4g} of the first {len(history)} accepted norms (warm-up)"
     else:
         reference = param_norm
         what = f"the fragment's parameter norm {reference:.4g} (warm-up, {len(history)} norms)"
