@@ -45,9 +45,10 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--norm-guard",
         type=float,
-        default=10.0,
+        default=20.0,
         metavar="K",
-        help="refuse contributions whose norm exceeds K x the fragment's running median (0: off)",
+        help="refuse contributions whose norm per step exceeds K x the fragment's running "
+        "median (default 20; 0: off; see docs/security.md)",
     )
 
 

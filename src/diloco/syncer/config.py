@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.algorithm.codecs import CODECS
-from diloco.algorithm.guard import DEFAULT_K, DEFAULT_MIN_HISTORY, DEFAULT_WINDOW
+from diloco.algorithm.guard import (
+    DEFAULT_K,
+    DEFAULT_MIN_HISTORY,
+    DEFAULT_PARAM_RATIO,
+    DEFAULT_WINDOW,
+)
 
 
 @dataclass(kw_only=True)
@@ -39,12 +44,14 @@ class SyncerConfig:
     max_steps_per_contribution: int = 1 << 24
     """Sanity bound on ``steps`` in a contribution."""
     norm_guard_k: float = DEFAULT_K
-    """Refuse a contribution whose norm exceeds k × its fragment's reference norm (running
-    median of accepted norms; see ``diloco.algorithm.guard``). 0 disables the guard."""
+    """Refuse a contribution whose norm per inner step exceeds k × the running median of its
+    fragment's accepted ones (see ``diloco.algorithm.guard``). 0 disables the guard."""
+    norm_guard_param_ratio: float = DEFAULT_PARAM_RATIO
+    """Refuse a contribution whose norm exceeds this × the fragment's own norm ‖Θ_p‖."""
     norm_guard_window: int = DEFAULT_WINDOW
-    """Accepted norms per fragment the running median is taken over."""
+    """Accepted per-step norms per fragment the running median is taken over."""
     norm_guard_min_history: int = DEFAULT_MIN_HISTORY
-    """Accepted norms a fragment needs before the median is used (warm-up: ‖Θ_p‖)."""
+    """Accepted norms a fragment needs before the median applies."""
     max_learner_ids: int = 1024
     """Distinct learner ids the syncer remembers; joins of new ids beyond it are refused."""
 
@@ -63,6 +70,10 @@ class SyncerConfig:
             raise ValueError(
                 f"lease_s ({self.lease_s}) must be at least twice heartbeat_s ({self.heartbeat_s}) "
                 "so one lost heartbeat does not drop a learner"
+            )
+        if not self.norm_guard_param_ratio > 0:
+            raise ValueError(
+                f"norm_guard_param_ratio must be > 0 (got {self.norm_guard_param_ratio})"
             )
         if not self.norm_guard_k >= 0:
             raise ValueError(f"norm_guard_k must be >= 0 (0 disables it; got {self.norm_guard_k})")

@@ -319,9 +319,11 @@ class SyncerState:
         norm = float(delta.norm())
         verdict = check_norm(
             norm,
+            steps,
             self.norms.of(fragment),
             float(self.params[fragment].norm()),
             k=self.config.norm_guard_k,
+            param_ratio=self.config.norm_guard_param_ratio,
             min_history=self.config.norm_guard_min_history,
         )
         if not verdict.accept:
@@ -356,7 +358,7 @@ class SyncerState:
             learner_id, delta, base_version, steps, tokens, admission.discount, now, nbytes
         )
         info.contributions += 1
-        self.norms.record(fragment, norm)
+        self.norms.record(fragment, norm, steps)
         if round_.quorum_at is None and len(round_.contributions) >= self._quorum():
             round_.quorum_at = now
             self._ema_quorum.update(now - round_.opened_at)
