@@ -19,6 +19,10 @@ Durations take ``ms``, ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIG
                                        down time (default latency 200 ms)
 ``syncer-kill:at=120s,down=2s``        SIGKILL the syncer at ``at``, restart it after ``down``
 ``kill:at=20s,down=3s,learners=1``     one failure at a fixed time (any learner kind)
+``corrupt:learners=1,how=huge``        silent data corruption: from ``start`` (for ``down``
+                                       seconds, default the whole run) the learner damages
+                                       every delta it uploads: ``huge`` (x1000), ``flip``
+                                       (sign) or ``nan`` (see ``diloco.learner.corrupt``)
 =====================================  ==================================================
 
 Any clause may add ``learners=0+2`` to restrict it to those learner indices, and
@@ -32,9 +36,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill")
+KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill", "corrupt")
 #: Kinds carried out on a learner's network through its relay (see diloco.launch.relay).
 NETWORK_KINDS = ("partition", "drop", "delay")
+CORRUPT_HOWS = ("huge", "flip", "nan")
 
 
 class ChaosSpecError(ValueError):
@@ -50,6 +55,8 @@ class Clause:
     learners: tuple[int, ...] | None = None
     start_s: float = 5.0
     latency_s: float = 0.2
+    how: str = ""
+    """``corrupt`` only: how deltas are damaged (one of ``CORRUPT_HOWS``)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -116,12 +123,18 @@ def parse_spec(spec: str) -> list[Clause]:
                     fields["latency_s"] = parse_duration(value)
                 elif key == "learners":
                     fields["learners"] = tuple(int(i) for i in value.split("+"))
+                elif key == "how" and kind == "corrupt":
+                    fields["how"] = value.strip()
                 else:
                     raise ValueError(f"unknown key {key!r}")
         except ValueError as exc:
             raise ChaosSpecError(f"{raw!r}: {exc}") from None
+        if kind == "corrupt":
+            if fields.get("how") not in CORRUPT_HOWS:
+                raise ChaosSpecError(f"{raw!r}: corrupt needs how={'|'.join(CORRUPT_HOWS)}")
+            fields.setdefault("down_s", (float("inf"), float("inf")))  # default: whole run
         clause = Clause(**fields)
-        if kind != "syncer-kill" and clause.mtbf_s <= 0 and clause.at_s <= 0:
+        if kind not in ("syncer-kill", "corrupt") and clause.mtbf_s <= 0 and clause.at_s <= 0:
             raise ChaosSpecError(f"{raw!r}: {kind} needs mtbf=DURATION or at=DURATION")
         if kind == "syncer-kill" and clause.at_s <= 0:
             raise ChaosSpecError(f"{raw!r}: syncer-kill needs at=DURATION > 0")
@@ -138,6 +151,8 @@ def schedule(clauses: list[Clause], learners: int, horizon_s: float, seed: int) 
     rng = random.Random(seed)
     events: list[ChaosEvent] = []
     for clause in clauses:
+        if clause.kind == "corrupt":  # not an event: a window, see ``corruptions``
+            continue
         if clause.kind == "syncer-kill":
             if clause.at_s <= horizon_s:
                 events.append(
@@ -170,3 +185,27 @@ def _event(clause: Clause, t: float, target: str, rng: random.Random) -> ChaosEv
         return ChaosEvent(t, "drop", target, 0.0)
     latency = clause.latency_s if clause.kind == "delay" else 0.0
     return ChaosEvent(t, clause.kind, target, rng.uniform(*clause.down_s), latency)
+
+
+@dataclass(frozen=True)
+class CorruptWindow:
+    """Learner ``index`` corrupts its uploads as ``how`` from ``start_s`` to ``end_s`` (run time)."""
+
+    index: int
+    how: str
+    start_s: float
+    end_s: float
+
+
+def corruptions(clauses: list[Clause], learners: int) -> list[CorruptWindow]:
+    """The ``corrupt`` clauses as one window per targeted learner (a pure function)."""
+    out = []
+    for clause in clauses:
+        if clause.kind != "corrupt":
+            continue
+        for index in clause.learners if clause.learners is not None else range(learners):
+            if not 0 <= index < learners:
+                raise ChaosSpecError(f"learner {index} does not exist (M = {learners})")
+            end = clause.start_s + clause.down_s[0]
+            out.append(CorruptWindow(index, clause.how, clause.start_s, end))
+    return out

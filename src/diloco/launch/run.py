@@ -84,6 +84,30 @@ def syncer_flags(args: argparse.Namespace) -> list[str]:
         f"--outer-momentum={args.outer_momentum}",
         f"--up-codec={args.up_codec}",
         f"--down-codec={args.down_codec}",
+        f"--norm-guard={args.norm_guard}",
+        *([f"--token-file={args.token_file}"] if args.token_file else []),
+    ]
+
+
+def corrupt_flags(window, started: float, tape) -> list[str]:
+    """Worker flags for a ``corrupt`` chaos window (and its ``chaos`` record on the tape)."""
+    if window is None:
+        return []
+    end = started + window.end_s
+    tape.append(
+        {
+            "event": "chaos",
+            "t": started + window.start_s,
+            "kind": "corrupt",
+            "target": f"learner-{window.index}",
+            "how": window.how,
+            "down_s": None if window.end_s == float("inf") else window.end_s - window.start_s,
+        }
+    )
+    return [
+        f"--corrupt={window.how}",
+        f"--corrupt-start={started + window.start_s}",
+        f"--corrupt-end={0.0 if end == float('inf') else end}",
     ]
 
 
@@ -95,12 +119,12 @@ def recipe_flags(args: argparse.Namespace) -> list[str]:
 class StatusClient:
     """Polls the syncer's Status RPC (bounded); returns None when the syncer does not answer."""
 
-    def __init__(self, address: str) -> None:
-        import grpc
-
+    def __init__(self, address: str, token: str | None = None) -> None:
+        from diloco.wire import auth
         from diloco.wire import diloco_pb2_grpc as pb_grpc
 
-        self._channel = grpc.insecure_channel(address)
+        self._channel = auth.open_channel(address, {})
+        self._metadata = auth.call_metadata(token)
         self._stub = pb_grpc.SyncerStub(self._channel)
 
     def fetch(self):
@@ -109,7 +133,7 @@ class StatusClient:
         from diloco.wire import diloco_pb2 as pb
 
         try:
-            return self._stub.Status(pb.StatusRequest(), timeout=2.0)
+            return self._stub.Status(pb.StatusRequest(), timeout=2.0, metadata=self._metadata)
         except grpc.RpcError:
             return None
 
@@ -120,7 +144,7 @@ class StatusClient:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from diloco.chaos import NETWORK_KINDS, ChaosSpecError, parse_spec, schedule
+    from diloco.chaos import NETWORK_KINDS, ChaosSpecError, corruptions, parse_spec, schedule
     from diloco.launch.evaluator import Evaluator
     from diloco.launch.procs import diloco_command, wait_for_file
     from diloco.launch.relay import Relay
@@ -128,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from diloco.launch.supervisor import Supervisor
     from diloco.recipes import DataError, get_recipe
     from diloco.syncer.store import EventTape
+    from diloco.wire.auth import client_link_options, load_token
 
     torch.set_num_threads(1)
     try:
@@ -137,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         horizon = args.minutes * 60 if args.minutes else 24 * 3600.0
         clauses = parse_spec(args.chaos or "")
         chaos = schedule(clauses, args.learners, horizon, args.seed)
+        corrupt = {w.index: w for w in corruptions(clauses, args.learners)}
+        token = load_token(args.token_file)
     except (DataError, ChaosSpecError, ValueError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 2
@@ -180,14 +207,20 @@ def run(args: argparse.Namespace) -> int:
         address = wait_for_file(port_file, args.start_timeout, alive=syncer.child)
         # A restarted syncer comes back on the same address, so learners just reconnect.
         syncer.argv = [f"--bind={address}" if a == "--bind=127.0.0.1:0" else a for a in syncer.argv]
-        status_client = StatusClient(address)
+        status_client = StatusClient(address, token)
         if any(c.kind in NETWORK_KINDS for c in clauses):  # learners reach the syncer via relays
             sup.relays.update({p.id: Relay(address, name=f"relay-{p.id}") for p in plans})
         model0 = recipe.build_model(args.seed)
         num_params = sum(p.numel() for p in model0.parameters())
         val_initial = recipe.evaluate(model0)
         del model0
-        evaluator = Evaluator(recipe, address, seed=args.seed, fragments=args.fragments)
+        evaluator = Evaluator(
+            recipe,
+            address,
+            seed=args.seed,
+            fragments=args.fragments,
+            link_options=client_link_options(token=token),
+        )
         budget_s = args.minutes * 60 if args.minutes else 0.0
         for plan in plans:
             sup.add(
@@ -208,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
                     f"--join-timeout={args.start_timeout}",
                     "--exit-with-parent",
                     *recipe_flags(args),
+                    *([f"--token-file={args.token_file}"] if args.token_file else []),
+                    *corrupt_flags(corrupt.get(plan.index), started, tape),
                 ),
                 run_dir / "logs" / f"{plan.id}.log",
             )
@@ -516,4 +551,8 @@ def register(subparsers) -> None:
     p.add_argument("--start-timeout", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--stop-timeout", type=float, default=30.0, help=argparse.SUPPRESS)
     add_syncer_arguments(p)
+    p.add_argument(
+        "--token-file",
+        help="shared token file passed to the syncer, learners and evaluator (loopback needs none)",
+    )
     p.set_defaults(func=run)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from diloco.algorithm.fragments import FragmentLayout, balanced_fragments, due_fragments
 from diloco.learner.link import SyncerLink, UploadJob
+from diloco.wire.auth import client_link_options
 
 
 @dataclass(kw_only=True)
@@ -51,6 +52,16 @@ class LearnerConfig:
     so a learner that stops cleanly ends holding the global values (0: do not wait)."""
     step_time_decay: float = 0.9
     """EMA decay of the measured step time reported to the syncer."""
+    token: str | None = field(default=None, repr=False)
+    """Shared secret the syncer requires (``diloco.wire.auth.load_token`` reads it from a file
+    or ``$DILOCO_TOKEN``); sent as ``authorization: Bearer …`` on every call."""
+    tls_ca: str | None = None
+    """PEM CA bundle to verify the syncer's certificate; setting it (or ``tls_cert``) turns
+    TLS on."""
+    tls_cert: str | None = None
+    """PEM client certificate for mutual TLS (with ``tls_key``)."""
+    tls_key: str | None = None
+    """PEM private key of ``tls_cert``."""
 
     def __post_init__(self) -> None:
         if self.fragments < 1 or self.sync_every < 1:
@@ -123,6 +134,10 @@ class Learner:
         self._flushed: dict[int, int] = {}
         if state is not None:
             self.load_state_dict(state)
+        options = client_link_options(
+            token=cfg.token, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
+        )
+        options.update(link_options or {})
         self.link = SyncerLink(
             syncer,
             self.learner_id,
@@ -130,7 +145,7 @@ class Learner:
             on_fragment=self._on_fragment,
             have_versions=self._have_versions,
             heartbeat_info=self._heartbeat_info,
-            **(link_options or {}),
+            **options,
         ).start()
 
     # ----------------------------------------------------------------- public

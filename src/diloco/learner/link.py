@@ -23,6 +23,7 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.learner.corrupt import Corruptor
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
@@ -54,6 +55,7 @@ class LinkStats:
     stale_replies: int = 0
     fragments_received: int = 0
     connects: int = 0
+    corrupted: int = 0
 
 
 class SyncerLink:
@@ -73,6 +75,7 @@ class SyncerLink:
         metadata: tuple[tuple[str, str], ...] = (),
         rpc_timeout_s: float = 30.0,
         max_backoff_s: float = 5.0,
+        corruptor: Corruptor | None = None,
     ) -> None:
         self.address = address
         self.learner_id = learner_id
@@ -85,6 +88,8 @@ class SyncerLink:
         self.metadata = metadata
         self.rpc_timeout_s = rpc_timeout_s
         self.max_backoff_s = max_backoff_s
+        self.corruptor = corruptor
+        """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
         self.error: BaseException | None = None
         self.connected = threading.Event()
@@ -283,7 +288,12 @@ class SyncerLink:
         stub = self._stub
         if stub is None:
             return
-        payload = codecs.encode(job.delta, self.up_codec)
+        corrupt = self.corruptor is not None and self.corruptor.active(time.time())
+        delta = self.corruptor.delta(job.delta) if corrupt else job.delta
+        payload = codecs.encode(delta, self.up_codec)
+        if corrupt:
+            payload = self.corruptor.payload(payload)
+            self.stats.corrupted += 1
         view = memoryview(payload)
         pieces = [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [
             view[:0]
@@ -314,6 +324,8 @@ class SyncerLink:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.OUT_OF_RANGE,
+                grpc.StatusCode.UNAUTHENTICATED,
             ):
                 self.stats.uploads_refused += 1
                 log.warning("upload of fragment %d refused: %s", job.fragment, exc.details())

@@ -53,12 +53,30 @@ def run(args: argparse.Namespace) -> int:
 
         exit_with_parent(stop)
 
+    from diloco.wire.auth import AuthConfigError, load_token
+
+    try:
+        token = None if args.no_sync else load_token(args.token_file)
+    except AuthConfigError as exc:
+        print(f"diloco learner: {exc}", file=sys.stderr)
+        return 2
     config = LearnerConfig(
         fragments=args.fragments,
         sync_every=args.sync_every,
         learner_id=args.id,
         cpu_threads=args.threads,
+        token=token,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
+    link_options = {}
+    if args.corrupt:
+        from diloco.learner.corrupt import Corruptor
+
+        end = args.corrupt_end if args.corrupt_end > 0 else float("inf")
+        link_options["corruptor"] = Corruptor(args.corrupt, args.corrupt_start, end)
+        print(f"learner {args.id}: chaos: corrupting uploads ({args.corrupt})", flush=True)
     name = CHECKPOINT if leader else f"checkpoint.rank{rank}.pt"
     checkpoint = workdir / name if workdir and not args.no_sync else None
     saved = load_checkpoint(checkpoint) if checkpoint else None
@@ -80,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             syncer=args.syncer,
             config=config,
             state=saved["learner"] if saved and leader else None,
+            link_options=link_options,
         )
     else:
         learner = Learner(
@@ -88,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             syncer=args.syncer,
             config=config,
             state=saved["learner"] if saved else None,
+            link_options=link_options,
         )
     if not learner.wait_for_global(timeout=args.join_timeout):
         print(
@@ -334,5 +354,20 @@ def register(subparsers) -> None:
     p.add_argument("--report-every", type=float, default=1.0, help="seconds between progress lines")
     p.add_argument(
         "--exit-with-parent", action="store_true", help="stop (cleanly) if the parent process dies"
+    )
+    from diloco.chaos import CORRUPT_HOWS
+    from diloco.syncer.cli import add_security_arguments
+
+    add_security_arguments(p, server=False)
+    p.add_argument(
+        "--corrupt",
+        choices=CORRUPT_HOWS,
+        help="chaos: damage every uploaded delta (emulated silent data corruption)",
+    )
+    p.add_argument(
+        "--corrupt-start", type=float, default=0.0, help="epoch seconds the corruption starts"
+    )
+    p.add_argument(
+        "--corrupt-end", type=float, default=0.0, help="epoch seconds it ends (0: never)"
     )
     p.set_defaults(func=run)

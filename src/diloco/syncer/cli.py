@@ -42,6 +42,14 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--up-codec", default="int4", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--down-codec", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
+    p.add_argument(
+        "--norm-guard",
+        type=float,
+        default=20.0,
+        metavar="K",
+        help="refuse contributions whose norm per step exceeds K x the fragment's running "
+        "median (default 20; 0: off; see docs/security.md)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -59,7 +67,55 @@ def config_from_args(args: argparse.Namespace):
         outer_momentum=args.outer_momentum,
         up_codec=args.up_codec,
         down_codec=args.down_codec,
+        norm_guard_k=args.norm_guard,
     )
+
+
+def add_security_arguments(p: argparse.ArgumentParser, *, server: bool) -> None:
+    """Token and TLS flags (docs/security.md); ``server`` adds the syncer-only ones."""
+    p.add_argument(
+        "--token-file",
+        help="file holding the shared secret token (default: $DILOCO_TOKEN if set); "
+        "required to bind a non-loopback address",
+    )
+    if server:
+        p.add_argument(
+            "--tls-cert", help="PEM certificate (chain) the syncer presents; enables TLS"
+        )
+        p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+        p.add_argument(
+            "--tls-client-ca",
+            help="PEM CA bundle: require client certificates signed by it (mutual TLS)",
+        )
+        p.add_argument(
+            "--allow-learners",
+            metavar="ID,ID,...",
+            help="only these learner ids (and observer ids) may join",
+        )
+    else:
+        p.add_argument("--tls-ca", help="PEM CA bundle to verify the syncer with; enables TLS")
+        p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS")
+        p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def security_from_args(args: argparse.Namespace) -> dict:
+    """``SyncerServer`` keyword arguments (``token``, ``credentials``, ``allowed_learners``)."""
+    from diloco.wire import auth
+
+    kwargs: dict = {"token": auth.load_token(args.token_file)}
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise auth.AuthConfigError("TLS needs both --tls-cert and --tls-key")
+        kwargs["credentials"] = auth.server_credentials(
+            args.tls_cert, args.tls_key, args.tls_client_ca
+        )
+    elif args.tls_client_ca:
+        raise auth.AuthConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.allow_learners:
+        kwargs["allowed_learners"] = [
+            x.strip() for x in args.allow_learners.split(",") if x.strip()
+        ]
+    return kwargs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             state_dir=args.state_dir,
             tape_path=args.tape
             or (Path(args.state_dir) / "events.jsonl" if args.state_dir else None),
+            **security_from_args(args),
         )
     except (StateError, ValueError, OSError) as exc:
         print(f"diloco syncer: {exc}", file=sys.stderr)
@@ -134,4 +191,5 @@ def register(subparsers) -> None:
         "--exit-with-parent", action="store_true", help="stop (cleanly) if the parent process dies"
     )
     add_syncer_arguments(p)
+    add_security_arguments(p, server=True)
     p.set_defaults(func=run)

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.algorithm.codecs import CODECS
+from diloco.algorithm.guard import (
+    DEFAULT_K,
+    DEFAULT_MIN_HISTORY,
+    DEFAULT_PARAM_RATIO,
+    DEFAULT_WINDOW,
+)
 
 
 @dataclass(kw_only=True)
@@ -37,6 +43,17 @@ class SyncerConfig:
     """Sanity bound on ``tokens / steps`` in a contribution."""
     max_steps_per_contribution: int = 1 << 24
     """Sanity bound on ``steps`` in a contribution."""
+    norm_guard_k: float = DEFAULT_K
+    """Refuse a contribution whose norm per inner step exceeds k × the running median of its
+    fragment's accepted ones (see ``diloco.algorithm.guard``). 0 disables the guard."""
+    norm_guard_param_ratio: float = DEFAULT_PARAM_RATIO
+    """Refuse a contribution whose norm exceeds this × the fragment's own norm ‖Θ_p‖."""
+    norm_guard_window: int = DEFAULT_WINDOW
+    """Accepted per-step norms per fragment the running median is taken over."""
+    norm_guard_min_history: int = DEFAULT_MIN_HISTORY
+    """Accepted norms a fragment needs before the median applies."""
+    max_learner_ids: int = 1024
+    """Distinct learner ids the syncer remembers; joins of new ids beyond it are refused."""
 
     def __post_init__(self) -> None:
         if self.quorum < 1:
@@ -54,6 +71,19 @@ class SyncerConfig:
                 f"lease_s ({self.lease_s}) must be at least twice heartbeat_s ({self.heartbeat_s}) "
                 "so one lost heartbeat does not drop a learner"
             )
+        if not self.norm_guard_param_ratio > 0:
+            raise ValueError(
+                f"norm_guard_param_ratio must be > 0 (got {self.norm_guard_param_ratio})"
+            )
+        if not self.norm_guard_k >= 0:
+            raise ValueError(f"norm_guard_k must be >= 0 (0 disables it; got {self.norm_guard_k})")
+        if self.norm_guard_window < 1 or self.norm_guard_min_history < 0:
+            raise ValueError(
+                "norm_guard_window must be >= 1 and norm_guard_min_history >= 0 "
+                f"(got {self.norm_guard_window}, {self.norm_guard_min_history})"
+            )
+        if self.max_learner_ids < 1:
+            raise ValueError(f"max_learner_ids must be >= 1 (got {self.max_learner_ids})")
         for field in ("up_codec", "down_codec"):
             if getattr(self, field) not in CODECS:
                 raise ValueError(f"{field} must be one of {CODECS} (got {getattr(self, field)!r})")

@@ -23,6 +23,7 @@ from diloco.algorithm.fragments import FragmentLayout
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import EventTape, FragmentStore, state_hash
+from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
@@ -30,6 +31,8 @@ CHUNK_BYTES = 1 << 20
 """Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
 """gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
+MAX_REASON_CHARS = 500
+"""Refusal messages are cut to this length (they may quote what a client sent)."""
 
 
 def chunk_payload(payload: bytes) -> list[memoryview]:
@@ -76,9 +79,15 @@ class SyncerService(pb_grpc.SyncerServicer):
     """The RPC handlers plus the committer thread. Use ``SyncerServer`` to run it."""
 
     def __init__(
-        self, state: SyncerState, *, store: FragmentStore | None, tape: EventTape | None
+        self,
+        state: SyncerState,
+        *,
+        store: FragmentStore | None,
+        tape: EventTape | None,
+        allowed_learners: frozenset[str] | None = None,
     ) -> None:
         self.state = state
+        self.allowed_learners = allowed_learners
         self.store = store
         self.tape = tape
         self.lock = threading.Lock()
@@ -111,15 +120,29 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.tape.append(record, sync=sync)
 
     # ------------------------------------------------------------------ helpers
-    def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused):
+    def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused, rpc: str):
+        """Tape the refusal (``refused`` record) and answer with its status; never returns."""
         with self.lock:
-            self.state.note_refusal(learner_id, f"{err.code}: {err.message}", time.time())
-        context.abort(getattr(grpc.StatusCode, err.code), err.message)
+            self.state.note_refusal(learner_id, err.code, err.message, time.time(), rpc=rpc)
+        context.abort(getattr(grpc.StatusCode, err.code), err.message[:MAX_REASON_CHARS])
+
+    def refuse_unauthenticated(self, method: str, reason: str) -> None:
+        """Called by the token interceptor for a call it turned away (no state is touched)."""
+        with self.lock:
+            self.state.note_refusal("", "UNAUTHENTICATED", reason, time.time(), rpc=method)
 
     # --------------------------------------------------------------------- RPCs
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         tensors = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
         try:
+            if (
+                self.allowed_learners is not None
+                and request.learner_id not in self.allowed_learners
+            ):
+                raise Refused(
+                    "PERMISSION_DENIED",
+                    f"learner id {request.learner_id[:64]!r} is not on the syncer's allow-list",
+                )
             with self.lock:
                 info = self.state.join(
                     request.learner_id,
@@ -131,7 +154,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 )
                 versions = list(self.state.versions)
         except Refused as err:
-            return self._refuse(context, request.learner_id, err)
+            return self._refuse(context, request.learner_id, err, "Join")
         cfg = self.state.config
         return pb.JoinReply(
             session=info.session,
@@ -147,13 +170,19 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FragmentChunk]:
+        have = list(request.have_versions)
         try:
+            if len(have) > self.state.layout.num_fragments:
+                raise Refused(
+                    "INVALID_ARGUMENT",
+                    f"have_versions lists {len(have)} fragments, the model has "
+                    f"{self.state.layout.num_fragments}",
+                )
             with self.lock:
                 info = self.state.session_of(request.learner_id, request.session)
         except Refused as err:
-            return self._refuse(context, request.learner_id, err)
+            return self._refuse(context, request.learner_id, err, "Subscribe")
         sub = _Subscriber(info.learner_id, info.session, info.observer)
-        have = list(request.have_versions)
         with self.lock:
             self._subscribers.add(sub)
             for p, (version, payload, _) in self._payloads.items():
@@ -191,10 +220,9 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Upload(
         self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext
     ) -> pb.UploadReply:
-        learner_id = ""
+        who: dict[str, str] = {}
         try:
-            header, payload = self._receive_upload(request_iterator)
-            learner_id = header.learner_id
+            header, payload = self._receive_upload(request_iterator, who)
             numel = self.state.layout.fragments[header.fragment].numel
             try:
                 delta = codecs.decode(payload, numel, header.codec)
@@ -215,7 +243,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 )
                 current = self.state.versions[header.fragment]
         except Refused as err:
-            return self._refuse(context, learner_id, err)
+            return self._refuse(context, who.get("learner_id", ""), err, "Upload")
         self._wake.set()
         return pb.UploadReply(
             accepted=admission.accept,
@@ -224,8 +252,14 @@ class SyncerService(pb_grpc.SyncerServicer):
             current_version=current,
         )
 
-    def _receive_upload(self, chunks: Iterator[pb.UploadChunk]) -> tuple[pb.UploadChunk, bytes]:
-        """Reassemble one upload, checking chunk order, header consistency and sizes."""
+    def _receive_upload(
+        self, chunks: Iterator[pb.UploadChunk], who: dict[str, str]
+    ) -> tuple[pb.UploadChunk, bytes]:
+        """Reassemble one upload, checking chunk order, header consistency and sizes.
+
+        The first chunk's header is checked (session, fragment, codec, numel, chunk count)
+        before any more data is read, so a stranger or a bad header costs one chunk.
+        """
         header = None
         parts: list[bytes] = []
         received = 0
@@ -233,15 +267,21 @@ class SyncerService(pb_grpc.SyncerServicer):
         for i, chunk in enumerate(chunks):
             if header is None:
                 header = chunk
+                who["learner_id"] = chunk.learner_id
+                with self.lock:
+                    info = self.state.session_of(chunk.learner_id, chunk.session)
+                if info.observer:
+                    raise Refused("PERMISSION_DENIED", "observers cannot contribute")
                 if not 0 <= chunk.fragment < self.state.layout.num_fragments:
                     raise Refused(
                         "INVALID_ARGUMENT",
                         f"fragment {chunk.fragment} out of range [0, {self.state.layout.num_fragments})",
                     )
-                if chunk.codec not in codecs.CODECS:
+                if chunk.codec != self.state.config.up_codec:
                     raise Refused(
                         "INVALID_ARGUMENT",
-                        f"unknown codec {chunk.codec!r}; valid: {', '.join(codecs.CODECS)}",
+                        f"codec {chunk.codec[:16]!r} is not the syncer's up codec "
+                        f"{self.state.config.up_codec!r} (sent at join)",
                     )
                 numel = self.state.layout.fragments[chunk.fragment].numel
                 if chunk.numel != numel:
@@ -256,22 +296,12 @@ class SyncerService(pb_grpc.SyncerServicer):
                         "INVALID_ARGUMENT",
                         f"num_chunks must be in [1, {max_chunks}], got {chunk.num_chunks}",
                     )
-            elif (
-                chunk.learner_id,
-                chunk.session,
-                chunk.fragment,
-                chunk.base_version,
-                chunk.num_chunks,
-                chunk.codec,
-            ) != (
-                header.learner_id,
-                header.session,
-                header.fragment,
-                header.base_version,
-                header.num_chunks,
-                header.codec,
-            ):
+            elif _header_fields(chunk) != _header_fields(header):
                 raise Refused("INVALID_ARGUMENT", f"chunk {i} header differs from chunk 0")
+            if len(chunk.data) > CHUNK_BYTES:
+                raise Refused(
+                    "INVALID_ARGUMENT", f"chunk {i} carries {len(chunk.data)} > {CHUNK_BYTES} bytes"
+                )
             if chunk.chunk_index != i or i >= header.num_chunks:
                 raise Refused(
                     "INVALID_ARGUMENT",
@@ -295,6 +325,7 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
+        sps = request.steps_per_s
         with self.lock:
             try:
                 self.state.heartbeat(
@@ -303,8 +334,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                     now=time.time(),
                     step=max(0, request.step),
                     tokens=max(0, request.tokens),
-                    steps_per_s=request.steps_per_s if request.steps_per_s >= 0 else 0.0,
-                    state=request.state,
+                    steps_per_s=sps if 0 <= sps < 1e9 else 0.0,  # NaN and Inf report as 0
+                    state="".join(c for c in request.state[:64] if c.isprintable()),
                 )
             except Refused:
                 return pb.HeartbeatReply(known=False, versions=self.state.versions)
@@ -378,6 +409,27 @@ class SyncerService(pb_grpc.SyncerServicer):
         with self.lock:
             return state_hash(self.state.versions, self.state.params)
 
+    def state_digest(self) -> str:
+        """``SyncerState.digest`` under the lock: equal before and after a refused request."""
+        with self.lock:
+            return self.state.digest()
+
+
+def _header_fields(chunk: pb.UploadChunk) -> tuple:
+    """Fields every chunk of one upload must repeat unchanged."""
+    return (
+        chunk.learner_id,
+        chunk.session,
+        chunk.fragment,
+        chunk.base_version,
+        chunk.steps,
+        chunk.tokens,
+        chunk.codec,
+        chunk.numel,
+        chunk.num_chunks,
+        chunk.step_time_s,
+    )
+
 
 class SyncerServer:
     """A running syncer: state (loaded from ``state_dir`` if it holds one) behind a gRPC server."""
@@ -395,7 +447,14 @@ class SyncerServer:
         max_learners: int = 64,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
+        token: str | None = None,
+        allowed_learners: Sequence[str] | None = None,
     ) -> None:
+        """``token``: require ``authorization: Bearer <token>`` on every call (mandatory when
+        ``bind`` is not a loopback address: ``auth.AuthConfigError`` otherwise).
+        ``credentials``: TLS (``diloco.wire.auth.server_credentials``). ``allowed_learners``:
+        if given, only these ids may join (learners and observers alike)."""
+        auth.check_bind(bind, token)
         self.config = config or SyncerConfig()
         self.layout = layout
         self.tape = EventTape(tape_path) if tape_path else None
@@ -415,7 +474,17 @@ class SyncerServer:
         )
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
-        self.service = SyncerService(self.state, store=self.store, tape=self.tape)
+        self.service = SyncerService(
+            self.state,
+            store=self.store,
+            tape=self.tape,
+            allowed_learners=frozenset(allowed_learners) if allowed_learners is not None else None,
+        )
+        if token is not None:
+            interceptors = [
+                auth.TokenInterceptor(token, self.service.refuse_unauthenticated),
+                *interceptors,
+            ]
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

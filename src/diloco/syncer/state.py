@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.algorithm.guard import NormHistory, check_norm
 from diloco.algorithm.merge import merge_contributions, token_weight
 from diloco.algorithm.outer import NesterovOuter
 from diloco.algorithm.rounds import (
@@ -126,6 +127,7 @@ class SyncerState:
         )
         self.outer = NesterovOuter(lr=config.outer_lr, momentum=config.outer_momentum)
         self.rounds: dict[int, FragmentRound] = {}
+        self.norms = NormHistory(layout.num_fragments, config.norm_guard_window)
         self.learners: dict[str, LearnerInfo] = {}
         self.emit = emit
         self.syncer_id = uuid.uuid4().hex[:12]
@@ -170,10 +172,15 @@ class SyncerState:
                 "FAILED_PRECONDITION",
                 "layout hash differs although tensors match: different fragmentation",
             )
+        old = self.learners.get(learner_id)
+        if old is None and len(self.learners) >= self.config.max_learner_ids:
+            raise Refused(
+                "RESOURCE_EXHAUSTED",
+                f"the syncer already knows {len(self.learners)} learner ids (max_learner_ids)",
+            )
         info = LearnerInfo(
             learner_id, uuid.uuid4().hex, joined_at=now, last_seen=now, observer=observer
         )
-        old = self.learners.get(learner_id)
         if old is not None:
             info.contributions, info.bytes_up, info.bytes_down = (
                 old.contributions,
@@ -304,11 +311,23 @@ class SyncerState:
         if not bool(torch.isfinite(delta).all()):
             raise Refused("INVALID_ARGUMENT", "delta has non-finite values")
         current = self.versions[fragment]
-        if base_version > current:
+        if not 0 <= base_version <= current:
             raise Refused(
                 "INVALID_ARGUMENT",
-                f"base version {base_version} is ahead of the syncer's {current}",
+                f"base version {base_version} is outside [0, {current}]: negative, or ahead of the syncer's",
             )
+        norm = float(delta.norm())
+        verdict = check_norm(
+            norm,
+            steps,
+            self.norms.of(fragment),
+            float(self.params[fragment].norm()),
+            k=self.config.norm_guard_k,
+            param_ratio=self.config.norm_guard_param_ratio,
+            min_history=self.config.norm_guard_min_history,
+        )
+        if not verdict.accept:
+            raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
         admission = admit_contribution(
             base_version=base_version,
             current_version=current,
@@ -339,14 +358,55 @@ class SyncerState:
             learner_id, delta, base_version, steps, tokens, admission.discount, now, nbytes
         )
         info.contributions += 1
+        self.norms.record(fragment, norm, steps)
         if round_.quorum_at is None and len(round_.contributions) >= self._quorum():
             round_.quorum_at = now
             self._ema_quorum.update(now - round_.opened_at)
         return admission
 
-    def note_refusal(self, learner_id: str, reason: str, now: float) -> None:
+    def note_refusal(
+        self, learner_id: str, code: str, reason: str, now: float, *, rpc: str = ""
+    ) -> None:
+        """Count a refused request and put it on the tape (a ``refused`` record). Touches
+        nothing that ``digest`` covers."""
         self.refused += 1
-        self.emit({"event": "refuse", "t": now, "learner": learner_id[:64], "reason": reason[:300]})
+        self.emit(
+            {
+                "event": "refused",
+                "t": now,
+                "rpc": rpc,
+                "learner": learner_id[:64],
+                "code": code,
+                "reason": reason[:300],
+            }
+        )
+
+    def digest(self) -> str:
+        """SHA-256 over everything that shapes the global model: versions, Θ_p, the outer
+        optimizer's state, every open round's contributions, the norm guard's history and the
+        learner table (ids, sessions, membership). Liveness times, byte and refusal counters
+        are left out: they change on every heartbeat. Equal digests mean a request changed
+        nothing that matters (the fuzz tests compare them around refused requests)."""
+        h = hashlib.sha256(repr(self.versions).encode())
+        for t in self.params:
+            h.update(t.contiguous().numpy().tobytes())
+        outer = self.outer.state_dict()
+        for p in sorted(outer["buffers"]):
+            h.update(f"momentum{p}".encode())
+            h.update(outer["buffers"][p].contiguous().numpy().tobytes())
+        for p in sorted(self.rounds):
+            r = self.rounds[p]
+            h.update(repr((p, r.opened_at, r.quorum_at)).encode())
+            for lid in sorted(r.contributions):
+                c = r.contributions[lid]
+                h.update(repr((lid, c.base_version, c.steps, c.tokens, c.discount)).encode())
+                h.update(c.delta.contiguous().numpy().tobytes())
+        for p in range(self.layout.num_fragments):
+            h.update(repr(self.norms.of(p)).encode())
+        for lid in sorted(self.learners):
+            i = self.learners[lid]
+            h.update(repr((lid, i.session, i.observer, i.connected)).encode())
+        return h.hexdigest()
 
     # -------------------------------------------------------------------- rounds
     def estimates(self) -> Estimates:

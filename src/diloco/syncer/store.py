@@ -7,8 +7,8 @@ Layout of a state directory::
 
 A commit writes only its own fragment (1/P of the model): to a temp file, fsync, rename,
 fsync of the directory. A crash leaves either the old file or the new one. Files are
-safetensors (no pickle); each carries a SHA-256 of its tensor bytes, so a corrupt file is
-detected at start and reported, never silently loaded.
+safetensors (no pickle); each carries a SHA-256 of its tensor bytes, fragment id and version,
+so a corrupt file is detected at start and reported (naming the file), never silently loaded.
 
 The **event tape** is an append-only JSONL file: one record per decision (join, leave,
 round, refusal, injected fault, ...). Lines are written with a single ``write`` on an
@@ -46,6 +46,14 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
             if t.dtype != torch.bfloat16
             else t.view(torch.int16).numpy().tobytes()
         )
+    return h.hexdigest()
+
+
+def file_digest(tensors: dict[str, torch.Tensor], fragment: str, version: str) -> str:
+    """Checksum stored in a fragment file: its tensors *and* its fragment id and version (a
+    bit flip in the version metadata is as harmful as one in Θ)."""
+    h = hashlib.sha256(tensor_digest(tensors).encode())
+    h.update(f"fragment={fragment};version={version}".encode())
     return h.hexdigest()
 
 
@@ -111,7 +119,7 @@ class FragmentStore:
         meta = {
             "fragment": str(fragment),
             "version": str(version),
-            "sha256": tensor_digest(tensors),
+            "sha256": file_digest(tensors, str(fragment), str(version)),
         }
         final = self.path(fragment)
         tmp = final.with_name(final.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
@@ -141,9 +149,17 @@ class FragmentStore:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
         except Exception as exc:  # safetensors raises several types for a damaged file
-            raise StateError(f"{path} is corrupt: {exc}") from None
-        if meta.get("sha256") != tensor_digest(tensors):
-            raise StateError(f"{path} is corrupt: checksum mismatch")
+            raise StateError(
+                f"{path} is corrupt ({exc}). Restore it from a backup, or delete it to restart "
+                f"fragment {fragment} from the initial parameters (docs/security.md)"
+            ) from None
+        if meta.get("sha256") != file_digest(
+            tensors, str(meta.get("fragment")), str(meta.get("version"))
+        ):
+            raise StateError(
+                f"{path} is corrupt: checksum mismatch. Restore it from a backup, or delete it "
+                f"to restart fragment {fragment} from the initial parameters (docs/security.md)"
+            )
         if meta.get("fragment") != str(fragment) or "params" not in tensors:
             raise StateError(f"{path} does not hold fragment {fragment}")
         params = tensors["params"]
@@ -155,7 +171,14 @@ class FragmentStore:
             version = int(meta["version"])
         except (KeyError, ValueError):
             raise StateError(f"{path}: missing or bad version") from None
+        if version < 0:
+            raise StateError(f"{path}: negative version {version}")
         momentum = {"momentum": tensors["momentum"]} if "momentum" in tensors else {}
+        if momentum and (
+            momentum["momentum"].dtype != torch.float32
+            or momentum["momentum"].shape != params.shape
+        ):
+            raise StateError(f"{path}: momentum does not match the parameters' shape or dtype")
         return version, params, momentum
 
 

@@ -1,0 +1,63 @@
+"""Silent data corruption, on purpose: the ``corrupt`` chaos fault inside a real learner.
+
+A learner started with ``--corrupt HOW`` damages every outer gradient it uploads between two
+wall-clock times, the way broken hardware would, while training normally otherwise:
+
+- ``huge``: the delta is multiplied by ``HUGE_FACTOR`` (finite, passes every format check;
+  the syncer's norm guard must catch it);
+- ``flip``: the delta's sign is flipped (ordinary norm; only averaging limits it);
+- ``nan``: the encoded payload's first four bytes become a NaN (the syncer's decoder must
+  refuse it; the learner's own encoder would refuse a NaN delta, so it is injected after).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diloco.chaos import CORRUPT_HOWS
+
+HUGE_FACTOR = 1e3
+"""What ``huge`` multiplies a delta by."""
+_NAN = b"\xc0\x7f\xc0\x7f"  # NaN as float32 LE and as two bfloat16 LE; also an int8/int4 scale
+
+
+def corrupt_delta(delta: torch.Tensor, how: str) -> torch.Tensor:
+    """A damaged copy of ``delta`` (``delta`` itself is not modified)."""
+    if how == "huge":
+        return delta * HUGE_FACTOR
+    if how == "flip":
+        return -delta
+    if how == "nan":
+        return delta
+    raise ValueError(f"unknown corruption {how!r}; choose one of {', '.join(CORRUPT_HOWS)}")
+
+
+def corrupt_payload(payload: bytes, how: str) -> bytes:
+    """The encoded payload after damage (only ``nan`` touches bytes)."""
+    if how == "nan" and len(payload) >= len(_NAN):
+        return _NAN + payload[len(_NAN) :]
+    return payload
+
+
+@dataclass(frozen=True)
+class Corruptor:
+    """Corrupt uploads as ``how`` while ``start <= time.time() < end`` (epoch seconds)."""
+
+    how: str
+    start: float = 0.0
+    end: float = float("inf")
+
+    def __post_init__(self) -> None:
+        if self.how not in CORRUPT_HOWS:
+            raise ValueError(f"unknown corruption {self.how!r}; choose one of {CORRUPT_HOWS}")
+
+    def active(self, now: float) -> bool:
+        return self.start <= now < self.end
+
+    def delta(self, delta: torch.Tensor) -> torch.Tensor:
+        return corrupt_delta(delta, self.how)
+
+    def payload(self, payload: bytes) -> bytes:
+        return corrupt_payload(payload, self.how)

@@ -1,0 +1,183 @@
+"""Silent data corruption: one learner of three damages every delta it sends, the global model
+still learns. Real processes (``diloco run --chaos corrupt:...``) against a clean run, plus the
+corruption modes one by one against an in-process syncer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from diloco.algorithm import balanced_fragments, codecs
+from diloco.chaos import ChaosSpecError, corruptions, parse_spec, schedule
+from diloco.learner.corrupt import HUGE_FACTOR, Corruptor, corrupt_delta, corrupt_payload
+from diloco.learner.learner import Learner
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.server import SyncerServer
+from diloco.syncer.store import read_tape
+
+STEPS = 300  # per learner: both runs train the same steps whatever the machine's speed
+MINUTES = 1.5  # a safety cap only
+CORRUPT = "corrupt:learners=1,how=huge,start=0s"
+#: The corrupt run may end at most this much above the clean run's held-out loss. It trains
+#: with two useful learners instead of three, so it sits somewhat above; without the norm
+#: guard a single accepted x1000 delta sends the loss far above the initial one.
+LOSS_BOUND = 1.15
+TOKEN = "corrupt-test-token-0123456789"
+
+
+# ------------------------------------------------------------------------- spec and modes
+def test_corrupt_spec_parses_into_windows_and_is_not_a_scheduled_event():
+    clauses = parse_spec("corrupt:learners=1,how=flip,start=3s,down=10s;corrupt:how=nan")
+    first, *rest = corruptions(clauses, 2)
+    assert (first.index, first.how, first.start_s, first.end_s) == (1, "flip", 3.0, 13.0)
+    assert [(w.index, w.how, w.end_s) for w in rest] == [
+        (0, "nan", float("inf")),
+        (1, "nan", float("inf")),
+    ]
+    assert schedule(clauses, 2, 60, seed=0) == []
+    for bad, message in [("corrupt:learners=0", "how="), ("corrupt:how=zero", "how=")]:
+        with pytest.raises(ChaosSpecError, match=message):
+            parse_spec(bad)
+    with pytest.raises(ChaosSpecError, match="does not exist"):
+        corruptions(parse_spec("corrupt:how=nan,learners=5"), 2)
+
+
+def test_corruption_modes():
+    delta = torch.tensor([1.0, -2.0, 0.5])
+    assert torch.equal(corrupt_delta(delta, "huge"), delta * HUGE_FACTOR)
+    assert torch.equal(corrupt_delta(delta, "flip"), -delta)
+    assert torch.equal(delta, torch.tensor([1.0, -2.0, 0.5]))  # input untouched
+    for codec in codecs.CODECS:
+        damaged = corrupt_payload(codecs.encode(delta, codec), "nan")
+        with pytest.raises(codecs.NonFiniteError):
+            codecs.decode(damaged, 3, codec)
+    window = Corruptor("flip", start=10.0, end=20.0)
+    assert not window.active(9.9) and window.active(10.0) and not window.active(20.0)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "how, refused", [("huge", "OUT_OF_RANGE"), ("nan", "INVALID_ARGUMENT"), ("flip", None)]
+)
+def test_each_mode_reaches_the_syncer_and_is_handled(tmp_path, how, refused):
+    """A real Learner whose uploads are corrupted: huge and nan are refused (tape says why),
+    flip has an ordinary norm and is accepted (only averaging limits it)."""
+    model = _model()
+    layout = balanced_fragments(model.named_parameters(), 2)
+    named = dict(model.named_parameters())
+    config = SyncerConfig(up_codec="int8", lease_s=5, heartbeat_s=0.5)
+    server = SyncerServer(
+        layout,
+        [layout.gather(p, named) for p in range(2)],
+        config,
+        tape_path=tmp_path / "events.jsonl",
+    ).start()
+    try:
+        learner = Learner(
+            model,
+            syncer=server.address,
+            fragments=2,
+            sync_every=2,
+            learner_id="sdc",
+            link_options={"corruptor": Corruptor(how)},
+        )
+        assert learner.wait_for_global(timeout=10)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(8):
+            x = torch.randn(16, 8, generator=gen)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            learner.step(tokens=16)
+        assert learner.flush(timeout=10)
+        learner.close(flush=False)
+        assert learner.link.stats.corrupted >= 4
+    finally:
+        server.stop()
+    tape = read_tape(tmp_path / "events.jsonl")
+    codes = [r["code"] for r in tape if r["event"] == "refused"]
+    rounds = [r for r in tape if r["event"] == "round"]
+    if refused:
+        assert codes and set(codes) == {refused} and not rounds
+    else:
+        assert not codes and rounds
+
+
+# -------------------------------------------------------------------- real processes
+def run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[dict]]:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "run",
+            "--recipe=tiny",
+            "--learners=3",
+            f"--steps={STEPS}",
+            f"--minutes={MINUTES}",
+            "--eval-every=6",
+            f"--runs-dir={tmp_path}",
+            f"--name={name}",
+            f"--token-file={token_file}",  # passed through to syncer, learners and evaluator
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), read_tape(tmp_path / name / "syncer" / "events.jsonl")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("corrupt")
+    return run(tmp, "clean"), run(tmp, "corrupt", f"--chaos={CORRUPT}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_one_corrupt_learner_of_three_cannot_wreck_the_global_model(runs):
+    (clean, clean_tape), (faulty, tape) = runs
+    # The corrupt learner really ran corrupted, and the syncer refused it, saying why.
+    assert [(f["kind"], f["target"]) for f in faulty["failures_injected"]] == [
+        ("corrupt", "learner-1")
+    ]
+    log = Path(faulty["run_dir"]) / "logs" / "learner-1.log"
+    assert "corrupting uploads (huge)" in log.read_text()
+    refused = [r for r in tape if r["event"] == "refused"]
+    assert len(refused) >= 10
+    assert {r["learner"] for r in refused} == {"learner-1"}
+    assert {r["code"] for r in refused} == {"OUT_OF_RANGE"}
+    rounds = [r for r in tape if r["event"] == "round"]
+    slipped = [r for r in rounds if "learner-1" in r["participants"]]
+    assert len(slipped) <= 2, slipped  # at most a warm-up slip before the first honest norms
+    assert not [r for r in clean_tape if r["event"] == "refused"]  # no false alarms
+    # The global model's held-out loss decreases throughout and ends near the clean run's.
+    metrics = [
+        json.loads(line)
+        for line in (Path(faulty["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [faulty["val_loss"]["initial"]] + [m["val_loss"] for m in metrics]
+    assert len(losses) >= 4 and losses[-1] < 0.8 * losses[0]
+    assert all(b < a + 0.05 for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert faulty["val_loss"]["final"] <= LOSS_BOUND * clean["val_loss"]["final"], (
+        faulty["val_loss"],
+        clean["val_loss"],
+    )

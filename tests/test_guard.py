@@ -1,0 +1,108 @@
+"""The norm guard: a pure decision, and its use by the syncer state machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diloco.algorithm import balanced_fragments
+from diloco.algorithm.guard import DEFAULT_K, DEFAULT_PARAM_RATIO, NormHistory, check_norm
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.state import Refused, SyncerState
+
+
+def test_without_history_only_the_fragments_own_norm_bounds_a_delta():
+    assert check_norm(9.9, 1, [], 1.0, k=20, param_ratio=10).accept
+    v = check_norm(10.1, 24, [], 1.0, k=20, param_ratio=10)
+    assert not v.accept and "own norm" in v.reason
+    # An all-zero fragment without history: nothing to compare with.
+    assert check_norm(1e6, 1, [], 0.0).accept
+
+
+def test_per_step_norm_is_compared_with_the_median_of_history():
+    history = [0.1] * 5 + [100.0]  # one earlier outlier cannot move a median
+    assert check_norm(0.1 * 24 * 19, 24, history, 1e6, k=20).accept  # 19x per step
+    v = check_norm(0.1 * 24 * 21, 24, history, 1e6, k=20)
+    assert not v.accept and "median 0.1" in v.reason and "over 24 steps" in v.reason
+    # The same norm over more steps is an ordinary contribution of a longer absence.
+    assert check_norm(0.1 * 24 * 21, 48, history, 1e6, k=20).accept
+    # Below min_history only the own-norm check applies.
+    assert check_norm(1000.0, 1, history[:2], 1e6, k=20, min_history=3).accept
+
+
+def test_own_norm_check_also_caps_a_learner_that_inflates_its_step_count():
+    assert not check_norm(50.0, 10**6, [1.0] * 10, 1.0, param_ratio=10).accept
+
+
+def test_non_finite_norms_are_refused_even_when_disabled_and_k0_disables():
+    for bad in (float("nan"), float("inf"), -1.0):
+        assert not check_norm(bad, 1, [], 1.0, k=0).accept
+    assert check_norm(1e30, 1, [1.0] * 10, 1.0, k=0).accept
+    assert (DEFAULT_K, DEFAULT_PARAM_RATIO) == (20.0, 10.0)
+
+
+def test_history_keeps_a_window_of_per_step_norms_per_fragment():
+    h = NormHistory(2, window=3)
+    for x in (1, 2, 3, 4):
+        h.record(0, 2 * x, steps=2)
+    assert h.of(0) == (2.0, 3.0, 4.0) and h.of(1) == ()
+
+
+def make_state(**cfg):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    layout = balanced_fragments(model.named_parameters(), 1)
+    params = [layout.gather(0, dict(model.named_parameters()))]
+    events = []
+    state = SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append)
+    for lid in ("good", "bad"):
+        state.join(
+            lid,
+            tensors=layout.tensors,
+            layout_hash=layout.hash,
+            num_fragments=1,
+            observer=False,
+            now=0.0,
+        )
+    return state, layout
+
+
+def submit(state, lid, delta, now):
+    return state.submit(
+        lid,
+        state.learners[lid].session,
+        fragment=0,
+        base_version=state.versions[0],
+        steps=4,
+        tokens=40,
+        delta=delta,
+        step_time_s=0.1,
+        nbytes=4,
+        now=now,
+    )
+
+
+def test_state_refuses_a_huge_contribution_and_keeps_its_state():
+    state, layout = make_state(norm_guard_k=10, norm_guard_min_history=3)
+    n = layout.fragments[0].numel
+    gen = torch.Generator().manual_seed(1)
+    for i in range(5):  # honest history: norms ~0.01 * sqrt(n)
+        submit(state, "good", 0.01 * torch.randn(n, generator=gen), now=float(i))
+        state.poll(float(i) + 10)
+    before = state.digest()
+    with pytest.raises(Refused) as info:
+        submit(state, "bad", 50 * 0.01 * torch.randn(n, generator=gen), now=20.0)
+    assert info.value.code == "OUT_OF_RANGE" and "median" in info.value.message, info.value
+    assert state.digest() == before
+    # Same size as the honest ones (a sign flip): accepted, the guard only looks at norms.
+    submit(state, "bad", -0.01 * torch.randn(n, generator=gen), now=21.0)
+    assert state.digest() != before
+
+
+def test_without_the_guard_the_huge_contribution_gets_in():
+    state, layout = make_state(norm_guard_k=0)
+    n = layout.fragments[0].numel
+    submit(state, "bad", 1e3 * torch.ones(n), now=1.0)
+    commits, _ = state.poll(100.0)
+    assert commits and float(state.params[0].abs().max()) > 100
