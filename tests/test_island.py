@@ -46,23 +46,24 @@ def torchrun(address: str, island: int, workdir: Path, steps: int, *extra: str):
         "--join-timeout=30",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
+    log = (workdir.parent / f"{workdir.name}.log").open("w")
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
+    proc.log_path = Path(log.name)
+    log.close()
+    return proc
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout}s:\n{out[-3000:]}")
+        proc.wait(10)
+        out = proc.log_path.read_text()
+        pytest.fail(f"torchrun did not finish in {timeout}s:\n{out[-6000:]}")
+    out = proc.log_path.read_text()
     assert proc.returncode == 0, out[-3000:]
     return out
 

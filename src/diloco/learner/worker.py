@@ -195,10 +195,29 @@ def island_rank() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        rank = int(os.environ["RANK"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and not agent_store,
+            timeout=timedelta(minutes=5),
+        )
+        # torchrun's agent keeps one store across restarts: without a prefix per attempt a
+        # restarted rank can read a dead rank's address left by the previous attempt.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"diloco/attempt-{attempt}", store),
+            rank=rank,
+            world_size=world,
+        )
     return dist.get_rank(), dist.get_world_size()
 
 
