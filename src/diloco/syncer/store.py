@@ -30,6 +30,12 @@ from safetensors.torch import load_file, save_file
 from diloco.algorithm.fragments import FragmentLayout
 
 
+_RECOVER = (
+    "Restore the file from a backup of the state directory, or start from a fresh --state-dir "
+    "(see 'Recovering from a corrupt state file' in docs/security.md)"
+)
+
+
 class StateError(RuntimeError):
     """The state directory is unusable (corrupt file, other model); the message says which."""
 
@@ -150,15 +156,13 @@ class FragmentStore:
                 meta = f.metadata() or {}
         except Exception as exc:  # safetensors raises several types for a damaged file
             raise StateError(
-                f"{path} is corrupt ({exc}). Restore it from a backup, or delete it to restart "
-                f"fragment {fragment} from the initial parameters (docs/security.md)"
+                f"{path} is corrupt ({exc}). {_RECOVER}"
             ) from None
         if meta.get("sha256") != file_digest(
             tensors, str(meta.get("fragment")), str(meta.get("version"))
         ):
             raise StateError(
-                f"{path} is corrupt: checksum mismatch. Restore it from a backup, or delete it "
-                f"to restart fragment {fragment} from the initial parameters (docs/security.md)"
+                f"{path} is corrupt: checksum mismatch. {_RECOVER}"
             )
         if meta.get("fragment") != str(fragment) or "params" not in tensors:
             raise StateError(f"{path} does not hold fragment {fragment}")
