@@ -29,7 +29,6 @@ from safetensors.torch import load_file, save_file
 
 from diloco.algorithm.fragments import FragmentLayout
 
-
 _RECOVER = (
     "Restore the file from a backup of the state directory, or start from a fresh --state-dir "
     "(see 'Recovering from a corrupt state file' in docs/security.md)"
@@ -155,15 +154,11 @@ class FragmentStore:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
         except Exception as exc:  # safetensors raises several types for a damaged file
-            raise StateError(
-                f"{path} is corrupt ({exc}). {_RECOVER}"
-            ) from None
+            raise StateError(f"{path} is corrupt ({exc}). {_RECOVER}") from None
         if meta.get("sha256") != file_digest(
             tensors, str(meta.get("fragment")), str(meta.get("version"))
         ):
-            raise StateError(
-                f"{path} is corrupt: checksum mismatch. {_RECOVER}"
-            )
+            raise StateError(f"{path} is corrupt: checksum mismatch. {_RECOVER}")
         if meta.get("fragment") != str(fragment) or "params" not in tensors:
             raise StateError(f"{path} does not hold fragment {fragment}")
         params = tensors["params"]
