@@ -25,9 +25,9 @@ STEPS = 300  # per learner: both runs train the same steps whatever the machine'
 MINUTES = 2.0  # a safety cap only (both runs normally finish their steps in ~30 s)
 CORRUPT = "corrupt:learners=1,how=huge,start=0s"
 #: The corrupt run may end at most this much above the clean run's held-out loss. It trains
-#: with two useful learners instead of three, so it sits somewhat above; without the norm
-#: guard a single accepted x1000 delta sends the loss far above the initial one.
-LOSS_BOUND = 1.15
+#: with two useful learners instead of three. Measured (3 pairs of runs): clean 2.45-2.90
+#: (asynchrony makes runs differ), corrupt 2.54-2.73; without the norm guard 763.
+LOSS_BOUND = 1.2
 TOKEN = "corrupt-test-token-0123456789"
 
 
