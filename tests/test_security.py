@@ -255,3 +255,22 @@ def test_allow_list_refuses_other_learner_ids(tmp_path):
     assert [(r["rpc"], r["learner"], r["code"]) for r in refused] == [
         ("Join", "site-b", "PERMISSION_DENIED")
     ]
+
+
+def test_syncer_security_flags(tmp_path, monkeypatch):
+    import argparse
+
+    from diloco.syncer.cli import add_security_arguments, security_from_args
+
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    add_security_arguments(parser, server=True)
+    (tmp_path / "token").write_text(TOKEN)
+    args = parser.parse_args([f"--token-file={tmp_path / 'token'}", "--allow-learners=a, b,"])
+    assert security_from_args(args) == {"token": TOKEN, "allowed_learners": ["a", "b"]}
+    with pytest.raises(auth.AuthConfigError, match="both --tls-cert and --tls-key"):
+        security_from_args(parser.parse_args(["--tls-cert=x.pem"]))
+    with pytest.raises(auth.AuthConfigError, match="--tls-client-ca needs"):
+        security_from_args(parser.parse_args(["--tls-client-ca=ca.pem"]))
+    with pytest.raises(auth.AuthConfigError, match="cannot read the TLS"):
+        security_from_args(parser.parse_args(["--tls-cert=missing.pem", "--tls-key=missing.key"]))

@@ -29,6 +29,11 @@ from safetensors.torch import load_file, save_file
 
 from diloco.algorithm.fragments import FragmentLayout
 
+_RECOVER = (
+    "Restore the file from a backup of the state directory, or start from a fresh --state-dir "
+    "(see 'Recovering from a corrupt state file' in docs/security.md)"
+)
+
 
 class StateError(RuntimeError):
     """The state directory is unusable (corrupt file, other model); the message says which."""
@@ -149,17 +154,11 @@ class FragmentStore:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
         except Exception as exc:  # safetensors raises several types for a damaged file
-            raise StateError(
-                f"{path} is corrupt ({exc}). Restore it from a backup, or delete it to restart "
-                f"fragment {fragment} from the initial parameters (docs/security.md)"
-            ) from None
+            raise StateError(f"{path} is corrupt ({exc}). {_RECOVER}") from None
         if meta.get("sha256") != file_digest(
             tensors, str(meta.get("fragment")), str(meta.get("version"))
         ):
-            raise StateError(
-                f"{path} is corrupt: checksum mismatch. Restore it from a backup, or delete it "
-                f"to restart fragment {fragment} from the initial parameters (docs/security.md)"
-            )
+            raise StateError(f"{path} is corrupt: checksum mismatch. {_RECOVER}")
         if meta.get("fragment") != str(fragment) or "params" not in tensors:
             raise StateError(f"{path} does not hold fragment {fragment}")
         params = tensors["params"]
