@@ -18,7 +18,8 @@ first join to the end). So a learner loses, per failure:
 * ``syncer-kill``: nothing (learners keep training; queued uploads go out when it is back).
 
 Machine constants (``MachineConstants``) are measured once from a *different* run
-(:func:`measure_constants`): learner start-up after launch, restart overhead and step rate.
+(:func:`measure_constants`): learner start-up after launch, restart overhead, step rate and
+the ratio of mean to median training speed (the run's provisioning uses the median).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco.chaos import parse_spec, schedule
+from diloco.launch.goodput import learner_speed
 from diloco.sim.failures import merge_outages
 from diloco.sim.grid import mean_ci
 from diloco.sim.modes import elastic_accounting
@@ -46,6 +48,10 @@ class MachineConstants:
     """Supervisor restarts a killed learner → it trains again."""
     steps_per_s: float
     """A learner's fault-free step rate (turns the undelivered H/2 steps into seconds)."""
+    speed_ratio: float = 1.0
+    """Mean ÷ median training speed. The measured goodput provisions each learner at its
+    *median* speed, while its useful tokens accrue at its actual (mean) speed; on a shared
+    machine the two differ, which scales the measured goodput by this ratio."""
     source: str = ""
     """The run directory they were measured from."""
 
@@ -53,7 +59,7 @@ class MachineConstants:
 # Measured by ``measure_constants`` on /tmp/simtwin/calib1 (2 learners, 3 min,
 # kill:mtbf=30s,down=5-15s, --seed 1), 2026-11-23; see docs/simulate.md.
 REFERENCE_CONSTANTS = MachineConstants(
-    startup_s=7.88, restart_s=10.33, steps_per_s=3.7, source="calib1"
+    startup_s=7.88, restart_s=10.33, steps_per_s=3.7, speed_ratio=1.005, source="calib1"
 )
 
 
@@ -98,11 +104,18 @@ def measure_constants(run_dir: str | Path) -> MachineConstants:
             joins.setdefault(r["learner"], r["t"])
     startup = statistics.median(t - launch for t in joins.values())
     overheads, rates = [], []
+    trained, at_median = 0.0, 0.0
     for learner in joins:
         path = Path(run_dir) / "learners" / learner / "progress.jsonl"
         progress = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
         steps = [p for p in progress if "event" not in p]
         rates += [p["steps_per_s"] for p in steps if p.get("steps_per_s")]
+        median = learner_speed(progress)
+        for a, b in zip(steps, steps[1:], strict=False):
+            dt, dtok = b["t"] - a["t"], b["tokens"] - a["tokens"]
+            if 0 < dt < 4.0 and dtok > 0:  # one incarnation, training (records ~1 s apart)
+                trained += dtok
+                at_median += median * dt
         for r in records:
             if r.get("event") == "restart" and r.get("target") == learner:
                 nxt = next((p["t"] for p in steps if p["t"] > r["t"]), None)
@@ -124,6 +137,7 @@ def measure_constants(run_dir: str | Path) -> MachineConstants:
         startup_s=round(startup, 2),
         restart_s=round(statistics.median(overheads), 2),
         steps_per_s=round(statistics.median(rates), 2),
+        speed_ratio=round(trained / at_median, 3) if at_median else 1.0,
         source=str(run_dir),
     )
 
@@ -152,7 +166,8 @@ def predict(config: dict, constants: MachineConstants, seed: int) -> float:
     outages = merge_outages(
         np.array(sid, dtype=np.int64), np.array(start), np.array(end), slices=m, horizon_s=span
     )
-    return elastic_accounting(outages, groups=m, quorum=quorum, reconfig_s=0.0, readd_s=0.0).goodput
+    accounted = elastic_accounting(outages, groups=m, quorum=quorum, reconfig_s=0.0, readd_s=0.0)
+    return accounted.goodput * constants.speed_ratio
 
 
 def twin_report(run_dir: str | Path, constants: MachineConstants, seeds: int = 200) -> dict:
