@@ -136,7 +136,10 @@ def register(subparsers) -> None:
         help="simulated time per seed (default 7d)",
     )
     run.add_argument(
-        "--seeds", type=int, default=8, help="seeds for the confidence intervals (default 8)"
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds for the confidence intervals (default 8; --twin: 200 chaos seeds)",
     )
     run.add_argument("--seed", type=int, default=0, help="first seed")
     run.add_argument("--json", action="store_true")
@@ -173,6 +176,8 @@ def main(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     except ValueError as exc:
         return _error(str(exc))
+    if args.seeds is None:
+        args.seeds = 8
     if args.seeds < 2:
         return _error("--seeds must be >= 2 (the confidence interval needs two)")
     if any(m < 1 for m in args.learners):
@@ -220,7 +225,7 @@ def _twin(args: argparse.Namespace) -> int:
         constants = (
             measure_constants(args.calibrate_from) if args.calibrate_from else REFERENCE_CONSTANTS
         )
-        report = twin_report(args.twin, constants, seeds=max(args.seeds, 2))
+        report = twin_report(args.twin, constants, seeds=args.seeds or 200)
     except (OSError, ValueError, KeyError) as exc:
         return _error(str(exc))
     if args.json:
