@@ -15,18 +15,21 @@ import json
 import sys
 import time
 
-from diloco.sim.failures import RECOVERY_KINDS, YEAR_S, Recovery
-from diloco.sim.grid import (
+from diloco.sim.defaults import (
+    ASSUMED_RECOVERY_KIND,
+    ASSUMED_SLICE_CHIPS,
+    DEFAULT_HORIZON_S,
+    DEFAULT_SEEDS,
+    FITTED_CHECKPOINT_S,
+    FITTED_RECONFIG_S,
+    FITTED_RECOVERY_MEAN_S,
+    FITTED_RESTART_S,
     GRID_LEARNERS,
+    MODES,
     PAPER_CHIPS,
-    Row,
-    SimConfig,
-    format_table,
-    grid_rows,
-    simulate,
-    summarize,
+    RECOVERY_KINDS,
+    YEAR_S,
 )
-from diloco.sim.modes import MODES
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "y": YEAR_S}
 
@@ -68,7 +71,7 @@ def parse_chips(text: str) -> int:
 
 
 def register(subparsers) -> None:
-    d = SimConfig()
+    """Add ``simulate`` (imports no numpy: every ``diloco`` process builds this parser)."""
     p = subparsers.add_parser(
         "simulate",
         help="goodput under chip failures (dp, dp-elastic, decoupled); the paper's grid; digital twin",
@@ -102,37 +105,37 @@ def register(subparsers) -> None:
     model = p.add_argument_group(
         "failure model (defaults: fitted on the paper's dp rows, docs/simulate.md)"
     )
-    model.add_argument("--slice-chips", type=int, default=d.slice_chips)
+    model.add_argument("--slice-chips", type=int, default=ASSUMED_SLICE_CHIPS)
     model.add_argument(
-        "--mtbi", type=parse_seconds, default=d.mtbi_s, help="per chip, e.g. 1y (default)"
+        "--mtbi", type=parse_seconds, default=YEAR_S, help="per chip, e.g. 1y (default)"
     )
-    model.add_argument("--recovery-kind", choices=RECOVERY_KINDS, default=d.recovery.kind)
-    model.add_argument("--recovery-mean", type=parse_seconds, default=d.recovery.mean_s)
+    model.add_argument("--recovery-kind", choices=RECOVERY_KINDS, default=ASSUMED_RECOVERY_KIND)
+    model.add_argument("--recovery-mean", type=parse_seconds, default=FITTED_RECOVERY_MEAN_S)
+    model.add_argument("--recovery-sigma", type=float, default=1.0, help="lognormal shape")
     model.add_argument(
-        "--recovery-sigma", type=float, default=d.recovery.sigma, help="lognormal shape"
+        "--restart", type=parse_seconds, default=FITTED_RESTART_S, help="dp stop per failure"
     )
     model.add_argument(
-        "--restart", type=parse_seconds, default=d.restart_s, help="dp stop per failure"
+        "--checkpoint-every", type=parse_seconds, default=FITTED_CHECKPOINT_S, help="dp"
     )
-    model.add_argument("--checkpoint-every", type=parse_seconds, default=d.checkpoint_s, help="dp")
     model.add_argument(
         "--reconfig",
         type=parse_seconds,
-        default=d.reconfig_s,
+        default=FITTED_RECONFIG_S,
         help="elastic pause on losing a slice",
     )
     model.add_argument(
-        "--readd", type=parse_seconds, default=d.readd_s, help="elastic pause to add a slice back"
+        "--readd", type=parse_seconds, default=0.0, help="elastic pause to add a slice back"
     )
     model.add_argument(
-        "--speed-sigma", type=float, default=d.speed_sigma, help="slice speed spread (lognormal)"
+        "--speed-sigma", type=float, default=0.0, help="slice speed spread (lognormal)"
     )
-    model.add_argument("--quorum", type=int, default=d.quorum, help="decoupled: K")
+    model.add_argument("--quorum", type=int, default=1, help="decoupled: K")
     run = p.add_argument_group("run")
     run.add_argument(
         "--duration",
         type=parse_seconds,
-        default=d.horizon_s,
+        default=DEFAULT_HORIZON_S,
         help="simulated time per seed (default 7d)",
     )
     run.add_argument(
@@ -152,7 +155,11 @@ def _error(msg: str) -> int:
     return 2
 
 
-def config_from_args(args: argparse.Namespace) -> SimConfig:
+def config_from_args(args: argparse.Namespace):
+    """The :class:`~diloco.sim.grid.SimConfig` the flags describe (``ValueError`` if invalid)."""
+    from diloco.sim.failures import Recovery
+    from diloco.sim.grid import SimConfig
+
     return SimConfig(
         slice_chips=args.slice_chips,
         mtbi_s=args.mtbi,
@@ -170,6 +177,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    from diloco.sim.grid import Row, format_table, grid_rows, simulate, summarize
+
     if args.twin:
         return _twin(args)
     try:
@@ -177,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _error(str(exc))
     if args.seeds is None:
-        args.seeds = 8
+        args.seeds = DEFAULT_SEEDS
     if args.seeds < 2:
         return _error("--seeds must be >= 2 (the confidence interval needs two)")
     if any(m < 1 for m in args.learners):

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-YEAR_S = 365.0 * 24 * 3600
-RECOVERY_KINDS = ("fixed", "exponential", "lognormal")
+from diloco.sim.defaults import RECOVERY_KINDS
 
 
 @dataclass(frozen=True, kw_only=True)

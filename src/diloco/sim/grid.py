@@ -11,25 +11,23 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from diloco.sim.failures import YEAR_S, Recovery, draw_outages
+from diloco.sim.defaults import (
+    ASSUMED_RECOVERY_KIND,
+    ASSUMED_SLICE_CHIPS,
+    DEFAULT_HORIZON_S,
+    FITTED_CHECKPOINT_S,
+    FITTED_RECONFIG_S,
+    FITTED_RECOVERY_MEAN_S,
+    FITTED_RESTART_S,
+    GRID_LEARNERS,
+    PAPER_CHIPS,
+    PAPER_DECOUPLED_M8_1_2M,
+    PAPER_DP,
+    PAPER_DP_ELASTIC,
+    YEAR_S,
+)
+from diloco.sim.failures import Recovery, draw_outages
 from diloco.sim.modes import ModeResult, dp_accounting, elastic_accounting, speed_factor
-
-PAPER_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
-PAPER_DP = (0.72, 0.57, 0.38, 0.27, 0.18)
-"""Published data-parallel goodput without elasticity at ``PAPER_CHIPS``."""
-PAPER_DP_ELASTIC = (0.88, 0.80, 0.69, 0.58, 0.40)
-"""Published elastic data-parallel goodput at ``PAPER_CHIPS``."""
-PAPER_DECOUPLED_M8_1_2M = 0.88
-"""Published Decoupled DiLoCo goodput, M = 8 learners at 1.2M chips (a prediction here)."""
-GRID_LEARNERS = (2, 4, 8, 16)
-
-# Fitted by benchmarks/fit_simulator.py on the data-parallel rows only (docs/simulate.md).
-FITTED_RESTART_S = 54.8
-FITTED_CHECKPOINT_S = 74.6
-FITTED_RECONFIG_S = 18.3
-FITTED_RECOVERY_MEAN_S = 2170.0
-ASSUMED_SLICE_CHIPS = 1024
-"""Not identifiable from the published rows (only slice size × mean recovery is): a guess."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +39,7 @@ class SimConfig:
     mtbi_s: float = YEAR_S
     """Mean time between interruptions of one chip, seconds (the paper: one year)."""
     recovery: Recovery = field(
-        default_factory=lambda: Recovery(kind="exponential", mean_s=FITTED_RECOVERY_MEAN_S)
+        default_factory=lambda: Recovery(kind=ASSUMED_RECOVERY_KIND, mean_s=FITTED_RECOVERY_MEAN_S)
     )
     """How long a failed slice stays down (matters to the elastic modes)."""
     restart_s: float = FITTED_RESTART_S
@@ -56,7 +54,7 @@ class SimConfig:
     """Log-standard-deviation of slice speeds (0: all slices equally fast)."""
     quorum: int = 1
     """Decoupled: K, the contributions a round needs."""
-    horizon_s: float = 7 * 24 * 3600.0
+    horizon_s: float = DEFAULT_HORIZON_S
     """Simulated duration, seconds."""
 
     def __post_init__(self) -> None:

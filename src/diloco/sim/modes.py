@@ -53,8 +53,6 @@ import numpy as np
 from diloco.algorithm.rounds import Estimates, OpenRound, decide_round
 from diloco.sim.failures import Outages
 
-MODES = ("dp", "dp-elastic", "decoupled")
-
 
 @dataclass(frozen=True)
 class ModeResult:
