@@ -29,7 +29,7 @@ from diloco.sim.modes import (
     quorum_table,
     speed_factor,
 )
-from diloco.sim.twin import MachineConstants, predict
+from diloco.sim.twin import MachineConstants, measure_constants, predict, twin_report
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -257,3 +257,71 @@ def test_twin_prediction_of_one_known_kill():
     assert predict(hang, c, seed=0) == pytest.approx(1 - 5 / 60)
     two = dict(config, learners=2, chaos="kill:at=20s,down=5s,learners=1")
     assert predict(two, c, seed=0) == pytest.approx(1 - 11 / 120)
+
+
+def test_dp_counts_every_failure_and_ignores_recovery_times():
+    def outages(mean_s):
+        return draw_outages(
+            np.random.default_rng(5),
+            slices=8,
+            slice_chips=100,
+            mtbi_s=1e6,
+            recovery=Recovery(kind="fixed", mean_s=mean_s),
+            horizon_s=1e5,
+        )
+
+    short, long = outages(1.0), outages(5e4)
+    assert long.start.size < short.start.size  # long outages merge repeated slice failures
+    assert long.failure_times().size == short.failure_times().size
+    a = dp_accounting(short, restart_s=30.0, checkpoint_s=60.0)
+    b = dp_accounting(long, restart_s=30.0, checkpoint_s=60.0)
+    assert a == b
+
+
+def _fake_run(tmp_path, *, seed: int = 0):
+    """A run directory as ``diloco run`` leaves it: one learner killed once at 20 s."""
+    run = tmp_path / "run"
+    (run / "syncer").mkdir(parents=True)
+    (run / "learners" / "learner-0").mkdir(parents=True)
+    config = {
+        "learners": 1,
+        "minutes": 1.0,
+        "seed": seed,
+        "chaos": "kill:at=20s,down=5s",
+        "sync_every": 24,
+        "quorum": 1,
+    }
+    (run / "config.json").write_text(json.dumps(config))
+    launch = 1000.0
+    tape = [
+        {"event": "start", "t": launch},
+        {"event": "join", "t": launch + 4.0, "learner": "learner-0", "observer": False},
+        {"event": "chaos", "t": launch + 20.0, "kind": "kill", "target": "learner-0", "down_s": 5},
+        {"event": "restart", "t": launch + 25.0, "target": "learner-0"},
+    ]
+    (run / "syncer" / "events.jsonl").write_text("\n".join(json.dumps(r) for r in tape))
+    # 10 steps/s while training (records 1 s apart), back 3 s after the restart
+    progress = [
+        {"t": launch + t, "step": 10 * i, "tokens": 10_240 * i, "steps_per_s": 10.0}
+        for i, t in enumerate(range(5, 20))
+    ] + [
+        {"t": launch + t, "step": 10 * i, "tokens": 10_240 * i, "steps_per_s": 10.0}
+        for i, t in enumerate(range(28, 60))
+    ]
+    (run / "learners" / "learner-0" / "progress.jsonl").write_text(
+        "\n".join(json.dumps(p) for p in progress)
+    )
+    (run / "summary.json").write_text(json.dumps({"goodput": 0.7, "uptime": 0.9}))
+    return run
+
+
+def test_twin_measures_constants_and_reports(tmp_path):
+    run = _fake_run(tmp_path)
+    c = measure_constants(run)
+    assert (c.startup_s, c.restart_s, c.steps_per_s) == (4.0, 3.0, 10.0)
+    assert c.speed_ratio == pytest.approx(1.0)
+    report = twin_report(run, c, seeds=3)
+    # from the join (4 s) to the end (60 s): lost 1.2 s of undelivered steps + 5 s down + 3 s
+    assert report["predicted_goodput"] == pytest.approx(1 - 9.2 / 56)
+    assert report["measured_goodput"] == 0.7
+    assert report["error_points"] == pytest.approx(100 * (report["predicted_goodput"] - 0.7))

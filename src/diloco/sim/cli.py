@@ -223,6 +223,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(format_table(cells, chips))
+        print()
+        print(format_table(cells, chips, metric="uptime"))
         print(f"{args.seeds} seeds x {args.duration / 86400:g} days per cell, {seconds:.1f} s")
     return 0
 

@@ -20,8 +20,8 @@ PAPER_DECOUPLED_M8_1_2M = 0.88
 GRID_LEARNERS = (2, 4, 8, 16)
 
 # Fitted by benchmarks/fit_simulator.py on the data-parallel rows only (docs/simulate.md).
-FITTED_RESTART_S = 54.8
-FITTED_CHECKPOINT_S = 74.6
+FITTED_RESTART_S = 53.3
+FITTED_CHECKPOINT_S = 69.3
 FITTED_RECONFIG_S = 18.3
 FITTED_RECOVERY_MEAN_S = 2170.0
 ASSUMED_SLICE_CHIPS = 1024

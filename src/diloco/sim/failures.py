@@ -11,7 +11,7 @@ merged). The result is, per slice, a list of disjoint outage intervals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -59,6 +59,14 @@ class Outages:
     """float64 seconds; may lie beyond the horizon (the slice is still down at the end)."""
     slices: int
     horizon_s: float
+    failures: np.ndarray | None = None
+    """float64, sorted: every failure time before merging (also those that hit a slice that
+    was already down). ``None``: the outage starts are the failures."""
+
+    def failure_times(self) -> np.ndarray:
+        """Every failure, sorted (data-parallel replaces a failed slice by a spare, so a
+        failure of the slice under repair still hits the job's chips: none is merged away)."""
+        return self.failures if self.failures is not None else np.sort(self.start)
 
 
 def draw_outages(
@@ -85,7 +93,8 @@ def draw_outages(
     start = np.sort(rng.uniform(0.0, horizon_s, n))
     sid = rng.integers(0, slices, n)
     end = start + recovery.draw(rng, n)
-    return merge_outages(sid, start, end, slices=slices, horizon_s=horizon_s)
+    merged = merge_outages(sid, start, end, slices=slices, horizon_s=horizon_s)
+    return replace(merged, failures=start)
 
 
 def merge_outages(

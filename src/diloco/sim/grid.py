@@ -189,9 +189,12 @@ def row_label(mode: str, learners: int) -> str:
     return f"decoupled M={learners}" if mode == "decoupled" else mode
 
 
-def format_table(cells: list[dict], chips: tuple[int, ...]) -> str:
-    """Goodput (± 95% CI, points) per row and chip count; the paper's value in brackets."""
-    head = f"{'goodput %':<18}" + "".join(f"{_chips_label(c):>18}" for c in chips)
+def format_table(cells: list[dict], chips: tuple[int, ...], metric: str = "goodput") -> str:
+    """``metric`` (goodput or uptime, ± 95% CI, points) per row and chip count.
+
+    For goodput the paper's value follows in brackets where there is one.
+    """
+    head = f"{metric + ' %':<18}" + "".join(f"{_chips_label(c):>18}" for c in chips)
     lines = [head]
     rows: dict[tuple[str, int], dict[int, dict]] = {}
     for c in cells:
@@ -200,12 +203,13 @@ def format_table(cells: list[dict], chips: tuple[int, ...]) -> str:
         parts = []
         for n in chips:
             c = by_chips[n]
-            txt = f"{100 * c['goodput']:.1f}±{100 * c['goodput_ci95']:.1f}"
-            paper = paper_value(mode, m, n)
+            txt = f"{100 * c[metric]:.1f}±{100 * c[metric + '_ci95']:.1f}"
+            paper = paper_value(mode, m, n) if metric == "goodput" else None
             txt += f" [{100 * paper:.0f}]" if paper is not None else ""
             parts.append(f"{txt:>18}")
         lines.append(f"{row_label(mode, m):<18}" + "".join(parts))
-    lines.append("[..] = published value; dp rows were fitted, decoupled rows are predictions")
+    if metric == "goodput":
+        lines.append("[..] = published value; dp rows were fitted, decoupled rows are predictions")
     return "\n".join(lines)
 
 

@@ -86,7 +86,7 @@ def dp_accounting(outages: Outages, *, restart_s: float, checkpoint_s: float) ->
     if checkpoint_s <= 0 or restart_s < 0:
         raise ValueError("checkpoint_s must be > 0 and restart_s >= 0")
     horizon = outages.horizon_s
-    fails = np.sort(outages.start).tolist()
+    fails = outages.failure_times().tolist()
     up_total, resume, i = 0.0, 0.0, 0
     # a sequential chain over the stops (each stop's length depends on the stretch before it)
     while True:
