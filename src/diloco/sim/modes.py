@@ -16,7 +16,8 @@ goodput to 0 once failures come faster than checkpoints (docs/simulate.md).
 ``dp`` (data-parallel, no elasticity), first-order checkpoint/restart accounting (the
 Young/Daly kind). A failure stops the whole job; the stop lasts ``restart_s`` (detect,
 reschedule onto healthy or spare slices, reload the checkpoint; the failed slice is repaired
-in the background, so its recovery time does not enter) plus the time to re-train the work
+in the background, so its recovery time does not enter, and since the job always runs on all
+its chips every chip failure counts, also one in a slice that is under repair) plus the time to re-train the work
 since the last checkpoint (checkpoints every ``checkpoint_s`` seconds of training since the
 last restart, so the re-work is ``(up time) mod checkpoint_s``). Failures during the stop,
 re-work included, are absorbed by it. Goodput: the new training time (the up time between
