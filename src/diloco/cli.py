@@ -16,6 +16,8 @@ _COMMANDS: list[tuple[str, str]] = [
     ("syncer", "diloco.syncer.cli"),
     ("learner", "diloco.learner.worker"),
     ("run", "diloco.launch.run"),
+    ("simulate", "diloco.sim.cli"),
+    ("plan", "diloco.plan"),
 ]
 
 

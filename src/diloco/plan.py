@@ -1,0 +1,188 @@
+"""``diloco plan``: the wide-area bandwidth data-parallel and Decoupled DiLoCo need.
+
+The model (docs/plan.md has it written out with a worked example). Bandwidth is per site, one
+direction of a full-duplex wide-area link, in bits per second; N parameters, step time t,
+D sites, target compute utilization u.
+
+Data-parallel, one replica group spread over the D sites: every step all-reduces the N
+gradients of ``dp_bits`` bits. Hierarchically (reduce inside each site first, then a ring
+across the sites), each site's link carries ``2(D−1)/D · N · dp_bits`` bits per step. A
+fraction ``o`` of that can hide behind the backward pass; the rest is exposed and stretches
+the step. Utilization ``t / (t + exposed) ≥ u`` gives a time budget of ``t · (1/u − 1 + o)``:
+
+    BW_dp = 2(D−1)/D · N · dp_bits / (t · (1/u − 1 + o))
+
+Decoupled DiLoCo, one learner per site: each fragment (N/P parameters) leaves every H steps,
+so a learner sends N/H parameters per step (``up_bits`` each) and receives as many merged
+ones (``down_bits``); a fragment has τ steps to arrive before it is needed, so a burst of
+N/P parameters must also cross within τ·t. Communication overlaps compute entirely, so u
+does not enter as long as the link carries:
+
+    BW_dec = N · max(up_bits, down_bits) / t · max(1/H, 1/(P·τ))
+
+This is the bandwidth of a learner's site; a central syncer's site receives D − 1 such
+streams (a syncer sharded across the sites spreads that load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    params: float
+    """N, the model's parameter count."""
+    step_time_s: float
+    """t, seconds per optimizer step at full compute."""
+    sites: int = 8
+    """D, datacenters (one learner per site for Decoupled DiLoCo)."""
+    dp_bits: int = 16
+    """Bits per gradient value data-parallel sends (16: bf16, 32: fp32)."""
+    up_bits: int = 4
+    """Bits per value of a learner's outer gradient (4: int4, the paper's choice)."""
+    down_bits: int = 4
+    """Bits per value of a merged fragment sent back to the learners."""
+    fragments: int = 24
+    """P."""
+    sync_every: int = 24
+    """H: each fragment is sent every H steps."""
+    tau: float = 2.0
+    """τ: steps a fragment may take to arrive."""
+    utilization: float = 0.9
+    """u: target fraction of wall time the chips compute (data-parallel)."""
+    dp_overlap: float = 0.0
+    """o: fraction of a step's time the all-reduce can hide behind the backward pass."""
+
+    def __post_init__(self) -> None:
+        if not self.params > 0 or not self.step_time_s > 0:
+            raise ValueError("params and step time must be > 0")
+        if self.sites < 2:
+            raise ValueError(
+                f"sites must be >= 2 (one site needs no wide-area link), got {self.sites}"
+            )
+        for name in ("dp_bits", "up_bits", "down_bits", "fragments", "sync_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.tau > 0:
+            raise ValueError(f"tau must be > 0, got {self.tau}")
+        if not 0 < self.utilization < 1:
+            raise ValueError(f"utilization must be in (0, 1), got {self.utilization}")
+        if not 0 <= self.dp_overlap <= 1:
+            raise ValueError(f"dp_overlap must be in [0, 1], got {self.dp_overlap}")
+
+
+def ring_factor(sites: int) -> float:
+    """Bytes each member of a ring all-reduce sends, per byte reduced: ``2(D−1)/D``."""
+    return 2.0 * (sites - 1) / sites
+
+
+def dp_bits_per_step(p: PlanInputs) -> float:
+    """Bits each site's link carries per data-parallel step."""
+    return ring_factor(p.sites) * p.params * p.dp_bits
+
+
+def dp_time_budget_s(p: PlanInputs) -> float:
+    """Seconds per step the all-reduce may take at utilization u: ``t·(1/u − 1 + o)``."""
+    return p.step_time_s * (1.0 / p.utilization - 1.0 + p.dp_overlap)
+
+
+def dp_bandwidth_bps(p: PlanInputs) -> float:
+    """``BW_dp`` in bits/s (module docstring)."""
+    return dp_bits_per_step(p) / dp_time_budget_s(p)
+
+
+def decoupled_bandwidth_bps(p: PlanInputs) -> float:
+    """``BW_dec`` in bits/s (module docstring)."""
+    per_step = max(1.0 / p.sync_every, 1.0 / (p.fragments * p.tau))
+    return p.params * max(p.up_bits, p.down_bits) / p.step_time_s * per_step
+
+
+def plan(p: PlanInputs) -> dict:
+    dp, dec = dp_bandwidth_bps(p), decoupled_bandwidth_bps(p)
+    return {
+        "inputs": asdict(p),
+        "dp_gbps": dp / 1e9,
+        "decoupled_gbps": dec / 1e9,
+        "ratio": dp / dec,
+        "dp_bits_per_step": dp_bits_per_step(p),
+        "dp_time_budget_s": dp_time_budget_s(p),
+    }
+
+
+def parse_count(text: str) -> float:
+    """``12e9``, ``12B``, ``350M``, ``70b`` → a parameter count."""
+    t = text.strip().upper()
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
+    if scale != 1.0:
+        t = t[:-1]
+    try:
+        return float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count (e.g. 12B, 350M)"
+        ) from None
+
+
+def register(subparsers) -> None:
+    d = PlanInputs(params=1, step_time_s=1)
+    p = subparsers.add_parser(
+        "plan",
+        help="wide-area bandwidth data-parallel and Decoupled DiLoCo need (docs/plan.md)",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--params", type=parse_count, required=True, help="e.g. 12B")
+    p.add_argument("--step-time", type=float, required=True, help="seconds per step")
+    p.add_argument("--sites", type=int, default=d.sites)
+    p.add_argument("--dp-bits", type=int, default=d.dp_bits)
+    p.add_argument("--bits", type=int, default=d.up_bits, help="learner upload bits (int4: 4)")
+    p.add_argument("--down-bits", type=int, default=d.down_bits)
+    p.add_argument("--fragments", type=int, default=d.fragments, help="P")
+    p.add_argument("--sync-every", type=int, default=d.sync_every, help="H")
+    p.add_argument("--tau", type=float, default=d.tau)
+    p.add_argument("--utilization", type=float, default=d.utilization, help="target, in (0, 1)")
+    p.add_argument("--dp-overlap", type=float, default=d.dp_overlap, help="in [0, 1]")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        inputs = PlanInputs(
+            params=args.params,
+            step_time_s=args.step_time,
+            sites=args.sites,
+            dp_bits=args.dp_bits,
+            up_bits=args.bits,
+            down_bits=args.down_bits,
+            fragments=args.fragments,
+            sync_every=args.sync_every,
+            tau=args.tau,
+            utilization=args.utilization,
+            dp_overlap=args.dp_overlap,
+        )
+    except ValueError as exc:
+        print(f"diloco plan: error: {exc}", file=sys.stderr)
+        return 2
+    out = plan(inputs)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    p = inputs
+    print(
+        f"{p.params:.3g} parameters, {p.step_time_s:g} s/step, {p.sites} sites, "
+        f"utilization target {p.utilization:g}"
+    )
+    print(
+        f"  data-parallel ({p.dp_bits}-bit gradients, ring across sites, {p.dp_overlap:g} of a "
+        f"step overlapped): {out['dp_gbps']:.3g} Gbps per site"
+    )
+    print(
+        f"  Decoupled DiLoCo (P={p.fragments}, H={p.sync_every}, tau={p.tau:g}, "
+        f"{p.up_bits}-bit up / {p.down_bits}-bit down): {out['decoupled_gbps']:.3g} Gbps per site"
+    )
+    print(f"  ratio {out['ratio']:.0f}x")
+    return 0

@@ -1,0 +1,261 @@
+"""``diloco simulate``: goodput under chip failures, the paper's grid, and the digital twin.
+
+    diloco simulate --table [--json] [--plot goodput.png]    # dp, dp-elastic, decoupled M=2..16
+    diloco simulate --chips 1.2M --mode decoupled --learners 8 --quorum 2
+    diloco simulate --twin runs/<run>                         # predicted vs measured goodput
+
+Every knob has the fitted or documented default (docs/simulate.md). Invalid input exits 2
+with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from diloco.sim.defaults import (
+    ASSUMED_RECOVERY_KIND,
+    ASSUMED_SLICE_CHIPS,
+    DEFAULT_HORIZON_S,
+    DEFAULT_SEEDS,
+    FITTED_CHECKPOINT_S,
+    FITTED_RECONFIG_S,
+    FITTED_RECOVERY_MEAN_S,
+    FITTED_RESTART_S,
+    GRID_LEARNERS,
+    MODES,
+    PAPER_CHIPS,
+    RECOVERY_KINDS,
+    YEAR_S,
+)
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "y": YEAR_S}
+
+
+def parse_seconds(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``2h``, ``7d``, ``1y`` → seconds (≥ 0)."""
+    t = text.strip().lower()
+    scale = 1.0
+    if t and t[-1] in _UNITS:
+        scale, t = _UNITS[t[-1]], t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration (e.g. 90s, 15m, 2h, 7d, 1y)"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: durations must be >= 0")
+    return value
+
+
+def parse_chips(text: str) -> int:
+    """``150000``, ``150k``, ``1.2M`` → a chip count (≥ 1)."""
+    t = text.strip().lower()
+    scale = 1.0
+    if t.endswith("k"):
+        scale, t = 1e3, t[:-1]
+    elif t.endswith("m"):
+        scale, t = 1e6, t[:-1]
+    try:
+        value = int(round(float(t) * scale))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a chip count (e.g. 150k, 1.2M)"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need at least one chip")
+    return value
+
+
+def register(subparsers) -> None:
+    """Add ``simulate`` (imports no numpy: every ``diloco`` process builds this parser)."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="goodput under chip failures (dp, dp-elastic, decoupled); the paper's grid; digital twin",
+        description=__doc__.splitlines()[0],
+    )
+    what = p.add_argument_group("what to simulate")
+    what.add_argument("--table", action="store_true", help="the full grid at 150k..2.4M chips")
+    what.add_argument(
+        "--chips",
+        type=parse_chips,
+        nargs="+",
+        default=None,
+        help="chip counts (default: the paper's five)",
+    )
+    what.add_argument("--mode", choices=(*MODES, "all"), default="all")
+    what.add_argument(
+        "--learners",
+        type=int,
+        nargs="+",
+        default=list(GRID_LEARNERS),
+        help="M for decoupled (default 2 4 8 16)",
+    )
+    what.add_argument(
+        "--twin", metavar="RUN_DIR", help="predict a real `diloco run --chaos` run's goodput"
+    )
+    what.add_argument(
+        "--calibrate-from",
+        metavar="RUN_DIR",
+        help="twin: measure machine constants from this (other) run",
+    )
+    model = p.add_argument_group(
+        "failure model (defaults: fitted on the paper's dp rows, docs/simulate.md)"
+    )
+    model.add_argument("--slice-chips", type=int, default=ASSUMED_SLICE_CHIPS)
+    model.add_argument(
+        "--mtbi", type=parse_seconds, default=YEAR_S, help="per chip, e.g. 1y (default)"
+    )
+    model.add_argument("--recovery-kind", choices=RECOVERY_KINDS, default=ASSUMED_RECOVERY_KIND)
+    model.add_argument("--recovery-mean", type=parse_seconds, default=FITTED_RECOVERY_MEAN_S)
+    model.add_argument("--recovery-sigma", type=float, default=1.0, help="lognormal shape")
+    model.add_argument(
+        "--restart", type=parse_seconds, default=FITTED_RESTART_S, help="dp stop per failure"
+    )
+    model.add_argument(
+        "--checkpoint-every", type=parse_seconds, default=FITTED_CHECKPOINT_S, help="dp"
+    )
+    model.add_argument(
+        "--reconfig",
+        type=parse_seconds,
+        default=FITTED_RECONFIG_S,
+        help="elastic pause on losing a slice",
+    )
+    model.add_argument(
+        "--readd", type=parse_seconds, default=0.0, help="elastic pause to add a slice back"
+    )
+    model.add_argument(
+        "--speed-sigma", type=float, default=0.0, help="slice speed spread (lognormal)"
+    )
+    model.add_argument("--quorum", type=int, default=1, help="decoupled: K")
+    run = p.add_argument_group("run")
+    run.add_argument(
+        "--duration",
+        type=parse_seconds,
+        default=DEFAULT_HORIZON_S,
+        help="simulated time per seed (default 7d)",
+    )
+    run.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds for the confidence intervals (default 8; --twin: 200 chaos seeds)",
+    )
+    run.add_argument("--seed", type=int, default=0, help="first seed")
+    run.add_argument("--json", action="store_true")
+    run.add_argument("--plot", metavar="PNG", help="write goodput against chip count per mode")
+    p.set_defaults(func=main)
+
+
+def _error(msg: str) -> int:
+    print(f"diloco simulate: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`~diloco.sim.grid.SimConfig` the flags describe (``ValueError`` if invalid)."""
+    from diloco.sim.failures import Recovery
+    from diloco.sim.grid import SimConfig
+
+    return SimConfig(
+        slice_chips=args.slice_chips,
+        mtbi_s=args.mtbi,
+        recovery=Recovery(
+            kind=args.recovery_kind, mean_s=args.recovery_mean, sigma=args.recovery_sigma
+        ),
+        restart_s=args.restart,
+        checkpoint_s=args.checkpoint_every,
+        reconfig_s=args.reconfig,
+        readd_s=args.readd,
+        speed_sigma=args.speed_sigma,
+        quorum=args.quorum,
+        horizon_s=args.duration,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from diloco.sim.grid import Row, format_table, grid_rows, simulate, summarize
+
+    if args.twin:
+        return _twin(args)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        return _error(str(exc))
+    if args.seeds is None:
+        args.seeds = DEFAULT_SEEDS
+    if args.seeds < 2:
+        return _error("--seeds must be >= 2 (the confidence interval needs two)")
+    if any(m < 1 for m in args.learners):
+        return _error("--learners must be >= 1")
+    if args.quorum > min(args.learners) and args.mode in ("decoupled", "all"):
+        return _error(
+            f"--quorum {args.quorum} exceeds the smallest --learners {min(args.learners)}"
+        )
+    chips = tuple(args.chips) if args.chips else PAPER_CHIPS
+    if args.table or args.mode == "all":
+        rows = grid_rows(tuple(args.learners))
+    elif args.mode == "decoupled":
+        rows = [Row("decoupled", m) for m in args.learners]
+    else:
+        rows = [Row(args.mode, 1)]
+    t0 = time.perf_counter()
+    try:
+        results = simulate(chips, rows, cfg, args.seeds, args.seed)
+    except ValueError as exc:
+        return _error(str(exc))
+    seconds = time.perf_counter() - t0
+    cells = summarize(results)
+    if args.plot:
+        from diloco.sim.plot import plot_goodput
+
+        plot_goodput(cells, args.plot)
+    if args.json:
+        out = {
+            "config": cfg.as_dict(),
+            "seeds": args.seeds,
+            "seconds": round(seconds, 2),
+            "cells": cells,
+        }
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_table(cells, chips))
+        print()
+        print(format_table(cells, chips, metric="uptime"))
+        print(f"{args.seeds} seeds x {args.duration / 86400:g} days per cell, {seconds:.1f} s")
+    return 0
+
+
+def _twin(args: argparse.Namespace) -> int:
+    from diloco.sim.twin import REFERENCE_CONSTANTS, measure_constants, twin_report
+
+    try:
+        constants = (
+            measure_constants(args.calibrate_from) if args.calibrate_from else REFERENCE_CONSTANTS
+        )
+        report = twin_report(args.twin, constants, seeds=args.seeds or 200)
+    except (OSError, ValueError, KeyError) as exc:
+        return _error(str(exc))
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    other = report["predicted_goodput_other_seeds"]
+    print(
+        f"run {report['run_dir']}: {report['learners']} learners, {report['minutes']} min, chaos {report['spec']!r}, seed {report['seed']}"
+    )
+    c = report["constants"]
+    print(
+        f"  machine constants (from {c['source']}): start-up {c['startup_s']} s, restart {c['restart_s']} s, {c['steps_per_s']} steps/s"
+    )
+    print(f"  predicted goodput {100 * report['predicted_goodput']:.1f}% (this seed's failures)")
+    print(
+        f"  same spec, {other['seeds']} other seeds: {100 * other['mean']:.1f}% ± {100 * other['ci95']:.1f} (sd {100 * other['sd']:.1f})"
+    )
+    if report["measured_goodput"] is not None:
+        print(
+            f"  measured goodput  {100 * report['measured_goodput']:.1f}%  (error {report['error_points']:+.1f} points)"
+        )
+    return 0

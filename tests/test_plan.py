@@ -1,0 +1,93 @@
+"""The bandwidth planner: formulas, the documented worked example, CLI validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diloco.cli import main as cli_main
+from diloco.plan import (
+    PlanInputs,
+    decoupled_bandwidth_bps,
+    dp_bandwidth_bps,
+    dp_time_budget_s,
+    parse_count,
+    plan,
+    ring_factor,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_ring_factor():
+    assert ring_factor(2) == 1.0
+    assert ring_factor(8) == 1.75
+    assert ring_factor(4) == 1.5
+
+
+def test_dp_bandwidth_by_hand():
+    # 1e9 params, 16 bits, 2 sites (ring factor 1): 1.6e10 bits per step;
+    # u = 0.5 -> budget t·(1/u − 1) = 1 s of a 1 s step
+    p = PlanInputs(params=1e9, step_time_s=1.0, sites=2, dp_bits=16, utilization=0.5)
+    assert dp_time_budget_s(p) == pytest.approx(1.0)
+    assert dp_bandwidth_bps(p) == pytest.approx(1.6e10)
+    # overlap adds budget: o = 1 doubles it
+    assert dp_bandwidth_bps(PlanInputs(**{**p.__dict__, "dp_overlap": 1.0})) == pytest.approx(8e9)
+    # a higher utilization target needs more bandwidth: u = 0.9 -> budget 1/9 s
+    p9 = PlanInputs(params=1e9, step_time_s=1.0, sites=2, dp_bits=16, utilization=0.9)
+    assert dp_bandwidth_bps(p9) == pytest.approx(1.6e10 * 9)
+
+
+def test_decoupled_bandwidth_by_hand():
+    # N/H values per step at max(up, down) bits: 1e9/24 * 4 bits / 1 s
+    p = PlanInputs(params=1e9, step_time_s=1.0, up_bits=4, down_bits=4)
+    assert decoupled_bandwidth_bps(p) == pytest.approx(1e9 * 4 / 24)
+    # bf16 down dominates a full-duplex link
+    assert decoupled_bandwidth_bps(PlanInputs(params=1e9, step_time_s=1.0, down_bits=16)) == (
+        pytest.approx(1e9 * 16 / 24)
+    )
+    # few fragments: each (N/P values) must cross within tau steps
+    burst = PlanInputs(params=1e9, step_time_s=1.0, fragments=2, sync_every=24, tau=2.0)
+    assert decoupled_bandwidth_bps(burst) == pytest.approx(1e9 * 4 / 4)
+
+
+def test_worked_example_reproduces_the_papers_pair():
+    """docs/plan.md: 12B parameters, 8 sites, 2.381 s/step, u = 0.9, 60.16% overlap."""
+    p = PlanInputs(params=12e9, step_time_s=2.381, sites=8, utilization=0.9, dp_overlap=0.6016)
+    out = plan(p)
+    assert out["dp_gbps"] == pytest.approx(198, rel=0.005)
+    assert out["decoupled_gbps"] == pytest.approx(0.84, rel=0.005)
+    assert out["ratio"] == pytest.approx(198 / 0.84, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"sites": 1},
+        {"utilization": 1.0},
+        {"utilization": 0.0},
+        {"dp_overlap": 1.5},
+        {"tau": 0.0},
+        {"up_bits": 0},
+        {"step_time_s": 0.0},
+    ],
+)
+def test_inputs_are_validated(kw):
+    with pytest.raises(ValueError):
+        PlanInputs(**{"params": 1e9, "step_time_s": 1.0, **kw})
+
+
+def test_parse_count():
+    assert parse_count("12B") == 12e9
+    assert parse_count("350m") == 350e6
+    assert parse_count("1e9") == 1e9
+
+
+def test_cli(capsys):
+    argv = ["plan", "--params", "12B", "--step-time", "2.381", "--utilization", "0.9"]
+    assert cli_main([*argv, "--dp-overlap", "0.6016", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["decoupled_gbps"] == pytest.approx(0.84, rel=0.005)
+    assert cli_main([*argv, "--sites", "1"]) == 2
+    assert "sites must be >= 2" in capsys.readouterr().err
