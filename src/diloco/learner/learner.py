@@ -10,9 +10,11 @@ For every fragment p the learner keeps the anchor ``A_p`` (the last global value
 received, exactly as decoded, so download rounding never leaks into a delta), its version,
 and the counters ``steps_p``, ``tokens_p`` since it last received p. When p is due
 (``diloco.algorithm.fragments.due_fragments``) it queues ``Δ = A_p − θ_p`` with the base
-version and counters. A merged fragment that arrived is applied at the next ``step`` call:
-overwrite by default (``θ_p ← Θ_p``), or ``θ_p ← αθ_p + (1−α)Θ_p``. The inner optimizer's
-state (AdamW moments) is left alone. A fragment never received yet is not sent.
+version and counters. A merged fragment that arrived is applied at the next ``step`` call: if
+it merged this learner's latest contribution, overwrite (``θ_p ← Θ_p``, or
+``θ_p ← αθ_p + (1−α)Θ_p``); if it merged only other learners' work, rebase
+(``θ_p ← Θ_p + (θ_p − A_p)``, keeping the local progress; see ``apply_arrived``). The inner
+optimizer's state (AdamW moments) is left alone. A fragment never received yet is not sent.
 """
 
 from __future__ import annotations
