@@ -22,9 +22,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--learners", type=int, default=2)
+    parser.add_argument(
+        "--grid",
+        help="LR:MOMENTUM pairs separated by commas (default: "
+        + ",".join(f"{a}:{b}" for a, b in GRID)
+        + ")",
+    )
     args = parser.parse_args()
+    grid = GRID
+    if args.grid:
+        grid = [tuple(float(x) for x in pair.split(":")) for pair in args.grid.split(",")]
     with tempfile.TemporaryDirectory() as runs:
-        for lr, mu in GRID:
+        for lr, mu in grid:
             argv = [
                 sys.executable,
                 "-m",
