@@ -20,7 +20,9 @@ def make_state(P=2, **cfg):
     events = []
     # Synthetic deltas here are far larger than the parameters: the norm guard (tested in
     # test_guard.py) is off unless a test turns it on.
-    cfg = {"norm_guard_k": 0.0, **cfg}
+    # Outer lr 1 (the merged delta replaces the fragment) keeps the expected values simple;
+    # the outer step itself is tested in test_outer.py.
+    cfg = {"norm_guard_k": 0.0, "outer_lr": 1.0, **cfg}
     state = SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append)
     return state, layout, events
 
