@@ -41,6 +41,10 @@ def chunk_payload(payload: bytes) -> list[memoryview]:
     return [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [view[:0]]
 
 
+#: How many versions per fragment the syncer remembers the contributors of.
+RECENT_VERSIONS = 16
+
+
 class _Subscriber:
     """Latest pending version of each fragment for one stream; older ones are superseded."""
 
@@ -94,6 +98,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.started_at = time.time()
         self._subscribers: set[_Subscriber] = set()
         self._payloads: dict[int, tuple[int, bytes, frozenset[str]]] = {}
+        # Contributors of each fragment's last few versions: a learner catching up after a
+        # reconnect must know whether any version it missed merged its own contribution.
+        self._recent: dict[int, list[tuple[int, frozenset[str]]]] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
         for p in state.served:
@@ -187,7 +194,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._subscribers.add(sub)
             for p, (version, payload, _) in self._payloads.items():
                 if p >= len(have) or have[p] != version:
-                    sub.offer(p, version, payload, frozenset())
+                    since = have[p] if p < len(have) else -1
+                    sub.offer(p, version, payload, self._contributors_since(p, since))
         context.add_callback(sub.close)
         codec = self.state.config.down_codec
         try:
@@ -401,9 +409,17 @@ class SyncerService(pb_grpc.SyncerServicer):
         with self.lock:
             contributors = frozenset(commit.record["participants"])
             self._payloads[commit.fragment] = (commit.version, payload, contributors)
+            recent = self._recent.setdefault(commit.fragment, [])
+            recent.append((commit.version, contributors))
+            del recent[:-RECENT_VERSIONS]
             for sub in self._subscribers:
                 sub.offer(commit.fragment, commit.version, payload, contributors)
             self.state.record_sync_time(time.time() - t0)
+
+    def _contributors_since(self, fragment: int, version: int) -> frozenset[str]:
+        """Everyone merged into ``fragment`` after ``version`` (as far as the recent history
+        goes; empty after a restart)."""
+        return frozenset().union(*(c for v, c in self._recent.get(fragment, ()) if v > version))
 
     def committed_hash(self) -> str:
         with self.lock:
