@@ -101,6 +101,9 @@ def test_each_mode_reaches_the_syncer_and_is_handled(tmp_path, how, refused):
             opt.step()
             opt.zero_grad()
             learner.step(tokens=16)
+            # Each due upload goes out before the next step (a queued delta of a fragment is
+            # otherwise replaced by a newer one, and fewer uploads would reach the syncer).
+            assert learner.link.wait_idle(10)
         assert learner.flush(timeout=10)
         learner.close(flush=False)
         assert learner.link.stats.corrupted >= 4

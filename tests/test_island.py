@@ -52,7 +52,22 @@ def torchrun(address: str, island: int, workdir: Path, steps: int, *extra: str):
     )
     proc.log_path = Path(log.name)
     log.close()
+    _LAUNCHED.append(proc)
     return proc
+
+
+_LAUNCHED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """Whatever happens to a test (even a pytest timeout), no torchrun group outlives it."""
+    yield
+    while _LAUNCHED:
+        proc = _LAUNCHED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
