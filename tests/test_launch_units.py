@@ -52,7 +52,7 @@ def learner(i, tokens, up, down):
 
 def test_summary_fields_and_ratio():
     s = build_summary(
-        mode="diloco",
+        mode="decoupled",
         run_dir="runs/x",
         wall_s=12.345,
         val_initial=5.5,

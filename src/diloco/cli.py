@@ -16,6 +16,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("syncer", "diloco.syncer.cli"),
     ("learner", "diloco.learner.worker"),
     ("run", "diloco.launch.run"),
+    ("dp-worker", "diloco.dp.worker"),
     ("simulate", "diloco.sim.cli"),
     ("plan", "diloco.plan"),
 ]

@@ -164,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
         chaos = schedule(clauses, args.learners, horizon, args.seed)
         corrupt = {w.index: w for w in corruptions(clauses, args.learners)}
         token = load_token(args.token_file)
+        if args.mode == "dp":
+            from diloco.dp.run import check_chaos
+
+            check_chaos(clauses)
     except (DataError, ChaosSpecError, ValueError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 2
@@ -176,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
     config = {k: v for k, v in vars(args).items() if k != "func"}
     (run_dir / "config.json").write_text(json.dumps(config, indent=1))
     tape = EventTape(run_dir / "syncer" / "events.jsonl")
+    if args.mode == "dp":
+        from diloco.dp.run import run_dp
+
+        return run_dp(args, recipe=recipe, plans=plans, chaos=chaos, run_dir=run_dir, tape=tape)
 
     stop = threading.Event()
     interrupts = []
@@ -502,9 +510,10 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=0, help="each learner stops after N steps")
     p.add_argument(
         "--mode",
-        choices=["diloco", "sync"],
-        default="diloco",
-        help="diloco: asynchronous rounds (quorum + grace); sync: every round waits for all M",
+        choices=["decoupled", "sync", "dp"],
+        default="decoupled",
+        help="decoupled: asynchronous rounds (quorum + grace); sync: every round waits for all "
+        "M; dp: data-parallel baseline (all-reduce every step, group restarts on failure)",
     )
     p.add_argument("--recipe", default="shakespeare", help="shakespeare (default) or tiny")
     p.add_argument("--data", help="train on this UTF-8 text file instead of Shakespeare")

@@ -75,7 +75,7 @@ def format_summary(s: dict) -> str:
         ratio = b["reduction_vs_data_parallel"]
         lines.append(
             f"  bytes up {b['up']:,} down {b['down']:,} = {b['per_token']:.2f} B/token"
-            + (f" ({ratio:.0f}x less than data-parallel)" if ratio else "")
+            + (f" ({ratio:.0f}x less than data-parallel)" if ratio and s["mode"] != "dp" else "")
         )
     for name, ln in s["per_learner"].items():
         lines.append(

@@ -6,6 +6,11 @@ resumes from its own checkpoint and rejoins; a learner that exits 0 has finished
 down. The syncer is restarted from its state directory on the same address whenever it dies.
 Every injected failure and every restart is appended to the event tape (``chaos`` and
 ``restart`` records) next to the syncer's own records.
+
+A *group* (the data-parallel baseline, ``group=[names]``) fails as a whole, as a static
+``torch.distributed`` job does: when one member dies, the supervisor kills the others (a
+``group-stop`` record) and restarts every member together once the dead one's down time is over,
+with ``--generation=G`` in their command lines bumped so that they rendezvous afresh.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Supervisor:
         chaos: list[ChaosEvent] = (),
         restart_delay_s: float = 1.0,
         relays: dict | None = None,
+        group: list[str] = (),
     ) -> None:
         self.relays = relays or {}
         self.slots: dict[str, Slot] = {}
@@ -65,6 +71,9 @@ class Supervisor:
         self.pending = sorted(chaos)
         self.restart_delay_s = restart_delay_s
         self.chaos_started: float | None = None  # clock() when chaos times start counting
+        self.group = list(group)
+        self.generation = 0  # of the group: bumped at every group stop
+        self._group_down = False
 
     def start_chaos(self) -> None:
         """Start the chaos clock now (idempotent); records a ``chaos-clock`` tape event."""
@@ -94,6 +103,51 @@ class Supervisor:
                 self._inject(self.pending.pop(0), now)
         for slot in self.slots.values():
             self._check(slot, now)
+        if self.group:
+            self._hold_group_together(now)
+
+    def _hold_group_together(self, now: float) -> None:
+        """If a group member is down, stop the others and restart them all at the same time."""
+        members = [self.slots[n] for n in self.group if n in self.slots]
+        down = [s for s in members if s.restart_at is not None and not s.finished]
+        if not down:
+            return
+        survivors = [s for s in members if s.child is not None and s.child.running]
+        if survivors or not self._group_down:
+            self._group_down = True
+            # Peers of a dead rank fail on their own within milliseconds ("connection reset"):
+            # one group failure counts as at most one unplanned crash.
+            on_their_own = [s for s in down if not s.expected_death]
+            for s in on_their_own[1:] if len(on_their_own) == len(down) else on_their_own:
+                s.planned_deaths += 1
+            self.generation += 1  # a fresh rendezvous: the old group's keys stay behind
+            self.tape(
+                {
+                    "event": "group-stop",
+                    "t": time.time(),
+                    "cause": sorted(s.name for s in down),
+                    "stopped": sorted(s.name for s in survivors),
+                    "generation": self.generation,
+                }
+            )
+            for s in survivors:
+                s.expected_death = True
+                s.planned_deaths += 1
+                s.child.signal(signal.SIGCONT)
+                s.child.kill()
+                s.child.proc.wait(10)
+                s.exit_codes.append(s.child.poll())
+                s.child.close_log()
+                s.restart_at = now
+            for s in members:
+                s.argv = [
+                    f"--generation={self.generation}" if a.startswith("--generation=") else a
+                    for a in s.argv
+                ]
+        when = max(s.restart_at for s in members if s.restart_at is not None)
+        for s in members:
+            if s.restart_at is not None:
+                s.restart_at = when
 
     def _inject(self, event: ChaosEvent, now: float) -> None:
         slot = self.slots.get(event.target)
@@ -160,6 +214,8 @@ class Supervisor:
             slot.restarts += 1
             slot.child = Child(slot.name, slot.argv, slot.log)
             self.tape({"event": "restart", "t": time.time(), "target": slot.name})
+            if slot.name in self.group:
+                self._group_down = False
 
     # ------------------------------------------------------------------------ shutdown
     def stop(self, names: list[str], timeout: float) -> dict[str, int | None]:

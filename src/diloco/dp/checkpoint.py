@@ -1,0 +1,83 @@
+"""Whole-group checkpoints of the data-parallel baseline.
+
+A checkpoint of step S in ``directory`` is one file per rank, ``step-S.rank-R.pt``: rank 0's
+holds the model, the optimizer and its data position; every other rank's holds only its data
+position (the model and the optimizer are the same on every rank). Rank 0 writes
+``latest.json`` (``{"step": S}``) only after every rank has written its file, so a group killed
+in the middle of a save restarts from the previous complete checkpoint. Files are written to a
+temporary name, fsynced and renamed; they are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+FORMAT = 1
+
+
+def rank_file(directory: Path, step: int, rank: int) -> Path:
+    return Path(directory) / f"step-{step}.rank-{rank}.pt"
+
+
+def write_rank_state(directory: Path, step: int, rank: int, state: dict) -> None:
+    """Write this rank's part of the checkpoint of ``step`` (atomic)."""
+    path = rank_file(directory, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb") as f:
+        torch.save({"format": FORMAT, "step": step, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(directory: Path, step: int, world: int) -> None:
+    """Rank 0, after every rank wrote ``step``: point ``latest.json`` at it, drop older steps."""
+    directory = Path(directory)
+    missing = [r for r in range(world) if not rank_file(directory, step, r).exists()]
+    if missing:
+        raise RuntimeError(f"checkpoint of step {step} lacks ranks {missing}")
+    tmp = directory / "latest.json.tmp"
+    tmp.write_text(json.dumps({"step": step, "world": world}))
+    os.replace(tmp, directory / "latest.json")
+    for old in directory.glob("step-*.rank-*.pt"):
+        if _step_of(old) not in (None, step):
+            old.unlink(missing_ok=True)
+
+
+def latest_step(directory: Path, world: int) -> int | None:
+    """The step of the last complete checkpoint, or None (start from scratch).
+
+    A checkpoint written by a group of another size is refused with ValueError: data
+    positions belong to ranks, so it cannot be resumed by a different world size.
+    """
+    path = Path(directory) / "latest.json"
+    if not path.exists():
+        return None
+    meta = json.loads(path.read_text())
+    if meta.get("world") != world:
+        raise ValueError(
+            f"{path}: checkpoint of a {meta.get('world')}-rank group, this group has {world}"
+        )
+    return int(meta["step"])
+
+
+def read_rank_state(directory: Path, step: int, rank: int) -> dict:
+    """Rank ``rank``'s part of the checkpoint of ``step`` (raises if missing or foreign)."""
+    path = rank_file(directory, step, rank)
+    state = torch.load(path, weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("step") != step:
+        raise ValueError(f"{path}: not a data-parallel checkpoint of step {step}")
+    return state
+
+
+def _step_of(path: Path) -> int | None:
+    head = path.name.split(".", 1)[0]  # "step-S"
+    try:
+        return int(head.removeprefix("step-"))
+    except ValueError:
+        return None

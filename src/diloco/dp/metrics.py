@@ -1,0 +1,72 @@
+"""Goodput and commit gaps of a data-parallel run, from its ranks' progress records. Pure.
+
+The definitions follow :mod:`diloco.launch.goodput` (DESIGN §3), read for a static group:
+
+* **useful tokens** of a rank: its share of the steps that survived, i.e. the tokens of its
+  last record (a restart rolls the counter back to the checkpoint, so rolled-back steps and
+  the time spent restarting are lost).
+* **provisioned tokens** of a rank: its fault-free speed (median tokens/s between progress
+  records of one incarnation, which is the group's pace) times the time from its first start
+  to the end of training. Measuring speed at the group's pace is generous to data-parallel:
+  a rank waiting for a slower peer is not counted as idle.
+* **commits**: every moment the global model reached a step it had never reached before
+  (rank 0's records); ``max_commit_gap_s`` and ``uptime`` are computed from them as for
+  DiLoCo, so a rollback shows up as a gap until the group is past its old high-water mark.
+* **reintegration**: for every restart of a rank, the time until it reports a trained step.
+"""
+
+from __future__ import annotations
+
+from diloco.launch.goodput import commit_gaps, learner_speed, uptime
+
+
+def new_ground(records: list[dict]) -> list[float]:
+    """Times at which the step count exceeded every earlier step count."""
+    best, times = -1, []
+    for r in records:
+        if "event" in r:
+            continue
+        if r["step"] > best:
+            best = r["step"]
+            times.append(r["t"])
+    return times
+
+
+def dp_metrics(progress: dict[str, list[dict]], restarts: list[dict], *, end: float) -> dict:
+    """Goodput, uptime, longest commit gap and reintegrations of a data-parallel run.
+
+    ``progress`` maps rank id (rank 0 first) to its progress records; ``restarts`` are the
+    tape's ``restart`` records; ``end`` is when training stopped.
+    """
+    useful, provisioned = {}, {}
+    for name, records in progress.items():
+        starts = [r["t"] for r in records if r.get("event") == "start"]
+        last = next((r for r in reversed(records) if "tokens" in r), None)
+        useful[name] = int(last["tokens"]) if last else 0
+        first = min(starts) if starts else end
+        provisioned[name] = learner_speed(records) * max(0.0, end - first)
+    total = sum(provisioned.values())
+    leader = next(iter(progress.values()), [])
+    commits = new_ground(leader)
+    starts = [r["t"] for r in leader if r.get("event") == "start"]
+    gaps = commit_gaps(commits)
+    return {
+        "goodput": sum(useful.values()) / total if total else None,
+        "useful_tokens": useful,
+        "provisioned_tokens": {m: round(v) for m, v in provisioned.items()},
+        "uptime": uptime(commits, min(starts), end) if starts else 0.0,
+        "max_commit_gap_s": max(gaps) if gaps else None,
+        "reintegrations": [reintegration(r, progress.get(r["target"], [])) for r in restarts],
+    }
+
+
+def reintegration(restart: dict, records: list[dict]) -> dict:
+    back = next(
+        (r["t"] for r in records if r["t"] >= restart["t"] and "event" not in r),
+        None,
+    )
+    return {
+        "learner": restart["target"],
+        "restarted_at": restart["t"],
+        "reintegration_s": None if back is None else round(back - restart["t"], 3),
+    }

@@ -1,0 +1,308 @@
+"""``diloco run --mode dp``: the data-parallel baseline under the same supervisor and summary.
+
+The supervisor hosts the group's rendezvous store (a ``TCPStore`` on a free port), starts one
+``diloco dp-worker`` per learner plan as a supervised *group* (one failure stops and restarts
+all, :class:`diloco.launch.supervisor.Supervisor`), evaluates rank 0's parameter snapshot on
+the held-out text every ``--eval-every`` seconds, and stops at ``--minutes`` / ``--tokens`` /
+``--steps`` / Ctrl+C like the DiLoCo modes. The run directory has the same layout, with
+``dp/`` (checkpoints and the snapshot) in place of ``syncer/`` state; the event tape
+(``syncer/events.jsonl``) holds the chaos, group-stop and restart records.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+#: Chaos kinds that mean something for a static group without a syncer.
+DP_CHAOS_KINDS = ("kill", "hang")
+
+
+def check_chaos(clauses) -> None:
+    """Raise ValueError for chaos kinds the data-parallel baseline cannot carry out."""
+    bad = sorted({c.kind for c in clauses} - set(DP_CHAOS_KINDS))
+    if bad:
+        raise ValueError(
+            f"--mode dp supports chaos kinds {', '.join(DP_CHAOS_KINDS)} only, not "
+            f"{', '.join(bad)} (there is no syncer and no relay in data-parallel training)"
+        )
+
+
+class SnapshotEvaluator:
+    """Scores the newest snapshot rank 0 wrote (safetensors; never pickle)."""
+
+    def __init__(self, recipe, path: Path, *, seed: int) -> None:
+        self.recipe = recipe
+        self.path = Path(path)
+        self.model = recipe.build_model(seed)
+        self.step, self.tokens = 0, 0
+
+    def evaluate(self) -> float:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except (OSError, RuntimeError):  # none yet: the initial parameters
+            return self.recipe.evaluate(self.model)
+        self.model.load_state_dict(tensors, strict=False)
+        self.step, self.tokens = int(meta.get("step", 0)), int(meta.get("tokens", 0))
+        return self.recipe.evaluate(self.model)
+
+
+def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
+    """Run the data-parallel baseline; returns the process exit code (0 clean)."""
+    import sys
+
+    import torch.distributed as dist
+
+    from diloco.launch.procs import diloco_command
+    from diloco.launch.summary import format_summary
+    from diloco.launch.supervisor import Supervisor
+
+    stop = threading.Event()
+    interrupts = []
+
+    def on_signal(signum, _frame) -> None:
+        interrupts.append(signum)
+        stop.set()
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    started = time.time()
+    names = [p.id for p in plans]
+    sup = Supervisor(
+        tape=tape.append, clock=lambda: time.time() - started, chaos=chaos, group=names
+    )
+    snapshot = run_dir / "dp" / "global.safetensors"
+    budget_s = args.minutes * 60 if args.minutes else 0.0
+    try:
+        model0 = recipe.build_model(args.seed)
+        num_params = sum(p.numel() for p in model0.parameters())
+        evaluator = SnapshotEvaluator(recipe, snapshot, seed=args.seed)
+        val_initial = recipe.evaluate(model0)
+        for plan in plans:
+            sup.add(
+                plan.id,
+                diloco_command(
+                    "dp-worker",
+                    f"--store=127.0.0.1:{store.port}",
+                    "--generation=0",
+                    f"--rank={plan.index}",
+                    f"--world={len(plans)}",
+                    f"--recipe={args.recipe}",
+                    *([f"--data={args.data}"] if args.data else []),
+                    f"--seed={args.seed}",
+                    f"--batch-size={plan.batch_size}",
+                    f"--slow={plan.slow}",
+                    f"--total-steps={args.steps}",
+                    f"--schedule-seconds={budget_s}",
+                    f"--run-started={started}",
+                    f"--checkpoint-dir={run_dir / 'dp'}",
+                    f"--checkpoint-every={args.checkpoint_every}",
+                    f"--workdir={run_dir / 'learners' / plan.id}",
+                    *([f"--snapshot={snapshot}"] if plan.index == 0 else []),
+                    f"--snapshot-every={args.eval_every or 5.0}",
+                    "--exit-with-parent",
+                ),
+                run_dir / "logs" / f"{plan.id}.log",
+            )
+        stopped_by = supervise_group(args, stop, started, sup, plans, evaluator, run_dir)
+        if interrupts:
+            stopped_by = "interrupt"
+        train_end = time.time()
+        codes = sup.stop(names, timeout=args.stop_timeout)
+        val_final = evaluator.evaluate()
+        append_metric(run_dir, started, evaluator, val_final)
+        summary = summarize_dp(
+            args,
+            run_dir,
+            plans,
+            sup,
+            {
+                "started": started,
+                "train_end": train_end,
+                "val_initial": val_initial,
+                "val_final": val_final,
+                "num_params": num_params,
+                "seq_len": recipe.model.seq_len,
+                "stopped_by": stopped_by,
+                "codes": codes,
+            },
+        )
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
+        return 0 if all(c in (0, None) for c in codes.values()) else 1
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"diloco run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        leftovers = [n for n, s in sup.slots.items() if s.child is not None and s.child.running]
+        if leftovers:
+            sup.stop(leftovers, timeout=5.0)
+        sup.kill_everything()
+        tape.close()
+        del store
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+
+
+def supervise_group(args, stop, started, sup, plans, evaluator, run_dir) -> str:
+    """The supervisor loop for the group: failures, view, evaluation, stop conditions."""
+    from diloco.launch.run import MAX_UNPLANNED_RESTARTS
+    from diloco.launch.view import LiveView
+
+    view = LiveView(enabled=not args.json and not args.no_view)
+    tails = {p.id: ProgressTail(run_dir / "learners" / p.id / "progress.jsonl") for p in plans}
+    last_eval, last_loss = 0.0, None
+    while True:
+        if stop.wait(0.25):
+            return "interrupt"
+        sup.poll()
+        for slot in sup.slots.values():
+            crashes = sum(1 for c in slot.exit_codes if c != 0) - slot.planned_deaths
+            if crashes > MAX_UNPLANNED_RESTARTS:
+                tail = slot.child.tail() if slot.child else ""
+                raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
+        latest = {name: tail.latest() for name, tail in tails.items()}
+        now = time.time()
+        if args.eval_every and now - last_eval >= args.eval_every:
+            last_eval = now
+            last_loss = evaluator.evaluate()
+            append_metric(run_dir, started, evaluator, last_loss)
+        training = all(r is not None and "event" not in r for r in latest.values())
+        if training or now - started > args.start_timeout:
+            sup.start_chaos()
+        tokens = sum(r.get("tokens", 0) for r in latest.values() if r)
+        view.update(
+            {
+                "elapsed": now - started,
+                "val_loss": last_loss,
+                "rounds": (latest[plans[0].id] or {}).get("step", 0),
+                "bytes_up": sum(r.get("bytes_up", 0) for r in latest.values() if r),
+                "bytes_down": sum(r.get("bytes_down", 0) for r in latest.values() if r),
+                "learners": [row(p.id, sup.slots[p.id], latest[p.id]) for p in plans],
+            }
+        )
+        if args.minutes and now - started >= args.minutes * 60:
+            return "time"
+        if args.tokens and tokens >= args.tokens:
+            return "tokens"
+        if all(s.finished for s in sup.learners()):
+            return "learners finished"
+
+
+def row(name: str, slot, record: dict | None) -> dict:
+    if slot.finished:
+        state = "finished"
+    elif slot.resume_at is not None:
+        state = "hung (chaos)"
+    elif slot.restart_at is not None or slot.child is None or not slot.child.running:
+        state = "down (group restarts)"
+    elif record is None or "event" in record:
+        state = "starting"
+    else:
+        state = "training"
+    record = record or {}
+    return {
+        "id": name,
+        "step": record.get("step", 0),
+        "tokens": record.get("tokens", 0),
+        "tokens_per_s": 0.0,
+        "state": state,
+    }
+
+
+class ProgressTail:
+    """The newest record of a growing JSONL file, read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.last: dict | None = None
+
+    def latest(self) -> dict | None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return self.last
+        end = data.rfind(b"\n") + 1  # only whole lines
+        for line in data[:end].splitlines():
+            try:
+                self.last = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+        self.offset += end
+        return self.last
+
+
+def append_metric(run_dir: Path, started: float, evaluator: SnapshotEvaluator, loss: float):
+    rec = {
+        "t": round(time.time() - started, 3),
+        "val_loss": loss,
+        "versions": evaluator.step,
+        "tokens": evaluator.tokens,
+        "rounds": evaluator.step,
+    }
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
+    """``summary.json`` of a data-parallel run: the same fields as the DiLoCo modes'."""
+    from diloco.dp.metrics import dp_metrics
+    from diloco.launch.run import _progress, _transport_total
+    from diloco.launch.summary import build_summary
+    from diloco.syncer.store import read_tape
+
+    records = read_tape(run_dir / "syncer" / "events.jsonl")
+    progress = {p.id: _progress(run_dir / "learners" / p.id / "progress.jsonl") for p in plans}
+    per_learner = []
+    for plan in plans:
+        last = {k: v for rec in progress[plan.id] for k, v in rec.items()}
+        per_learner.append(
+            {
+                "id": plan.id,
+                "steps": int(last.get("step", 0)),
+                "tokens": int(last.get("tokens", 0)),
+                "steps_per_s": float(last.get("steps_per_s", 0.0)),
+                "batch_size": plan.batch_size,
+                "slow": plan.slow,
+                "exit_code": facts["codes"].get(plan.id),
+                "restarts": sup.slots[plan.id].restarts,
+                "contributions": int(last.get("step", 0)),
+                "bytes_up": _transport_total(progress[plan.id], "bytes_up"),
+                "bytes_down": _transport_total(progress[plan.id], "bytes_down"),
+            }
+        )
+    summary = build_summary(
+        mode="dp",
+        run_dir=str(run_dir),
+        wall_s=time.time() - facts["started"],
+        val_initial=facts["val_initial"],
+        val_final=facts["val_final"],
+        rounds=per_learner[0]["steps"],
+        learners=per_learner,
+        num_params=facts["num_params"],
+        seq_len=facts["seq_len"],
+        stopped_by=facts["stopped_by"],
+    )
+    restarts = [r for r in records if r.get("event") == "restart"]
+    summary.update(dp_metrics(progress, restarts, end=facts["train_end"]))
+    summary["failures_injected"] = [
+        {k: r[k] for k in ("t", "kind", "target", "down_s") if k in r}
+        for r in records
+        if r.get("event") == "chaos"
+    ]
+    summary["group_restarts"] = sum(1 for r in records if r.get("event") == "group-stop")
+    summary["syncer_restarts"] = 0
+    return summary

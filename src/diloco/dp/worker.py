@@ -1,0 +1,240 @@
+"""``diloco dp-worker``: one rank of the data-parallel baseline (``diloco run --mode dp``).
+
+Every step, each rank computes the gradient of its own batch and the ranks all-reduce
+(gloo, one collective per step) the token-weighted sum of their gradients together with
+three control values: how many tokens the step trained, whether any rank was asked to stop,
+and rank 0's decisions (lr schedule length, checkpoint now). So every rank applies the same
+averaged gradient with the same lr and stops or checkpoints at the same step. The group is
+static: if a rank dies the others fail too, and the supervisor restarts the whole group from
+the last complete checkpoint (:mod:`diloco.dp.checkpoint`), as ``torchrun`` does.
+
+Rendezvous: the supervisor hosts a ``TCPStore``; the ranks of generation G meet under the
+prefix ``generation-G``, so a restarted group never reads a dead group's keys.
+
+Files (``--workdir``, one per rank): ``progress.jsonl`` like a DiLoCo learner's (``start`` and
+``exit`` records around each incarnation; ``tokens`` is this rank's share of the surviving
+steps, so it goes back after a restart). Rank 0 also keeps ``--snapshot`` (the current
+parameters, safetensors, for the evaluator) fresh every ``--snapshot-every`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+
+def ring_bytes_per_step(num_params: int, world: int) -> int:
+    """Bytes one rank sends per step in a ring all-reduce of fp32 gradients (it receives as
+    many, but those are the same bytes seen from the other end: counted once, at the sender).
+    Gloo may pick another algorithm; this is the standard bandwidth-optimal count."""
+    return 0 if world <= 1 else 2 * (world - 1) * 4 * num_params // world
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from diloco.dp import checkpoint as ckpt
+    from diloco.learner.worker import schedule_length
+    from diloco.recipes import get_recipe
+
+    torch.set_num_threads(args.threads)
+    if not 0 <= args.rank < args.world:
+        print(f"diloco dp-worker: --rank must be in [0, {args.world})", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.exit_with_parent:
+        from diloco.launch.procs import exit_with_parent
+
+        exit_with_parent(stop)
+
+    recipe = get_recipe(args.recipe, data_path=args.data)
+    model = recipe.build_model(args.seed)
+    optimizer = recipe.build_optimizer(model)
+    stream = recipe.stream(learner_id=args.rank, seed=args.seed, batch_size=args.batch_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    num_params = sum(p.numel() for p in params)
+    leader = args.rank == 0
+    ckdir = Path(args.checkpoint_dir)
+    step, tokens, group_tokens = 0, 0, 0
+    try:
+        saved_step = ckpt.latest_step(ckdir, args.world)
+    except ValueError as exc:
+        print(f"diloco dp-worker: {exc}", file=sys.stderr)
+        return 2
+    if saved_step is not None:
+        mine = ckpt.read_rank_state(ckdir, saved_step, args.rank)
+        shared = mine if leader else ckpt.read_rank_state(ckdir, saved_step, 0)
+        model.load_state_dict(shared["model"])
+        optimizer.load_state_dict(shared["optimizer"])
+        stream.load_state_dict(mine["stream"])
+        step, tokens, group_tokens = saved_step, mine["tokens"], shared["group_tokens"]
+
+    host, port = args.store.rsplit(":", 1)
+    store = dist.TCPStore(
+        host, int(port), is_master=False, timeout=timedelta(seconds=args.rendezvous_timeout)
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"generation-{args.generation}", store),
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=args.collective_timeout),
+    )
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    progress = (workdir / "progress.jsonl").open("a")
+
+    def report(**fields) -> None:
+        progress.write(json.dumps({"t": time.time(), **fields}) + "\n")
+        progress.flush()
+
+    report(event="start", step=step, tokens=tokens, generation=args.generation)
+    print(f"dp rank {args.rank}/{args.world}: generation {args.generation} from step {step}")
+    per_step_bytes = ring_bytes_per_step(num_params, args.world)
+    first_step, started = step, time.time()
+    run_started = args.run_started or started
+    last_report = last_checkpoint = last_snapshot = 0.0
+    loss_value = float("nan")
+    while not args.total_steps or step < args.total_steps:
+        now = time.time()
+        length = schedule_length(args, step, now - run_started)
+        save = (
+            leader and args.checkpoint_every > 0 and now - last_checkpoint >= args.checkpoint_every
+        )
+        t0 = time.perf_counter()
+        x, y = stream.next_batch()
+        _, loss = model(x, y)
+        loss.backward()
+        if args.slow > 1.0:  # emulate slower hardware: the whole group waits for this rank
+            time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
+        n = x.numel()
+        control = torch.tensor(
+            [n, float(stop.is_set()), length if leader else 0, float(save)], dtype=torch.float32
+        )
+        flat = torch.cat([p.grad.reshape(-1) * n for p in params] + [control])
+        dist.all_reduce(flat)
+        total, stopping, length, save = flat[-4:].tolist()
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p) / total)
+            offset += p.numel()
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.lr_at(step, int(length))
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, tokens, group_tokens = step + 1, tokens + n, group_tokens + int(total)
+        loss_value = loss.item()
+        now = time.time()
+        if save:
+            last_checkpoint = now
+            save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens)
+        if leader and args.snapshot and now - last_snapshot >= args.snapshot_every:
+            last_snapshot = now
+            write_snapshot(Path(args.snapshot), model, step, group_tokens)
+        if now - last_report >= args.report_every:
+            last_report = now
+            sent = (step - first_step) * per_step_bytes
+            sps = (step - first_step) / max(now - started, 1e-9)
+            report(
+                step=step,
+                tokens=tokens,
+                loss=loss_value,
+                steps_per_s=sps,
+                bytes_up=sent,
+                bytes_down=0,  # every byte on the wire is counted once, by its sender
+            )
+        if stopping:
+            break
+    save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens)
+    if leader and args.snapshot:
+        write_snapshot(Path(args.snapshot), model, step, group_tokens)
+    dist.destroy_process_group()
+    sent = (step - first_step) * per_step_bytes
+    report(
+        event="exit",
+        step=step,
+        tokens=tokens,
+        steps_per_s=(step - first_step) / max(time.time() - started, 1e-9),
+        bytes_up=sent,
+        bytes_down=0,
+    )
+    progress.close()
+    return 0
+
+
+def save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens):
+    """Every rank writes its part, then (after a barrier) rank 0 commits the checkpoint."""
+    import torch.distributed as dist
+
+    from diloco.dp import checkpoint as ckpt
+
+    state = {"stream": stream.state_dict(), "tokens": tokens}
+    if args.rank == 0:
+        state |= {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "group_tokens": group_tokens,
+        }
+    ckpt.write_rank_state(ckdir, step, args.rank, state)
+    if dist.is_initialized():
+        dist.barrier()
+    if args.rank == 0:
+        ckpt.commit(ckdir, step, args.world)
+
+
+def write_snapshot(path: Path, model, step: int, group_tokens: int) -> None:
+    """The current parameters for the evaluator (atomic; metadata: step and tokens)."""
+    from safetensors.torch import save_file
+
+    tensors = {n: t.detach().contiguous() for n, t in model.named_parameters()}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"step": str(step), "tokens": str(group_tokens)})
+    os.replace(tmp, path)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "dp-worker", help="one rank of the data-parallel baseline (started by diloco run)"
+    )
+    p.add_argument("--store", required=True, help="the supervisor's TCPStore, host:port")
+    p.add_argument("--generation", type=int, default=0, help="rendezvous generation")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--recipe", default="shakespeare")
+    p.add_argument("--data", help="UTF-8 text file instead of Shakespeare")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--slow", type=float, default=1.0, help="emulated slowdown factor")
+    p.add_argument("--total-steps", type=int, default=0, help="stop after N steps (0: SIGTERM)")
+    p.add_argument("--schedule-steps", type=int, default=0)
+    p.add_argument("--schedule-seconds", type=float, default=0.0)
+    p.add_argument("--run-started", type=float, default=0.0)
+    p.add_argument("--checkpoint-dir", required=True, help="the group's checkpoint directory")
+    p.add_argument(
+        "--checkpoint-every", type=float, default=30.0, help="seconds between group checkpoints"
+    )
+    p.add_argument("--workdir", required=True, help="this rank's progress file goes here")
+    p.add_argument("--snapshot", help="rank 0 keeps the current parameters in this file")
+    p.add_argument("--snapshot-every", type=float, default=5.0)
+    p.add_argument("--report-every", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rendezvous-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a collective may wait for a hung rank before the group fails",
+    )
+    p.add_argument("--exit-with-parent", action="store_true")
+    p.set_defaults(func=run)

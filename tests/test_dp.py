@@ -1,0 +1,180 @@
+"""The data-parallel baseline: group checkpoints, the group restart policy, an end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from diloco.dp import checkpoint as ckpt
+from diloco.dp.metrics import dp_metrics, new_ground
+from diloco.launch.supervisor import Supervisor
+from diloco.syncer.store import read_tape
+
+
+def diloco(*args: str) -> list[str]:
+    return [sys.executable, "-m", "diloco.cli", *args]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def test_a_checkpoint_counts_only_once_every_rank_wrote_it(tmp_path):
+    assert ckpt.latest_step(tmp_path, 2) is None
+    ckpt.write_rank_state(tmp_path, 10, 0, {"stream": {}, "tokens": 5, "model": {}})
+    with pytest.raises(RuntimeError, match="lacks ranks"):
+        ckpt.commit(tmp_path, 10, 2)
+    assert ckpt.latest_step(tmp_path, 2) is None  # a torn save is not resumed
+    ckpt.write_rank_state(tmp_path, 10, 1, {"stream": {}, "tokens": 5})
+    ckpt.commit(tmp_path, 10, 2)
+    assert ckpt.latest_step(tmp_path, 2) == 10
+    for r in (0, 1):
+        ckpt.write_rank_state(tmp_path, 20, r, {"stream": {}, "tokens": 9})
+    ckpt.commit(tmp_path, 20, 2)
+    assert ckpt.latest_step(tmp_path, 2) == 20
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == [
+        "step-20.rank-0.pt",
+        "step-20.rank-1.pt",
+    ]
+    assert ckpt.read_rank_state(tmp_path, 20, 1)["tokens"] == 9
+    with pytest.raises(ValueError, match="2-rank group"):
+        ckpt.latest_step(tmp_path, 3)
+
+
+def test_a_foreign_file_is_refused_not_unpickled(tmp_path):
+    path = ckpt.rank_file(tmp_path, 3, 0)
+    torch.save({"format": 99, "step": 3}, path)
+    with pytest.raises(ValueError, match="not a data-parallel checkpoint"):
+        ckpt.read_rank_state(tmp_path, 3, 0)
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_rolled_back_steps_and_restart_time_are_lost():
+    def records(start_t, steps, t0=0.0):
+        out = [{"t": start_t, "event": "start", "step": steps[0], "tokens": steps[0] * 10}]
+        out += [{"t": t0 + i, "step": s, "tokens": s * 10} for i, s in enumerate(steps)]
+        return out
+
+    # 10 steps/s for 10 s, killed at t=10 (checkpoint at step 50), back at t=15, runs to t=22
+    first = records(0.0, [10 * i for i in range(1, 11)], t0=1.0)
+    second = records(15.0, [50 + 10 * i for i in range(1, 8)], t0=16.0)
+    rank = first + second
+    m = dp_metrics({"r0": rank, "r1": rank}, [{"t": 15.0, "target": "r0"}], end=22.0)
+    assert m["useful_tokens"] == {"r0": 1200, "r1": 1200}
+    assert m["goodput"] == pytest.approx(1200 / (100 * 22))
+    # step 100 was first reached at t=10, and passed again only at t=21 (step 110)
+    assert m["max_commit_gap_s"] == pytest.approx(11.0)
+    assert new_ground(rank)[-2:] == [21.0, 22.0]
+    assert m["reintegrations"][0]["reintegration_s"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------- group policy
+def sleeper(tag: str) -> list[str]:
+    return [sys.executable, "-c", "import time; time.sleep(60)", tag, "--generation=0"]
+
+
+def test_one_member_down_stops_the_group_and_all_restart_together(tmp_path):
+    tape, clock = [], [0.0]
+    sup = Supervisor(tape=tape.append, clock=lambda: clock[0], group=["a", "b", "c"])
+    try:
+        for name in "abc":
+            sup.add(name, sleeper(name), tmp_path / f"{name}.log")
+        old = {n: s.child.pid for n, s in sup.slots.items()}
+        sup.slots["b"].child.kill()
+        sup.slots["b"].child.proc.wait(10)
+        sup.poll()  # b is down: a and c are stopped, everyone waits for b's restart
+        assert [r["event"] for r in tape] == ["crash", "group-stop"]
+        assert tape[1]["stopped"] == ["a", "c"] and tape[1]["generation"] == 1
+        assert not any(s.child.running for s in sup.slots.values())
+        clock[0] = 5.0
+        sup.poll()
+        assert [r["target"] for r in tape if r["event"] == "restart"] == ["a", "b", "c"]
+        for name, slot in sup.slots.items():
+            assert slot.child.running and slot.child.pid != old[name]
+            assert "--generation=1" in slot.argv
+        planned = sum(s.planned_deaths for s in sup.slots.values())
+        assert planned == 2  # the two collateral stops; b's crash is not planned
+    finally:
+        sup.kill_everything()
+
+
+# ---------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_killed_rank_restarts_the_group_from_its_checkpoint(tmp_path):
+    proc = subprocess.run(
+        diloco(
+            "run",
+            "--mode=dp",
+            "--recipe=tiny",
+            "--learners=2",
+            "--minutes=0.45",
+            "--checkpoint-every=2",
+            "--eval-every=2",
+            "--chaos=kill:at=6s,down=2s,learners=1",
+            f"--runs-dir={tmp_path}",
+            "--name=dp",
+            "--json",
+            "--no-view",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(proc.stdout)
+    run = tmp_path / "dp"
+    events = read_tape(run / "syncer" / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds.count("group-stop") == 1 and kinds.count("restart") == 2, events
+    assert s["mode"] == "dp" and s["group_restarts"] == 1
+    assert s["val_loss"]["final"] < s["val_loss"]["initial"] - 1.0
+    # the restarted group resumed from a checkpoint, not from scratch
+    for rank in ("learner-0", "learner-1"):
+        lines = (run / "learners" / rank / "progress.jsonl").read_text().splitlines()
+        starts = [json.loads(x) for x in lines if '"event": "start"' in x]
+        assert len(starts) == 2 and starts[1]["step"] > 0
+    # some trained steps were lost: goodput below 1, both ranks agree on the surviving steps
+    assert 0 < s["goodput"] < 0.98
+    steps = {ln["steps"] for ln in s["per_learner"].values()}
+    assert len(steps) == 1
+    # the bytes of lost steps were sent all the same (progress is reported once a second)
+    assert s["bytes"]["per_token"] >= 0.95 * s["bytes"]["data_parallel_per_token"]
+
+
+def test_dp_refuses_chaos_it_cannot_carry_out(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        diloco(
+            "run",
+            "--mode=dp",
+            "--recipe=tiny",
+            "--chaos=syncer-kill:at=5s",
+            f"--runs-dir={tmp_path}",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--mode dp supports chaos kinds kill, hang only" in proc.stderr
+    assert not any(tmp_path.iterdir()) and time.monotonic() - t0 < 30
+
+
+def test_peers_that_fail_on_their_own_count_as_one_crash(tmp_path):
+    tape = []
+    sup = Supervisor(tape=tape.append, clock=lambda: 0.0, group=["a", "b"])
+    try:
+        for name in "ab":
+            sup.add(name, sleeper(name), tmp_path / f"{name}.log")
+        for slot in sup.slots.values():  # both die before the supervisor looks
+            slot.child.kill()
+            slot.child.proc.wait(10)
+        sup.poll()
+        crashes = sum(1 for s in sup.slots.values() for c in s.exit_codes if c != 0)
+        assert crashes - sum(s.planned_deaths for s in sup.slots.values()) == 1
+        assert [r["event"] for r in tape].count("group-stop") == 1
+    finally:
+        sup.kill_everything()
