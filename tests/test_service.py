@@ -193,3 +193,36 @@ def test_bad_upload_gets_a_status_and_changes_nothing(tmp_path):
             assert status.refused == 6
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_synchronous_learner_waits_for_the_round_of_what_it_sent(tmp_path):
+    # wait-for-all 2: a round closes only when both learners sent the fragment
+    server = make_server(tmp_path, wait_for_all=2, gamma=0.0).start()
+    try:
+        models = [make_model(seed=20 + i) for i in range(2)]
+        learners = [
+            Learner(m, syncer=server.address, fragments=P, sync_every=4, learner_id=f"s{i}")
+            for i, m in enumerate(models)
+        ]
+        for lr in learners:
+            assert lr.wait_for_global(timeout=10)
+        train(learners[0], models[0], seed=1, steps=1)  # sends the fragment due at step 1
+        assert learners[0]._awaited  # in flight
+        stop = threading.Event()
+        assert learners[0].wait_for_merges(1, timeout=0.1)  # lag 1: one more step allowed
+        t0 = time.monotonic()
+        assert not learners[0].wait_for_merges(0, timeout=1.0, stop=stop)  # peer has not sent
+        assert time.monotonic() - t0 >= 0.9
+        train(learners[1], models[1], seed=2, steps=1)  # the peer sends: the round closes
+        assert learners[0].wait_for_merges(0, timeout=10)
+        assert learners[1].wait_for_merges(0, timeout=10)
+        assert learners[0].versions == learners[1].versions
+        assert max(learners[0].versions) >= 1
+        stop.set()
+        train(learners[0], models[0], seed=1, steps=1)
+        assert not learners[0].wait_for_merges(0, timeout=10, stop=stop)  # stop ends the wait
+    finally:
+        for lr in learners:
+            lr.close(flush=False)
+        server.stop()

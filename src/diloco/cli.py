@@ -17,6 +17,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("learner", "diloco.learner.worker"),
     ("run", "diloco.launch.run"),
     ("dp-worker", "diloco.dp.worker"),
+    ("bench", "diloco.bench.cli"),
     ("simulate", "diloco.sim.cli"),
     ("plan", "diloco.plan"),
 ]

@@ -296,6 +296,7 @@ def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
         seq_len=facts["seq_len"],
         stopped_by=facts["stopped_by"],
     )
+    summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
     restarts = [r for r in records if r.get("event") == "restart"]
     summary.update(dp_metrics(progress, restarts, end=facts["train_end"]))
     summary["failures_injected"] = [

@@ -79,19 +79,30 @@ def reintegrations(records: list[dict]) -> list[dict]:
 
 
 def tape_metrics(
-    records: list[dict], *, fragments: int, end: float, speeds: dict[str, float]
+    records: list[dict],
+    *,
+    fragments: int,
+    end: float,
+    speeds: dict[str, float],
+    finished: dict[str, float] | None = None,
 ) -> dict:
     """Goodput, uptime, longest commit gap, failures and reintegrations of one run.
 
-    ``speeds`` maps learner id to its fault-free tokens/s; ``end`` is when training stopped.
+    ``speeds`` maps learner id to its fault-free tokens/s; ``end`` is when training stopped;
+    ``finished`` maps a learner that completed its work (``--steps``) and left to when it did:
+    it is provisioned until then, not until ``end`` (its machine is released).
     """
+    finished = finished or {}
     rounds = [r for r in records if r.get("event") == "round"]
     joins: dict[str, float] = {}
     for r in records:
         if r.get("event") == "join" and not r.get("observer"):
             joins.setdefault(r["learner"], r["t"])
     useful = useful_tokens(rounds, fragments)
-    provisioned = {m: speeds.get(m, 0.0) * max(0.0, end - t) for m, t in joins.items()}
+    provisioned = {
+        m: speeds.get(m, 0.0) * max(0.0, min(end, finished.get(m, end)) - t)
+        for m, t in joins.items()
+    }
     total_provisioned = sum(provisioned.values())
     start = min(joins.values()) if joins else end
     commit_times = [r["t"] for r in rounds]

@@ -29,6 +29,8 @@ from diloco.syncer.cli import add_syncer_arguments
 
 DEFAULT_LEARNERS = 2
 DEFAULT_MINUTES = 3.0
+#: ``--mode sync``: a learner may run this many steps past a send before the merge is back.
+SYNC_LAG = 1
 
 
 @dataclass
@@ -247,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
                     f"--checkpoint-every={args.checkpoint_every}",
                     f"--workdir={run_dir / 'learners' / plan.id}",
                     f"--join-timeout={args.start_timeout}",
+                    f"--wait-for-merge={SYNC_LAG if args.mode == 'sync' else -1}",
                     "--exit-with-parent",
                     *recipe_flags(args),
                     *([f"--token-file={args.token_file}"] if args.token_file else []),
@@ -330,11 +333,13 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
 
     records = read_tape(run_dir / "syncer" / "events.jsonl")
     rounds = [r for r in records if r.get("event") == "round"]
-    per_learner, speeds = [], {}
+    per_learner, speeds, finished = [], {}, {}
     for plan in plans:
         progress = _progress(run_dir / "learners" / plan.id / "progress.jsonl")
         last = {k: v for rec in progress for k, v in rec.items()}
         speeds[plan.id] = learner_speed(progress)
+        if sup.slots[plan.id].finished and progress and progress[-1].get("event") == "exit":
+            finished[plan.id] = progress[-1]["t"]
         per_learner.append(
             {
                 "id": plan.id,
@@ -362,8 +367,15 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
         seq_len=facts["seq_len"],
         stopped_by=facts["stopped_by"],
     )
+    summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
     summary.update(
-        tape_metrics(records, fragments=args.fragments, end=facts["train_end"], speeds=speeds)
+        tape_metrics(
+            records,
+            fragments=args.fragments,
+            end=facts["train_end"],
+            speeds=speeds,
+            finished=finished,
+        )
     )
     summary["syncer_restarts"] = sup.slots["syncer"].restarts
     return summary

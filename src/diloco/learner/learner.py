@@ -128,6 +128,8 @@ class Learner:
         # Latest delta queued per fragment and the counters it covered; forgotten once a
         # merge that includes it (or one rebased over it) is applied.
         self._sent: dict[int, tuple[torch.Tensor, int, int]] = {}
+        # Fragments sent and not yet merged back: p -> (local step sent at, base version).
+        self._awaited: dict[int, tuple[int, int]] = {}
         self._arrived_lock = threading.Lock()
         self._step_time: float | None = None
         self._last_step_at: float | None = None
@@ -257,6 +259,30 @@ class Learner:
                 return False
             time.sleep(0.02)
 
+    def wait_for_merges(
+        self, lag: int, timeout: float, stop: threading.Event | None = None
+    ) -> bool:
+        """Synchronous DiLoCo: block until every fragment sent ``lag`` or more steps ago has
+        come back merged (a newer version of it applied), so no learner runs more than ``lag``
+        steps ahead of a round. Returns False if ``timeout`` passed or ``stop`` was set first.
+
+        The decoupled default never calls it: a learner there never waits for anyone.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.apply_arrived()
+            for p, (_, base) in list(self._awaited.items()):
+                if self.versions[p] > base:
+                    del self._awaited[p]
+            late = [p for p, (at, _) in self._awaited.items() if self.local_step - at >= lag]
+            if not late:
+                return True
+            if self.link.error is not None:
+                raise RuntimeError(str(self.link.error))
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                return False
+            time.sleep(0.005)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Queue every fragment with progress since it was received and wait for the uploads.
 
@@ -360,6 +386,7 @@ class Learner:
             return
         delta = anchor - self.layout.gather(p, self.params)
         self._sent[p] = (delta, self.steps_since[p], self.tokens_since[p])
+        self._awaited.setdefault(p, (self.local_step, self.versions[p]))
         self.link.submit(
             UploadJob(
                 p,

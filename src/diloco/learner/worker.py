@@ -28,7 +28,10 @@ def run(args: argparse.Namespace) -> int:
     from diloco.recipes import get_recipe
 
     torch.set_num_threads(args.threads)
-    rank, world = island_rank()  # (0, 1) unless started by torchrun with several ranks
+    rank, world = island_rank()
+    if world > 1 and args.wait_for_merge >= 0:
+        print("diloco learner: --wait-for-merge is not supported in an island", file=sys.stderr)
+        return 2  # (0, 1) unless started by torchrun with several ranks
     recipe = get_recipe(args.recipe, data_path=args.data)
     model = recipe.build_model(args.seed)
     train_model = model
@@ -132,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
             save_checkpoint(checkpoint, model, optimizer, learner, stream)
         if should_stop:
             break
+        waited = args.wait_for_merge < 0 or learner.wait_for_merges(
+            args.wait_for_merge, args.merge_timeout, stop
+        )
+        if not waited and not stop.is_set():
+            print(f"learner {args.id}: no merge within {args.merge_timeout}s; going on")
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr_at(step, length)
         t0 = time.perf_counter()
@@ -366,6 +374,20 @@ def register(subparsers) -> None:
         type=float,
         default=30.0,
         help="seconds between local checkpoints in --workdir (0: only at exit)",
+    )
+    p.add_argument(
+        "--wait-for-merge",
+        type=int,
+        default=-1,
+        metavar="LAG",
+        help="synchronous DiLoCo: before each step, wait until every fragment sent LAG or "
+        "more steps ago came back merged (-1: never wait, the decoupled default)",
+    )
+    p.add_argument(
+        "--merge-timeout",
+        type=float,
+        default=120.0,
+        help="with --wait-for-merge: the longest wait before training on regardless",
     )
     p.add_argument("--workdir", help="directory for progress and checkpoints")
     p.add_argument("--threads", type=int, default=1)

@@ -1,0 +1,186 @@
+"""``diloco bench``: decoupled, synchronous DiLoCo and data-parallel, side by side.
+
+Runs the matrix of :mod:`diloco.bench.matrix` one ``diloco run`` at a time (runs share the
+machine, so never in parallel), then writes to ``--out``:
+
+    runs/<name>/     every run directory, as ``diloco run`` leaves it
+    results.json     one entry per run (spec, numbers, loss curve)
+    table.md         medians over seeds per (mode, condition), the targets, the sweep
+    *.png            loss vs tokens and vs wall time, goodput, bytes/token, tokens/s, sweep
+
+A run whose ``summary.json`` already exists is not run again, so an interrupted or extended
+benchmark picks up where it stopped (``--seeds 0,1,2`` after ``--seeds 0`` adds two seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from diloco.bench import matrix as mx
+
+
+def parse_list(text: str, cast=str) -> list:
+    return [cast(x) for x in text.split(",") if x.strip()]
+
+
+def run_one(spec: mx.RunSpec, runs_dir: Path, budget: mx.Budget, log) -> dict | None:
+    """Run ``spec`` unless its summary exists; returns the summary (None if the run failed)."""
+    run_dir = runs_dir / spec.name
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        return json.loads(summary_path.read_text())
+    if run_dir.exists():  # a run cut short earlier: start it afresh
+        import shutil
+
+        shutil.rmtree(run_dir)
+    t0 = time.time()
+    if spec.peer:
+        from diloco.bench.peer import run_peer
+
+        summary = run_peer(spec, run_dir, budget)
+    else:
+        argv = [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "run",
+            *spec.flags,
+            f"--runs-dir={runs_dir}",
+            f"--name={spec.name}",
+            "--json",
+            "--no-view",
+        ]
+        cap = budget.minutes * 600 + 600
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=cap)
+        if not summary_path.exists():
+            log(f"  {spec.name}: failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+            return None
+        summary = json.loads(summary_path.read_text())
+    log(
+        f"  {spec.name}: {time.time() - t0:.0f}s, loss {summary['val_loss']['final']:.3f}, "
+        f"{summary['tokens']:,} tokens"
+    )
+    return summary
+
+
+def read_curve(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out.append({k: rec.get(k) for k in ("t", "tokens", "val_loss")})
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from diloco.bench import plots
+    from diloco.bench import report as rp
+
+    try:
+        budget = mx.Budget(
+            learners=args.learners,
+            steps=args.steps,
+            minutes=args.minutes,
+            recipe=args.recipe,
+            chaos=args.chaos,
+            eval_every=args.eval_every,
+        )
+        seeds = parse_list(args.seeds, int)
+        specs = mx.matrix(
+            parse_list(args.modes),
+            parse_list(args.conditions),
+            seeds,
+            budget,
+            parse_list(args.peer),
+        )
+        sweep = mx.sweep(budget, seeds[0]) if args.sweep else []
+    except ValueError as exc:
+        print(f"diloco bench: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    runs_dir = out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    results, failed = [], []
+    todo = specs + sweep
+    log(f"diloco bench: {len(todo)} runs into {out}")
+    for i, spec in enumerate(todo, 1):
+        log(f"[{i}/{len(todo)}] {spec.name}")
+        summary = run_one(spec, runs_dir, budget, log)
+        if summary is None:
+            failed.append(spec.name)
+            continue
+        meta = {"name": spec.name, "mode": spec.mode, "condition": spec.condition}
+        meta |= {"seed": spec.seed, **spec.sweep}
+        results.append(rp.result_of(meta, summary, read_curve(runs_dir / spec.name)))
+    main = [r for r in results if "H" not in r]
+    swept = [r for r in results if "H" in r]
+    rows = rp.cells(main)
+    sweep_rows = rp.cells(swept, keys=("H", "up_codec")) if swept else []
+    dp_bpt = next((r["dp_bytes_per_token"] for r in results if r.get("dp_bytes_per_token")), None)
+    goals = rp.targets(rows)
+    band = rp.bandwidth_target(sweep_rows, dp_bpt)
+    if band:
+        goals.append(band)
+    (out / "results.json").write_text(
+        json.dumps({"budget": vars(budget), "results": results, "targets": goals}, indent=1)
+    )
+    figures = plots.loss_curves(main, out) + plots.bars(rows, out)
+    if sweep_rows:
+        figures.append(plots.sweep_tradeoff(sweep_rows, out))
+    text = [
+        f"# diloco bench ({time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        f"Budget: {json.dumps(vars(budget))}",
+        "",
+        rp.markdown_table(rows),
+        "",
+    ]
+    if sweep_rows:
+        text += ["Sweep (decoupled, clean):", "", rp.markdown_table(sweep_rows, ("H", "up_codec"))]
+        text += ["", f"data-parallel bytes/token (fp32 ring all-reduce): {dp_bpt:,.0f}", ""]
+    text += ["Targets:", ""] + [
+        f"- {'met' if g['met'] else 'MISSED'}: {g['target']} ({g['measured']})" for g in goals
+    ]
+    if failed:
+        text += ["", f"Failed runs: {', '.join(failed)}"]
+    (out / "table.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    log(f"figures: {', '.join(str(f) for f in figures if f)}")
+    return 1 if failed else 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="decoupled vs synchronous DiLoCo vs data-parallel: one harness, one table",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--out", default="bench", help="output directory (default bench/)")
+    p.add_argument("--modes", default=",".join(mx.MODES), help="comma list of decoupled,sync,dp")
+    p.add_argument("--conditions", default=",".join(mx.CONDITIONS), help="clean,chaos,slow")
+    p.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
+    p.add_argument("--peer", default="", help="also run an external peer: torchft")
+    p.add_argument("--sweep", action="store_true", help="add the H x upload-codec sweep")
+    p.add_argument("--learners", "-m", type=int, default=mx.Budget.learners)
+    p.add_argument("--steps", type=int, default=mx.Budget.steps, help="clean: steps per learner")
+    p.add_argument(
+        "--minutes", type=float, default=mx.Budget.minutes, help="chaos and slow: wall time"
+    )
+    p.add_argument("--recipe", default=mx.Budget.recipe)
+    p.add_argument("--chaos", default=mx.DEFAULT_CHAOS, help="the chaos condition's spec")
+    p.add_argument("--eval-every", type=float, default=mx.Budget.eval_every)
+    p.set_defaults(func=run)

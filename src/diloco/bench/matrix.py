@@ -1,0 +1,117 @@
+"""The benchmark matrix as data: which ``diloco run`` invocations ``diloco bench`` makes. Pure.
+
+Conditions (every mode sees the same recipe, seeds, learners and batch sizes):
+
+* ``clean``: no faults, every learner trains ``steps`` steps, so every mode trains the same
+  number of tokens (M × steps × batch × context) on the same lr schedule: loss at equal tokens.
+* ``chaos``: ``minutes`` of wall time under the chaos spec (kills by default, which every mode
+  can carry out): goodput and loss at equal wall time.
+* ``slow``: ``minutes`` of wall time with learner 1 three times slower: tokens/s.
+
+The sweep runs decoupled mode, clean, over H × upload codec: the quality/bandwidth trade-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("decoupled", "sync", "dp")
+CONDITIONS = ("clean", "chaos", "slow")
+PEERS = ("torchft",)
+DEFAULT_CHAOS = "kill:mtbf=60s,down=5-15s"
+SWEEP_H = (24, 48, 96)
+SWEEP_CODECS = ("fp32", "bf16", "int4")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much each run trains: ``steps`` per learner (clean) or ``minutes`` (chaos, slow)."""
+
+    learners: int = 4
+    steps: int = 800
+    minutes: float = 4.0
+    recipe: str = "shakespeare"
+    chaos: str = DEFAULT_CHAOS
+    slow_factor: float = 3.0
+    eval_every: float = 10.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One ``diloco run`` of the matrix (or of the torchft peer when ``peer`` is set)."""
+
+    name: str
+    mode: str
+    condition: str
+    seed: int
+    flags: tuple[str, ...]
+    sweep: dict = field(default_factory=dict, compare=False, hash=False)
+    peer: str = ""
+
+
+def condition_flags(condition: str, budget: Budget) -> tuple[str, ...]:
+    if condition == "clean":
+        # generous wall-clock cap: the run ends when every learner did its steps
+        return (f"--steps={budget.steps}", f"--minutes={max(budget.minutes, 1.0) * 10}")
+    if condition == "chaos":
+        return (f"--minutes={budget.minutes}", f"--chaos={budget.chaos}")
+    if condition == "slow":
+        return (f"--minutes={budget.minutes}", f"--slow=1={budget.slow_factor}")
+    raise ValueError(f"unknown condition {condition!r}; choose from {', '.join(CONDITIONS)}")
+
+
+def common_flags(budget: Budget, seed: int) -> tuple[str, ...]:
+    return (
+        f"--recipe={budget.recipe}",
+        f"--learners={budget.learners}",
+        f"--seed={seed}",
+        f"--eval-every={budget.eval_every}",
+    )
+
+
+def matrix(
+    modes: list[str], conditions: list[str], seeds: list[int], budget: Budget, peers=()
+) -> list[RunSpec]:
+    """Every (mode, condition, seed) run, in an order that finishes whole seeds first."""
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    for peer in peers:
+        if peer not in PEERS:
+            raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+    if budget.learners < 2 and "slow" in conditions:
+        raise ValueError("the slow condition needs at least 2 learners")
+    runs = []
+    for seed in seeds:
+        for condition in conditions:
+            for mode in modes:
+                flags = (f"--mode={mode}", *common_flags(budget, seed))
+                flags += condition_flags(condition, budget)
+                runs.append(RunSpec(f"{mode}-{condition}-s{seed}", mode, condition, seed, flags))
+            for peer in peers:
+                if condition != "chaos":  # the peer has no fault injection of ours
+                    runs.append(
+                        RunSpec(f"{peer}-{condition}-s{seed}", peer, condition, seed, (), peer=peer)
+                    )
+    return runs
+
+
+def sweep(budget: Budget, seed: int, hs=SWEEP_H, codecs=SWEEP_CODECS) -> list[RunSpec]:
+    """Decoupled, clean, one run per (H, upload codec)."""
+    runs = []
+    for h in hs:
+        for codec in codecs:
+            flags = ("--mode=decoupled", *common_flags(budget, seed))
+            flags += condition_flags("clean", budget)
+            flags += (f"--sync-every={h}", f"--up-codec={codec}")
+            runs.append(
+                RunSpec(
+                    f"sweep-H{h}-{codec}-s{seed}",
+                    "decoupled",
+                    "clean",
+                    seed,
+                    flags,
+                    sweep={"H": h, "up_codec": codec},
+                )
+            )
+    return runs

@@ -1,0 +1,100 @@
+"""The benchmark's figures (PNG, matplotlib's Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLORS = {"decoupled": "tab:blue", "sync": "tab:orange", "dp": "tab:green", "torchft": "tab:red"}
+STYLES = {"clean": "-", "chaos": "--", "slow": ":"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def loss_curves(results: list[dict], out: Path) -> list[Path]:
+    """Held-out loss against tokens and against wall time, one line per run."""
+    plt = _pyplot()
+    paths = []
+    for x, label, name in (("tokens", "tokens", "loss_vs_tokens"), ("t", "wall s", "loss_vs_time")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        seen = set()
+        for r in results:
+            pts = [(p[x], p["val_loss"]) for p in r["curve"] if p.get(x) is not None]
+            if not pts:
+                continue
+            key = (r["mode"], r["condition"])
+            ax.plot(
+                *zip(*pts, strict=True),
+                color=COLORS.get(r["mode"], "gray"),
+                linestyle=STYLES.get(r["condition"], "-"),
+                alpha=0.8,
+                label=None if key in seen else f"{r['mode']} ({r['condition']})",
+            )
+            seen.add(key)
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out loss (nats/byte)")
+        ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def bars(rows: list[dict], out: Path) -> list[Path]:
+    """Goodput, bytes per token and tokens/s per (mode, condition) cell."""
+    plt = _pyplot()
+    paths = []
+    for column, title, log in (
+        ("goodput", "goodput", False),
+        ("bytes_per_token", "bytes per token (log)", True),
+        ("tokens_per_s", "tokens/s", False),
+    ):
+        cells = [r for r in rows if r.get(column) is not None]
+        if not cells:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        labels = [f"{r['mode']}\n{r['condition']}" for r in cells]
+        ax.bar(labels, [r[column] for r in cells], color=[COLORS.get(r["mode"]) for r in cells])
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        path = out / f"{column}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def sweep_tradeoff(rows: list[dict], out: Path) -> Path | None:
+    """Held-out loss against bytes per token for every (H, upload codec) of the sweep."""
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for r in rows:
+        ax.scatter(r["bytes_per_token"], r["val_loss"], color="tab:blue")
+        ax.annotate(
+            f"H={r['H']} {r['up_codec']}", (r["bytes_per_token"], r["val_loss"]), fontsize=8
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per token (log)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "sweep.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,146 @@
+"""From run summaries to the benchmark's table: medians over seeds, one row per cell. Pure.
+
+A *result* is what ``diloco bench`` keeps of one run: its spec (mode, condition, seed, sweep
+settings), the run's ``summary.json`` fields that the table needs, and the held-out loss
+curve from ``metrics.jsonl`` (``t`` in seconds, ``tokens``, ``val_loss``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+COLUMNS = (
+    ("val_loss", "held-out loss", "{:.3f}"),
+    ("tokens", "tokens", "{:,.0f}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("goodput", "goodput", "{:.1%}"),
+    ("bytes_per_token", "bytes/token", "{:,.1f}"),
+    ("wall_s", "wall s", "{:.0f}"),
+)
+
+
+def result_of(spec: dict, summary: dict, curve: list[dict]) -> dict:
+    """The numbers of one run. ``tokens_per_s`` is tokens over the training time (wall time
+    minus start-up and shutdown is not knowable from outside, so it uses ``train_s`` when the
+    summary has it, else ``wall_s``)."""
+    seconds = summary.get("train_s") or summary["wall_s"]
+    return {
+        **spec,
+        "val_loss": summary["val_loss"]["final"],
+        "val_loss_initial": summary["val_loss"]["initial"],
+        "tokens": summary["tokens"],
+        "wall_s": summary["wall_s"],
+        "tokens_per_s": summary["tokens"] / seconds if seconds else None,
+        "goodput": summary.get("goodput"),
+        "bytes_per_token": summary["bytes"]["per_token"],
+        "dp_bytes_per_token": summary["bytes"].get("data_parallel_per_token"),
+        "curve": curve,
+    }
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def cells(results: list[dict], keys=("mode", "condition")) -> list[dict]:
+    """Group results by ``keys`` and take the median of every column over the seeds."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        groups[tuple(str(r.get(k, "")) for k in keys)].append(r)
+    out = []
+    for key, rs in groups.items():
+        row = dict(zip(keys, key, strict=True))
+        row["seeds"] = sorted({r["seed"] for r in rs})
+        for name, _, _ in COLUMNS:
+            row[name] = _median(r[name] for r in rs)
+        row["val_loss_spread"] = (
+            max(r["val_loss"] for r in rs) - min(r["val_loss"] for r in rs) if len(rs) > 1 else 0
+        )
+        out.append(row)
+    return out
+
+
+def markdown_table(rows: list[dict], keys=("mode", "condition")) -> str:
+    head = [*keys, "seeds"] + [title for _, title, _ in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        values = [str(row[k]) for k in keys] + [str(len(row["seeds"]))]
+        for name, _, fmt in COLUMNS:
+            v = row[name]
+            values.append("–" if v is None else fmt.format(v))
+        lines.append("| " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def find(rows: list[dict], **match) -> dict | None:
+    return next((r for r in rows if all(str(r.get(k)) == str(v) for k, v in match.items())), None)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, each with the measured numbers and whether it is met.
+
+    A target whose cells were not run is reported as ``None`` (not measured).
+    """
+    out = []
+
+    def add(name, ok, detail):
+        out.append({"target": name, "met": ok, "measured": detail})
+
+    dec, syn, dp = (find(rows, mode=m, condition="clean") for m in ("decoupled", "sync", "dp"))
+    if dec and syn:
+        gap = dec["val_loss"] / syn["val_loss"] - 1
+        add("clean: decoupled within 2% of sync DiLoCo", gap <= 0.02, f"{gap:+.1%}")
+    if dp and (dec or syn):
+        best = min(r["val_loss"] for r in (dec, syn) if r)
+        gap = best / dp["val_loss"] - 1
+        add("clean: DiLoCo family's gap to data-parallel below +14%", gap < 0.14, f"{gap:+.1%}")
+    cd, cs, cp = (find(rows, mode=m, condition="chaos") for m in ("decoupled", "sync", "dp"))
+    if cd and cd["goodput"] is not None:
+        others = [r["goodput"] for r in (cs, cp) if r and r["goodput"] is not None]
+        ok = cd["goodput"] >= 0.90 and all(cd["goodput"] > g for g in others)
+        detail = f"decoupled {cd['goodput']:.1%}" + "".join(
+            f", {r['mode']} {r['goodput']:.1%}" for r in (cs, cp) if r and r["goodput"] is not None
+        )
+        add("chaos: decoupled goodput >= 90% and above dp and sync", ok, detail)
+    if cd and cp:
+        add(
+            "chaos: decoupled loss below data-parallel's at equal wall time",
+            cd["val_loss"] < cp["val_loss"],
+            f"{cd['val_loss']:.3f} vs {cp['val_loss']:.3f}",
+        )
+    sd = find(rows, mode="decoupled", condition="slow")
+    for other in ("sync", "torchft"):
+        so = find(rows, mode=other, condition="slow")
+        if sd and so and so["tokens_per_s"]:
+            ratio = sd["tokens_per_s"] / so["tokens_per_s"]
+            add(f"slow: decoupled tokens/s >= 1.5x {other}'s", ratio >= 1.5, f"{ratio:.2f}x")
+    return out
+
+
+def bandwidth_target(sweep_rows: list[dict], dp_bytes_per_token: float | None) -> dict | None:
+    """>= 200x fewer bytes/token than data-parallel with loss within 5% of H=24's default."""
+    base = find(sweep_rows, H=24, up_codec="int4")
+    if not base or not dp_bytes_per_token:
+        return None
+    best = None
+    for r in sweep_rows:
+        ratio = dp_bytes_per_token / r["bytes_per_token"] if r["bytes_per_token"] else 0
+        loss_gap = r["val_loss"] / base["val_loss"] - 1
+        if ratio >= 200 and loss_gap <= 0.05 and (best is None or ratio > best[0]):
+            best = (ratio, loss_gap, r)
+    if best is None:
+        top = max(sweep_rows, key=lambda r: dp_bytes_per_token / (r["bytes_per_token"] or 1e18))
+        return {
+            "target": ">= 200x fewer bytes/token than dp, loss within 5% of H=24",
+            "met": False,
+            "measured": f"best ratio {dp_bytes_per_token / top['bytes_per_token']:.0f}x at "
+            f"H={top['H']} {top['up_codec']} (loss {top['val_loss'] / base['val_loss'] - 1:+.1%})",
+        }
+    ratio, gap, r = best
+    return {
+        "target": ">= 200x fewer bytes/token than dp, loss within 5% of H=24",
+        "met": True,
+        "measured": f"{ratio:.0f}x at H={r['H']} {r['up_codec']} (loss {gap:+.1%})",
+    }
