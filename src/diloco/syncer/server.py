@@ -20,6 +20,7 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import EventTape, FragmentStore, state_hash
@@ -172,6 +173,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             down_codec=cfg.down_codec,
             fragments=self.state.served,
             syncer_id=self.state.syncer_id,
+            shard=self.state.shard[0],
+            num_shards=self.state.shard[1],
         )
 
     def Subscribe(
@@ -285,6 +288,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                         "INVALID_ARGUMENT",
                         f"fragment {chunk.fragment} out of range [0, {self.state.layout.num_fragments})",
                     )
+                self.state.check_owned(chunk.fragment)
                 if chunk.codec != self.state.config.up_codec:
                     raise Refused(
                         "INVALID_ARGUMENT",
@@ -383,6 +387,9 @@ class SyncerService(pb_grpc.SyncerServicer):
                 learners=learners,
                 uptime_s=time.time() - self.started_at,
                 refused=s.refused,
+                fragments=s.served,
+                shard=s.shard[0],
+                num_shards=s.shard[1],
             )
 
     # ---------------------------------------------------------------- committer
@@ -460,6 +467,7 @@ class SyncerServer:
         state_dir: str | Path | None = None,
         tape_path: str | Path | None = None,
         fragments: Sequence[int] | None = None,
+        shard: tuple[int, int] = (0, 1),
         max_learners: int = 64,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
@@ -469,10 +477,18 @@ class SyncerServer:
         """``token``: require ``authorization: Bearer <token>`` on every call (mandatory when
         ``bind`` is not a loopback address: ``auth.AuthConfigError`` otherwise).
         ``credentials``: TLS (``diloco.wire.auth.server_credentials``). ``allowed_learners``:
-        if given, only these ids may join (learners and observers alike)."""
+        if given, only these ids may join (learners and observers alike). ``shard=(i, S)``:
+        own only the fragments of shard i of S (``diloco.algorithm.shards``); ``fragments``
+        overrides that list."""
         auth.check_bind(bind, token)
         self.config = config or SyncerConfig()
         self.layout = layout
+        # Checked before anything is written: a bad shard must not leave a state directory or tape.
+        owned = (
+            list(fragments)
+            if fragments is not None
+            else shard_fragments(layout.num_fragments, *shard)
+        )
         self.tape = EventTape(tape_path) if tape_path else None
         emit = self.tape.append if self.tape else (lambda record: None)
         self.store = FragmentStore(state_dir) if state_dir else None
@@ -480,13 +496,19 @@ class SyncerServer:
         versions = [0] * layout.num_fragments
         restored = {}
         if self.store is not None:
-            self.store.initialize(layout, {k: v for k, v in vars(self.config).items()})
-            for p in range(layout.num_fragments):
+            self.store.initialize(layout, dict(vars(self.config)), shard=shard)
+            for p in owned:
                 loaded = self.store.load(p, layout.fragments[p].numel)
                 if loaded is not None:
                     versions[p], params[p], restored[p] = loaded
         self.state = SyncerState(
-            layout, params, self.config, versions=versions, emit=emit, fragments=fragments
+            layout,
+            params,
+            self.config,
+            versions=versions,
+            emit=emit,
+            fragments=owned,
+            shard=shard,
         )
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
@@ -551,6 +573,8 @@ class SyncerServer:
                     "event": "start",
                     "t": time.time(),
                     "syncer_id": self.state.syncer_id,
+                    "shard": list(self.state.shard),
+                    "fragments": list(self.state.served),
                     "restored_fragments": len(restored),
                     "versions": list(self.state.versions),
                     "digests": [fragment_digest(t) for t in self.state.params],
