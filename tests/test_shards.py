@@ -6,12 +6,16 @@ learners are real ``Learner`` objects on the tiny recipe, trained in threads.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
 import grpc
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from diloco.algorithm import balanced_fragments, codecs
 from diloco.algorithm.shards import (
@@ -22,13 +26,14 @@ from diloco.algorithm.shards import (
     shard_fragments,
     shard_of,
 )
+from diloco.cli import main as cli_main
 from diloco.launch.evaluator import Evaluator
 from diloco.learner.learner import Learner
 from diloco.learner.shards import parse_syncer_addresses
 from diloco.recipes import get_recipe
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
-from diloco.syncer.store import StateError, read_tape
+from diloco.syncer.store import FragmentStore, StateError, read_tape
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
@@ -299,3 +304,79 @@ def test_a_shard_refuses_fragments_it_does_not_own(tmp_path):
             shard=(1, 2),
             state_dir=tmp_path / "shard0of2",
         )
+
+
+# ------------------------------------------------------------------ real processes
+def diloco(*args: str) -> list[str]:
+    return [sys.executable, "-m", "diloco.cli", *args]
+
+
+def test_bad_shard_flags_are_refused(tmp_path, capsys):
+    """The commands' own entry point, in this process: each refuses before starting anything."""
+    for argv, message in [
+        (["syncer", "--recipe=tiny", "--fragments=4", "--shard=2/2"], "expected I/S"),
+        (["run", "--recipe=tiny", "--fragments=4", "--shards=5"], "[1, P=4]"),
+        (["run", "--recipe=tiny", "--shards=2", "--chaos=syncer-kill:at=5s"], "not supported"),
+        (["learner", "--id=x", "--recipe=tiny", "--syncer=a:1,,b:2"], "empty entry"),
+    ]:
+        extra = [f"--runs-dir={tmp_path}"] if argv[0] == "run" else []
+        assert cli_main([*argv, *extra]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_diloco_run_with_two_shards(tmp_path):
+    proc = subprocess.run(
+        diloco(
+            "run",
+            "--recipe=tiny",
+            "--shards=2",
+            "--learners=2",
+            "--steps=48",
+            f"--fragments={P}",
+            f"--sync-every={H}",
+            "--down-codec=fp32",
+            "--eval-every=0",
+            "--minutes=1.5",
+            f"--runs-dir={tmp_path}",
+            "--name=sh",
+            "--json",
+        ),  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=140,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    summary = json.loads(proc.stdout)
+    assert summary["stopped_by"] == "learners finished" and summary["shards"] == 2
+    run_dir = tmp_path / "sh"
+    tape = read_tape(run_dir / "syncer" / "events.jsonl")
+    rounds = [r for r in tape if r["event"] == "round"]
+    assert {r["fragment"] for r in rounds} == set(range(P)) and len(rounds) == summary["rounds"]
+    starts = sorted(tuple(r["shard"]) for r in tape if r["event"] == "start")
+    assert starts == [(0, 2), (1, 2)]
+    layout = balanced_fragments(RECIPE.build_model(0).named_parameters(), P)
+    final = {}
+    for i in range(2):  # each shard stored exactly its own fragments
+        store_dir = run_dir / f"syncer-{i}"
+        assert sorted(f.name for f in (store_dir / "fragments").iterdir()) == [
+            f"p{p:03d}.safetensors" for p in range(i, P, 2)
+        ]
+        for p in range(i, P, 2):
+            final[p] = FragmentStore(store_dir).load(p, layout.fragments[p].numel)
+    matched = 0
+    for i in range(2):
+        workdir = run_dir / "learners" / f"learner-{i}"
+        versions = json.loads((workdir / "final.json").read_text())["versions"]
+        anchors = load_file(str(workdir / "final.safetensors"))
+        for p in range(P):
+            version, params, _ = final[p]
+            assert 0 <= versions[p] <= version
+            if versions[p] == version:
+                assert torch.equal(anchors[f"anchor.{p}"], params), (i, p)
+                matched += 1
+    assert matched >= P
