@@ -21,6 +21,7 @@ import torch
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
+from diloco.syncer.broadcast import CHUNK_BYTES, RECENT_VERSIONS, Subscriber, chunk_payload
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import EventTape, FragmentStore, state_hash
@@ -28,56 +29,10 @@ from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
-CHUNK_BYTES = 1 << 20
-"""Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
 """gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
 MAX_REASON_CHARS = 500
 """Refusal messages are cut to this length (they may quote what a client sent)."""
-
-
-def chunk_payload(payload: bytes) -> list[memoryview]:
-    """Split ``payload`` into ``CHUNK_BYTES`` pieces (one empty piece for an empty payload)."""
-    view = memoryview(payload)
-    return [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [view[:0]]
-
-
-#: How many versions per fragment the syncer remembers the contributors of.
-RECENT_VERSIONS = 16
-
-
-class _Subscriber:
-    """Latest pending version of each fragment for one stream; older ones are superseded."""
-
-    def __init__(self, learner_id: str, session: str, observer: bool) -> None:
-        self.learner_id, self.session, self.observer = learner_id, session, observer
-        self.pending: dict[int, tuple[int, bytes, frozenset[str]]] = {}
-        self.cond = threading.Condition()
-        self.closed = False
-
-    def offer(
-        self, fragment: int, version: int, payload: bytes, contributors: frozenset[str]
-    ) -> None:
-        """Queue a version; one still pending is superseded, its contributors carried over."""
-        with self.cond:
-            skipped = self.pending.get(fragment)
-            if skipped is not None:
-                contributors = contributors | skipped[2]
-            self.pending[fragment] = (version, payload, contributors)
-            self.cond.notify()
-
-    def take(self, timeout: float) -> list[tuple[int, int, bytes, frozenset[str]]]:
-        with self.cond:
-            if not self.pending and not self.closed:
-                self.cond.wait(timeout)
-            items = sorted((p, v, b, c) for p, (v, b, c) in self.pending.items())
-            self.pending.clear()
-            return items
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
 
 
 class SyncerService(pb_grpc.SyncerServicer):
@@ -97,7 +52,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.tape = tape
         self.lock = threading.Lock()
         self.started_at = time.time()
-        self._subscribers: set[_Subscriber] = set()
+        self._subscribers: set[Subscriber] = set()
         self._payloads: dict[int, tuple[int, bytes, frozenset[str]]] = {}
         # Contributors of each fragment's last few versions: a learner catching up after a
         # reconnect must know whether any version it missed merged its own contribution.
@@ -192,7 +147,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 info = self.state.session_of(request.learner_id, request.session)
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Subscribe")
-        sub = _Subscriber(info.learner_id, info.session, info.observer)
+        sub = Subscriber(info.learner_id, info.session, info.observer)
         with self.lock:
             self._subscribers.add(sub)
             for p, (version, payload, _) in self._payloads.items():
