@@ -125,7 +125,7 @@ def client(args: argparse.Namespace) -> int:
     ]
     tensors = [pb.TensorSpec(name=n, shape=s, dtype=d) for n, s, d in spec["tensors"]]
     records: list[tuple] = []
-    received = [0]
+    received: list[list[int]] = []  # one counter per stream, each written by its own thread
     lock = threading.Lock()
 
     def learner(index: int) -> None:
@@ -148,17 +148,14 @@ def client(args: argparse.Namespace) -> int:
                 versions[p] = reply.versions[p]
         streams = []
 
-        def listen(stream) -> None:
-            n = 0
+        def listen(stream, counter: list[int]) -> None:
             try:
                 for chunk in stream:
                     if chunk.chunk_index == 0:
                         versions[chunk.fragment] = max(versions[chunk.fragment], chunk.version)
-                    n += len(chunk.data)
+                    counter[0] += len(chunk.data)
             except grpc.RpcError:
                 pass
-            with lock:
-                received[0] += n
 
         if spec["subscribe"]:
             for stub, session in zip(stubs, sessions, strict=True):
@@ -166,7 +163,10 @@ def client(args: argparse.Namespace) -> int:
                     pb.SubscribeRequest(learner_id=lid, session=session, have_versions=versions)
                 )
                 streams.append(stream)
-                threading.Thread(target=listen, args=(stream,), daemon=True).start()
+                counter = [0]
+                with lock:
+                    received.append(counter)
+                threading.Thread(target=listen, args=(stream, counter), daemon=True).start()
         k = 0
         while True:
             due = start + k * step
@@ -222,15 +222,17 @@ def client(args: argparse.Namespace) -> int:
     for t in threads:
         t.start()
     time.sleep(max(0.0, window[0] - time.time()))
-    cpu0, rx0 = time.process_time(), received[0]
+    with lock:
+        cpu0, rx0 = time.process_time(), sum(c[0] for c in received)
     time.sleep(max(0.0, window[1] - time.time()))
-    cpu1 = time.process_time()
+    with lock:
+        cpu1, rx1 = time.process_time(), sum(c[0] for c in received)
     for t in threads:
         t.join(timeout=120)
     out = {
         "records": records,
         "cpu_s": cpu1 - cpu0,
-        "received_bytes": received[0] - rx0,
+        "received_bytes": rx1 - rx0,
         "stuck": sum(t.is_alive() for t in threads),
     }
     Path(args.out).write_text(json.dumps(out))
