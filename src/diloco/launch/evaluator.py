@@ -9,17 +9,28 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
 from diloco.algorithm.fragments import balanced_fragments
-from diloco.learner.link import SyncerLink
+from diloco.learner.shards import open_link
 
 
 class Evaluator:
     """Keeps the latest global fragments from ``address`` and evaluates them with ``recipe``."""
 
-    def __init__(self, recipe, address: str, *, seed: int, fragments: int, link_options=None):
+    def __init__(
+        self,
+        recipe,
+        address: str | Sequence[str],
+        *,
+        seed: int,
+        fragments: int,
+        link_options=None,
+    ):
+        """``address``: the syncer, or every shard of a sharded syncer (list or "a,b"): the
+        evaluator reads the global model from all of them (one observer link per shard)."""
         self.recipe = recipe
         self.model = recipe.build_model(seed)
         self.named = dict(self.model.named_parameters())
@@ -27,7 +38,7 @@ class Evaluator:
         self._latest: dict[int, tuple[int, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.versions = [-1] * fragments
-        self.link = SyncerLink(
+        self.link = open_link(
             address,
             "evaluator",
             self.layout,
@@ -35,7 +46,7 @@ class Evaluator:
             have_versions=self._have_versions,
             observer=True,
             **(link_options or {}),
-        ).start()
+        )
 
     def _on_fragment(self, fragment: int, version: int, value: torch.Tensor, _contributors=()):
         with self._lock:

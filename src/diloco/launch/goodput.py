@@ -61,7 +61,11 @@ def uptime(commit_times: list[float], start: float, end: float) -> float:
 def reintegrations(records: list[dict]) -> list[dict]:
     """One entry per learner restart: when, and how long until it was in a committed round."""
     out = []
-    restarts = [r for r in records if r.get("event") == "restart" and r.get("target") != "syncer"]
+    restarts = [
+        r
+        for r in records
+        if r.get("event") == "restart" and not str(r.get("target", "")).startswith("syncer")
+    ]
     rounds = [r for r in records if r.get("event") == "round"]
     for rs in restarts:
         back = next(

@@ -8,6 +8,7 @@ global model, then the syncer stops. The run directory holds everything:
 
     runs/<name>/config.json        the command's settings
     runs/<name>/syncer/            durable syncer state and the event tape (events.jsonl)
+    runs/<name>/syncer-<i>/        with --shards S: shard i's durable state (one shared tape)
     runs/<name>/learners/<id>/     progress.jsonl, final.json, final.safetensors
     runs/<name>/logs/              one log per process
     runs/<name>/metrics.jsonl      held-out loss of the global model over time
@@ -25,7 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.launch.syncers import StatusClient, is_syncer, syncer_commands, syncer_names
 from diloco.syncer.cli import add_syncer_arguments
+
+__all__ = ["StatusClient", "register", "run"]
 
 DEFAULT_LEARNERS = 2
 DEFAULT_MINUTES = 3.0
@@ -118,31 +122,6 @@ def recipe_flags(args: argparse.Namespace) -> list[str]:
     return flags + ([f"--data={args.data}"] if args.data else [])
 
 
-class StatusClient:
-    """Polls the syncer's Status RPC (bounded); returns None when the syncer does not answer."""
-
-    def __init__(self, address: str, token: str | None = None) -> None:
-        from diloco.wire import auth
-        from diloco.wire import diloco_pb2_grpc as pb_grpc
-
-        self._channel = auth.open_channel(address, {})
-        self._metadata = auth.call_metadata(token)
-        self._stub = pb_grpc.SyncerStub(self._channel)
-
-    def fetch(self):
-        import grpc
-
-        from diloco.wire import diloco_pb2 as pb
-
-        try:
-            return self._stub.Status(pb.StatusRequest(), timeout=2.0, metadata=self._metadata)
-        except grpc.RpcError:
-            return None
-
-    def close(self) -> None:
-        self._channel.close()
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -166,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         chaos = schedule(clauses, args.learners, horizon, args.seed)
         corrupt = {w.index: w for w in corruptions(clauses, args.learners)}
         token = load_token(args.token_file)
+        check_shards(args, clauses)
         if args.mode == "dp":
             from diloco.dp.run import check_chaos
 
@@ -200,24 +180,19 @@ def run(args: argparse.Namespace) -> int:
     evaluator = None
     status_client = None
     try:
-        port_file = run_dir / "syncer.addr"
-        syncer = sup.add(
-            "syncer",
-            diloco_command(
-                "syncer",
-                "--bind=127.0.0.1:0",
-                f"--port-file={port_file}",
-                f"--state-dir={run_dir / 'syncer'}",
-                "--exit-with-parent",
-                *recipe_flags(args),
-                *syncer_flags(args),
-            ),
-            run_dir / "logs" / "syncer.log",
-        )
-        address = wait_for_file(port_file, args.start_timeout, alive=syncer.child)
-        # A restarted syncer comes back on the same address, so learners just reconnect.
-        syncer.argv = [f"--bind={address}" if a == "--bind=127.0.0.1:0" else a for a in syncer.argv]
-        status_client = StatusClient(address, token)
+        addresses = []
+        for name, argv in syncer_commands(
+            run_dir, args.shards, [*recipe_flags(args), *syncer_flags(args)]
+        ):
+            slot = sup.add(name, diloco_command("syncer", *argv), run_dir / "logs" / f"{name}.log")
+            port_file = run_dir / f"{name}.addr"
+            addresses.append(wait_for_file(port_file, args.start_timeout, alive=slot.child))
+            # A restarted syncer comes back on the same address, so learners just reconnect.
+            slot.argv = [
+                f"--bind={addresses[-1]}" if a == "--bind=127.0.0.1:0" else a for a in slot.argv
+            ]
+        address = ",".join(addresses)  # one address, or every shard's
+        status_client = StatusClient(addresses, token)
         if any(c.kind in NETWORK_KINDS for c in clauses):  # learners reach the syncer via relays
             sup.relays.update({p.id: Relay(address, name=f"relay-{p.id}") for p in plans})
         model0 = recipe.build_model(args.seed)
@@ -262,9 +237,11 @@ def run(args: argparse.Namespace) -> int:
             stopped_by = "interrupt"
         train_end = time.time()
         codes = sup.stop([p.id for p in plans], timeout=args.stop_timeout)
-        if not sup.running("syncer"):  # it may be down for a chaos restart: bring it back
-            sup.slots["syncer"].restart_at = 0.0
-            sup.poll()
+        names = syncer_names(args.shards)
+        for name in names:
+            if not sup.running(name):  # it may be down for a chaos restart: bring it back
+                sup.slots[name].restart_at = 0.0
+        sup.poll()
         status = wait_for_status(status_client, timeout=args.start_timeout)
         if status is not None:
             evaluator.wait_for_versions(list(status.versions), timeout=5.0)
@@ -272,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
         _append_metric(run_dir, started, status, val_final, versions)
         evaluator.close()
         evaluator = None
-        syncer_code = sup.stop(["syncer"], timeout=10.0)["syncer"]
+        syncer_codes = sup.stop(names, timeout=10.0)
+        syncer_code = next((c for c in syncer_codes.values() if c != 0), 0)
         facts = {
             "started": started,
             "train_end": train_end,
@@ -309,6 +287,23 @@ def run(args: argparse.Namespace) -> int:
         tape.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def check_shards(args: argparse.Namespace, clauses) -> None:
+    """Refuse (``ValueError``) a shard count that cannot work, and chaos that targets one
+    syncer address (``syncer-kill``, network faults through relays) with several shards."""
+    from diloco.algorithm.shards import shard_fragments
+    from diloco.chaos import NETWORK_KINDS
+
+    shard_fragments(args.fragments, 0, args.shards)  # raises ShardError (a ValueError)
+    unsupported = sorted(
+        {c.kind for c in clauses if c.kind == "syncer-kill" or c.kind in NETWORK_KINDS}
+    )
+    if args.shards > 1 and unsupported:
+        raise ValueError(
+            f"--chaos {','.join(unsupported)} is not supported with --shards > 1 yet "
+            "(kill/hang/corrupt are); run it with one syncer"
+        )
 
 
 def wait_for_status(client: StatusClient, timeout: float):
@@ -377,7 +372,10 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
             finished=finished,
         )
     )
-    summary["syncer_restarts"] = sup.slots["syncer"].restarts
+    summary["syncer_restarts"] = sum(
+        slot.restarts for name, slot in sup.slots.items() if is_syncer(name)
+    )
+    summary["shards"] = args.shards
     return summary
 
 
@@ -445,7 +443,8 @@ def supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir
                 raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
         now = time.time()
         elapsed = now - started
-        status = status_client.fetch() if sup.running("syncer") else None
+        up = all(sup.running(name) for name in syncer_names(args.shards))
+        status = status_client.fetch() if up else None
         last_status = status or last_status
         tokens = sum(ls.tokens for ls in last_status.learners) if last_status else 0
         if args.eval_every and now - last_eval >= args.eval_every:
@@ -571,6 +570,13 @@ def register(subparsers) -> None:
     p.add_argument("--no-view", action="store_true", help="no live view")
     p.add_argument("--start-timeout", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--stop-timeout", type=float, default=30.0, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        metavar="S",
+        help="start S syncer processes, each owning the fragments p mod S == i (default 1)",
+    )
     add_syncer_arguments(p)
     p.add_argument(
         "--token-file",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from diloco.chaos import NETWORK_KINDS, ChaosEvent
 from diloco.launch.procs import Child
+from diloco.launch.syncers import is_syncer
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Supervisor:
         return slot
 
     def learners(self) -> list[Slot]:
-        return [s for s in self.slots.values() if s.name != "syncer"]
+        return [s for s in self.slots.values() if not is_syncer(s.name)]
 
     def running(self, name: str) -> bool:
         slot = self.slots[name]
@@ -199,7 +200,7 @@ class Supervisor:
             code = child.poll()
             slot.exit_codes.append(code)
             child.close_log()
-            if code == 0 and slot.name != "syncer":
+            if code == 0 and not is_syncer(slot.name):
                 slot.finished = True
                 slot.child = None
                 return
@@ -207,7 +208,7 @@ class Supervisor:
                 self.tape(
                     {"event": "crash", "t": time.time(), "target": slot.name, "exit_code": code}
                 )
-            slot.restart_at = now + (0.0 if slot.name == "syncer" else self.restart_delay_s)
+            slot.restart_at = now + (0.0 if is_syncer(slot.name) else self.restart_delay_s)
         if slot.restart_at is not None and now >= slot.restart_at:
             slot.restart_at = None
             slot.expected_death = False

@@ -22,6 +22,8 @@ syncer with the same learner id and, with its checkpoint, resumes where it was.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,7 +50,7 @@ class IslandLearner:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        syncer: str,
+        syncer: str | Sequence[str],
         group: dist.ProcessGroup | None = None,
         config: LearnerConfig | None = None,
         state: dict | None = None,

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from diloco.algorithm.fragments import FragmentLayout, balanced_fragments, due_fragments
-from diloco.learner.link import SyncerLink, UploadJob
+from diloco.learner.link import UploadJob
+from diloco.learner.shards import open_link
 from diloco.wire.auth import client_link_options
 
 
@@ -83,6 +85,12 @@ class Learner:
     waits for the network: it applies fragments that have arrived, advances the counters and
     queues due fragments for a background thread. If the syncer refused this learner (model
     mismatch, authentication) the next ``step`` raises ``RuntimeError`` with the reason.
+
+    ``syncer`` is ``"host:port"``, or for a sharded syncer every shard's address (a list, or
+    one comma-separated string): the learner then opens one link per shard, sends each
+    fragment to the shard that owns it and checks that the shards cover every fragment
+    exactly once (``diloco.learner.shards``); a wrong set of shards is reported like a
+    refusal. Constructing the learner validates the address list (``ValueError``).
     """
 
     def __init__(
@@ -90,7 +98,7 @@ class Learner:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        syncer: str,
+        syncer: str | Sequence[str],
         config: LearnerConfig | None = None,
         layout: FragmentLayout | None = None,
         link_options: dict | None = None,
@@ -142,7 +150,7 @@ class Learner:
             token=cfg.token, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )
         options.update(link_options or {})
-        self.link = SyncerLink(
+        self.link = open_link(
             syncer,
             self.learner_id,
             self.layout,
@@ -150,7 +158,7 @@ class Learner:
             have_versions=self._have_versions,
             heartbeat_info=self._heartbeat_info,
             **options,
-        ).start()
+        )
 
     # ----------------------------------------------------------------- public
     def step(self, tokens: int) -> list[int]:

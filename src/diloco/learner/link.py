@@ -23,6 +23,7 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.corrupt import Corruptor
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -76,7 +77,13 @@ class SyncerLink:
         rpc_timeout_s: float = 30.0,
         max_backoff_s: float = 5.0,
         corruptor: Corruptor | None = None,
+        on_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
     ) -> None:
+        """``on_join(link, info)`` is called after every successful join with what the syncer
+        said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused join).
+        The default insists that this one syncer owns every fragment, so a learner given a
+        single shard of a sharded syncer fails with a clear error (``diloco.learner.shards``
+        passes its own check when it fans out to several shards)."""
         self.address = address
         self.learner_id = learner_id
         self.layout = layout
@@ -96,6 +103,10 @@ class SyncerLink:
         self.joined_versions: list[int] | None = None
         """Fragment versions the syncer reported at the last join (None before the first)."""
         self.up_codec = "int4"
+        self.shard_info: ShardInfo | None = None
+        """What the syncer said at the last join: the fragments it owns, its shard."""
+        self._on_join = on_join or _check_owns_all
+        self._owned: frozenset[int] = frozenset()
         self._session = ""
         self._heartbeat_s = 1.0
         self._stub: pb_grpc.SyncerStub | None = None
@@ -140,15 +151,8 @@ class SyncerLink:
         self._closing.set()
         with self._jobs_cond:
             self._jobs_cond.notify_all()
-        if leave and self._stub is not None and self.connected.is_set():
-            try:
-                self._stub.Leave(
-                    pb.LeaveRequest(learner_id=self.learner_id, session=self._session),
-                    timeout=2,
-                    metadata=self.metadata,
-                )
-            except grpc.RpcError:
-                pass
+        if leave and self.connected.is_set():
+            self._leave_quietly()
         channel = self._channel
         if channel is not None:
             channel.close()
@@ -180,6 +184,13 @@ class SyncerLink:
                     log.error("%s", self.error)
                     return
                 log.debug("link to %s lost: %s", self.address, code)
+            except ShardError as exc:  # wrong set of shards: retrying cannot fix it
+                self.error = RuntimeError(f"syncer shards: {exc}")
+                log.error("%s", self.error)
+                self.connected.clear()
+                self._leave_quietly()
+                self._close_channel()
+                return
             except Exception as exc:  # never let the link thread die silently
                 log.warning("link error: %r", exc)
             self.connected.clear()
@@ -187,6 +198,20 @@ class SyncerLink:
             if self._closing.wait(backoff):
                 return
             backoff = min(backoff * 2, self.max_backoff_s)
+
+    def _leave_quietly(self) -> None:
+        """Tell the syncer this session ends (bounded, errors ignored)."""
+        stub = self._stub
+        if stub is None:
+            return
+        try:
+            stub.Leave(
+                pb.LeaveRequest(learner_id=self.learner_id, session=self._session),
+                timeout=2,
+                metadata=self.metadata,
+            )
+        except (grpc.RpcError, ValueError):
+            pass
 
     def _close_channel(self) -> None:
         if self._channel is not None:
@@ -217,13 +242,21 @@ class SyncerLink:
             timeout=self.rpc_timeout_s,
             metadata=self.metadata,
         )
+        info = ShardInfo(
+            self.address,
+            tuple(reply.fragments) or tuple(range(self.layout.num_fragments)),  # pre-shard syncer
+            reply.shard,
+            reply.num_shards or 1,
+        )
+        self._stub, self._session = stub, reply.session  # so that a refusal can leave cleanly
+        self._on_join(self, info)  # may raise ShardError: fatal
+        self.shard_info, self._owned = info, frozenset(info.fragments)
         self.joined_versions = list(reply.versions)
         self._session, self._heartbeat_s, self.up_codec = (
             reply.session,
             max(0.05, reply.heartbeat_s),
             reply.up_codec,
         )
-        self._stub = stub
         self.stats.connects += 1
         stream = stub.Subscribe(
             pb.SubscribeRequest(
@@ -242,6 +275,10 @@ class SyncerLink:
             if self._closing.is_set():
                 stream.cancel()
                 return
+            if chunk.fragment not in self._owned:  # validate before indexing the layout
+                raise ConnectionError(
+                    f"{self.address} sent fragment {chunk.fragment}, which it does not own"
+                )
             if chunk.chunk_index == 0:
                 parts = []
                 contributors = frozenset(chunk.contributors)
@@ -361,3 +398,8 @@ class SyncerLink:
             if not reply.known and self._channel is not None:
                 # The syncer restarted or dropped us: reconnect (join again) from the link thread.
                 self._channel.close()
+
+
+def _check_owns_all(link: SyncerLink, info: ShardInfo) -> None:
+    """Default join check of a single syncer: it must own every fragment (not be one shard)."""
+    check_cover(link.layout.num_fragments, [info])

@@ -25,7 +25,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     from diloco.learner.learner import Learner, LearnerConfig
+    from diloco.learner.shards import parse_syncer_addresses
     from diloco.recipes import get_recipe
+
+    if args.syncer and not args.no_sync:
+        try:
+            parse_syncer_addresses(args.syncer)
+        except ValueError as exc:
+            print(f"diloco learner: --syncer: {exc}", file=sys.stderr)
+            return 2
 
     torch.set_num_threads(args.threads)
     rank, world = island_rank()
@@ -334,7 +342,11 @@ def write_final_state(workdir: Path, learner) -> None:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("learner", help="run one learner process")
-    p.add_argument("--syncer", help="syncer address host:port (required unless --no-sync)")
+    p.add_argument(
+        "--syncer",
+        help="syncer address HOST:PORT, or every shard's address comma-separated for a sharded "
+        "syncer (HOST0:PORT0,HOST1:PORT1,...); required unless --no-sync",
+    )
     p.add_argument(
         "--no-sync", action="store_true", help="train alone without a syncer (a baseline)"
     )

@@ -122,10 +122,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from diloco.algorithm.fragments import balanced_fragments
+    from diloco.algorithm.shards import ShardError, parse_shard
     from diloco.recipes import get_recipe
     from diloco.syncer.server import SyncerServer
     from diloco.syncer.store import StateError
 
+    try:
+        shard = parse_shard(args.shard)
+    except ShardError as exc:
+        print(f"diloco syncer: {exc}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     recipe = get_recipe(args.recipe, data_path=args.data)
     model = recipe.build_model(args.seed)
@@ -138,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             params,
             config_from_args(args),
             bind=args.bind,
+            shard=shard,
             state_dir=args.state_dir,
             tape_path=args.tape
             or (Path(args.state_dir) / "events.jsonl" if args.state_dir else None),
@@ -158,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(str(args.port_file) + ".tmp")
         tmp.write_text(server.address)
         os.replace(tmp, args.port_file)
+    owns = f"shard {shard[0]}/{shard[1]}: {len(server.state.served)} of " if shard[1] > 1 else ""
     print(
-        f"diloco syncer serving on {server.address} ({layout.num_fragments} fragments, versions from {args.state_dir or 'memory'})",
+        f"diloco syncer serving on {server.address} ({owns}{layout.num_fragments} fragments, "
+        f"versions from {args.state_dir or 'memory'})",
         flush=True,
     )
     while not stop.wait(0.5):
@@ -185,6 +194,13 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the initial model")
     p.add_argument(
         "--fragments", type=int, default=24, help="P: fragments (must match the learners)"
+    )
+    p.add_argument(
+        "--shard",
+        default="0/1",
+        metavar="I/S",
+        help="serve only shard I of S: the fragments p with p mod S == I (default 0/1: all); "
+        "start S syncers with 0/S .. S-1/S and give learners every address (docs/deploy.md)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument(

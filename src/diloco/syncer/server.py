@@ -20,6 +20,8 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.algorithm.shards import shard_fragments
+from diloco.syncer.broadcast import CHUNK_BYTES, RECENT_VERSIONS, Subscriber, chunk_payload
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import EventTape, FragmentStore, state_hash
@@ -27,56 +29,10 @@ from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
-CHUNK_BYTES = 1 << 20
-"""Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
 """gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
 MAX_REASON_CHARS = 500
 """Refusal messages are cut to this length (they may quote what a client sent)."""
-
-
-def chunk_payload(payload: bytes) -> list[memoryview]:
-    """Split ``payload`` into ``CHUNK_BYTES`` pieces (one empty piece for an empty payload)."""
-    view = memoryview(payload)
-    return [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [view[:0]]
-
-
-#: How many versions per fragment the syncer remembers the contributors of.
-RECENT_VERSIONS = 16
-
-
-class _Subscriber:
-    """Latest pending version of each fragment for one stream; older ones are superseded."""
-
-    def __init__(self, learner_id: str, session: str, observer: bool) -> None:
-        self.learner_id, self.session, self.observer = learner_id, session, observer
-        self.pending: dict[int, tuple[int, bytes, frozenset[str]]] = {}
-        self.cond = threading.Condition()
-        self.closed = False
-
-    def offer(
-        self, fragment: int, version: int, payload: bytes, contributors: frozenset[str]
-    ) -> None:
-        """Queue a version; one still pending is superseded, its contributors carried over."""
-        with self.cond:
-            skipped = self.pending.get(fragment)
-            if skipped is not None:
-                contributors = contributors | skipped[2]
-            self.pending[fragment] = (version, payload, contributors)
-            self.cond.notify()
-
-    def take(self, timeout: float) -> list[tuple[int, int, bytes, frozenset[str]]]:
-        with self.cond:
-            if not self.pending and not self.closed:
-                self.cond.wait(timeout)
-            items = sorted((p, v, b, c) for p, (v, b, c) in self.pending.items())
-            self.pending.clear()
-            return items
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
 
 
 class SyncerService(pb_grpc.SyncerServicer):
@@ -96,7 +52,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.tape = tape
         self.lock = threading.Lock()
         self.started_at = time.time()
-        self._subscribers: set[_Subscriber] = set()
+        self._subscribers: set[Subscriber] = set()
         self._payloads: dict[int, tuple[int, bytes, frozenset[str]]] = {}
         # Contributors of each fragment's last few versions: a learner catching up after a
         # reconnect must know whether any version it missed merged its own contribution.
@@ -172,6 +128,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             down_codec=cfg.down_codec,
             fragments=self.state.served,
             syncer_id=self.state.syncer_id,
+            shard=self.state.shard[0],
+            num_shards=self.state.shard[1],
         )
 
     def Subscribe(
@@ -189,7 +147,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 info = self.state.session_of(request.learner_id, request.session)
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Subscribe")
-        sub = _Subscriber(info.learner_id, info.session, info.observer)
+        sub = Subscriber(info.learner_id, info.session, info.observer)
         with self.lock:
             self._subscribers.add(sub)
             for p, (version, payload, _) in self._payloads.items():
@@ -285,6 +243,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                         "INVALID_ARGUMENT",
                         f"fragment {chunk.fragment} out of range [0, {self.state.layout.num_fragments})",
                     )
+                self.state.check_owned(chunk.fragment)
                 if chunk.codec != self.state.config.up_codec:
                     raise Refused(
                         "INVALID_ARGUMENT",
@@ -383,6 +342,9 @@ class SyncerService(pb_grpc.SyncerServicer):
                 learners=learners,
                 uptime_s=time.time() - self.started_at,
                 refused=s.refused,
+                fragments=s.served,
+                shard=s.shard[0],
+                num_shards=s.shard[1],
             )
 
     # ---------------------------------------------------------------- committer
@@ -460,6 +422,7 @@ class SyncerServer:
         state_dir: str | Path | None = None,
         tape_path: str | Path | None = None,
         fragments: Sequence[int] | None = None,
+        shard: tuple[int, int] = (0, 1),
         max_learners: int = 64,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
@@ -469,10 +432,18 @@ class SyncerServer:
         """``token``: require ``authorization: Bearer <token>`` on every call (mandatory when
         ``bind`` is not a loopback address: ``auth.AuthConfigError`` otherwise).
         ``credentials``: TLS (``diloco.wire.auth.server_credentials``). ``allowed_learners``:
-        if given, only these ids may join (learners and observers alike)."""
+        if given, only these ids may join (learners and observers alike). ``shard=(i, S)``:
+        own only the fragments of shard i of S (``diloco.algorithm.shards``); ``fragments``
+        overrides that list."""
         auth.check_bind(bind, token)
         self.config = config or SyncerConfig()
         self.layout = layout
+        # Checked before anything is written: a bad shard must not leave a state directory or tape.
+        owned = (
+            list(fragments)
+            if fragments is not None
+            else shard_fragments(layout.num_fragments, *shard)
+        )
         self.tape = EventTape(tape_path) if tape_path else None
         emit = self.tape.append if self.tape else (lambda record: None)
         self.store = FragmentStore(state_dir) if state_dir else None
@@ -480,13 +451,19 @@ class SyncerServer:
         versions = [0] * layout.num_fragments
         restored = {}
         if self.store is not None:
-            self.store.initialize(layout, {k: v for k, v in vars(self.config).items()})
-            for p in range(layout.num_fragments):
+            self.store.initialize(layout, dict(vars(self.config)), shard=shard)
+            for p in owned:
                 loaded = self.store.load(p, layout.fragments[p].numel)
                 if loaded is not None:
                     versions[p], params[p], restored[p] = loaded
         self.state = SyncerState(
-            layout, params, self.config, versions=versions, emit=emit, fragments=fragments
+            layout,
+            params,
+            self.config,
+            versions=versions,
+            emit=emit,
+            fragments=owned,
+            shard=shard,
         )
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
@@ -551,6 +528,8 @@ class SyncerServer:
                     "event": "start",
                     "t": time.time(),
                     "syncer_id": self.state.syncer_id,
+                    "shard": list(self.state.shard),
+                    "fragments": list(self.state.served),
                     "restored_fragments": len(restored),
                     "versions": list(self.state.versions),
                     "digests": [fragment_digest(t) for t in self.state.params],

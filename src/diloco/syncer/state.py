@@ -32,6 +32,7 @@ from diloco.algorithm.rounds import (
     admit_contribution,
     decide_round,
 )
+from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.config import SyncerConfig
 
 
@@ -108,7 +109,9 @@ class SyncerState:
         versions: Sequence[int] | None = None,
         emit: Callable[[dict], None] = lambda record: None,
         fragments: Sequence[int] | None = None,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
+        """``fragments`` (default: those of ``shard``) are the fragments this syncer owns."""
         if len(params) != layout.num_fragments:
             raise ValueError(
                 f"{len(params)} parameter vectors for {layout.num_fragments} fragments"
@@ -122,9 +125,17 @@ class SyncerState:
         self.config = config
         self.params = [t.detach().to(torch.float32).clone().reshape(-1) for t in params]
         self.versions = list(versions) if versions is not None else [0] * layout.num_fragments
-        self.served = (
-            sorted(fragments) if fragments is not None else list(range(layout.num_fragments))
-        )
+        self.shard = shard
+        """``(i, S)``: this syncer is shard i of S (``diloco.algorithm.shards``); (0, 1) unsharded."""
+        if fragments is None:
+            fragments = shard_fragments(layout.num_fragments, *shard)
+        self.served = sorted(set(fragments))
+        """Fragments this syncer owns: it takes uploads and broadcasts only for these."""
+        self._owned = frozenset(self.served)
+        if not self.served or len(self.served) != len(fragments):
+            raise ValueError(f"fragments must be a non-empty list without repeats: {fragments}")
+        if not 0 <= self.served[0] <= self.served[-1] < layout.num_fragments:
+            raise ValueError(f"fragments must be in [0, {layout.num_fragments}): {fragments}")
         self.outer = NesterovOuter(lr=config.outer_lr, momentum=config.outer_momentum)
         self.rounds: dict[int, FragmentRound] = {}
         self.norms = NormHistory(layout.num_fragments, config.norm_guard_window)
@@ -283,11 +294,7 @@ class SyncerState:
         info = self.session_of(learner_id, session)
         if info.observer:
             raise Refused("PERMISSION_DENIED", "observers cannot contribute")
-        if fragment not in self.served:
-            raise Refused(
-                "INVALID_ARGUMENT",
-                f"fragment {fragment} is not served here (serving {self.served[0]}..{self.served[-1]})",
-            )
+        self.check_owned(fragment)
         expected = self.layout.fragments[fragment].numel
         if delta.dim() != 1 or delta.numel() != expected:
             raise Refused(
@@ -363,6 +370,15 @@ class SyncerState:
             round_.quorum_at = now
             self._ema_quorum.update(now - round_.opened_at)
         return admission
+
+    def check_owned(self, fragment: int) -> None:
+        """Raise ``Refused`` unless this syncer (shard) owns ``fragment``."""
+        if fragment not in self._owned:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"fragment {fragment} is not served by this syncer (shard {self.shard[0]}/"
+                f"{self.shard[1]} owns {_span(self.served)}): send it to its owner shard",
+            )
 
     def note_refusal(
         self, learner_id: str, code: str, reason: str, now: float, *, rpc: str = ""
@@ -496,6 +512,12 @@ def fragment_digest(params: torch.Tensor) -> str:
     that no committed round was lost."""
     data = params.detach().to(torch.float32).contiguous().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _span(fragments: list[int]) -> str:
+    """Short text for a list of fragments (the first few, then how many more)."""
+    head = ", ".join(map(str, fragments[:6]))
+    return head + (f", ... ({len(fragments)} in all)" if len(fragments) > 6 else "")
 
 
 def _check_id(learner_id: str) -> None:

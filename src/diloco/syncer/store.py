@@ -88,8 +88,12 @@ class FragmentStore:
     def path(self, fragment: int) -> Path:
         return self.fragment_dir / f"p{fragment:03d}.safetensors"
 
-    def initialize(self, layout: FragmentLayout, config: dict) -> None:
-        """Create the directory, or check that an existing one holds the same model."""
+    def initialize(
+        self, layout: FragmentLayout, config: dict, *, shard: tuple[int, int] = (0, 1)
+    ) -> None:
+        """Create the directory, or check that an existing one holds the same model and, for a
+        sharded syncer, the same shard (``--shard i/S``; a directory written before shards
+        existed counts as 0/1)."""
         self.fragment_dir.mkdir(parents=True, exist_ok=True)
         meta_path = self.root / "meta.json"
         if meta_path.exists():
@@ -104,11 +108,23 @@ class FragmentStore:
                     f"{self.root} holds the state of another model or fragmentation "
                     f"(layout hash {meta.get('layout_hash')!r} != {layout.hash!r}); use another --state-dir"
                 )
+            had = tuple(meta.get("shard", (0, 1)))
+            if had != tuple(shard):
+                raise StateError(
+                    f"{self.root} holds the state of shard {had[0]}/{had[1]}, this syncer is "
+                    f"shard {shard[0]}/{shard[1]}; give each shard its own --state-dir"
+                )
             return
         tmp = meta_path.with_suffix(".tmp")
         tmp.write_text(
             json.dumps(
-                {"layout_hash": layout.hash, "layout": layout.to_dict(), "config": config}, indent=1
+                {
+                    "layout_hash": layout.hash,
+                    "layout": layout.to_dict(),
+                    "config": config,
+                    "shard": list(shard),
+                },
+                indent=1,
             )
         )
         os.replace(tmp, meta_path)

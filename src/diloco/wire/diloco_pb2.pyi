@@ -31,7 +31,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., num_fragments: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., observer: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("session", "versions", "lease_s", "heartbeat_s", "up_codec", "down_codec", "fragments", "syncer_id")
+    __slots__ = ("session", "versions", "lease_s", "heartbeat_s", "up_codec", "down_codec", "fragments", "syncer_id", "shard", "num_shards")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class JoinReply(_message.Message):
     DOWN_CODEC_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     SYNCER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     session: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
@@ -48,7 +50,9 @@ class JoinReply(_message.Message):
     down_codec: str
     fragments: _containers.RepeatedScalarFieldContainer[int]
     syncer_id: str
-    def __init__(self, session: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., up_codec: _Optional[str] = ..., down_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., syncer_id: _Optional[str] = ...) -> None: ...
+    shard: int
+    num_shards: int
+    def __init__(self, session: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., up_codec: _Optional[str] = ..., down_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., syncer_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("learner_id", "session", "have_versions")
@@ -183,7 +187,7 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., live: _Optional[bool] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., state: _Optional[str] = ..., contributions: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("syncer_id", "versions", "rounds", "bytes_up", "bytes_down", "learners", "uptime_s", "refused")
+    __slots__ = ("syncer_id", "versions", "rounds", "bytes_up", "bytes_down", "learners", "uptime_s", "refused", "fragments", "shard", "num_shards")
     SYNCER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +196,9 @@ class StatusReply(_message.Message):
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     syncer_id: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     rounds: int
@@ -200,4 +207,7 @@ class StatusReply(_message.Message):
     learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
     uptime_s: float
     refused: int
-    def __init__(self, syncer_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., rounds: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused: _Optional[int] = ...) -> None: ...
+    fragments: _containers.RepeatedScalarFieldContainer[int]
+    shard: int
+    num_shards: int
+    def __init__(self, syncer_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., rounds: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
