@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.launch.ray_backend import add_ray_arguments
 from diloco.syncer.cli import add_syncer_arguments
 
 DEFAULT_LEARNERS = 2
@@ -147,14 +148,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from diloco.chaos import NETWORK_KINDS, ChaosSpecError, corruptions, parse_spec, schedule
+    from diloco.launch import ray_backend
     from diloco.launch.evaluator import Evaluator
     from diloco.launch.procs import diloco_command, wait_for_file
     from diloco.launch.relay import Relay
     from diloco.launch.summary import format_summary
-    from diloco.launch.supervisor import Supervisor
     from diloco.recipes import DataError, get_recipe
     from diloco.syncer.store import EventTape
-    from diloco.wire.auth import client_link_options, load_token
+    from diloco.wire.auth import AuthConfigError, check_bind, client_link_options, load_token
 
     torch.set_num_threads(1)
     try:
@@ -170,11 +171,14 @@ def run(args: argparse.Namespace) -> int:
             from diloco.dp.run import check_chaos
 
             check_chaos(clauses)
+        ray_backend.check_args(args, {c.kind for c in clauses})
     except (DataError, ChaosSpecError, ValueError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 2
     name = args.name or time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.runs_dir) / name
+    if args.backend == "ray":  # the actors' processes may run elsewhere: no relative paths
+        run_dir = run_dir.resolve()
     if run_dir.exists():
         print(f"diloco run: {run_dir} already exists; pick another --name", file=sys.stderr)
         return 2
@@ -196,16 +200,21 @@ def run(args: argparse.Namespace) -> int:
 
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()
-    sup = Supervisor(tape=tape.append, clock=lambda: time.time() - started, chaos=chaos)
+    sup = None
     evaluator = None
     status_client = None
     try:
+        sup = make_supervisor(
+            args, tape=tape.append, clock=lambda: time.time() - started, chaos=chaos
+        )
+        bind0 = f"--bind={getattr(sup, 'syncer_host', '127.0.0.1')}:0"
+        check_bind(bind0[len("--bind=") :], token)
         port_file = run_dir / "syncer.addr"
         syncer = sup.add(
             "syncer",
             diloco_command(
                 "syncer",
-                "--bind=127.0.0.1:0",
+                bind0,
                 f"--port-file={port_file}",
                 f"--state-dir={run_dir / 'syncer'}",
                 "--exit-with-parent",
@@ -216,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         )
         address = wait_for_file(port_file, args.start_timeout, alive=syncer.child)
         # A restarted syncer comes back on the same address, so learners just reconnect.
-        syncer.argv = [f"--bind={address}" if a == "--bind=127.0.0.1:0" else a for a in syncer.argv]
+        syncer.argv = [f"--bind={address}" if a == bind0 else a for a in syncer.argv]
         status_client = StatusClient(address, token)
         if any(c.kind in NETWORK_KINDS for c in clauses):  # learners reach the syncer via relays
             sup.relays.update({p.id: Relay(address, name=f"relay-{p.id}") for p in plans})
@@ -246,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
                     f"--total-steps={args.steps}",
                     f"--schedule-seconds={budget_s}",
                     f"--run-started={started}",
+                    *deadline_flags(args, started + budget_s),
                     f"--checkpoint-every={args.checkpoint_every}",
                     f"--workdir={run_dir / 'learners' / plan.id}",
                     f"--join-timeout={args.start_timeout}",
@@ -285,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         }
         summary = summarize(args, run_dir, plans, sup, facts)
         summary["syncer_exit_code"] = syncer_code
+        summary["backend"] = args.backend
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if args.json:
             print(json.dumps(summary, indent=1))
@@ -292,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_summary(summary))
         clean = syncer_code == 0 and all(c in (0, None) for c in codes.values())
         return 0 if clean else 1
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, ConnectionError, AuthConfigError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -300,15 +311,42 @@ def run(args: argparse.Namespace) -> int:
             evaluator.close()
         if status_client is not None:
             status_client.close()
-        leftovers = [n for n, s in sup.slots.items() if s.child is not None and s.child.running]
-        if leftovers:
-            sup.stop(leftovers, timeout=5.0)
-        sup.kill_everything()
-        for relay in sup.relays.values():
-            relay.close()
+        if sup is not None:
+            shut_down(sup)
         tape.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def make_supervisor(args: argparse.Namespace, **kwargs):
+    """The launcher of ``args.backend``: local processes, or Ray actors (``ray_backend``)."""
+    if args.backend == "ray":
+        from diloco.launch.ray_backend import RaySupervisor
+
+        return RaySupervisor(args, **kwargs)
+    from diloco.launch.supervisor import Supervisor
+
+    return Supervisor(**kwargs)
+
+
+def deadline_flags(args: argparse.Namespace, end: float) -> list[str]:
+    """``--deadline`` for learners the supervisor may not be able to signal (Ray backend)."""
+    if args.backend == "ray" and args.minutes:
+        return [f"--deadline={end}"]
+    return []
+
+
+def shut_down(sup) -> None:
+    """Stop what is still running (bounded), kill the rest, release the launcher."""
+    try:
+        leftovers = [n for n, s in sup.slots.items() if s.child is not None and s.child.running]
+        if leftovers:
+            sup.stop(leftovers, timeout=5.0)
+    finally:
+        sup.kill_everything()
+        for relay in sup.relays.values():
+            relay.close()
+        sup.close()
 
 
 def wait_for_status(client: StatusClient, timeout: float):
@@ -572,6 +610,7 @@ def register(subparsers) -> None:
     p.add_argument("--start-timeout", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--stop-timeout", type=float, default=30.0, help=argparse.SUPPRESS)
     add_syncer_arguments(p)
+    add_ray_arguments(p)
     p.add_argument(
         "--token-file",
         help="shared token file passed to the syncer, learners and evaluator (loopback needs none)",
