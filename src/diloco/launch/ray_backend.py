@@ -279,13 +279,22 @@ class RaySupervisor(Supervisor):
             ray.init(address=args.address, log_to_driver=False)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_sigterm)
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.syncer_host = args.ray_syncer_host or (
-            LOOPBACK if self.owns_ray else ray.util.get_node_ip_address()
-        )
-        self.actor_class = ray.remote(ProcActor)
+        # Ray's driver prints its notices (e.g. "a worker died", which each restart here
+        # causes) to sys.stdout; divert them to stderr so that stdout stays the run's
+        # (the view, ``--json``). ``close`` restores it.
+        self._stdout = sys.stdout
+        sys.stdout = sys.stderr
         self.actors: dict[str, object] = {}  # every actor started, for the cleanup
-        self._warn_if_short()
+        try:
+            self.node_id = ray.get_runtime_context().get_node_id()
+            self.syncer_host = args.ray_syncer_host or (
+                LOOPBACK if self.owns_ray else ray.util.get_node_ip_address()
+            )
+            self.actor_class = ray.remote(ProcActor)
+            self._warn_if_short()
+        except BaseException:
+            self.close()
+            raise
 
     def _warn_if_short(self) -> None:
         have = self.ray.cluster_resources()
@@ -431,5 +440,8 @@ class RaySupervisor(Supervisor):
 
     def close(self) -> None:
         """Shut down the local Ray instance if this run started it."""
-        if self.owns_ray and self.ray.is_initialized():
-            self.ray.shutdown()
+        try:
+            if self.owns_ray and self.ray.is_initialized():
+                self.ray.shutdown()
+        finally:
+            sys.stdout = self._stdout

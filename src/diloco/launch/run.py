@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from diloco.wire.auth import AuthConfigError, check_bind, client_link_options, load_token
 
     torch.set_num_threads(1)
+    out = sys.stdout  # the view and the summary (a launcher may divert sys.stdout: Ray's notices)
     try:
         recipe = get_recipe(args.recipe, data_path=args.data)
         recipe.load_data()  # validate the data before starting anything
@@ -267,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
                 ),
                 run_dir / "logs" / f"{plan.id}.log",
             )
-        stopped_by = supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir)
+        stopped_by = supervise(
+            args, stop, started, sup, plans, evaluator, status_client, run_dir, out=out
+        )
         if interrupts:
             stopped_by = "interrupt"
         train_end = time.time()
@@ -298,9 +301,9 @@ def run(args: argparse.Namespace) -> int:
         summary["backend"] = args.backend
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if args.json:
-            print(json.dumps(summary, indent=1))
+            print(json.dumps(summary, indent=1), file=out)
         else:
-            print(format_summary(summary))
+            print(format_summary(summary), file=out)
         clean = syncer_code == 0 and all(c in (0, None) for c in codes.values())
         return 0 if clean else 1
     except (RuntimeError, TimeoutError, ConnectionError, AuthConfigError) as exc:
@@ -459,14 +462,14 @@ def _append_metric(run_dir: Path, started: float, status, loss: float, versions:
 MAX_UNPLANNED_RESTARTS = 5
 
 
-def supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir) -> str:
+def supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir, out=None) -> str:
     """The supervisor loop: failures and restarts, view, evaluation, stop conditions.
 
     Returns why it stopped. Raises RuntimeError if a process keeps crashing on its own.
     """
     from diloco.launch.view import LiveView
 
-    view = LiveView(enabled=not args.json and not args.no_view)
+    view = LiveView(enabled=not args.json and not args.no_view, stream=out)
     last_eval = 0.0
     last_loss = None
     last_status = None
