@@ -175,3 +175,26 @@ def test_a_learner_killed_with_sigkill_is_restarted_by_ray_and_reintegrated(ray_
     log = (run_dir / "logs" / "learner-1.log").read_text()
     assert "resumed from" in log and "Ray restarts it" in log
     assert summary["per_learner"]["learner-1"]["steps"] == STEPS
+
+
+def run_args(*argv: str):
+    from diloco.cli import build_parser
+
+    return build_parser().parse_args(["run", *argv])
+
+
+def test_what_the_ray_backend_cannot_do_is_refused_up_front(monkeypatch):
+    from diloco.launch.ray_backend import check_args
+
+    with pytest.raises(ValueError, match="not supported with --backend ray"):
+        check_args(run_args("--backend=ray"), {"kill", "partition"})
+    with pytest.raises(ValueError, match="only with --backend ray"):
+        check_args(run_args("--ray-learner-gpus=1"), set())
+    with pytest.raises(ValueError, match="--address auto"):
+        check_args(run_args("--backend=ray", "--address=ray://head:10001"), set())
+    args = run_args("--backend=ray", "--ray-learner-cpus=2")
+    check_args(args, {"kill", "hang", "syncer-kill", "corrupt"})
+    assert (args.ray_learner_cpus, args.ray_learner_gpus, args.ray_max_restarts) == (2, 0, -1)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ValueError, match=r"pip install 'diloco\[ray\]'"):
+        check_args(run_args("--backend=ray"), set())

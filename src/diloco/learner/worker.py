@@ -2,7 +2,7 @@
 
 This is an ordinary training loop plus the ``Learner`` lines; the supervisor starts one
 per learner. SIGTERM (a preemption notice) stops the loop at the next step boundary, flushes
-every fragment's progress to the syncer and exits 0.
+every fragment's progress to the syncer and exits 0; so does reaching ``--deadline``.
 """
 
 from __future__ import annotations
