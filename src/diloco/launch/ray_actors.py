@@ -81,8 +81,9 @@ class RayChild:
     (``running``, ``poll``, ``signal``, ``kill``, ``tail``) plus the incarnations seen.
 
     Status is polled without blocking: one ``status`` call is kept in flight and read when it
-    is ready. A call that fails because the actor died is repeated (Ray answers it once the
-    actor is back); ``DEAD_AFTER`` failures in a row mean Ray gave up (``max_restarts``).
+    is ready, then the next one is sent. While Ray restarts the actor, calls fail with
+    ``ActorUnavailableError`` and are repeated; ``DEAD_AFTER`` other failures in a row
+    (``ActorDiedError``: Ray has given up, ``max_restarts``) make the actor ``dead``.
     """
 
     DEAD_AFTER = 3
@@ -95,6 +96,8 @@ class RayChild:
         self.info: dict | None = None
         self.failures = 0
         self.launches: list[tuple[int, float]] = []  # (pid, started_at) of each incarnation seen
+        # Ray < 2.32 has no ActorUnavailableError; an empty tuple catches nothing.
+        self._restarting = getattr(ray.exceptions, "ActorUnavailableError", ())
         self._pending = actor.status.remote()
 
     def refresh(self, timeout: float = 0.0) -> None:
@@ -107,10 +110,11 @@ class RayChild:
             launch = (self.info["pid"], self.info["started_at"])
             if not self.launches or self.launches[-1] != launch:
                 self.launches.append(launch)
-        except self.ray.exceptions.RayError:
+        except self._restarting:
+            pass  # Ray is restarting the actor: it answers again once the actor is back
+        except self.ray.exceptions.RayError:  # ActorDiedError: Ray has given up on it
             self.failures += 1
-        if not self.dead:
-            self._pending = self.actor.status.remote()
+        self._pending = self.actor.status.remote()
 
     @property
     def dead(self) -> bool:

@@ -158,6 +158,7 @@ class RaySupervisor(Supervisor):
         self._stdout = sys.stdout
         sys.stdout = sys.stderr
         self.actors: dict[str, object] = {}  # every actor started, for the cleanup
+        self.given_up: set[str] = set()  # slots whose actor Ray no longer restarts
         try:
             self.node_id = ray.get_runtime_context().get_node_id()
             self.syncer_host = args.ray_syncer_host or (
@@ -264,14 +265,15 @@ class RaySupervisor(Supervisor):
                     {"event": "crash", "t": started_at, "target": slot.name, "exit_code": None}
                 )
             self.tape({"event": "restart", "t": started_at, "target": slot.name, "by": "ray"})
-        if child.dead:
+        if child.dead and slot.name not in self.given_up:  # kept polling: it may yet answer
+            self.given_up.add(slot.name)
             self.tape({"event": "crash", "t": time.time(), "target": slot.name, "exit_code": None})
             print(
                 f"diloco run: Ray stopped restarting {slot.name}:\n{child.tail()}", file=sys.stderr
             )
-            slot.child = None
-            slot.exit_codes.append(None)
-        elif child.poll() == 0 and slot.name != "syncer":
+        elif not child.dead:
+            self.given_up.discard(slot.name)
+        if child.poll() == 0 and slot.name != "syncer":
             slot.finished = True
             slot.exit_codes.append(0)
             slot.child = None
