@@ -188,6 +188,8 @@ def test_what_the_ray_backend_cannot_do_is_refused_up_front(monkeypatch):
 
     with pytest.raises(ValueError, match="not supported with --backend ray"):
         check_args(run_args("--backend=ray"), {"kill", "partition"})
+    with pytest.raises(ValueError, match="--mode dp"):
+        check_args(run_args("--backend=ray", "--mode=dp"), set())
     with pytest.raises(ValueError, match="only with --backend ray"):
         check_args(run_args("--ray-learner-gpus=1"), set())
     with pytest.raises(ValueError, match="--address auto"):
