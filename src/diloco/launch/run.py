@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.launch.ray_backend import add_ray_arguments
 from diloco.launch.syncers import StatusClient, is_syncer, syncer_commands, syncer_names
 from diloco.syncer.cli import add_syncer_arguments
 
@@ -126,16 +127,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from diloco.chaos import NETWORK_KINDS, ChaosSpecError, corruptions, parse_spec, schedule
+    from diloco.launch import ray_backend
     from diloco.launch.evaluator import Evaluator
     from diloco.launch.procs import diloco_command, wait_for_file
     from diloco.launch.relay import Relay
     from diloco.launch.summary import format_summary
-    from diloco.launch.supervisor import Supervisor
     from diloco.recipes import DataError, get_recipe
     from diloco.syncer.store import EventTape
-    from diloco.wire.auth import client_link_options, load_token
+    from diloco.wire.auth import AuthConfigError, check_bind, client_link_options, load_token
 
     torch.set_num_threads(1)
+    out = sys.stdout  # the view and the summary (a launcher may divert sys.stdout: Ray's notices)
     try:
         recipe = get_recipe(args.recipe, data_path=args.data)
         recipe.load_data()  # validate the data before starting anything
@@ -150,11 +152,14 @@ def run(args: argparse.Namespace) -> int:
             from diloco.dp.run import check_chaos
 
             check_chaos(clauses)
+        ray_backend.check_args(args, {c.kind for c in clauses})
     except (DataError, ChaosSpecError, ValueError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 2
     name = args.name or time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.runs_dir) / name
+    if args.backend == "ray":  # the actors' processes may run elsewhere: no relative paths
+        run_dir = run_dir.resolve()
     if run_dir.exists():
         print(f"diloco run: {run_dir} already exists; pick another --name", file=sys.stderr)
         return 2
@@ -176,21 +181,24 @@ def run(args: argparse.Namespace) -> int:
 
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()
-    sup = Supervisor(tape=tape.append, clock=lambda: time.time() - started, chaos=chaos)
+    sup = None
     evaluator = None
     status_client = None
     try:
+        sup = make_supervisor(
+            args, tape=tape.append, clock=lambda: time.time() - started, chaos=chaos
+        )
+        host = getattr(sup, "syncer_host", "127.0.0.1")
+        check_bind(f"{host}:0", token)
         addresses = []
-        for name, argv in syncer_commands(
-            run_dir, args.shards, [*recipe_flags(args), *syncer_flags(args)]
-        ):
+        flags = [*recipe_flags(args), *syncer_flags(args)]
+        for name, argv in syncer_commands(run_dir, args.shards, flags, host=host):
             slot = sup.add(name, diloco_command("syncer", *argv), run_dir / "logs" / f"{name}.log")
             port_file = run_dir / f"{name}.addr"
             addresses.append(wait_for_file(port_file, args.start_timeout, alive=slot.child))
             # A restarted syncer comes back on the same address, so learners just reconnect.
-            slot.argv = [
-                f"--bind={addresses[-1]}" if a == "--bind=127.0.0.1:0" else a for a in slot.argv
-            ]
+            bind0 = f"--bind={host}:0"
+            slot.argv = [f"--bind={addresses[-1]}" if a == bind0 else a for a in slot.argv]
         address = ",".join(addresses)  # one address, or every shard's
         status_client = StatusClient(addresses, token)
         if any(c.kind in NETWORK_KINDS for c in clauses):  # learners reach the syncer via relays
@@ -221,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
                     f"--total-steps={args.steps}",
                     f"--schedule-seconds={budget_s}",
                     f"--run-started={started}",
+                    *deadline_flags(args, started + budget_s),
                     f"--checkpoint-every={args.checkpoint_every}",
                     f"--workdir={run_dir / 'learners' / plan.id}",
                     f"--join-timeout={args.start_timeout}",
@@ -232,7 +241,9 @@ def run(args: argparse.Namespace) -> int:
                 ),
                 run_dir / "logs" / f"{plan.id}.log",
             )
-        stopped_by = supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir)
+        stopped_by = supervise(
+            args, stop, started, sup, plans, evaluator, status_client, run_dir, out=out
+        )
         if interrupts:
             stopped_by = "interrupt"
         train_end = time.time()
@@ -263,14 +274,15 @@ def run(args: argparse.Namespace) -> int:
         }
         summary = summarize(args, run_dir, plans, sup, facts)
         summary["syncer_exit_code"] = syncer_code
+        summary["backend"] = args.backend
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if args.json:
-            print(json.dumps(summary, indent=1))
+            print(json.dumps(summary, indent=1), file=out)
         else:
-            print(format_summary(summary))
+            print(format_summary(summary), file=out)
         clean = syncer_code == 0 and all(c in (0, None) for c in codes.values())
         return 0 if clean else 1
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, ConnectionError, AuthConfigError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -278,12 +290,8 @@ def run(args: argparse.Namespace) -> int:
             evaluator.close()
         if status_client is not None:
             status_client.close()
-        leftovers = [n for n, s in sup.slots.items() if s.child is not None and s.child.running]
-        if leftovers:
-            sup.stop(leftovers, timeout=5.0)
-        sup.kill_everything()
-        for relay in sup.relays.values():
-            relay.close()
+        if sup is not None:
+            shut_down(sup)
         tape.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
@@ -304,6 +312,37 @@ def check_shards(args: argparse.Namespace, clauses) -> None:
             f"--chaos {','.join(unsupported)} is not supported with --shards > 1 yet "
             "(kill/hang/corrupt are); run it with one syncer"
         )
+
+
+def make_supervisor(args: argparse.Namespace, **kwargs):
+    """The launcher of ``args.backend``: local processes, or Ray actors (``ray_backend``)."""
+    if args.backend == "ray":
+        from diloco.launch.ray_backend import RaySupervisor
+
+        return RaySupervisor(args, **kwargs)
+    from diloco.launch.supervisor import Supervisor
+
+    return Supervisor(**kwargs)
+
+
+def deadline_flags(args: argparse.Namespace, end: float) -> list[str]:
+    """``--deadline`` for learners the supervisor may not be able to signal (Ray backend)."""
+    if args.backend == "ray" and args.minutes:
+        return [f"--deadline={end}"]
+    return []
+
+
+def shut_down(sup) -> None:
+    """Stop what is still running (bounded), kill the rest, release the launcher."""
+    try:
+        leftovers = [n for n, s in sup.slots.items() if s.child is not None and s.child.running]
+        if leftovers:
+            sup.stop(leftovers, timeout=5.0)
+    finally:
+        sup.kill_everything()
+        for relay in sup.relays.values():
+            relay.close()
+        sup.close()
 
 
 def wait_for_status(client: StatusClient, timeout: float):
@@ -419,14 +458,14 @@ def _append_metric(run_dir: Path, started: float, status, loss: float, versions:
 MAX_UNPLANNED_RESTARTS = 5
 
 
-def supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir) -> str:
+def supervise(args, stop, started, sup, plans, evaluator, status_client, run_dir, out=None) -> str:
     """The supervisor loop: failures and restarts, view, evaluation, stop conditions.
 
     Returns why it stopped. Raises RuntimeError if a process keeps crashing on its own.
     """
     from diloco.launch.view import LiveView
 
-    view = LiveView(enabled=not args.json and not args.no_view)
+    view = LiveView(enabled=not args.json and not args.no_view, stream=out)
     last_eval = 0.0
     last_loss = None
     last_status = None
@@ -578,6 +617,7 @@ def register(subparsers) -> None:
         help="start S syncer processes, each owning the fragments p mod S == i (default 1)",
     )
     add_syncer_arguments(p)
+    add_ray_arguments(p)
     p.add_argument(
         "--token-file",
         help="shared token file passed to the syncer, learners and evaluator (loopback needs none)",

@@ -253,3 +253,6 @@ class Supervisor:
             if slot.child is not None and slot.child.running:
                 slot.child.signal(signal.SIGCONT)
                 slot.child.kill()
+
+    def close(self) -> None:
+        """Release what the supervisor holds besides its children (nothing for local ones)."""

@@ -26,8 +26,11 @@ def is_syncer(name: str) -> bool:
     return name == "syncer" or name.startswith("syncer-")
 
 
-def syncer_commands(run_dir: Path, shards: int, flags: Sequence[str]) -> list[tuple[str, list]]:
-    """``(slot name, diloco syncer arguments)`` for each syncer process of a run."""
+def syncer_commands(
+    run_dir: Path, shards: int, flags: Sequence[str], host: str = "127.0.0.1"
+) -> list[tuple[str, list]]:
+    """``(slot name, diloco syncer arguments)`` for each syncer process of a run, each bound
+    to a free port on ``host``."""
     tape = run_dir / "syncer" / "events.jsonl"
     out = []
     for i, name in enumerate(syncer_names(shards)):
@@ -36,7 +39,7 @@ def syncer_commands(run_dir: Path, shards: int, flags: Sequence[str]) -> list[tu
             (
                 name,
                 [
-                    "--bind=127.0.0.1:0",
+                    f"--bind={host}:0",
                     f"--port-file={run_dir / (name + '.addr')}",
                     f"--state-dir={run_dir / name}",
                     "--exit-with-parent",

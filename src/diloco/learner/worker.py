@@ -2,7 +2,7 @@
 
 This is an ordinary training loop plus the ``Learner`` lines; the supervisor starts one
 per learner. SIGTERM (a preemption notice) stops the loop at the next step boundary, flushes
-every fragment's progress to the syncer and exits 0.
+every fragment's progress to the syncer and exits 0; so does reaching ``--deadline``.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         length = schedule_length(args, step, now - run_started)
         save = bool(checkpoint and args.checkpoint_every)
         save = save and now - last_checkpoint >= args.checkpoint_every
-        should_stop = stop.is_set()
+        should_stop = stop.is_set() or bool(args.deadline and now >= args.deadline)
         if world > 1:  # the ranks of an island agree on stopping, the lr and checkpoints
             should_stop, length, save = island_agree(should_stop, length, save)
         if save:
@@ -380,6 +380,13 @@ def register(subparsers) -> None:
         type=float,
         default=0.0,
         help="epoch seconds the run started (schedule-seconds counts from it; default: now)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        help="epoch seconds: stop (cleanly, as on SIGTERM) at the first step boundary after it "
+        "(0: none); for launchers whose signals may not reach the learner",
     )
     p.add_argument(
         "--checkpoint-every",

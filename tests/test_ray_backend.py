@@ -1,0 +1,202 @@
+"""``diloco run --backend ray`` on a local Ray instance: real actors, real processes, real kill -9.
+
+One run serves the two end-to-end tests (starting Ray and the processes dominates the time on
+a small machine): 2 learners train the tiny recipe for a fixed number of steps; once learner-1
+has trained and checkpointed, its process is killed with SIGKILL. Ray restarts its actor, which
+starts the learner again with the same id and work directory; the run ends when both learners
+have done their steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco.syncer.store import read_tape
+
+pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+STEPS = 500
+
+
+def diloco(*args: str) -> list[str]:
+    return [sys.executable, "-m", "diloco.cli", *args]
+
+
+def pids_mentioning(*texts: str) -> list[int]:
+    """Processes whose command line contains every one of ``texts``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(t in cmd for t in texts):
+            out.append(int(entry.name))
+    return out
+
+
+def wait_until(predicate, timeout: float, proc: subprocess.Popen, what: str):
+    """Poll ``predicate`` until it returns something truthy; fail if the run ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        assert proc.poll() is None, f"the run ended while waiting for {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def last_step(progress: Path) -> int:
+    try:
+        lines = progress.read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [json.loads(x).get("step", 0) for x in lines if x.endswith("}")]
+    return max(steps, default=0)
+
+
+@pytest.fixture(scope="module")
+def ray_run(tmp_path_factory):
+    """Run the backend once, kill -9 learner-1 mid-run; yields what the tests inspect."""
+    runs = tmp_path_factory.mktemp("ray-runs")
+    run_dir = runs / "r"
+    proc = subprocess.Popen(
+        diloco(
+            "run",
+            "--backend=ray",
+            "--ray-learner-cpus=1",
+            "--ray-learner-gpus=0",
+            "--recipe=tiny",
+            "--learners=2",
+            f"--steps={STEPS}",
+            "--minutes=3",  # a cap for a loaded machine; ~25 s of training normally
+            "--checkpoint-every=1",
+            "--eval-every=0",
+            f"--runs-dir={runs}",
+            "--name=r",
+            "--json",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        work = run_dir / "learners" / "learner-1"
+        wait_until(
+            lambda: last_step(work / "progress.jsonl") >= 60 and (work / "checkpoint.pt").exists(),
+            90,
+            proc,
+            "learner-1 to train and checkpoint",
+        )
+        [victim] = pids_mentioning("learner", "--id=learner-1", str(run_dir))
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        out, err = proc.communicate(timeout=240)
+        yield {
+            "code": proc.returncode,
+            "out": out,
+            "err": err,
+            "run_dir": run_dir,
+            "victim": victim,
+            "killed_at": killed_at,
+        }
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for pid in pids_mentioning(str(run_dir)):  # nothing of the run may outlive it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.timeout(360)
+def test_a_run_on_ray_trains_and_reports_the_backend(ray_run):
+    assert ray_run["code"] == 0, ray_run["err"][-3000:]
+    summary = json.loads(ray_run["out"])
+    run_dir = ray_run["run_dir"]
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert summary["backend"] == "ray"
+    assert summary["stopped_by"] == "learners finished"
+    assert summary["tokens"] > 0
+    assert {ln["steps"] for ln in summary["per_learner"].values()} == {STEPS}
+    assert all(ln["exit_code"] == 0 for ln in summary["per_learner"].values())
+    loss = summary["val_loss"]
+    assert loss["final"] < 0.8 * loss["initial"], loss
+    # The local backend's run directory layout.
+    for name in ("config.json", "metrics.jsonl", "syncer/events.jsonl", "logs/syncer.log"):
+        assert (run_dir / name).exists(), name
+    for i in range(2):
+        assert (run_dir / "learners" / f"learner-{i}" / "final.json").exists()
+        assert (run_dir / "logs" / f"learner-{i}.log").exists()
+    assert pids_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.timeout(360)
+def test_a_learner_killed_with_sigkill_is_restarted_by_ray_and_reintegrated(ray_run):
+    assert ray_run["code"] == 0, ray_run["err"][-3000:]
+    summary = json.loads(ray_run["out"])
+    run_dir = ray_run["run_dir"]
+    assert summary["per_learner"]["learner-1"]["restarts"] == 1
+    assert summary["per_learner"]["learner-0"]["restarts"] == 0
+    records = read_tape(run_dir / "syncer" / "events.jsonl")
+    [restart] = [r for r in records if r.get("event") == "restart"]
+    assert restart["target"] == "learner-1" and restart["by"] == "ray"
+    assert restart["t"] >= ray_run["killed_at"] - 1.0
+    # It came back under the same id and took part in a committed round after the restart.
+    back = [
+        r
+        for r in records
+        if r.get("event") == "round" and r["t"] > restart["t"] and "learner-1" in r["participants"]
+    ]
+    assert back, "learner-1 never contributed again"
+    [reint] = [r for r in summary["reintegrations"] if r["learner"] == "learner-1"]
+    assert reint["reintegration_s"] is not None and reint["reintegration_s"] >= 0
+    # It resumed from its own checkpoint, in a new process.
+    log = (run_dir / "logs" / "learner-1.log").read_text()
+    assert "resumed from" in log and "Ray restarts it" in log
+    assert summary["per_learner"]["learner-1"]["steps"] == STEPS
+
+
+def run_args(*argv: str):
+    from diloco.cli import build_parser
+
+    return build_parser().parse_args(["run", *argv])
+
+
+def test_what_the_ray_backend_cannot_do_is_refused_up_front(monkeypatch):
+    from diloco.launch.ray_backend import check_args
+
+    with pytest.raises(ValueError, match="not supported with --backend ray"):
+        check_args(run_args("--backend=ray"), {"kill", "partition"})
+    with pytest.raises(ValueError, match="--mode dp"):
+        check_args(run_args("--backend=ray", "--mode=dp"), set())
+    with pytest.raises(ValueError, match="only with --backend ray"):
+        check_args(run_args("--ray-learner-gpus=1"), set())
+    with pytest.raises(ValueError, match="--address auto"):
+        check_args(run_args("--backend=ray", "--address=ray://head:10001"), set())
+    args = run_args("--backend=ray", "--ray-learner-cpus=2")
+    check_args(args, {"kill", "hang", "syncer-kill", "corrupt"})
+    assert (args.ray_learner_cpus, args.ray_learner_gpus, args.ray_max_restarts) == (2, 0, -1)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ValueError, match=r"pip install 'diloco\[ray\]'"):
+        check_args(run_args("--backend=ray"), set())
