@@ -3,7 +3,7 @@
 ``python -m diloco.peers.torchft_replica lighthouse --port-file F --min-replicas M``
     runs torchft's in-wheel ``LighthouseServer`` on a free port and writes its address to F.
 
-``python -m diloco.peers.torchft_replica replica --index I --lighthouse ADDR --workdir D ...``
+``python -m diloco.peers.torchft_replica replica --index I --lighthouse-file F --workdir D ...``
     runs one replica group (one process, world size 1, gloo on CPU). It hosts its own
     ``TCPStore`` on a free port, builds torchft's ``Manager`` (synchronous quorum, as DiLoCo
     requires) and trains the recipe exactly like our learner (:mod:`diloco.learner.worker`:
@@ -112,6 +112,7 @@ def replica_main(args: argparse.Namespace) -> int:
     from torchft.local_sgd import DiLoCo
 
     recipe = get_recipe(args.recipe, data_path=args.data)
+    lighthouse = _lighthouse_address(args, stop)
     model = recipe.build_model(args.seed)  # same init in every replica, as in our learners
     inner = recipe.build_optimizer(model)
     stream = recipe.stream(learner_id=args.index, seed=args.seed, batch_size=args.batch_size)
@@ -148,7 +149,7 @@ def replica_main(args: argparse.Namespace) -> int:
         world_size=1,
         store_addr="127.0.0.1",
         store_port=store.port,
-        lighthouse_addr=args.lighthouse,
+        lighthouse_addr=lighthouse,
         replica_id=f"replica_{args.index}",
         init_sync=False,  # every replica builds the same initial model from the seed
     )
@@ -271,6 +272,19 @@ class _ScheduleArgs:
         self.schedule_seconds = args.schedule_seconds
 
 
+def _lighthouse_address(args: argparse.Namespace, stop: threading.Event) -> str:
+    """``--lighthouse``, or the address the lighthouse writes to ``--lighthouse-file`` (waited
+    for, so that replicas start in parallel with the lighthouse, bounded by the deadline)."""
+    if args.lighthouse:
+        return args.lighthouse
+    path = Path(args.lighthouse_file)
+    while not stop.is_set():
+        if path.exists():
+            return path.read_text().strip()
+        time.sleep(0.05)
+    raise SystemExit("torchft replica: stopped before the lighthouse was up")
+
+
 def _should_stop(outer_step: int, args: argparse.Namespace, stop_file: Path) -> bool:
     if args.rounds and outer_step >= args.rounds:
         return True
@@ -326,7 +340,9 @@ def parser() -> argparse.ArgumentParser:
     lh.set_defaults(func=lighthouse_main)
     r = sub.add_parser("replica")
     r.add_argument("--index", type=int, required=True)
-    r.add_argument("--lighthouse", required=True)
+    where = r.add_mutually_exclusive_group(required=True)
+    where.add_argument("--lighthouse", help="lighthouse address")
+    where.add_argument("--lighthouse-file", help="file the lighthouse writes its address to")
     r.add_argument("--workdir", required=True)
     r.add_argument("--recipe", default="tiny")
     r.add_argument("--data")
