@@ -37,7 +37,6 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -134,6 +133,8 @@ def run_torchft(
 
     temporary = run_dir is None
     root = Path(tempfile.mkdtemp(prefix="torchft-peer-")) if temporary else Path(run_dir)
+    if root.exists() and any(root.iterdir()):
+        raise ValueError(f"run_dir {root} is not empty; pick a new one")
     root.mkdir(parents=True, exist_ok=True)
     started = time.time()
     budget_s = minutes * 60 if minutes else max_minutes * 60
@@ -168,6 +169,7 @@ def run_torchft(
                     schedule_steps=rounds * (sync_every // fragments),
                     started=started,
                     min_replica_size=min_replicas or learners,
+                    replicas=learners,
                     hard_deadline=hard_deadline,
                     threads=threads,
                 )
@@ -176,7 +178,8 @@ def run_torchft(
         stopped_by = _supervise(
             root, lighthouse, replicas, started, budget_s, minutes, tokens, start_timeout
         )
-        codes = _wait_replicas(replicas, stop_timeout)
+        # Replicas stop at their next sync: allow for one more sync period on top.
+        codes = _wait_replicas(replicas, stop_timeout + 2 * _longest_gap(root, learners))
         train_end = time.time()
         records = {
             i: _read_progress(root / f"replica-{i}" / "progress.jsonl") for i in range(learners)
@@ -274,6 +277,7 @@ def _start_replica(root: Path, index: int, **o):
 
     flags = [
         f"--index={index}",
+        f"--replicas={o['replicas']}",
         f"--lighthouse-file={root / 'lighthouse.addr'}",
         f"--workdir={root / f'replica-{index}'}",
         f"--recipe={o['recipe']}",
@@ -332,28 +336,17 @@ def _supervise(root, lighthouse, replicas, started, budget_s, minutes, tokens, s
         elif elapsed >= budget_s:
             reason = "max_minutes"
         if reason:
-            target = _stop_step(root, replicas)
-            tmp = root / (STOP_FILE + ".tmp")
-            tmp.write_text(str(target))
-            tmp.replace(root / STOP_FILE)
+            (root / STOP_FILE).write_text(reason)
             return reason
 
 
-def _stop_step(root: Path, replicas) -> int:
-    """A committed step every replica is still short of: the furthest reported step, plus 2
-    (one sync may be in flight and unreported), plus the syncs of half a second."""
-    step, rate = 0, 0.0
-    for r in replicas:
-        recs = [
-            rec for rec in _read_progress(root / r.name / "progress.jsonl") if "event" not in rec
-        ]
-        if not recs:
-            continue
-        step = max(step, recs[-1]["outer_step"])
-        if len(recs) >= 2 and recs[-1]["t"] > recs[0]["t"]:
-            span = recs[-1]["t"] - recs[0]["t"]
-            rate = max(rate, (recs[-1]["outer_step"] - recs[0]["outer_step"]) / span)
-    return step + 2 + math.ceil(0.5 * rate)
+def _longest_gap(root: Path, learners: int) -> float:
+    """The longest time between two progress lines (syncs) of any replica so far."""
+    gaps = [0.0]
+    for i in range(learners):
+        times = [r["t"] for r in _read_progress(root / f"replica-{i}" / "progress.jsonl")]
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
+    return max(gaps)
 
 
 def _wait_replicas(replicas, timeout: float) -> dict[int, int | None]:

@@ -18,12 +18,14 @@ Contract of a replica (what :mod:`diloco.peers.torchft_peer` relies on):
 * after every fragment sync it appends one JSON line to ``D/progress.jsonl`` (``t``, inner
   ``step``, ``tokens``, ``outer_step`` = torchft's committed step, ``committed``,
   ``useful_tokens``, ``compute_s``, ``sync_s``, ``bytes_sent``, ``bytes_received``, ``loss``);
-* it stops only at a fragment-sync boundary once the committed step reaches ``--rounds`` or the
-  step written in ``D/../stop_step`` (so every replica stops after the same commit), or at
-  the next inner step on SIGTERM / parent death;
-* at exit it writes the global model (the last committed value of every fragment, i.e.
-  torchft's backup copy) to ``D/final.safetensors`` and an ``{"event": "exit"}`` line;
-* it never outlives ``--hard-deadline`` (epoch seconds) nor its parent by more than ~15 s.
+* it stops at a sync boundary once the committed step reaches ``--rounds`` or the parent has
+  created ``D/../stop``; a replica that sees that a peer stopped (``D/../replica-J/stopped``)
+  stops at once, so every replica ends after the same commit (see :class:`_ReplicaRun`);
+* at exit it writes ``D/stopped``, the global model (the last committed value of every
+  fragment, i.e. torchft's backup copy) to ``D/final.safetensors`` and an
+  ``{"event": "exit"}`` progress line;
+* it never outlives ``--hard-deadline`` (epoch seconds), a SIGTERM or its parent by more than
+  ~15 s.
 
 ``--slow F`` stretches the compute of each inner step (forward, backward, AdamW) to F times its
 cost *before* the sync, so only compute is slowed, never the time spent waiting for peers.
@@ -40,7 +42,9 @@ import threading
 import time
 from pathlib import Path
 
-STOP_FILE = "stop_step"
+from diloco.peers.netbytes import SocketBytes
+
+STOP_FILE = "stop"
 
 
 def lighthouse_main(args: argparse.Namespace) -> int:
@@ -97,7 +101,6 @@ def replica_main(args: argparse.Namespace) -> int:
     from torch.distributed import TCPStore
 
     from diloco.learner.worker import schedule_length
-    from diloco.peers.netbytes import SocketBytes
     from diloco.recipes import get_recipe
 
     torch.set_num_threads(args.threads)
@@ -154,6 +157,7 @@ def replica_main(args: argparse.Namespace) -> int:
         init_sync=False,  # every replica builds the same initial model from the seed
     )
 
+    run = _ReplicaRun(args, workdir, model, fragments)
     timing = {"t0": 0.0, "compute_end": 0.0}
 
     def after_inner_step(*_args) -> None:
@@ -165,18 +169,8 @@ def replica_main(args: argparse.Namespace) -> int:
 
     hook = inner.register_step_post_hook(after_inner_step)
     steps_per_sync = args.sync_every // args.fragments
-    netbytes = SocketBytes()
-    progress = (workdir / "progress.jsonl").open("a")
-    stop_file = workdir.parent / STOP_FILE
-    steps = tokens = 0
-    useful = 0.0
-    marks = [0] * args.fragments  # tokens at the last sync of each fragment
-    compute_s = sync_s = 0.0
+    run_started = args.run_started or run.started
     since_sync = 0
-    failures = 0
-    loss_value = float("nan")
-    started = time.time()
-    run_started = args.run_started or started
     try:
         with DiLoCo(
             manager,
@@ -186,81 +180,177 @@ def replica_main(args: argparse.Namespace) -> int:
             sync_every=args.sync_every,
             fragment_sync_delay=args.sync_delay,
         ) as diloco:
+            run.diloco = diloco
+            _finisher(run, manager, stop)
+            reason = "signal"
             while not stop.is_set():
-                if since_sync == 0 and _should_stop(manager.current_step(), args, stop_file):
+                if run.peer_stopped():
+                    reason = "peer stopped"  # no full quorum can form again: stop right here
                     break
-                length = schedule_length(_ScheduleArgs(args), steps, time.time() - run_started)
+                if since_sync == 0 and run.should_stop(manager.current_step()):
+                    reason = "budget"
+                    break
+                length = schedule_length(_ScheduleArgs(args), run.steps, time.time() - run_started)
                 for group in inner.param_groups:
-                    group["lr"] = recipe.lr_at(steps, length)
+                    group["lr"] = recipe.lr_at(run.steps, length)
                 outer_before = manager.current_step()
                 timing["t0"] = time.perf_counter()
                 x, y = stream.next_batch()
                 _, loss = model(x, y)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                run.in_step = time.monotonic()
                 inner.step()  # DiLoCo's hook syncs inside this call every steps_per_sync
+                run.in_step = None
                 done = time.perf_counter()
                 inner.zero_grad(set_to_none=True)
-                compute_s += timing["compute_end"] - timing["t0"]
-                sync_s += done - timing["compute_end"]
-                steps += 1
-                tokens += x.numel()
-                since_sync += 1
-                if since_sync < steps_per_sync:
-                    continue
-                since_sync = 0
-                committed = manager.current_step() > outer_before
-                frag = outer_before % args.fragments
-                if committed:
-                    useful += (tokens - marks[frag]) / args.fragments
-                else:
-                    failures += 1  # torchft restored this fragment: its local progress is lost
-                marks[frag] = tokens
-                loss_value = loss.item()
-                sent, received = netbytes.sample()
-                _write(
-                    progress,
-                    t=time.time(),
-                    step=steps,
-                    tokens=tokens,
-                    outer_step=manager.current_step(),
-                    committed=committed,
-                    useful_tokens=useful,
-                    compute_s=compute_s,
-                    sync_s=sync_s,
-                    bytes_sent=sent,
-                    bytes_received=received,
-                    loss=loss_value,
+                run.count(
+                    x.numel(), timing["compute_end"] - timing["t0"], done - timing["compute_end"]
                 )
-            # The global model: the last committed value of every fragment (torchft's backup).
-            diloco._restore_parameters()
+                since_sync += 1
+                if since_sync == steps_per_sync:
+                    since_sync = 0
+                    run.synced(outer_before, manager.current_step(), loss.item())
+            run.finish(manager.current_step(), reason)
         hook.remove()
-        from safetensors.torch import save_file
-
-        params = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
-        save_file(params, str(workdir / "final.safetensors"))
-        sent, received = netbytes.sample()
-        _write(
-            progress,
-            event="exit",
-            t=time.time(),
-            step=steps,
-            tokens=tokens,
-            outer_step=manager.current_step(),
-            useful_tokens=useful,
-            compute_s=compute_s,
-            sync_s=sync_s,
-            train_s=time.time() - started,
-            commit_failures=failures,
-            bytes_sent=sent,
-            bytes_received=received,
-            loss=loss_value,
-            stopped_by="signal" if stop.is_set() else "step",
-        )
     finally:
-        progress.close()
+        run.close()
         manager.shutdown(wait=False)
     return 0
+
+
+class _ReplicaRun:
+    """One replica's counters, progress file and exit protocol.
+
+    Stopping: a replica stops at a sync boundary when the committed step reaches ``--rounds``
+    or the parent has written the stop file. It then writes ``stopped`` (its committed step),
+    the global model and its exit line (:meth:`finish`). A replica that sees a peer's
+    ``stopped`` stops at once, wherever it is: no quorum of every replica can form again, so
+    its work since the last commit could never be committed (it is not counted as useful).
+    :meth:`finish` is idempotent and may run on the finisher thread when the main thread is
+    blocked in a quorum that can no longer form.
+    """
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, model, fragments: list) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.model = model
+        self.fragments = fragments
+        self.diloco = None
+        self.stop_file = workdir.parent / STOP_FILE
+        self.peers = [
+            workdir.parent / f"replica-{j}" / "stopped"
+            for j in range(args.replicas)
+            if j != args.index
+        ]
+        self.progress = (workdir / "progress.jsonl").open("a")
+        self.netbytes = SocketBytes()
+        self.lock = threading.Lock()
+        self.finished = False
+        self.in_step: float | None = None  # monotonic time the current inner step began
+        self.steps = self.tokens = self.failures = 0
+        self.useful = self.compute_s = self.sync_s = 0.0
+        self.loss = float("nan")
+        self.marks = [0] * args.fragments  # tokens at the last sync of each fragment
+        self.started = time.time()
+
+    def peer_stopped(self) -> bool:
+        return any(p.exists() for p in self.peers)
+
+    def should_stop(self, outer_step: int) -> bool:
+        return bool(self.args.rounds and outer_step >= self.args.rounds) or self.stop_file.exists()
+
+    def count(self, tokens: int, compute_s: float, sync_s: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.compute_s += compute_s
+        self.sync_s += sync_s
+
+    def synced(self, outer_before: int, outer_after: int, loss: float) -> None:
+        """Account for the fragment sync that ended the last inner step; log a progress line."""
+        committed = outer_after > outer_before
+        frag = outer_before % self.args.fragments
+        if committed:
+            self.useful += (self.tokens - self.marks[frag]) / self.args.fragments
+        else:
+            self.failures += 1  # torchft restored this fragment: its local progress is lost
+        self.marks[frag] = self.tokens
+        self.loss = loss
+        self._write(outer_step=outer_after, committed=committed)
+
+    def finish(self, outer_step: int, reason: str) -> None:
+        """Write ``stopped``, the global model and the exit line (once)."""
+        from safetensors.torch import save_file
+
+        with self.lock:
+            if self.finished:
+                return
+            self.finished = True
+            _atomic_write(self.workdir / "stopped", str(outer_step))
+            tmp = self.workdir / "final.safetensors.tmp"
+            save_file(self.global_state(), str(tmp))
+            os.replace(tmp, self.workdir / "final.safetensors")
+            self._write(
+                event="exit",
+                outer_step=outer_step,
+                train_s=time.time() - self.started,
+                commit_failures=self.failures,
+                stopped_by=reason,
+            )
+
+    def global_state(self) -> dict:
+        """The model with every fragment at its last committed value (torchft's backup copy,
+        ``_StreamingDiLoCoFragment.original_parameters``: private, read only)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        state = {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+        for module, fragment in zip(self.fragments, self.diloco._fragments, strict=True):
+            for local, param in module.named_parameters():
+                state[names[id(param)]] = fragment.original_parameters[local].detach().clone()
+        return state
+
+    def _write(self, **fields) -> None:
+        sent, received = self.netbytes.sample()
+        record = {
+            "t": time.time(),
+            "step": self.steps,
+            "tokens": self.tokens,
+            "useful_tokens": self.useful,
+            "compute_s": self.compute_s,
+            "sync_s": self.sync_s,
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "loss": self.loss,
+            **fields,
+        }
+        self.progress.write(json.dumps(record) + "\n")
+        self.progress.flush()
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+def _finisher(run: _ReplicaRun, manager, stop: threading.Event, grace_s: float = 2.0) -> None:
+    """When a peer has stopped but the main thread stays inside an inner step for ``grace_s``
+    (blocked in a quorum that cannot form), finish from this thread and exit the process."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.1)
+            began = run.in_step
+            if began is None or time.monotonic() - began < grace_s:
+                continue
+            if run.peer_stopped() or stop.is_set():
+                run.finish(manager.current_step(), "peer stopped (blocked in quorum)")
+                run.close()
+                os._exit(0)
+
+    threading.Thread(target=watch, name="finisher", daemon=True).start()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 class _ScheduleArgs:
@@ -283,16 +373,6 @@ def _lighthouse_address(args: argparse.Namespace, stop: threading.Event) -> str:
             return path.read_text().strip()
         time.sleep(0.05)
     raise SystemExit("torchft replica: stopped before the lighthouse was up")
-
-
-def _should_stop(outer_step: int, args: argparse.Namespace, stop_file: Path) -> bool:
-    if args.rounds and outer_step >= args.rounds:
-        return True
-    try:
-        target = int(stop_file.read_text())
-    except (OSError, ValueError):
-        return False
-    return outer_step >= target
 
 
 def _watchdog(stop: threading.Event, hard_deadline: float) -> None:
@@ -322,11 +402,6 @@ def _td(seconds: float):
     return timedelta(seconds=seconds)
 
 
-def _write(f, **record) -> None:
-    f.write(json.dumps(record) + "\n")
-    f.flush()
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m diloco.peers.torchft_replica")
     sub = p.add_subparsers(dest="role", required=True)
@@ -340,6 +415,7 @@ def parser() -> argparse.ArgumentParser:
     lh.set_defaults(func=lighthouse_main)
     r = sub.add_parser("replica")
     r.add_argument("--index", type=int, required=True)
+    r.add_argument("--replicas", type=int, required=True, help="M: replica groups in the run")
     where = r.add_mutually_exclusive_group(required=True)
     where.add_argument("--lighthouse", help="lighthouse address")
     where.add_argument("--lighthouse-file", help="file the lighthouse writes its address to")
