@@ -119,11 +119,8 @@ def run_torchft(
         )
     slow = dict(slow or {})
     _check_arguments(learners, minutes, tokens, rounds, sync_every, fragments, slow)
-    import torch
-
     from diloco.recipes import get_recipe
 
-    torch.set_num_threads(threads)
     rec = get_recipe(recipe, data_path=data)
     rec.load_data()
     batch = batch_size or rec.batch_size
@@ -507,6 +504,8 @@ def format_torchft(summary: dict) -> str:
     from diloco.launch.summary import format_summary
 
     peer = summary["peer"]
+    if summary["val_loss"]["final"] is None:  # no replica wrote a final model
+        summary = {**summary, "val_loss": {**summary["val_loss"], "final": float("nan")}}
     head = (
         f"torchft {peer['version']} DiLoCo (H={peer['sync_every']}, P={peer['fragments']}, "
         f"outer lr {peer['outer_optimizer']['lr']} μ {peer['outer_optimizer']['momentum']})"
