@@ -114,8 +114,8 @@ def run_torchft(
     version = torchft_version()
     if version is None:
         raise PeerUnavailable(
-            f"torchft is not installed: pip install --no-deps {TORCHFT_PACKAGE}=={TORCHFT_PIN} "
-            "plus its opentelemetry dependencies (make setup-peers)"
+            f"torchft is not installed: make setup-peers (pip install -e '.[torchft]', "
+            f"i.e. {TORCHFT_PACKAGE}=={TORCHFT_PIN}; it keeps the installed torch)"
         )
     slow = dict(slow or {})
     _check_arguments(learners, minutes, tokens, rounds, sync_every, fragments, slow)
@@ -177,7 +177,6 @@ def run_torchft(
         )
         # Replicas stop at their next sync: allow for one more sync period on top.
         codes = _wait_replicas(replicas, stop_timeout + 2 * _longest_gap(root, learners))
-        train_end = time.time()
         records = {
             i: _read_progress(root / f"replica-{i}" / "progress.jsonl") for i in range(learners)
         }
@@ -187,6 +186,8 @@ def run_torchft(
         from diloco.launch.procs import stop_all
 
         stop_all(children, timeout=10.0)
+        if temporary:
+            shutil.rmtree(root, ignore_errors=True)
     summary = _summarize(
         records=records,
         codes=codes,
@@ -199,7 +200,6 @@ def run_torchft(
         val_final=val_final,
         max_diff=max_diff,
         started=started,
-        train_end=train_end,
         wall_s=wall_s,
         stopped_by=stopped_by,
         run_dir="" if temporary else str(root),
@@ -227,8 +227,6 @@ def run_torchft(
             "heartbeat_timeout_ms": heartbeat_timeout_ms,
         },
     }
-    if temporary:
-        shutil.rmtree(root, ignore_errors=True)
     return summary
 
 
@@ -409,7 +407,6 @@ def _summarize(
     val_final,
     max_diff,
     started,
-    train_end,
     wall_s,
     stopped_by,
     run_dir,
