@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format bench proto clean
+.PHONY: setup setup-peers demo test lint format bench proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Optional: torchft (the external peer of `diloco bench --peer torchft`), pinned in pyproject.toml.
+# Its only requirement on torch is >=2.7, so the CPU torch installed above stays; checked below.
+setup-peers: $(STAMP)
+	$(PY) -m pip install -q -e '.[test,torchft]'
+	$(PY) -c "import torch, torchft; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 
 demo: $(STAMP)
 	$(VENV)/bin/diloco run
