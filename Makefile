@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	# Ray (the optional Ray backend, tested in CI), pinned to the version tested here.
 	$(PY) -m pip install -q ray==2.60.0
 	$(PY) -m pip install -q -e '.[test,ray]'
+	# torchft (the external peer of `diloco bench --peer torchft`, tested in CI), pinned in
+	# pyproject.toml; it requires only torch>=2.7, so the CPU torch above stays (checked).
+	$(PY) -m pip install -q -e '.[test,ray,torchft]'
+	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -45,8 +45,7 @@ def fake_result(mode, condition, seed, loss, tokens=1000, wall=10.0, goodput=0.9
     summary = {
         "val_loss": {"initial": 5.5, "final": loss},
         "tokens": tokens,
-        "wall_s": wall + 2,
-        "train_s": wall,
+        "wall_s": wall,
         "goodput": goodput,
         "bytes": {"per_token": bpt, "data_parallel_per_token": 3000.0},
     }
@@ -64,7 +63,7 @@ def test_cells_take_medians_over_seeds_and_targets_compare_them():
     rows = rp.cells(results)
     dec = rp.find(rows, mode="decoupled", condition="clean")
     assert dec["val_loss"] == pytest.approx(2.1) and dec["seeds"] == [0, 1, 2]
-    assert dec["tokens_per_s"] == pytest.approx(100.0)  # tokens over training seconds
+    assert dec["tokens_per_s"] == pytest.approx(100.0)  # tokens over wall seconds
     goals = {g["target"]: g for g in rp.targets(rows)}
     assert goals["clean: decoupled within 2% of sync DiLoCo"]["met"] is False  # +2.4%
     assert goals["clean: DiLoCo family's gap to data-parallel below +14%"]["met"] is True
@@ -116,3 +115,17 @@ def test_a_tiny_bench_runs_writes_its_table_and_figures_and_resumes(tmp_path):
         assert (tmp_path / f"{name}.png").stat().st_size > 5000
     again = subprocess.run(argv, capture_output=True, text=True, timeout=60)  # nothing to rerun
     assert again.returncode == 0 and again.stdout.count("tokens") >= 2
+
+
+def test_the_peer_trains_the_same_cell_budget():
+    from diloco.bench.peer import peer_kwargs
+
+    budget = mx.Budget(learners=4, steps=800, minutes=4, recipe="shakespeare")
+    clean, slow = mx.matrix(["dp"], ["clean", "slow"], [3], budget, peers=["torchft"])[1::2]
+    kw = peer_kwargs(clean, budget)
+    assert kw["tokens"] == 4 * 800 * 8 * 128 and kw["learners"] == 4 and kw["seed"] == 3
+    kw = peer_kwargs(slow, budget)
+    assert kw["minutes"] == 4 and kw["slow"] == {1: 3.0}
+    chaos = mx.RunSpec("torchft-chaos-s0", "torchft", "chaos", 0, (), peer="torchft")
+    with pytest.raises(ValueError, match="no 'chaos' condition"):
+        peer_kwargs(chaos, budget)

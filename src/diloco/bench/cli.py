@@ -42,7 +42,11 @@ def run_one(spec: mx.RunSpec, runs_dir: Path, budget: mx.Budget, log) -> dict | 
     if spec.peer:
         from diloco.bench.peer import run_peer
 
-        summary = run_peer(spec, run_dir, budget)
+        try:
+            summary = run_peer(spec, run_dir, budget)
+        except Exception as exc:  # a peer that fails is a failed cell, not a failed bench
+            log(f"  {spec.name}: failed: {exc}")
+            return None
     else:
         argv = [
             sys.executable,

@@ -21,10 +21,9 @@ COLUMNS = (
 
 
 def result_of(spec: dict, summary: dict, curve: list[dict]) -> dict:
-    """The numbers of one run. ``tokens_per_s`` is tokens over the training time (wall time
-    minus start-up and shutdown is not knowable from outside, so it uses ``train_s`` when the
-    summary has it, else ``wall_s``)."""
-    seconds = summary.get("train_s") or summary["wall_s"]
+    """The numbers of one run. ``tokens_per_s`` is tokens over the whole wall time (start-up,
+    training, shutdown: the one span every mode and every peer measures the same way)."""
+    seconds = summary["wall_s"]
     return {
         **spec,
         "val_loss": summary["val_loss"]["final"],

@@ -1,0 +1,50 @@
+"""External peers in ``diloco bench``: the same cell, trained by another implementation.
+
+``torchft``: torchft's DiLoCo (:func:`diloco.peers.torchft_peer.run_torchft`) on the same recipe,
+seed, learners and batch size, H = 24 (one fragment: torchft's plain DiLoCo), our syncer's
+default outer optimizer (lr 0.7, μ 0). Its lighthouse waits for every replica, so it is
+synchronous DiLoCo as torchft runs it. Clean cells stop at the matrix's token budget
+(M × steps × batch × context, met at the next sync), slow cells at the wall-time budget with
+the same learner slowed down. The summary it returns is written to the run directory as
+``summary.json`` like a ``diloco run``'s.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PEER_OUTER_LR = 0.7
+
+
+def peer_kwargs(spec, budget) -> dict:
+    """``run_torchft`` arguments for one cell of the matrix. Pure."""
+    from diloco.recipes import get_recipe
+
+    recipe = get_recipe(budget.recipe)
+    common = {
+        "learners": budget.learners,
+        "recipe": budget.recipe,
+        "seed": spec.seed,
+        "sync_every": 24,
+        "outer_lr": PEER_OUTER_LR,
+        "outer_momentum": 0.0,
+    }
+    if spec.condition == "clean":
+        tokens = budget.learners * budget.steps * recipe.batch_size * recipe.model.seq_len
+        return {**common, "tokens": tokens, "minutes": 0.0, "max_minutes": budget.minutes * 10}
+    if spec.condition == "slow":
+        return {**common, "minutes": budget.minutes, "slow": {1: budget.slow_factor}}
+    raise ValueError(f"the {spec.peer} peer has no {spec.condition!r} condition")
+
+
+def run_peer(spec, run_dir: Path, budget) -> dict:
+    """Run ``spec`` with its peer; returns its summary (also written to ``run_dir``)."""
+    if spec.peer != "torchft":
+        raise ValueError(f"unknown peer {spec.peer!r}")
+    from diloco.peers.torchft_peer import run_torchft
+
+    summary = run_torchft(run_dir=run_dir, **peer_kwargs(spec, budget))
+    summary.setdefault("mode", "torchft")
+    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
