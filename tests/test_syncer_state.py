@@ -195,6 +195,19 @@ def test_synchronous_mode_waits_for_everyone():
     state, layout, _ = make_state(wait_for_all=2)
     n = layout.fragments[0].numel
     sa, _ = join(state, "a", layout), join(state, "b", layout)
-    state.leave("b", _, now=0.5)  # even when b is gone, a sync round waits for it
+    state.leave("b", _, now=0.5, reason="stream closed")  # b died: a sync round waits for it
     submit(state, "a", sa, 0, torch.ones(n), now=1.0)
     assert state.poll(100.0)[0] == []
+    sb = join(state, "b", layout, now=101.0)  # b is back and contributes: the round closes
+    submit(state, "b", sb, 0, torch.ones(n), now=102.0)
+    assert [c.fragment for c in state.poll(102.0)[0]] == [0]
+
+
+def test_synchronous_mode_stops_waiting_for_a_learner_that_finished():
+    state, layout, _ = make_state(wait_for_all=2)
+    n = layout.fragments[0].numel
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    submit(state, "a", sa, 1, torch.ones(n), now=1.0)
+    assert state.poll(50.0)[0] == []
+    state.leave("b", sb, now=60.0)  # a clean leave: b did all its steps
+    assert [c.fragment for c in state.poll(60.0)[0]] == [1]

@@ -34,8 +34,6 @@ __all__ = ["StatusClient", "register", "run"]
 
 DEFAULT_LEARNERS = 2
 DEFAULT_MINUTES = 3.0
-#: ``--mode sync``: a learner may run this many steps past a send before the merge is back.
-SYNC_LAG = 1
 
 
 @dataclass
@@ -116,6 +114,21 @@ def corrupt_flags(window, started: float, tape) -> list[str]:
         f"--corrupt-start={started + window.start_s}",
         f"--corrupt-end={0.0 if end == float('inf') else end}",
     ]
+
+
+def sync_lag(args: argparse.Namespace) -> int:
+    """``--mode sync``: a learner does not start the step that would send a fragment again
+    while that fragment's previous round is still open (``H − 1`` steps after the send; -1
+    otherwise: never wait). So every learner contributes once to every round, and a fast
+    learner runs at most one cycle of H steps ahead of the slowest one.
+
+    Why this lag and no smaller one: with P = H a learner sends every other fragment in the
+    H − 1 steps before it waits, so whatever round it waits for, its peers owe a fragment that
+    they send before they wait themselves, and no two learners can wait for each other. A
+    restarted learner resumes at another phase of the schedule; with a lag of 1 it and its
+    peers each waited for a fragment the other sends later (a deadlock, seen in a test).
+    """
+    return args.sync_every - 1 if args.mode == "sync" else -1
 
 
 def recipe_flags(args: argparse.Namespace) -> list[str]:
@@ -233,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
                     f"--checkpoint-every={args.checkpoint_every}",
                     f"--workdir={run_dir / 'learners' / plan.id}",
                     f"--join-timeout={args.start_timeout}",
-                    f"--wait-for-merge={SYNC_LAG if args.mode == 'sync' else -1}",
+                    f"--wait-for-merge={sync_lag(args)}",
                     "--exit-with-parent",
                     *recipe_flags(args),
                     *([f"--token-file={args.token_file}"] if args.token_file else []),

@@ -438,9 +438,16 @@ class SyncerState:
     def _decide(self, now: float, fragment: int, live: set[str]):
         round_ = self.rounds[fragment]
         if self.config.wait_for_all:  # synchronous DiLoCo: wait for everyone, no grace
+            # ... who is still in the run: a dead learner is waited for (it comes back), one
+            # that left cleanly has finished its work and will not contribute again.
+            finished = sum(
+                1
+                for lid, i in self.learners.items()
+                if i.state == "left" and not i.observer and lid not in round_.contributions
+            )
+            need = max(1, self.config.wait_for_all - finished)
             n = len(round_.contributions)
-            done = n >= self.config.wait_for_all
-            return done, None, f"synchronous: {n}/{self.config.wait_for_all} contributions"
+            return n >= need, None, f"synchronous: {n}/{need} contributions"
         d = decide_round(
             now,
             OpenRound(frozenset(round_.contributions), round_.opened_at, round_.quorum_at),
