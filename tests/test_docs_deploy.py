@@ -60,7 +60,7 @@ def parse(argv: list[str]):
 
 def test_every_documented_shell_command_parses():
     argvs = [a for a in map(diloco_argv, shell_commands()) if a is not None]
-    assert {a[0] for a in argvs} == {"syncer", "learner"}
+    assert {"syncer", "learner"} <= {a[0] for a in argvs}
     assert len(argvs) >= 5  # by hand (2), torchrun, Slurm (2)
     for argv in argvs:
         parse(argv)

@@ -144,6 +144,7 @@ class Learner:
         self._state = "starting"
         self._closed = False
         self._flushed: dict[int, int] = {}
+        self._merged_in: set[int] = set()  # fragments whose applied merge included this learner
         if state is not None:
             self.load_state_dict(state)
         options = client_link_options(
@@ -212,6 +213,8 @@ class Learner:
                 self.last_applied.append(p)
                 anchor = self.anchors[p]
                 foreign = self.learner_id not in contributors
+                if not foreign:
+                    self._merged_in.add(p)
                 if anchor is not None and foreign and self.config.rebase_foreign:
                     # value + (local − anchor): exactly the new value when there is no
                     # local progress (a finished learner ends with the syncer's parameters).
@@ -298,6 +301,7 @@ class Learner:
         Returns True if everything went out within ``timeout``.
         """
         self._flushed = {}
+        self._merged_in = set()
         for p in range(self.layout.num_fragments):
             if self.versions[p] >= 0 and self.steps_since[p] > 0:
                 self._queue(p)
@@ -305,17 +309,18 @@ class Learner:
         return self.link.wait_idle(self.config.flush_timeout_s if timeout is None else timeout)
 
     def drain(self, timeout: float) -> bool:
-        """Wait until every fragment sent by the last ``flush`` has come back merged, and apply
-        what arrived. Returns True if all came back within ``timeout`` (bounded, never hangs).
+        """Wait until every fragment sent by the last ``flush`` has come back in a merge that
+        includes it, applying what arrives. Returns True if all did within ``timeout``
+        (bounded, never hangs). A newer version merged from other learners' work only does not
+        count: this learner's own last delta may still be waiting in the next round.
         """
         deadline = time.monotonic() + timeout
         while True:
-            have = self._have_versions()
-            done = all(have[p] > base for p, base in self._flushed.items())
+            self.apply_arrived()
+            done = all(p in self._merged_in for p in self._flushed)
             if done or time.monotonic() >= deadline or not self.link.connected.is_set():
                 break
             time.sleep(0.02)
-        self.apply_arrived()
         return done
 
     def close(self, *, flush: bool = True) -> None:
