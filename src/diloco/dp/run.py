@@ -260,12 +260,12 @@ def append_metric(run_dir: Path, started: float, evaluator: SnapshotEvaluator, l
 def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
     """``summary.json`` of a data-parallel run: the same fields as the DiLoCo modes'."""
     from diloco.dp.metrics import dp_metrics
-    from diloco.launch.run import _progress, _transport_total
+    from diloco.launch.results import read_progress, transport_total
     from diloco.launch.summary import build_summary
     from diloco.syncer.store import read_tape
 
     records = read_tape(run_dir / "syncer" / "events.jsonl")
-    progress = {p.id: _progress(run_dir / "learners" / p.id / "progress.jsonl") for p in plans}
+    progress = {p.id: read_progress(run_dir / "learners" / p.id / "progress.jsonl") for p in plans}
     per_learner = []
     for plan in plans:
         last = {k: v for rec in progress[plan.id] for k, v in rec.items()}
@@ -280,8 +280,8 @@ def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
                 "exit_code": facts["codes"].get(plan.id),
                 "restarts": sup.slots[plan.id].restarts,
                 "contributions": int(last.get("step", 0)),
-                "bytes_up": _transport_total(progress[plan.id], "bytes_up"),
-                "bytes_down": _transport_total(progress[plan.id], "bytes_down"),
+                "bytes_up": transport_total(progress[plan.id], "bytes_up"),
+                "bytes_down": transport_total(progress[plan.id], "bytes_down"),
             }
         )
     summary = build_summary(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.launch.ray_backend import add_ray_arguments
-from diloco.launch.syncers import StatusClient, is_syncer, syncer_commands, syncer_names
+from diloco.launch.syncers import StatusClient, syncer_commands, syncer_names
 from diloco.syncer.cli import add_syncer_arguments
 
 __all__ = ["StatusClient", "register", "run"]
@@ -285,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
             "stopped_by": stopped_by,
             "codes": codes,
         }
+        from diloco.launch.results import summarize
+
         summary = summarize(args, run_dir, plans, sup, facts)
         summary["syncer_exit_code"] = syncer_code
         summary["backend"] = args.backend
@@ -366,94 +368,6 @@ def wait_for_status(client: StatusClient, timeout: float):
             return status
         time.sleep(0.2)
     return None
-
-
-def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
-    """``summary.json`` from the event tape and the learners' progress files.
-
-    ``facts`` holds ``started``, ``train_end``, ``val_initial``, ``val_final``, ``num_params``,
-    ``seq_len``, ``stopped_by`` and ``codes`` (last exit code per learner).
-    """
-    from diloco.launch.goodput import learner_speed, tape_metrics
-    from diloco.launch.summary import build_summary
-    from diloco.syncer.store import read_tape
-
-    records = read_tape(run_dir / "syncer" / "events.jsonl")
-    rounds = [r for r in records if r.get("event") == "round"]
-    per_learner, speeds, finished = [], {}, {}
-    for plan in plans:
-        progress = _progress(run_dir / "learners" / plan.id / "progress.jsonl")
-        last = {k: v for rec in progress for k, v in rec.items()}
-        speeds[plan.id] = learner_speed(progress)
-        if sup.slots[plan.id].finished and progress and progress[-1].get("event") == "exit":
-            finished[plan.id] = progress[-1]["t"]
-        per_learner.append(
-            {
-                "id": plan.id,
-                "steps": int(last.get("step", 0)),
-                "tokens": int(last.get("tokens", 0)),
-                "steps_per_s": float(last.get("steps_per_s", 0.0)),
-                "batch_size": plan.batch_size,
-                "slow": plan.slow,
-                "exit_code": facts["codes"].get(plan.id),
-                "restarts": sup.slots[plan.id].restarts,
-                "contributions": sum(1 for r in rounds if plan.id in r["participants"]),
-                "bytes_up": _transport_total(progress, "bytes_up"),
-                "bytes_down": _transport_total(progress, "bytes_down"),
-            }
-        )
-    summary = build_summary(
-        mode=args.mode,
-        run_dir=str(run_dir),
-        wall_s=time.time() - facts["started"],
-        val_initial=facts["val_initial"],
-        val_final=facts["val_final"],
-        rounds=len(rounds),
-        learners=per_learner,
-        num_params=facts["num_params"],
-        seq_len=facts["seq_len"],
-        stopped_by=facts["stopped_by"],
-    )
-    summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
-    summary.update(
-        tape_metrics(
-            records,
-            fragments=args.fragments,
-            end=facts["train_end"],
-            speeds=speeds,
-            finished=finished,
-        )
-    )
-    summary["syncer_restarts"] = sum(
-        slot.restarts for name, slot in sup.slots.items() if is_syncer(name)
-    )
-    summary["shards"] = args.shards
-    return summary
-
-
-def _progress(path: Path) -> list[dict]:
-    records = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return records
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-    return records
-
-
-def _transport_total(progress: list[dict], key: str) -> int:
-    """Bytes over all incarnations: each restart starts its counter at 0 again."""
-    total, last = 0, 0
-    for rec in progress:
-        value = int(rec.get(key, 0))
-        if value < last:
-            total += last
-        last = value
-    return total + last
 
 
 def _append_metric(run_dir: Path, started: float, status, loss: float, versions: list[int]):
