@@ -260,7 +260,7 @@ def append_metric(run_dir: Path, started: float, evaluator: SnapshotEvaluator, l
 def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
     """``summary.json`` of a data-parallel run: the same fields as the DiLoCo modes'."""
     from diloco.dp.metrics import dp_metrics
-    from diloco.launch.results import read_progress, transport_total
+    from diloco.launch.results import learner_row, read_progress
     from diloco.launch.summary import build_summary
     from diloco.syncer.store import read_tape
 
@@ -268,22 +268,10 @@ def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
     progress = {p.id: read_progress(run_dir / "learners" / p.id / "progress.jsonl") for p in plans}
     per_learner = []
     for plan in plans:
-        last = {k: v for rec in progress[plan.id] for k, v in rec.items()}
-        per_learner.append(
-            {
-                "id": plan.id,
-                "steps": int(last.get("step", 0)),
-                "tokens": int(last.get("tokens", 0)),
-                "steps_per_s": float(last.get("steps_per_s", 0.0)),
-                "batch_size": plan.batch_size,
-                "slow": plan.slow,
-                "exit_code": facts["codes"].get(plan.id),
-                "restarts": sup.slots[plan.id].restarts,
-                "contributions": int(last.get("step", 0)),
-                "bytes_up": transport_total(progress[plan.id], "bytes_up"),
-                "bytes_down": transport_total(progress[plan.id], "bytes_down"),
-            }
-        )
+        records = progress[plan.id]
+        surviving_steps = int(records[-1].get("step", 0)) if records else 0  # a step is a round
+        row = learner_row(plan, records, sup.slots[plan.id], facts, surviving_steps)
+        per_learner.append(row)
     summary = build_summary(
         mode="dp",
         run_dir=str(run_dir),

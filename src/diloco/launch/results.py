@@ -24,25 +24,11 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
     per_learner, speeds, finished = [], {}, {}
     for plan in plans:
         progress = read_progress(run_dir / "learners" / plan.id / "progress.jsonl")
-        last = {k: v for rec in progress for k, v in rec.items()}
         speeds[plan.id] = learner_speed(progress)
         if sup.slots[plan.id].finished and progress and progress[-1].get("event") == "exit":
             finished[plan.id] = progress[-1]["t"]
-        per_learner.append(
-            {
-                "id": plan.id,
-                "steps": int(last.get("step", 0)),
-                "tokens": int(last.get("tokens", 0)),
-                "steps_per_s": float(last.get("steps_per_s", 0.0)),
-                "batch_size": plan.batch_size,
-                "slow": plan.slow,
-                "exit_code": facts["codes"].get(plan.id),
-                "restarts": sup.slots[plan.id].restarts,
-                "contributions": sum(1 for r in rounds if plan.id in r["participants"]),
-                "bytes_up": transport_total(progress, "bytes_up"),
-                "bytes_down": transport_total(progress, "bytes_down"),
-            }
-        )
+        contributions = sum(1 for r in rounds if plan.id in r["participants"])
+        per_learner.append(learner_row(plan, progress, sup.slots[plan.id], facts, contributions))
     summary = build_summary(
         mode=args.mode,
         run_dir=str(run_dir),
@@ -95,3 +81,21 @@ def transport_total(progress: list[dict], key: str) -> int:
             total += last
         last = value
     return total + last
+
+
+def learner_row(plan, progress: list[dict], slot, facts: dict, contributions: int) -> dict:
+    """One learner's entry of the summary, from its progress records and its slot."""
+    last = {k: v for rec in progress for k, v in rec.items()}
+    return {
+        "id": plan.id,
+        "steps": int(last.get("step", 0)),
+        "tokens": int(last.get("tokens", 0)),
+        "steps_per_s": float(last.get("steps_per_s", 0.0)),
+        "batch_size": plan.batch_size,
+        "slow": plan.slow,
+        "exit_code": facts["codes"].get(plan.id),
+        "restarts": slot.restarts,
+        "contributions": contributions,
+        "bytes_up": transport_total(progress, "bytes_up"),
+        "bytes_down": transport_total(progress, "bytes_down"),
+    }
