@@ -268,9 +268,9 @@ def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
     progress = {p.id: read_progress(run_dir / "learners" / p.id / "progress.jsonl") for p in plans}
     per_learner = []
     for plan in plans:
-        records = progress[plan.id]
-        surviving_steps = int(records[-1].get("step", 0)) if records else 0  # a step is a round
-        row = learner_row(plan, records, sup.slots[plan.id], facts, surviving_steps)
+        mine = progress[plan.id]
+        surviving_steps = int(mine[-1].get("step", 0)) if mine else 0  # a step is a round
+        row = learner_row(plan, mine, sup.slots[plan.id], facts, surviving_steps)
         per_learner.append(row)
     summary = build_summary(
         mode="dp",
