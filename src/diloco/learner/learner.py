@@ -144,7 +144,8 @@ class Learner:
         self._state = "starting"
         self._closed = False
         self._flushed: dict[int, int] = {}
-        self._merged_in: set[int] = set()  # fragments whose applied merge included this learner
+        # fragment -> newest applied version whose merge included this learner
+        self._merged_in: dict[int, int] = {}
         if state is not None:
             self.load_state_dict(state)
         options = client_link_options(
@@ -214,7 +215,7 @@ class Learner:
                 anchor = self.anchors[p]
                 foreign = self.learner_id not in contributors
                 if not foreign:
-                    self._merged_in.add(p)
+                    self._merged_in[p] = version
                 if anchor is not None and foreign and self.config.rebase_foreign:
                     # value + (local − anchor): exactly the new value when there is no
                     # local progress (a finished learner ends with the syncer's parameters).
@@ -301,7 +302,6 @@ class Learner:
         Returns True if everything went out within ``timeout``.
         """
         self._flushed = {}
-        self._merged_in = set()
         for p in range(self.layout.num_fragments):
             if self.versions[p] >= 0 and self.steps_since[p] > 0:
                 self._queue(p)
@@ -309,15 +309,21 @@ class Learner:
         return self.link.wait_idle(self.config.flush_timeout_s if timeout is None else timeout)
 
     def drain(self, timeout: float) -> bool:
-        """Wait until every fragment sent by the last ``flush`` has come back in a merge that
-        includes it, applying what arrives. Returns True if all did within ``timeout``
-        (bounded, never hangs). A newer version merged from other learners' work only does not
-        count: this learner's own last delta may still be waiting in the next round.
+        """Wait until every fragment sent by the last ``flush`` has come back in the merge that
+        holds it, applying what arrives. Returns True if all did within ``timeout`` (bounded,
+        never hangs). The merge that holds the flushed delta is the first one that includes
+        this learner at a version above the one the syncer had when it admitted the upload:
+        a newer version merged from other learners' work only, or one holding this learner's
+        *earlier* upload of the fragment, does not count.
         """
         deadline = time.monotonic() + timeout
         while True:
             self.apply_arrived()
-            done = all(p in self._merged_in for p in self._flushed)
+            admitted = self.link.admitted  # version at admission of each last upload
+            done = all(
+                self._merged_in.get(p, -1) > admitted.get(p, self._flushed[p] - 1)
+                for p in self._flushed
+            )
             if done or time.monotonic() >= deadline or not self.link.connected.is_set():
                 break
             time.sleep(0.02)

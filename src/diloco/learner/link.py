@@ -98,6 +98,9 @@ class SyncerLink:
         self.corruptor = corruptor
         """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
+        # fragment -> the syncer's version when it admitted this link's latest upload of it:
+        # the round holding that upload commits a version above it.
+        self.admitted: dict[int, int] = {}
         self.error: BaseException | None = None
         self.connected = threading.Event()
         self.joined_versions: list[int] | None = None
@@ -373,6 +376,8 @@ class SyncerLink:
         self.stats.uploads_sent += 1
         if not reply.accepted:
             self.stats.stale_replies += 1
+        else:
+            self.admitted[job.fragment] = reply.current_version
 
     def _heartbeat_loop(self) -> None:
         while not self._closing.wait(self._heartbeat_s):
