@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.algorithm import NesterovOuter
+from diloco.algorithm import NesterovOuter, round_share
 
 
 def test_design_vector_one_step():
@@ -55,3 +55,20 @@ def test_fragments_are_independent_and_state_round_trips():
 def test_bad_hyperparameters(lr, mu):
     with pytest.raises(ValueError):
         NesterovOuter(lr=lr, momentum=mu)
+
+
+def test_round_share():
+    assert round_share([100], [100, 100, 100]) == pytest.approx(0.25)
+    assert round_share([100, 300], []) == 1.0
+    assert round_share([100], [None]) == pytest.approx(0.5)  # unknown: the round's mean
+    assert round_share([50, 150], [None, 200]) == pytest.approx(200 / 500)
+    # over one cycle of M single-learner rounds the shares add up to one full step
+    tokens = [10, 20, 30, 40]
+    total = sum(round_share([t], tokens[:i] + tokens[i + 1 :]) for i, t in enumerate(tokens))
+    assert total == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        round_share([], [1])
+    with pytest.raises(ValueError):
+        round_share([0], [1])
+    with pytest.raises(ValueError):
+        round_share([1], [-1])

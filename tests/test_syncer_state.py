@@ -95,8 +95,44 @@ def test_token_weights_and_replacement():
     submit(state, "b", sb, 0, torch.full((n,), 2.0), now=1.2, tokens=10, steps=1)
     commits, _ = state.poll(1.2)
     assert commits and commits[0].record["weights"] == [token_weight(30, 3), token_weight(10, 1)]
-    # weights 300 and 100 on parallel deltas 1 and 2: RDA = (300*1 + 100*2)/400 = 1.25
-    assert torch.allclose(state.params[0], before - 1.25)
+    # weights 300 and 100 on parallel deltas 1 and 2: RDA = (300*1 + 100*2)/400 = 1.25;
+    # "c" is live but not in the round and has not contributed yet: it counts as the mean
+    # contribution (20 tokens), so the round holds 40 of 60 tokens and is scaled by 2/3
+    assert commits[0].record["share"] == pytest.approx(2 / 3, abs=1e-6)
+    assert torch.allclose(state.params[0], before - 1.25 * 2 / 3)
+
+
+def test_a_round_steps_by_its_share_of_the_live_learners_tokens():
+    state, layout, events = make_state(quorum=1, gamma=0.0, lease_s=5.0)
+    n = layout.fragments[0].numel
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    submit(state, "b", sb, 1, torch.ones(layout.fragments[1].numel), now=0.5, tokens=30, steps=3)
+    state.poll(0.5)
+    before = state.params[0].clone()
+    submit(state, "a", sa, 0, torch.full((n,), 2.0), now=1.0, tokens=10)
+    (commit,) = state.poll(1.0)[0]
+    # "b" is live, last carried 30 tokens: this round holds 10 of 40 -> a quarter of the step
+    assert commit.record["share"] == pytest.approx(0.25)
+    assert torch.allclose(state.params[0], before - 0.5)
+    # once "b" is no longer live, a round of "a" alone is the whole cycle: full step
+    state.heartbeat("a", sa, now=6.0)
+    before = state.params[0].clone()
+    submit(state, "a", sa, 0, torch.full((n,), 2.0), now=7.0, base=1, tokens=10)
+    (commit,) = state.poll(7.0)[0]
+    assert commit.record["share"] == 1.0
+    assert torch.allclose(state.params[0], before - 2.0)
+
+
+@pytest.mark.parametrize("cfg", [{"outer_scale": "none"}, {"wait_for_all": 1}])
+def test_round_share_is_off_without_scaling_and_in_synchronous_rounds(cfg):
+    state, layout, _ = make_state(quorum=1, gamma=0.0, **cfg)
+    n = layout.fragments[0].numel
+    sa, _ = join(state, "a", layout), join(state, "b", layout)
+    before = state.params[0].clone()
+    submit(state, "a", sa, 0, torch.full((n,), 2.0), now=1.0)
+    (commit,) = state.poll(1.0)[0]
+    assert commit.record["share"] == 1.0
+    assert torch.allclose(state.params[0], before - 2.0)
 
 
 def test_stale_contribution_discounted_or_refused():

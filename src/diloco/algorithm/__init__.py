@@ -6,7 +6,8 @@ Public names (other packages and users rely on them):
   (module ``fragments``): balanced tensor fragmentation and the send schedule.
 - ``token_weight``, ``rda``, ``weighted_mean``, ``merge_contributions``, ``is_embedding_name``
   (module ``merge``): how contributions are weighted and merged.
-- ``NesterovOuter`` (module ``outer``): the per-fragment outer optimizer.
+- ``NesterovOuter``, ``round_share`` (module ``outer``): the per-fragment outer optimizer and
+  the share of a cycle a round holds (its step scale).
 - ``decide_round``, ``admit_contribution`` (module ``rounds``): when a round closes and
   whether a (possibly stale) contribution is accepted.
 - ``codecs.encode`` / ``codecs.decode`` (module ``codecs``): wire formats fp32, bf16, int8, int4.
@@ -32,6 +33,7 @@ _EXPORTS = {
     "merge_contributions": "merge",
     "is_embedding_name": "merge",
     "NesterovOuter": "outer",
+    "round_share": "outer",
     "decide_round": "rounds",
     "admit_contribution": "rounds",
     "RoundDecision": "rounds",

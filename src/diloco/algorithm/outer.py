@@ -18,9 +18,42 @@ and our sweep).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
+
+
+def round_share(contributed: Sequence[int], expected_absent: Sequence[int | None]) -> float:
+    """The share of one cycle of the live learners' work that a closing round holds.
+
+    ``contributed``: the tokens of each contribution in the round. ``expected_absent``: for
+    every live learner that is *not* in the round, the tokens one of its contributions usually
+    carries (its last accepted one), or ``None`` when it has not contributed yet (then the
+    mean of ``contributed`` stands in). Returns ``Σ contributed / (Σ contributed + Σ absent)``,
+    in (0, 1]; 1 when every live learner is in the round.
+
+    Why: with quorum 1 most rounds carry one learner's delta and the other learners rebase
+    their own progress on top of the result, so every learner's progress reaches the global
+    model through its own round. Scaling a round's merged delta by this share makes the model
+    move by ``lr`` times the *mean* of the learners' deltas per cycle, as synchronous DiLoCo
+    does, instead of ``lr`` times their *sum*: the outer lr no longer depends on M. When the
+    other learners are dead the share is 1 and the survivors step at the full rate.
+
+    >>> round_share([100], [100, 100, 100])
+    0.25
+    >>> round_share([100, 300], [])
+    1.0
+    >>> round_share([100], [None])
+    0.5
+    """
+    if not contributed or any(t <= 0 for t in contributed):
+        raise ValueError(f"a round needs contributions with tokens >= 1, got {list(contributed)}")
+    if any(t is not None and t < 0 for t in expected_absent):
+        raise ValueError(f"expected tokens must be >= 0, got {list(expected_absent)}")
+    here = float(sum(contributed))
+    stand_in = here / len(contributed)
+    absent = sum(stand_in if t is None else float(t) for t in expected_absent)
+    return here / (here + absent)
 
 
 class NesterovOuter:

@@ -87,6 +87,7 @@ def syncer_flags(args: argparse.Namespace) -> list[str]:
         f"--lease={args.lease}",
         f"--outer-lr={args.outer_lr}",
         f"--outer-momentum={args.outer_momentum}",
+        f"--outer-scale={args.outer_scale}",
         f"--up-codec={args.up_codec}",
         f"--down-codec={args.down_codec}",
         f"--norm-guard={args.norm_guard}",

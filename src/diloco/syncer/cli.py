@@ -40,6 +40,14 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.0)
+    p.add_argument(
+        "--outer-scale",
+        default="share",
+        choices=["share", "none"],
+        help="share (default): scale each round's merged delta by the share of the live "
+        "learners' tokens it holds, so the outer lr does not depend on M; none: full lr per "
+        "round (see docs/algorithm.md)",
+    )
     p.add_argument("--up-codec", default="int4", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--down-codec", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument(
@@ -65,6 +73,7 @@ def config_from_args(args: argparse.Namespace):
         heartbeat_s=min(1.0, args.lease / 4),
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        outer_scale=args.outer_scale,
         up_codec=args.up_codec,
         down_codec=args.down_codec,
         norm_guard_k=args.norm_guard,

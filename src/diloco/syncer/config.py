@@ -12,6 +12,9 @@ from diloco.algorithm.guard import (
     DEFAULT_WINDOW,
 )
 
+OUTER_SCALES = ("share", "none")
+"""How a round's merged delta is scaled before the outer step (``SyncerConfig.outer_scale``)."""
+
 
 @dataclass(kw_only=True)
 class SyncerConfig:
@@ -35,6 +38,10 @@ class SyncerConfig:
     """Outer Nesterov learning rate (see docs/algorithm.md for the sweep behind it)."""
     outer_momentum: float = 0.0
     """Outer Nesterov momentum μ."""
+    outer_scale: str = "share"
+    """``"share"``: scale a round's merged delta by the share of the live learners' tokens it
+    holds (``diloco.algorithm.outer.round_share``), so the outer lr does not depend on M;
+    ``"none"``: apply every round at the full lr (the behaviour before 2026-11-23)."""
     up_codec: str = "int4"
     """Codec learners use for their outer gradients."""
     down_codec: str = "bf16"
@@ -81,6 +88,10 @@ class SyncerConfig:
             raise ValueError(
                 "norm_guard_window must be >= 1 and norm_guard_min_history >= 0 "
                 f"(got {self.norm_guard_window}, {self.norm_guard_min_history})"
+            )
+        if self.outer_scale not in OUTER_SCALES:
+            raise ValueError(
+                f"outer_scale must be one of {OUTER_SCALES} (got {self.outer_scale!r})"
             )
         if self.max_learner_ids < 1:
             raise ValueError(f"max_learner_ids must be >= 1 (got {self.max_learner_ids})")

@@ -23,7 +23,7 @@ import torch
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.guard import NormHistory, check_norm
 from diloco.algorithm.merge import merge_contributions, token_weight
-from diloco.algorithm.outer import NesterovOuter
+from diloco.algorithm.outer import NesterovOuter, round_share
 from diloco.algorithm.rounds import (
     Admission,
     Ema,
@@ -59,6 +59,8 @@ class LearnerInfo:
     steps_per_s: float = 0.0
     state: str = "joined"
     contributions: int = 0
+    last_tokens: int | None = None
+    """Tokens of this learner's last accepted contribution (the round share's estimate)."""
     bytes_up: int = 0
     bytes_down: int = 0
 
@@ -365,6 +367,7 @@ class SyncerState:
             learner_id, delta, base_version, steps, tokens, admission.discount, now, nbytes
         )
         info.contributions += 1
+        info.last_tokens = tokens
         self.norms.record(fragment, norm, steps)
         if round_.quorum_at is None and len(round_.contributions) >= self._quorum():
             round_.quorum_at = now
@@ -471,18 +474,31 @@ class SyncerState:
         for fragment in sorted(self.rounds):
             close, wait_until, reason = self._decide(now, fragment, live)
             if close:
-                commits.append(self._commit(fragment, reason, now))
+                commits.append(self._commit(fragment, reason, now, live))
             elif wait_until is not None:
                 wake = wait_until if wake is None else min(wake, wait_until)
         return commits, wake
 
-    def _commit(self, fragment: int, reason: str, now: float) -> Commit:
+    def _share(self, round_: FragmentRound, live: set[str]) -> float:
+        """The factor this round's merged delta is scaled by (``SyncerConfig.outer_scale``)."""
+        if self.config.outer_scale == "none" or self.config.wait_for_all:
+            return 1.0  # a synchronous round holds everyone by construction
+        absent = sorted(live - set(round_.contributions))
+        return round_share(
+            [c.tokens for c in round_.contributions.values()],
+            [self.learners[lid].last_tokens for lid in absent],
+        )
+
+    def _commit(self, fragment: int, reason: str, now: float, live: set[str]) -> Commit:
         round_ = self.rounds.pop(fragment)
         contribs = sorted(round_.contributions.values(), key=lambda c: c.learner_id)
         weights = [c.weight for c in contribs]
         merged = merge_contributions(
             [c.delta for c in contribs], weights, self.layout.fragments[fragment]
         )
+        share = self._share(round_, live)
+        if share != 1.0:
+            merged = merged * share
         self.outer.step(fragment, self.params[fragment], merged)
         self.versions[fragment] += 1
         self.rounds_committed += 1
@@ -501,6 +517,7 @@ class SyncerState:
             "opened_at": round_.opened_at,
             "wait_s": round(now - round_.opened_at, 6),
             "reason": reason,
+            "share": round(share, 6),
             "delta_norm": float(merged.norm()),
             "digest": fragment_digest(self.params[fragment]),
         }
