@@ -108,3 +108,28 @@ def test_a_learner_without_local_progress_takes_a_foreign_merge_bit_exactly():
         assert torch.equal(weight(model), second)
     finally:
         learner.close(flush=False)
+
+
+def test_flush_does_not_send_a_fragment_again_whose_queued_delta_holds_all_its_progress():
+    model, learner = make_learner()
+    try:
+        learner._on_fragment(0, 1, torch.zeros(12), frozenset())
+        learner.apply_arrived()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        learner.steps_since[0], learner.tokens_since[0] = 4, 40
+        learner._queue(0)  # the last step's due upload
+        queued = learner.link._jobs[0]
+        assert not learner.flush(timeout=0)  # nothing can go out: no syncer
+        assert learner.link._jobs[0] is queued  # not queued a second time
+        assert learner._flushed == {0: 1}  # but the drain still waits for its merge
+        # one more step of progress: the flush sends it (the newer delta replaces the queued)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        learner.steps_since[0], learner.tokens_since[0] = 5, 50
+        learner.flush(timeout=0)
+        job = learner.link._jobs[0]
+        assert job is not queued and (job.steps, job.tokens) == (5, 50)
+        assert torch.allclose(job.delta, torch.full((12,), -2.0))
+    finally:
+        learner.close(flush=False)

@@ -9,9 +9,9 @@ Fragments are merged at different times, so every fragment keeps its own momentu
 the state of one fragment is independent of all others and can be saved on its own
 (1/P of the model per commit).
 
-This class's defaults ``lr = 1.0, μ = 0.0`` make the outer step "replace the global fragment
-by the merged learners' fragment"; the syncer's default is ``lr = 0.7, μ = 0``
-(``SyncerConfig``), chosen from the sweep recorded in ``docs/algorithm.md``. The DiLoCo
+With ``lr = 1.0, μ = 0.0`` (the defaults here and in ``SyncerConfig``, chosen from the sweep
+recorded in ``docs/algorithm.md``) the outer step replaces the global fragment by the merged
+learners' fragment; the syncer scales each round's merged delta by ``round_share`` first. The DiLoCo
 lineage's ``0.7 / 0.9`` was tuned for H = 500 and is far worse at H = 24 (shared DESIGN §4d,
 and our sweep).
 """

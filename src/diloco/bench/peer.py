@@ -2,7 +2,7 @@
 
 ``torchft``: torchft's DiLoCo (:func:`diloco.peers.torchft_peer.run_torchft`) on the same recipe,
 seed, learners and batch size, H = 24 (one fragment: torchft's plain DiLoCo), our syncer's
-default outer optimizer (lr 0.7, μ 0). Its lighthouse waits for every replica, so it is
+default outer optimizer (lr 1.0, μ 0). Its lighthouse waits for every replica, so it is
 synchronous DiLoCo as torchft runs it. Clean cells stop at the matrix's token budget
 (M × steps × batch × context, met at the next sync), slow cells at the wall-time budget with
 the same learner slowed down. The summary it returns is written to the run directory as
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PEER_OUTER_LR = 0.7
+PEER_OUTER_LR = 1.0
 
 
 def peer_kwargs(spec, budget) -> dict:

@@ -144,6 +144,9 @@ class Learner:
         self._state = "starting"
         self._closed = False
         self._flushed: dict[int, int] = {}
+        self.close_report: dict = {}
+        """What ``close`` did: fragments flushed, whether the uploads went out and the merges
+        holding them came back in time (``drained``), and the fragments that did not."""
         # fragment -> newest applied version whose merge included this learner
         self._merged_in: dict[int, int] = {}
         if state is not None:
@@ -299,13 +302,19 @@ class Learner:
         """Queue every fragment with progress since it was received and wait for the uploads.
 
         Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
-        Returns True if everything went out within ``timeout``.
+        A fragment whose last queued delta already holds all its progress (no step since it
+        was queued, typically the one the last step queued) is not sent again: a second copy
+        could land in a later round and count that progress twice. Returns True if everything
+        went out within ``timeout``.
         """
         self._flushed = {}
         for p in range(self.layout.num_fragments):
-            if self.versions[p] >= 0 and self.steps_since[p] > 0:
+            if self.versions[p] < 0 or self.steps_since[p] == 0:
+                continue
+            queued = self._sent.get(p)
+            if queued is None or queued[1] != self.steps_since[p]:
                 self._queue(p)
-                self._flushed[p] = self.versions[p]
+            self._flushed[p] = self.versions[p]
         return self.link.wait_idle(self.config.flush_timeout_s if timeout is None else timeout)
 
     def drain(self, timeout: float) -> bool:
@@ -319,23 +328,38 @@ class Learner:
         deadline = time.monotonic() + timeout
         while True:
             self.apply_arrived()
-            admitted = self.link.admitted  # version at admission of each last upload
-            done = all(
-                self._merged_in.get(p, -1) > admitted.get(p, self._flushed[p] - 1)
-                for p in self._flushed
-            )
-            if done or time.monotonic() >= deadline or not self.link.connected.is_set():
+            pending = self._undrained()
+            if not pending or time.monotonic() >= deadline or not self.link.connected.is_set():
                 break
             time.sleep(0.02)
-        return done
+        return not pending
+
+    def _undrained(self) -> list[int]:
+        """Flushed fragments whose merge holding the flushed upload has not been applied."""
+        admitted = self.link.admitted  # version at admission of each last upload
+        return [
+            p
+            for p in sorted(self._flushed)
+            if self._merged_in.get(p, -1) <= admitted.get(p, self._flushed[p] - 1)
+        ]
 
     def close(self, *, flush: bool = True) -> None:
         """Optionally flush, leave the syncer and stop the background threads (bounded)."""
         if self._closed:
             return
-        flushed = flush and self.link.connected.is_set() and self.flush()
-        if flushed and self.config.drain_timeout_s > 0:
-            self.drain(self.config.drain_timeout_s)
+        if flush and self.link.connected.is_set():
+            t0 = time.monotonic()
+            flushed = self.flush()
+            t1 = time.monotonic()
+            drained = self.config.drain_timeout_s > 0 and self.drain(self.config.drain_timeout_s)
+            self.close_report = {
+                "flushed": len(self._flushed),
+                "flush_ok": flushed,
+                "flush_s": round(t1 - t0, 3),
+                "drained": drained,
+                "drain_s": round(time.monotonic() - t1, 3),
+                "undrained": self._undrained(),
+            }
         self._state = "closed"
         self._closed = True
         self.link.close()
@@ -390,6 +414,8 @@ class Learner:
             "uploads_sent": s.uploads_sent,
             "uploads_refused": s.uploads_refused,
             "stale_replies": s.stale_replies,
+            "uploads_failed": s.uploads_failed,
+            **({"close": self.close_report} if self.close_report else {}),
         }
 
     def __enter__(self) -> Learner:

@@ -38,7 +38,7 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds without heartbeat before a learner is not live",
     )
-    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-lr", type=float, default=1.0)
     p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument(
         "--outer-scale",

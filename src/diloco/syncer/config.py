@@ -34,7 +34,7 @@ class SyncerConfig:
     """A learner is live while its last heartbeat or upload is at most this old."""
     heartbeat_s: float = 1.0
     """Heartbeat interval suggested to learners."""
-    outer_lr: float = 0.7
+    outer_lr: float = 1.0
     """Outer Nesterov learning rate (see docs/algorithm.md for the sweep behind it)."""
     outer_momentum: float = 0.0
     """Outer Nesterov momentum μ."""
