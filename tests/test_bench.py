@@ -37,8 +37,18 @@ def test_the_matrix_gives_every_mode_the_same_recipe_seed_and_budget():
     with pytest.raises(ValueError, match="unknown peer"):
         mx.matrix(["dp"], ["clean"], [0], budget, peers=["horovod"])
     sweep = mx.sweep(budget, seed=0)
-    assert len(sweep) == 9 and {r.sweep["H"] for r in sweep} == {24, 48, 96}
-    assert all("--sync-every=" + str(r.sweep["H"]) in r.flags for r in sweep)
+    grid, extra = sweep[:9], sweep[9:]
+    assert {r.sweep["H"] for r in grid} == {24, 48, 96}
+    assert {(r.mode, r.sweep["down_codec"]) for r in grid} == {("decoupled", "bf16")}
+    assert [(r.mode, *r.sweep.values()) for r in extra] == [
+        (mode, *setting) for mode, *setting in mx.LOW_BANDWIDTH
+    ]
+    for r in sweep:
+        s = r.sweep
+        assert f"--mode={r.mode}" in r.flags and f"--sync-every={s['H']}" in r.flags
+        assert f"--up-codec={s['up_codec']}" in r.flags
+        assert f"--down-codec={s['down_codec']}" in r.flags
+    assert len({r.name for r in sweep}) == len(sweep)
 
 
 def fake_result(mode, condition, seed, loss, tokens=1000, wall=10.0, goodput=0.9, bpt=10.0):
@@ -74,15 +84,35 @@ def test_cells_take_medians_over_seeds_and_targets_compare_them():
 
 
 def test_the_bandwidth_target_needs_both_the_ratio_and_the_quality():
+    def row(mode, h, up, down, loss, bpt):
+        return {"mode": mode, "H": h, "up_codec": up, "down_codec": down, "val_loss": loss,
+                "bytes_per_token": bpt}  # fmt: skip
+
     rows = [
-        {"H": 24, "up_codec": "int4", "val_loss": 2.00, "bytes_per_token": 30.0},
-        {"H": 96, "up_codec": "int4", "val_loss": 2.08, "bytes_per_token": 10.0},
-        {"H": 96, "up_codec": "fp32", "val_loss": 2.30, "bytes_per_token": 5.0},
+        row("decoupled", 24, "int4", "bf16", 2.00, 30.0),
+        row("decoupled", 96, "int4", "bf16", 2.08, 10.0),
+        row("decoupled", 96, "fp32", "bf16", 2.30, 5.0),
+        row("sync", 24, "int4", "bf16", 1.90, 29.0),  # better, but not the default setting
     ]
     goal = rp.bandwidth_target(rows, dp_bytes_per_token=3000.0)
-    assert goal["met"] is True and goal["measured"].startswith("300x at H=96 int4")
+    assert goal["met"] is True and goal["measured"].startswith("300x at decoupled H=96 int4/bf16")
     rows[1]["val_loss"] = 2.2  # now too far from H=24
     assert rp.bandwidth_target(rows, dp_bytes_per_token=3000.0)["met"] is False
+
+
+def test_the_sweep_figure_and_table_name_every_setting(tmp_path):
+    from diloco.bench import plots
+
+    rows = [
+        {"mode": m, "H": h, "up_codec": "int4", "down_codec": d, "val_loss": loss,
+         "bytes_per_token": bpt, "seeds": [0], "tokens": 1, "tokens_per_s": 1.0,
+         "goodput": 0.9, "wall_s": 1.0}
+        for m, h, d, loss, bpt in [("decoupled", 24, "bf16", 2.0, 200.0),
+                                    ("sync", 96, "int4", 2.1, 12.0)]
+    ]  # fmt: skip
+    assert plots.sweep_tradeoff(rows, tmp_path).stat().st_size > 5000
+    table = rp.markdown_table(rows, mx.SWEEP_KEYS)
+    assert "| sync | 96 | int4 | int4 | 1 | 2.100 |" in table
 
 
 @pytest.mark.slow

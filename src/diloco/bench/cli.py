@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     main = [r for r in results if "H" not in r]
     swept = [r for r in results if "H" in r]
     rows = rp.cells(main)
-    sweep_rows = rp.cells(swept, keys=("H", "up_codec")) if swept else []
+    sweep_rows = rp.cells(swept, keys=mx.SWEEP_KEYS) if swept else []
     dp_bpt = next((r["dp_bytes_per_token"] for r in results if r.get("dp_bytes_per_token")), None)
     goals = rp.targets(rows)
     band = rp.bandwidth_target(sweep_rows, dp_bpt)
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         "",
     ]
     if sweep_rows:
-        text += ["Sweep (decoupled, clean):", "", rp.markdown_table(sweep_rows, ("H", "up_codec"))]
+        text += ["Sweep (clean):", "", rp.markdown_table(sweep_rows, mx.SWEEP_KEYS)]
         text += ["", f"data-parallel bytes/token (fp32 ring all-reduce): {dp_bpt:,.0f}", ""]
     text += ["Targets:", ""] + [
         f"- {'met' if g['met'] else 'MISSED'}: {g['target']} ({g['measured']})" for g in goals

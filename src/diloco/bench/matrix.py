@@ -8,7 +8,9 @@ Conditions (every mode sees the same recipe, seeds, learners and batch sizes):
   can carry out): goodput and loss at equal wall time.
 * ``slow``: ``minutes`` of wall time with learner 1 three times slower: tokens/s.
 
-The sweep runs decoupled mode, clean, over H × upload codec: the quality/bandwidth trade-off.
+The sweep runs decoupled mode, clean, over H × upload codec: the quality/bandwidth trade-off,
+plus a few low-bandwidth settings beyond that grid (``LOW_BANDWIDTH``: int4 both ways at
+H = 96, decoupled and synchronous), where downloads, not uploads, dominate the bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ PEERS = ("torchft",)
 DEFAULT_CHAOS = "kill:mtbf=60s,down=5-15s"
 SWEEP_H = (24, 48, 96)
 SWEEP_CODECS = ("fp32", "bf16", "int4")
+SWEEP_KEYS = ("mode", "H", "up_codec", "down_codec")
+"""What identifies a sweep row (the sweep settings plus the mode)."""
+LOW_BANDWIDTH = (("decoupled", 96, "int4", "int4"), ("sync", 96, "int4", "int4"))
+"""(mode, H, up codec, down codec) runs added to the sweep's grid."""
+DEFAULT_SETTING = {"mode": "decoupled", "H": 24, "up_codec": "int4", "down_codec": "bf16"}
+"""The default configuration the sweep's losses are compared with."""
 
 
 @dataclass(frozen=True)
@@ -97,21 +105,24 @@ def matrix(
 
 
 def sweep(budget: Budget, seed: int, hs=SWEEP_H, codecs=SWEEP_CODECS) -> list[RunSpec]:
-    """Decoupled, clean, one run per (H, upload codec)."""
+    """Clean runs: decoupled over (H, upload codec) with bf16 downloads, then
+    ``LOW_BANDWIDTH``."""
+    settings = [("decoupled", h, codec, "bf16") for h in hs for codec in codecs]
     runs = []
-    for h in hs:
-        for codec in codecs:
-            flags = ("--mode=decoupled", *common_flags(budget, seed))
-            flags += condition_flags("clean", budget)
-            flags += (f"--sync-every={h}", f"--up-codec={codec}")
-            runs.append(
-                RunSpec(
-                    f"sweep-H{h}-{codec}-s{seed}",
-                    "decoupled",
-                    "clean",
-                    seed,
-                    flags,
-                    sweep={"H": h, "up_codec": codec},
-                )
+    for mode, h, up, down in settings + list(LOW_BANDWIDTH):
+        flags = (f"--mode={mode}", *common_flags(budget, seed))
+        flags += condition_flags("clean", budget)
+        flags += (f"--sync-every={h}", f"--up-codec={up}", f"--down-codec={down}")
+        grid = (mode, down) == ("decoupled", "bf16")
+        name = f"sweep-H{h}-{up}-s{seed}" if grid else f"sweep-{mode}-H{h}-{up}-{down}-s{seed}"
+        runs.append(
+            RunSpec(
+                name,
+                mode,
+                "clean",
+                seed,
+                flags,
+                sweep={"H": h, "up_codec": up, "down_codec": down},
             )
+        )
     return runs

@@ -79,7 +79,7 @@ def bars(rows: list[dict], out: Path) -> list[Path]:
 
 
 def sweep_tradeoff(rows: list[dict], out: Path) -> Path | None:
-    """Held-out loss against bytes per token for every (H, upload codec) of the sweep."""
+    """Held-out loss against bytes per token for every setting of the sweep."""
     if not rows:
         return None
     plt = _pyplot()
@@ -87,7 +87,9 @@ def sweep_tradeoff(rows: list[dict], out: Path) -> Path | None:
     for r in rows:
         ax.scatter(r["bytes_per_token"], r["val_loss"], color="tab:blue")
         ax.annotate(
-            f"H={r['H']} {r['up_codec']}", (r["bytes_per_token"], r["val_loss"]), fontsize=8
+            f"{r.get('mode', 'decoupled')[:4]} H={r['H']} {r['up_codec']}/{r.get('down_codec', 'bf16')}",
+            (r["bytes_per_token"], r["val_loss"]),
+            fontsize=8,
         )
     ax.set_xscale("log")
     ax.set_xlabel("bytes per token (log)")
