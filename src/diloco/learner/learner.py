@@ -11,9 +11,10 @@ received, exactly as decoded, so download rounding never leaks into a delta), it
 and the counters ``steps_p``, ``tokens_p`` since it last received p. When p is due
 (``diloco.algorithm.fragments.due_fragments``) it queues ``Δ = A_p − θ_p`` with the base
 version and counters. A merged fragment that arrived is applied at the next ``step`` call: if
-it merged this learner's latest contribution, overwrite (``θ_p ← Θ_p``, or
-``θ_p ← αθ_p + (1−α)Θ_p``); if it merged only other learners' work, rebase
-(``θ_p ← Θ_p + (θ_p − A_p)``, keeping the local progress; see ``apply_arrived``). The inner
+it merged only other learners' work, rebase (``θ_p ← Θ_p + (θ_p − A_p)``, keeping the local
+progress); if it merged this learner's delta δ, keep only what was trained after δ was queued
+(``θ_p ← Θ_p + (θ_p − (A_p − δ))``); the paper's overwrite (``θ_p ← Θ_p``, or
+``θ_p ← αθ_p + (1−α)Θ_p``) when both rebases are off. See ``apply_arrived``. The inner
 optimizer's state (AdamW moments) is left alone. A fragment never received yet is not sent.
 """
 
@@ -23,6 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +33,17 @@ from diloco.algorithm.fragments import FragmentLayout, balanced_fragments, due_f
 from diloco.learner.link import UploadJob
 from diloco.learner.shards import open_link
 from diloco.wire.auth import client_link_options
+
+
+class InFlight(NamedTuple):
+    """The latest delta queued for a fragment, not yet seen in a merge."""
+
+    delta: torch.Tensor
+    steps: int
+    tokens: int
+    rebased: bool = False
+    """A foreign merge was applied since: the anchor already excludes ``delta`` and the
+    counters no longer hold its steps and tokens."""
 
 
 @dataclass(kw_only=True)
@@ -42,7 +55,12 @@ class LearnerConfig:
     rebase_foreign: bool = True
     """When a merged fragment arrives that does not include this learner's latest
     contribution, move the local progress onto it (``θ ← θ + (Θ − A)``, counters kept) instead
-    of discarding it; merges that include the contribution are applied by ``alpha`` as usual."""
+    of discarding it."""
+    rebase_own: bool = True
+    """When the merge that includes this learner's in-flight delta δ arrives, keep the progress
+    made since δ was queued (``θ ← Θ + (θ − (A − δ))``, counters less δ's) instead of
+    overwriting it: the steps trained while δ travelled and was merged are not thrown away.
+    False (or a merge with nothing of ours in flight) applies ``alpha``: the paper's rule."""
     alpha: float = 0.0
     """Mixing on receive: θ_p ← αθ_p + (1−α)Θ_p; 0 overwrites (the paper's rule)."""
     learner_id: str | None = None
@@ -133,9 +151,10 @@ class Learner:
         self.applied = 0
         self.last_applied: list[int] = []  # fragments changed by the last apply_arrived()
         self._arrived: dict[int, tuple[int, torch.Tensor, frozenset[str]]] = {}
-        # Latest delta queued per fragment and the counters it covered; forgotten once a
-        # merge that includes it (or one rebased over it) is applied.
-        self._sent: dict[int, tuple[torch.Tensor, int, int]] = {}
+        # Latest delta queued per fragment, the counters it covered and whether a foreign
+        # rebase already took it out of the anchor; forgotten once a merge that includes it
+        # is applied.
+        self._sent: dict[int, InFlight] = {}
         # Fragments sent and not yet merged back: p -> (local step sent at, base version).
         self._awaited: dict[int, tuple[int, int]] = {}
         self._arrived_lock = threading.Lock()
@@ -199,56 +218,83 @@ class Learner:
     def apply_arrived(self) -> int:
         """Apply every fragment that has arrived since the last call; returns how many.
 
-        A merge that includes this learner's latest contribution (or any merge, with
-        ``rebase_foreign=False``) is applied by the paper's rule: overwrite (or α-mix), anchor
-        and counters reset. A merge of other learners' contributions only is a *rebase*: the
+        A merge of other learners' contributions only is a *rebase* (``rebase_foreign``): the
         local progress since the anchor is kept on top of the new value, and so are the
         counters; a delta still in flight is taken out of the next one (its progress is on
-        its way to the syncer already).
+        its way to the syncer already). A merge that includes this learner's in-flight delta
+        keeps what was trained after that delta was queued (``rebase_own``). Otherwise (or
+        with both off) the paper's rule: overwrite (or α-mix), anchor and counters reset.
         """
         with self._arrived_lock:
             arrived, self._arrived = self._arrived, {}
-        alpha = self.config.alpha
         self.last_applied = []
         with torch.no_grad():
             for p, (version, value, contributors) in sorted(arrived.items()):
                 if version <= self.versions[p]:
                     continue
                 self.last_applied.append(p)
-                anchor = self.anchors[p]
-                foreign = self.learner_id not in contributors
-                if not foreign:
+                if self.learner_id in contributors:
                     self._merged_in[p] = version
-                if anchor is not None and foreign and self.config.rebase_foreign:
-                    # value + (local − anchor): exactly the new value when there is no
-                    # local progress (a finished learner ends with the syncer's parameters).
-                    progress = self.layout.gather(p, self.params).sub_(anchor)
-                    self.layout.scatter(p, progress.add_(value), self.params)
-                    in_flight = self._sent.pop(p, None)
-                    if in_flight is None:
-                        self.anchors[p] = value
-                    else:
-                        delta, steps, tokens = in_flight
-                        self.anchors[p] = value - delta
-                        self.steps_since[p] = max(0, self.steps_since[p] - steps)
-                        self.tokens_since[p] = max(0, self.tokens_since[p] - tokens)
+                    self._apply_own(p, value)
                 else:
-                    if alpha == 0.0 or anchor is None:
-                        self.layout.scatter(p, value, self.params)
-                    else:
-                        mixed = (
-                            self.layout.gather(p, self.params)
-                            .mul_(alpha)
-                            .add_(value, alpha=1 - alpha)
-                        )
-                        self.layout.scatter(p, mixed, self.params)
-                    self.anchors[p] = value
-                    self.steps_since[p] = 0
-                    self.tokens_since[p] = 0
-                    self._sent.pop(p, None)
+                    self._apply_foreign(p, value)
                 self.versions[p] = version
                 self.applied += 1
         return len(self.last_applied)
+
+    def _apply_foreign(self, p: int, value: torch.Tensor) -> None:
+        anchor = self.anchors[p]
+        if anchor is None or not self.config.rebase_foreign:
+            self._overwrite(p, value)
+            return
+        # value + (local − anchor): exactly the new value when there is no local progress
+        # (a finished learner ends with the syncer's parameters).
+        progress = self.layout.gather(p, self.params).sub_(anchor)
+        in_flight = self._sent.get(p)
+        if in_flight is not None and in_flight.rebased:
+            progress.sub_(in_flight.delta)  # the anchor excludes it: put it back in
+        self.layout.scatter(p, progress.add_(value), self.params)
+        if in_flight is None:
+            self.anchors[p] = value
+            return
+        self.anchors[p] = value - in_flight.delta
+        if not in_flight.rebased:
+            self._take_off_counters(p, in_flight)
+            self._sent[p] = in_flight._replace(rebased=True)
+
+    def _apply_own(self, p: int, value: torch.Tensor) -> None:
+        anchor = self.anchors[p]
+        in_flight = self._sent.pop(p, None)
+        if anchor is None or in_flight is None or not self.config.rebase_own:
+            self._overwrite(p, value)
+            return
+        if not in_flight.rebased:
+            self._take_off_counters(p, in_flight)
+        if self.steps_since[p] == 0:  # nothing trained since δ was queued: exactly Θ
+            self._overwrite(p, value)
+            return
+        after = self.layout.gather(p, self.params).sub_(anchor)  # θ − A
+        if not in_flight.rebased:
+            after.add_(in_flight.delta)  # θ − (A − δ): what came after δ
+        self.layout.scatter(p, after.add_(value), self.params)
+        self.anchors[p] = value
+
+    def _take_off_counters(self, p: int, in_flight: InFlight) -> None:
+        self.steps_since[p] = max(0, self.steps_since[p] - in_flight.steps)
+        self.tokens_since[p] = max(0, self.tokens_since[p] - in_flight.tokens)
+
+    def _overwrite(self, p: int, value: torch.Tensor) -> None:
+        """The paper's rule: θ_p ← Θ_p (α = 0) or αθ_p + (1−α)Θ_p; anchor Θ, counters 0."""
+        alpha = self.config.alpha
+        if alpha == 0.0 or self.anchors[p] is None:
+            self.layout.scatter(p, value, self.params)
+        else:
+            mixed = self.layout.gather(p, self.params).mul_(alpha).add_(value, alpha=1 - alpha)
+            self.layout.scatter(p, mixed, self.params)
+        self.anchors[p] = value
+        self.steps_since[p] = 0
+        self.tokens_since[p] = 0
+        self._sent.pop(p, None)
 
     def wait_for_global(self, timeout: float = 60.0) -> bool:
         """Block until this learner holds every fragment at least at the version the syncer had
@@ -312,7 +358,7 @@ class Learner:
             if self.versions[p] < 0 or self.steps_since[p] == 0:
                 continue
             queued = self._sent.get(p)
-            if queued is None or queued[1] != self.steps_since[p]:
+            if queued is None or queued.rebased or queued.steps != self.steps_since[p]:
                 self._queue(p)
             self._flushed[p] = self.versions[p]
         return self.link.wait_idle(self.config.flush_timeout_s if timeout is None else timeout)
@@ -430,7 +476,7 @@ class Learner:
         if anchor is None:
             return
         delta = anchor - self.layout.gather(p, self.params)
-        self._sent[p] = (delta, self.steps_since[p], self.tokens_since[p])
+        self._sent[p] = InFlight(delta, self.steps_since[p], self.tokens_since[p])
         self._awaited.setdefault(p, (self.local_step, self.versions[p]))
         self.link.submit(
             UploadJob(

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     config = LearnerConfig(
         fragments=args.fragments,
         sync_every=args.sync_every,
+        rebase_own=not args.overwrite_own,
         learner_id=args.id,
         cpu_threads=args.threads,
         token=token,
@@ -407,6 +408,12 @@ def register(subparsers) -> None:
         type=float,
         default=120.0,
         help="with --wait-for-merge: the longest wait before training on regardless",
+    )
+    p.add_argument(
+        "--overwrite-own",
+        action="store_true",
+        help="apply a merge that holds this learner's delta by the paper's overwrite, dropping "
+        "the steps trained while the delta was in flight (default: keep them)",
     )
     p.add_argument("--workdir", help="directory for progress and checkpoints")
     p.add_argument("--threads", type=int, default=1)
