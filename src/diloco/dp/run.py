@@ -62,6 +62,7 @@ def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
     import torch.distributed as dist
 
     from diloco.launch.procs import diloco_command
+    from diloco.launch.run import spare_count
     from diloco.launch.summary import format_summary
     from diloco.launch.supervisor import Supervisor
 
@@ -79,7 +80,11 @@ def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
     started = time.time()
     names = [p.id for p in plans]
     sup = Supervisor(
-        tape=tape.append, clock=lambda: time.time() - started, chaos=chaos, group=names
+        tape=tape.append,
+        clock=lambda: time.time() - started,
+        chaos=chaos,
+        group=names,
+        spares=spare_count(args.spares, chaos, restart_together=len(names)),
     )
     snapshot = run_dir / "dp" / "global.safetensors"
     budget_s = args.minutes * 60 if args.minutes else 0.0

@@ -43,6 +43,7 @@ class Child:
         *,
         threads: int = 1,
         cwd: str | None = None,
+        stdin=subprocess.DEVNULL,
     ) -> None:
         self.name = name
         self.argv = argv
@@ -51,13 +52,38 @@ class Child:
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=child_env(threads),
             cwd=cwd,
             start_new_session=True,
         )
+        self.started_at = time.time()
+
+    @classmethod
+    def spare(cls, log_path: Path, *, threads: int = 1, cwd: str | None = None) -> Child:
+        """A warm spare (:mod:`diloco.launch.spare`) importing torch, waiting for :meth:`assign`."""
+        argv = [sys.executable, "-m", "diloco.launch.spare"]
+        return cls("spare", argv, log_path, threads=threads, cwd=cwd, stdin=subprocess.PIPE)
+
+    def assign(self, name: str, argv: list[str], log_path: Path) -> None:
+        """Make this spare run ``argv`` (a :func:`diloco_command`) as ``name``, its output
+        appended to ``log_path``. ``RuntimeError`` if the spare cannot take it (it died)."""
+        from diloco.launch.spare import assignment
+
+        prefix = diloco_command()
+        if self.proc.stdin is None or argv[: len(prefix)] != prefix:
+            raise ValueError(f"a spare runs diloco commands only, not {argv[:3]}")
+        if not self.running:
+            raise RuntimeError(f"spare {self.pid} exited with code {self.poll()}")
+        try:
+            self.proc.stdin.write(assignment(argv[len(prefix) :], str(log_path)))
+            self.proc.stdin.close()
+        except OSError as exc:  # broken pipe: it died just now
+            raise RuntimeError(f"spare {self.pid} did not take the assignment: {exc}") from exc
+        self.close_log()
+        self.name, self.argv, self.log_path = name, argv, Path(log_path)
         self.started_at = time.time()
 
     @property

@@ -200,7 +200,11 @@ def run(args: argparse.Namespace) -> int:
     status_client = None
     try:
         sup = make_supervisor(
-            args, tape=tape.append, clock=lambda: time.time() - started, chaos=chaos
+            args,
+            tape=tape.append,
+            clock=lambda: time.time() - started,
+            chaos=chaos,
+            spares=spare_count(args.spares, chaos, restart_together=1),
         )
         host = getattr(sup, "syncer_host", "127.0.0.1")
         check_bind(f"{host}:0", token)
@@ -248,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
                     f"--workdir={run_dir / 'learners' / plan.id}",
                     f"--join-timeout={args.start_timeout}",
                     f"--wait-for-merge={sync_lag(args)}",
+                    *(["--overwrite-own"] if args.overwrite_own else []),
                     "--exit-with-parent",
                     *recipe_flags(args),
                     *([f"--token-file={args.token_file}"] if args.token_file else []),
@@ -330,11 +335,21 @@ def check_shards(args: argparse.Namespace, clauses) -> None:
         )
 
 
+def spare_count(asked: int, chaos, restart_together: int) -> int:
+    """Warm spares to keep: ``asked`` if given (>= 0); by default (-1) as many as restart at
+    once (1 learner, or the whole data-parallel group) when the chaos schedule kills
+    learners, none otherwise (a spare costs an idle interpreter's memory)."""
+    if asked >= 0:
+        return asked
+    return restart_together if any(e.kind == "kill" for e in chaos) else 0
+
+
 def make_supervisor(args: argparse.Namespace, **kwargs):
     """The launcher of ``args.backend``: local processes, or Ray actors (``ray_backend``)."""
     if args.backend == "ray":
         from diloco.launch.ray_backend import RaySupervisor
 
+        kwargs.pop("spares", None)  # Ray starts its own workers
         return RaySupervisor(args, **kwargs)
     from diloco.launch.supervisor import Supervisor
 
@@ -514,6 +529,12 @@ def register(subparsers) -> None:
     p.add_argument("--fragments", type=int, default=24, help="P (default 24)")
     p.add_argument("--sync-every", type=int, default=24, help="H in steps (default 24)")
     p.add_argument(
+        "--overwrite-own",
+        action="store_true",
+        help="learners apply a merge holding their own delta by the paper's overwrite, "
+        "dropping the steps trained while it was in flight (default: keep them)",
+    )
+    p.add_argument(
         "--eval-every",
         type=float,
         default=5.0,
@@ -524,6 +545,14 @@ def register(subparsers) -> None:
         default="",
         metavar="SPEC",
         help="inject failures, e.g. 'kill:mtbf=60s,down=5-15s;syncer-kill:at=120s' (docs/cli.md)",
+    )
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="warm spare processes (torch imported) that restarted learners run in, for "
+        "fast restarts; local backend (default: 1 when --chaos kills learners, else 0)",
     )
     p.add_argument(
         "--checkpoint-every",

@@ -7,6 +7,11 @@ down. The syncer is restarted from its state directory on the same address whene
 Every injected failure and every restart is appended to the event tape (``chaos`` and
 ``restart`` records) next to the syncer's own records.
 
+With ``spares=N`` the supervisor keeps N warm spares (:mod:`diloco.launch.spare`: interpreters
+that have imported torch) from the start of the chaos clock on; a restart hands the child's
+command to one (``"warm": true`` on its ``restart`` record) and a new spare is started in its
+place. Without a spare ready, a restart starts a fresh process as before.
+
 A *group* (the data-parallel baseline, ``group=[names]``) fails as a whole, as a static
 ``torch.distributed`` job does: when one member dies, the supervisor kills the others (a
 ``group-stop`` record) and restarts every member together once the dead one's down time is over,
@@ -15,7 +20,9 @@ with ``--generation=G`` in their command lines bumped so that they rendezvous af
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,7 +71,10 @@ class Supervisor:
         restart_delay_s: float = 1.0,
         relays: dict | None = None,
         group: list[str] = (),
+        spares: int = 0,
     ) -> None:
+        if spares < 0:
+            raise ValueError(f"spares must be >= 0, got {spares}")
         self.relays = relays or {}
         self.slots: dict[str, Slot] = {}
         self.tape = tape
@@ -75,15 +85,22 @@ class Supervisor:
         self.group = list(group)
         self.generation = 0  # of the group: bumped at every group stop
         self._group_down = False
+        self.spares_wanted = spares
+        self._spares: list[Child] = []
+        self._spare_log: Path | None = None  # beside the first child's log
 
     def start_chaos(self) -> None:
-        """Start the chaos clock now (idempotent); records a ``chaos-clock`` tape event."""
+        """Start the chaos clock now (idempotent); records a ``chaos-clock`` tape event.
+        The spares start now too: once every learner trains, not during the launch."""
         if self.chaos_started is None:
             self.chaos_started = self.clock()
             if self.pending:
                 self.tape({"event": "chaos-clock", "t": time.time()})
+            self._fill_spares()
 
     def add(self, name: str, argv: list[str], log: Path) -> Slot:
+        if self._spare_log is None:
+            self._spare_log = Path(log).parent / "spare.log"
         slot = Slot(name, argv, log)
         slot.child = Child(name, argv, log)
         self.slots[name] = slot
@@ -213,10 +230,39 @@ class Supervisor:
             slot.restart_at = None
             slot.expected_death = False
             slot.restarts += 1
-            slot.child = Child(slot.name, slot.argv, slot.log)
-            self.tape({"event": "restart", "t": time.time(), "target": slot.name})
+            slot.child, warm = self._start(slot)
+            self.tape({"event": "restart", "t": time.time(), "target": slot.name, "warm": warm})
             if slot.name in self.group:
                 self._group_down = False
+
+    # ------------------------------------------------------------------------ spares
+    def _start(self, slot: Slot) -> tuple[Child, bool]:
+        """A process for ``slot``: a warm spare if one is ready, else a fresh one."""
+        while self._spares:
+            spare = self._spares.pop(0)
+            try:
+                spare.assign(slot.name, slot.argv, slot.log)
+            except RuntimeError:  # it died while waiting: use the next one
+                spare.close_log()
+                continue
+            self._fill_spares()
+            return spare, True
+        self._fill_spares()
+        return Child(slot.name, slot.argv, slot.log), False
+
+    def _fill_spares(self) -> None:
+        if self.chaos_started is None or self._spare_log is None:
+            return
+        while len(self._spares) < self.spares_wanted:
+            self._spares.append(Child.spare(self._spare_log))
+
+    def _stop_spares(self) -> None:
+        for spare in self._spares:
+            spare.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spare.proc.wait(5)
+            spare.close_log()
+        self._spares = []
 
     # ------------------------------------------------------------------------ shutdown
     def stop(self, names: list[str], timeout: float) -> dict[str, int | None]:
@@ -249,10 +295,12 @@ class Supervisor:
         return out
 
     def kill_everything(self) -> None:
+        self._stop_spares()
         for slot in self.slots.values():
             if slot.child is not None and slot.child.running:
                 slot.child.signal(signal.SIGCONT)
                 slot.child.kill()
 
     def close(self) -> None:
-        """Release what the supervisor holds besides its children (nothing for local ones)."""
+        """Release what the supervisor holds besides its children: the idle spares."""
+        self._stop_spares()

@@ -1,0 +1,77 @@
+"""A warm spare: a process that has already imported torch, waiting to become a restarted child.
+
+A fresh learner spends most of its start in imports: ``torch``, then ``torch._dynamo``, which
+``torch.optim`` pulls in when the first optimizer is built (the measured start-up is in
+``docs/deployment.md``). The supervisor can keep spares (``diloco run --spares``): each runs
+``python -m diloco.launch.spare``, imports all that and blocks on its stdin. A restart hands a
+spare the child's command line and log; the spare points its stdout and stderr at that log and
+runs the command in the same interpreter. The restart then costs what the learner does
+itself (checkpoint, data, join), not the interpreter's start.
+
+The handover is one JSON line on a pipe only the supervisor holds (never pickle):
+``{"argv": [...the diloco sub-command and flags...], "log": "path"}``. End of file on stdin
+(the supervisor went away) makes an idle spare exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def parse_assignment(line: str) -> tuple[list[str], str]:
+    """``(argv, log path)`` from a handover line; ``ValueError`` if it is not one."""
+    try:
+        job = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(job, dict) or set(job) != {"argv", "log"}:
+        raise ValueError('expected {"argv": [...], "log": "..."}')
+    argv, log = job["argv"], job["log"]
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError("argv must be a non-empty list of strings")
+    if not isinstance(log, str) or not log:
+        raise ValueError("log must be a path")
+    return argv, log
+
+
+def assignment(argv: list[str], log: str) -> bytes:
+    """The handover line for ``argv`` (a diloco sub-command and its flags) and ``log``."""
+    return (json.dumps({"argv": argv, "log": log}) + "\n").encode()
+
+
+def warm_up() -> None:
+    """Import what a learner or a data-parallel worker imports, including ``torch._dynamo``."""
+    import torch._dynamo  # noqa: F401  (torch.optim imports it on the first optimizer)
+
+    import diloco.cli  # noqa: F401
+    import diloco.dp.worker  # noqa: F401
+    import diloco.learner.learner  # noqa: F401
+    import diloco.learner.worker  # noqa: F401
+    import diloco.recipes  # noqa: F401
+
+
+def main() -> int:
+    warm_up()
+    line = sys.stdin.readline()
+    if not line:
+        return 0  # the supervisor is gone before it needed us
+    try:
+        argv, log = parse_assignment(line)
+    except ValueError as exc:
+        print(f"diloco spare: bad assignment: {exc}", file=sys.stderr)
+        return 2
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from diloco.cli import main as diloco_main
+
+    return diloco_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Warm spares: real interpreters that import torch, then become the restarted child."""
+
+import json
+import time
+
+import pytest
+
+from diloco.chaos import ChaosEvent
+from diloco.launch.procs import Child, diloco_command
+from diloco.launch.run import spare_count
+from diloco.launch.spare import assignment, parse_assignment
+from diloco.launch.supervisor import Supervisor
+
+
+def wait_exit(child: Child, timeout: float = 90.0) -> int:
+    return child.proc.wait(timeout)
+
+
+def test_assignment_round_trips_and_bad_lines_are_refused():
+    line = assignment(["learner", "--id=x"], "/tmp/x.log").decode()
+    assert parse_assignment(line) == (["learner", "--id=x"], "/tmp/x.log")
+    for bad in (
+        "not json",
+        json.dumps(["learner"]),
+        json.dumps({"argv": [], "log": "l"}),
+        json.dumps({"argv": ["a", 1], "log": "l"}),
+        json.dumps({"argv": ["a"], "log": ""}),
+        json.dumps({"argv": ["a"], "log": "l", "extra": 1}),
+    ):
+        with pytest.raises(ValueError):
+            parse_assignment(bad)
+
+
+def test_spare_count_default_follows_the_chaos_schedule():
+    kill = [ChaosEvent(10.0, "kill", "learner-0", 5.0)]
+    hang = [ChaosEvent(10.0, "hang", "learner-0", 5.0)]
+    assert spare_count(-1, kill, restart_together=1) == 1
+    assert spare_count(-1, kill, restart_together=4) == 4
+    assert spare_count(-1, hang, restart_together=1) == 0
+    assert spare_count(-1, [], restart_together=1) == 0
+    assert spare_count(2, [], restart_together=1) == 2
+    with pytest.raises(ValueError):
+        Supervisor(tape=lambda r: None, clock=lambda: 0.0, spares=-1)
+
+
+def test_a_spare_runs_the_command_it_is_given_into_the_given_log(tmp_path):
+    spare = Child.spare(tmp_path / "spare.log")
+    try:
+        pid = spare.pid
+        spare.assign("planner", diloco_command("plan", "--help"), tmp_path / "planner.log")
+        assert wait_exit(spare) == 0
+        assert spare.pid == pid and spare.name == "planner"
+        assert "usage: diloco plan" in (tmp_path / "planner.log").read_text()
+        assert "usage" not in (tmp_path / "spare.log").read_text()
+        with pytest.raises(RuntimeError):
+            spare.assign("again", diloco_command("plan"), tmp_path / "x.log")
+    finally:
+        spare.kill()
+
+
+def test_a_spare_refuses_a_command_that_is_not_a_diloco_one(tmp_path):
+    spare = Child.spare(tmp_path / "spare.log")
+    try:
+        with pytest.raises(ValueError):
+            spare.assign("sh", ["/bin/sh", "-c", "echo hi"], tmp_path / "sh.log")
+    finally:
+        spare.kill()
+        spare.proc.wait(10)
+
+
+def test_an_idle_spare_exits_when_the_supervisor_closes_its_pipe(tmp_path):
+    spare = Child.spare(tmp_path / "spare.log")
+    spare.proc.stdin.close()
+    try:
+        assert wait_exit(spare) == 0
+    finally:
+        spare.kill()
+
+
+def test_a_crashed_child_restarts_warm_and_the_spare_is_replaced(tmp_path):
+    tape, clock = [], [0.0]
+    sup = Supervisor(tape=tape.append, clock=lambda: clock[0], spares=1)
+    try:
+        # exits 2 at once (an unknown flag): an unplanned crash, restarted after 1 s
+        slot = sup.add("learner-0", diloco_command("learner", "--bogus"), tmp_path / "l0.log")
+        sup.start_chaos()
+        first_spare = sup._spares[0].pid
+        slot.child.proc.wait(60)
+        sup.poll()
+        clock[0] = 2.0
+        sup.poll()
+        restarts = [r for r in tape if r["event"] == "restart"]
+        assert restarts and restarts[0]["warm"] is True
+        assert slot.child.pid == first_spare
+        assert len(sup._spares) == 1 and sup._spares[0].pid != first_spare
+        slot.child.proc.wait(90)  # the spare ran the learner command: the same error, logged
+        assert slot.child.poll() == 2
+        assert (tmp_path / "l0.log").read_text().count("diloco learner: error:") == 2
+        spare = sup._spares[0]
+    finally:
+        sup.kill_everything()
+        sup.close()
+    deadline = time.monotonic() + 10
+    while spare.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not spare.running and sup._spares == []
