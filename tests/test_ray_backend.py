@@ -192,6 +192,8 @@ def test_what_the_ray_backend_cannot_do_is_refused_up_front(monkeypatch):
         check_args(run_args("--backend=ray", "--mode=dp"), set())
     with pytest.raises(ValueError, match="only with --backend ray"):
         check_args(run_args("--ray-learner-gpus=1"), set())
+    with pytest.raises(ValueError, match="--spares: local backend only"):
+        check_args(run_args("--backend=ray", "--spares=1"), set())
     with pytest.raises(ValueError, match="--address auto"):
         check_args(run_args("--backend=ray", "--address=ray://head:10001"), set())
     args = run_args("--backend=ray", "--ray-learner-cpus=2")

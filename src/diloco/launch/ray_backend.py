@@ -106,6 +106,8 @@ def check_args(args: argparse.Namespace, chaos_kinds: set[str]) -> None:
         raise ValueError("--mode dp: not supported with --backend ray (a static gloo group)")
     if args.shards > 1:
         raise ValueError("--shards > 1: not supported with --backend ray yet; use --backend local")
+    if getattr(args, "spares", -1) > 0:
+        raise ValueError("--spares: local backend only (Ray restarts its own actors)")
     bad = sorted(chaos_kinds & set(UNSUPPORTED_CHAOS))
     if bad:
         raise ValueError(
