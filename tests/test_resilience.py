@@ -110,6 +110,7 @@ def test_killed_learner_is_replaced_others_keep_committing_and_it_contributes_ag
     kill = one(tape, "chaos", kind="kill")
     back = one(tape, "restart", target="learner-1")
     assert back["t"] - kill["t"] >= KILL_DOWN
+    assert back["warm"] is True  # it ran in the warm spare kept for kill chaos
     # Contributions that arrived before the kill may still close their rounds just after it.
     during = rounds_between(tape, kill["t"] + 1.0, back["t"])
     assert during and all("learner-1" not in r["participants"] for r in during)

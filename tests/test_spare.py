@@ -104,3 +104,26 @@ def test_a_crashed_child_restarts_warm_and_the_spare_is_replaced(tmp_path):
     while spare.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not spare.running and sup._spares == []
+
+
+def test_a_dead_spare_is_replaced_and_the_syncer_never_takes_one(tmp_path):
+    tape, clock = [], [0.0]
+    sup = Supervisor(tape=tape.append, clock=lambda: clock[0], spares=1)
+    try:
+        syncer = sup.add("syncer", diloco_command("syncer", "--bogus"), tmp_path / "s.log")
+        learner = sup.add("learner-0", diloco_command("learner", "--bogus"), tmp_path / "l.log")
+        sup.start_chaos()
+        dead = sup._spares[0]
+        dead.kill()
+        dead.proc.wait(10)
+        syncer.child.proc.wait(60)
+        learner.child.proc.wait(60)
+        sup.poll()  # the syncer restarts at once, fresh; the learner after 1 s
+        clock[0] = 2.0
+        sup.poll()
+        warm = {r["target"]: r["warm"] for r in tape if r["event"] == "restart"}
+        assert warm == {"syncer": False, "learner-0": False}
+        assert len(sup._spares) == 1 and sup._spares[0].pid != dead.pid
+    finally:
+        sup.kill_everything()
+        sup.close()

@@ -9,7 +9,8 @@ Every injected failure and every restart is appended to the event tape (``chaos`
 
 With ``spares=N`` the supervisor keeps N warm spares (:mod:`diloco.launch.spare`: interpreters
 that have imported torch) from the start of the chaos clock on; a restart hands the child's
-command to one (``"warm": true`` on its ``restart`` record) and a new spare is started in its
+command to one (``"warm": true`` on a learner's ``restart`` record; the syncer always
+restarts fresh) and a new spare is started in its
 place. Without a spare ready, a restart starts a fresh process as before.
 
 A *group* (the data-parallel baseline, ``group=[names]``) fails as a whole, as a static
@@ -237,17 +238,19 @@ class Supervisor:
 
     # ------------------------------------------------------------------------ spares
     def _start(self, slot: Slot) -> tuple[Child, bool]:
-        """A process for ``slot``: a warm spare if one is ready, else a fresh one."""
-        while self._spares:
-            spare = self._spares.pop(0)
-            try:
-                spare.assign(slot.name, slot.argv, slot.log)
-            except RuntimeError:  # it died while waiting: use the next one
-                spare.close_log()
-                continue
+        """A process for ``slot``: a warm spare if one is ready (learners only), else a fresh
+        one."""
+        if not is_syncer(slot.name):
+            while self._spares:
+                spare = self._spares.pop(0)
+                try:
+                    spare.assign(slot.name, slot.argv, slot.log)
+                except RuntimeError:  # it died while waiting: use the next one
+                    spare.close_log()
+                    continue
+                self._fill_spares()
+                return spare, True
             self._fill_spares()
-            return spare, True
-        self._fill_spares()
         return Child(slot.name, slot.argv, slot.log), False
 
     def _fill_spares(self) -> None:
