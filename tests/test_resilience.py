@@ -120,6 +120,9 @@ def test_killed_learner_is_replaced_others_keep_committing_and_it_contributes_ag
     # It resumed from its own checkpoint, not from step 0.
     log = Path(summary["run_dir"]) / "logs" / "learner-1.log"
     assert "resumed from" in log.read_text()
+    # and it kept its delivery log beside the checkpoint (what it must not send twice)
+    delivered = Path(summary["run_dir"]) / "learners" / "learner-1" / "delivered.json"
+    assert json.loads(delivered.read_text())
 
 
 def test_hung_learner_drops_out_while_others_commit_and_comes_back(runs):

@@ -87,6 +87,11 @@ class IslandLearner:
         self.local_step = self.leader.local_step if self.leader else 0
         self.local_step = int(self._broadcast_ints([self.local_step])[0])
 
+    @property
+    def dropped_on_restore(self) -> list[int]:
+        """Rank 0's: fragments whose checkpointed progress was delivered already."""
+        return self.leader.dropped_on_restore if self.leader else []
+
     # ----------------------------------------------------------------- collectives
     def wait_for_global(self, timeout: float = 60.0) -> bool:
         """Rank 0 waits for the global model (see ``Learner.wait_for_global``), then every rank

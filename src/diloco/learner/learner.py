@@ -20,6 +20,7 @@ optimizer's state (AdamW moments) is left alone. A fragment never received yet i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -30,9 +31,12 @@ import torch
 from torch import nn
 
 from diloco.algorithm.fragments import FragmentLayout, balanced_fragments, due_fragments
+from diloco.learner.delivery import DeliveryLog, already_delivered
 from diloco.learner.link import UploadJob
 from diloco.learner.shards import open_link
 from diloco.wire.auth import client_link_options
+
+log = logging.getLogger(__name__)
 
 
 class InFlight(NamedTuple):
@@ -63,6 +67,11 @@ class LearnerConfig:
     False (or a merge with nothing of ours in flight) applies ``alpha``: the paper's rule."""
     alpha: float = 0.0
     """Mixing on receive: θ_p ← αθ_p + (1−α)Θ_p; 0 overwrites (the paper's rule)."""
+    delivery_file: str | None = None
+    """Where to keep the delivery log (``diloco.learner.delivery``): per fragment, the step of
+    the newest upload the syncer accepted. With it, a learner restored from a checkpoint drops
+    the checkpointed progress it had delivered after that checkpoint instead of sending it
+    twice. Keep it beside the checkpoint; None: no log (a restore may resend some progress)."""
     learner_id: str | None = None
     """Identity at the syncer; default ``<hostname>-<pid>``. Keep it across restarts to rejoin."""
     cpu_threads: int | None = 1
@@ -168,8 +177,15 @@ class Learner:
         holding them came back in time (``drained``), and the fragments that did not."""
         # fragment -> newest applied version whose merge included this learner
         self._merged_in: dict[int, int] = {}
+        self.delivery = DeliveryLog(cfg.delivery_file) if cfg.delivery_file else None
+        self.dropped_on_restore: list[int] = []
+        """Fragments whose checkpointed progress was found delivered already at restore."""
         if state is not None:
             self.load_state_dict(state)
+            if self.delivery is not None:
+                self._drop_delivered(self.delivery.read())
+        elif self.delivery is not None:
+            self.delivery.clear()
         options = client_link_options(
             token=cfg.token, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )
@@ -181,6 +197,7 @@ class Learner:
             on_fragment=self._on_fragment,
             have_versions=self._have_versions,
             heartbeat_info=self._heartbeat_info,
+            on_accepted=self._on_accepted if self.delivery is not None else None,
             **options,
         )
 
@@ -427,6 +444,24 @@ class Learner:
             "layout_hash": self.layout.hash,
         }
 
+    def _drop_delivered(self, accepted_at: dict[int, int]) -> None:
+        """Parameters back to the anchor and counters to 0 for every fragment whose
+        checkpointed progress an accepted upload carried after the checkpoint."""
+        with torch.no_grad():
+            for p in already_delivered(accepted_at, self.local_step, self.steps_since):
+                if self.anchors[p] is None:
+                    continue
+                self.layout.scatter(p, self.anchors[p], self.params)
+                self.steps_since[p] = 0
+                self.tokens_since[p] = 0
+                self.dropped_on_restore.append(p)
+
+    def _on_accepted(self, job: UploadJob) -> None:
+        try:
+            self.delivery.record(job.fragment, job.local_step)
+        except OSError as exc:  # a full disk must not stop training; a restore may resend
+            log.warning("delivery log %s: %s", self.delivery.path, exc)
+
     def load_state_dict(self, state: dict) -> None:
         if state.get("layout_hash") != self.layout.hash:
             raise ValueError("this learner state belongs to another model or fragmentation")
@@ -486,6 +521,7 @@ class Learner:
                 self.tokens_since[p],
                 delta,
                 self._step_time or 0.0,
+                self.local_step,
             )
         )
 

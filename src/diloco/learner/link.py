@@ -44,6 +44,8 @@ class UploadJob:
     tokens: int
     delta: torch.Tensor
     step_time_s: float
+    local_step: int = 0
+    """The learner's step when it queued this delta (for its delivery log)."""
 
 
 @dataclass
@@ -78,8 +80,10 @@ class SyncerLink:
         max_backoff_s: float = 5.0,
         corruptor: Corruptor | None = None,
         on_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
+        on_accepted: Callable[[UploadJob], None] | None = None,
     ) -> None:
-        """``on_join(link, info)`` is called after every successful join with what the syncer
+        """``on_accepted(job)`` is called (from the link's thread) for every upload the syncer
+        accepted into a round. ``on_join(link, info)`` is called after every successful join with what the syncer
         said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused join).
         The default insists that this one syncer owns every fragment, so a learner given a
         single shard of a sharded syncer fails with a clear error (``diloco.learner.shards``
@@ -95,6 +99,7 @@ class SyncerLink:
         self.metadata = metadata
         self.rpc_timeout_s = rpc_timeout_s
         self.max_backoff_s = max_backoff_s
+        self.on_accepted = on_accepted
         self.corruptor = corruptor
         """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
@@ -378,6 +383,8 @@ class SyncerLink:
             self.stats.stale_replies += 1
         else:
             self.admitted[job.fragment] = reply.current_version
+            if self.on_accepted is not None:
+                self.on_accepted(job)
 
     def _heartbeat_loop(self) -> None:
         while not self._closing.wait(self._heartbeat_s):

@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        # beside the checkpoint: what was delivered after it is not sent again on restore
+        delivery_file=str(workdir / DELIVERY_LOG)
+        if workdir and leader and not args.no_sync
+        else None,
     )
     link_options = {}
     if args.corrupt:
@@ -120,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
             config=config,
             state=saved["learner"] if saved else None,
             link_options=link_options,
+        )
+    dropped = getattr(learner, "dropped_on_restore", [])  # (none without a syncer)
+    if dropped:
+        print(
+            f"learner {args.id}: {len(dropped)} fragments' checkpointed progress was delivered "
+            "after the checkpoint; not sending it again"
         )
     if not learner.wait_for_global(timeout=args.join_timeout):
         print(
@@ -204,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 CHECKPOINT = "checkpoint.pt"
+DELIVERY_LOG = "delivered.json"  # diloco.learner.delivery
 
 
 def island_rank() -> tuple[int, int]:
