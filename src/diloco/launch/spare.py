@@ -6,7 +6,9 @@ A fresh learner spends most of its start in imports: ``torch``, then ``torch._dy
 ``python -m diloco.launch.spare``, imports all that and blocks on its stdin. A restart hands a
 spare the child's command line and log; the spare points its stdout and stderr at that log and
 runs the command in the same interpreter. The restart then costs what the learner does
-itself (checkpoint, data, join), not the interpreter's start.
+itself (checkpoint, data, join), not the interpreter's start. A spare warms up at a lower CPU
+priority (niceness +10) when it may raise it back afterwards, so its imports use idle CPU
+rather than the training learners'; it runs the command at the priority it started with.
 
 The handover is one JSON line on a pipe only the supervisor holds (never pickle):
 ``{"argv": [...the diloco sub-command and flags...], "log": "path"}``. End of file on stdin
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 
 
@@ -52,9 +55,28 @@ def warm_up() -> None:
     import diloco.recipes  # noqa: F401
 
 
+#: Niceness of a spare while it warms up: it should use idle CPU, not the learners'.
+WARM_UP_NICE = 10
+
+
+def can_restore_priority(nice_now: int) -> bool:
+    """Whether this process may lower its niceness back to ``nice_now`` after raising it
+    (root, or an ``RLIMIT_NICE`` that allows it; an unprivileged process usually may not)."""
+    if os.geteuid() == 0:
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or 20 - soft <= nice_now
+
+
 def main() -> int:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = can_restore_priority(base)
+    if lowered:  # else warm up at full priority: a spare must not become a slow learner
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, base + WARM_UP_NICE))
     warm_up()
     line = sys.stdin.readline()
+    if lowered:
+        os.setpriority(os.PRIO_PROCESS, 0, base)
     if not line:
         return 0  # the supervisor is gone before it needed us
     try:
