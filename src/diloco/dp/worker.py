@@ -29,6 +29,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from diloco.cadence import AUTO, CheckpointCadence, parse_every
+
 
 def ring_bytes_per_step(num_params: int, world: int) -> int:
     """Bytes one rank sends per step in a ring all-reduce of fp32 gradients (it receives as
@@ -103,14 +105,13 @@ def run(args: argparse.Namespace) -> int:
     per_step_bytes = ring_bytes_per_step(num_params, args.world)
     first_step, started = step, time.time()
     run_started = args.run_started or started
-    last_report = last_checkpoint = last_snapshot = 0.0
+    last_report = last_snapshot = 0.0
+    cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
     loss_value = float("nan")
     while not args.total_steps or step < args.total_steps:
         now = time.time()
         length = schedule_length(args, step, now - run_started)
-        save = (
-            leader and args.checkpoint_every > 0 and now - last_checkpoint >= args.checkpoint_every
-        )
+        save = leader and cadence.due(now)  # rank 0 decides; the all-reduce tells the others
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         _, loss = model(x, y)
@@ -137,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
         loss_value = loss.item()
         now = time.time()
         if save:
-            last_checkpoint = now
+            t0 = time.perf_counter()
             save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens)
+            cadence.saved(time.time(), time.perf_counter() - t0)
         if leader and args.snapshot and now - last_snapshot >= args.snapshot_every:
             last_snapshot = now
             write_snapshot(Path(args.snapshot), model, step, group_tokens)
@@ -198,6 +200,7 @@ def write_snapshot(path: Path, model, step: int, group_tokens: int) -> None:
     from safetensors.torch import save_file
 
     tensors = {n: t.detach().contiguous() for n, t in model.named_parameters()}
+    path.parent.mkdir(parents=True, exist_ok=True)  # may come before the first checkpoint
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"step": str(step), "tokens": str(group_tokens)})
     os.replace(tmp, path)
@@ -222,7 +225,10 @@ def register(subparsers) -> None:
     p.add_argument("--run-started", type=float, default=0.0)
     p.add_argument("--checkpoint-dir", required=True, help="the group's checkpoint directory")
     p.add_argument(
-        "--checkpoint-every", type=float, default=30.0, help="seconds between group checkpoints"
+        "--checkpoint-every",
+        type=parse_every,
+        default=AUTO,
+        help="seconds between group checkpoints, or 'auto' (default; diloco.cadence)",
     )
     p.add_argument("--workdir", required=True, help="this rank's progress file goes here")
     p.add_argument("--snapshot", help="rank 0 keeps the current parameters in this file")

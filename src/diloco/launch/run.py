@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.cadence import AUTO, parse_every
 from diloco.launch.ray_backend import add_ray_arguments
 from diloco.launch.syncers import StatusClient, syncer_commands, syncer_names
 from diloco.syncer.cli import add_syncer_arguments
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
             tape=tape.append,
             clock=lambda: time.time() - started,
             chaos=chaos,
-            spares=spare_count(args.spares, chaos, restart_together=1),
+            spares=spare_count(args.spares, chaos, restart_together=1, learners=args.learners),
         )
         host = getattr(sup, "syncer_host", "127.0.0.1")
         check_bind(f"{host}:0", token)
@@ -335,13 +336,18 @@ def check_shards(args: argparse.Namespace, clauses) -> None:
         )
 
 
-def spare_count(asked: int, chaos, restart_together: int) -> int:
-    """Warm spares to keep: ``asked`` if given (>= 0); by default (-1) as many as restart at
-    once (1 learner, or the whole data-parallel group) when the chaos schedule kills
-    learners, none otherwise (a spare costs an idle interpreter's memory)."""
+def spare_count(asked: int, chaos, *, restart_together: int, learners: int) -> int:
+    """Warm spares to keep: ``asked`` if given (>= 0). By default (-1), none unless the chaos
+    schedule kills learners (a spare costs an idle interpreter's memory); then the whole group
+    for data-parallel (``restart_together`` ranks restart at once), and for DiLoCo modes two
+    (at most ``learners``): one for a restart and one for a second learner killed while the
+    first's replacement spare is still warming up (~9 s), which left 2, 6 and 3 of 8, 16 and
+    11 restarts cold with a single spare (benchmarks/RESULTS.md)."""
     if asked >= 0:
         return asked
-    return restart_together if any(e.kind == "kill" for e in chaos) else 0
+    if not any(e.kind == "kill" for e in chaos):
+        return 0
+    return restart_together if restart_together > 1 else min(2, learners)
 
 
 def make_supervisor(args: argparse.Namespace, **kwargs):
@@ -552,13 +558,15 @@ def register(subparsers) -> None:
         default=-1,
         metavar="N",
         help="warm spare processes (torch imported) that restarted learners run in, for "
-        "fast restarts; local backend (default: 1 when --chaos kills learners, else 0)",
+        "fast restarts; local backend (default: when --chaos kills learners 2, or the whole "
+        "group with --mode dp; else 0)",
     )
     p.add_argument(
         "--checkpoint-every",
-        type=float,
-        default=10.0,
-        help="seconds between learners' local checkpoints (default 10)",
+        type=parse_every,
+        default=AUTO,
+        help="seconds between the learners' (or the data-parallel group's) checkpoints, or "
+        "'auto' (default: as often as keeps saving under 1%% of the time; diloco.cadence)",
     )
     p.add_argument("--name", help="run name (default: the start time)")
     p.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")

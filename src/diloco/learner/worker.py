@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+from diloco.cadence import AUTO, CheckpointCadence, parse_every
+
 
 def run(args: argparse.Namespace) -> int:
     import torch
@@ -136,22 +138,23 @@ def run(args: argparse.Namespace) -> int:
             f"learner {args.id}: no global model from {args.syncer} within {args.join_timeout}s; training from the local init"
         )
     progress = (workdir / "progress.jsonl").open("a") if workdir and leader else None
-    last_report = last_checkpoint = time.time()
+    last_report = time.time()
     started = time.time()
+    cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
     run_started = args.run_started or started
     first_step = learner.local_step  # > 0 when resumed from a checkpoint
     while not args.total_steps or learner.local_step < args.total_steps:
         step = learner.local_step
         now = time.time()
         length = schedule_length(args, step, now - run_started)
-        save = bool(checkpoint and args.checkpoint_every)
-        save = save and now - last_checkpoint >= args.checkpoint_every
+        save = bool(checkpoint) and cadence.due(now)
         should_stop = stop.is_set() or bool(args.deadline and now >= args.deadline)
         if world > 1:  # the ranks of an island agree on stopping, the lr and checkpoints
             should_stop, length, save = island_agree(should_stop, length, save)
         if save:
-            last_checkpoint = now
+            t0 = time.perf_counter()
             save_checkpoint(checkpoint, model, optimizer, learner, stream)
+            cadence.saved(time.time(), time.perf_counter() - t0)
         if should_stop:
             break
         waited = args.wait_for_merge < 0 or learner.wait_for_merges(
@@ -402,9 +405,10 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--checkpoint-every",
-        type=float,
-        default=30.0,
-        help="seconds between local checkpoints in --workdir (0: only at exit)",
+        type=parse_every,
+        default=AUTO,
+        help="seconds between local checkpoints in --workdir (0: only at exit), or 'auto' "
+        "(default: as often as keeps saving under 1%% of the time, 1-300 s; diloco.cadence)",
     )
     p.add_argument(
         "--wait-for-merge",
