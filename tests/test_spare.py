@@ -34,11 +34,12 @@ def test_assignment_round_trips_and_bad_lines_are_refused():
 def test_spare_count_default_follows_the_chaos_schedule():
     kill = [ChaosEvent(10.0, "kill", "learner-0", 5.0)]
     hang = [ChaosEvent(10.0, "hang", "learner-0", 5.0)]
-    assert spare_count(-1, kill, restart_together=1) == 1
-    assert spare_count(-1, kill, restart_together=4) == 4
-    assert spare_count(-1, hang, restart_together=1) == 0
-    assert spare_count(-1, [], restart_together=1) == 0
-    assert spare_count(2, [], restart_together=1) == 2
+    assert spare_count(-1, kill, restart_together=1, learners=4) == 2  # DiLoCo: two
+    assert spare_count(-1, kill, restart_together=1, learners=1) == 1  # not more than learners
+    assert spare_count(-1, kill, restart_together=4, learners=4) == 4  # dp: the whole group
+    assert spare_count(-1, hang, restart_together=1, learners=4) == 0
+    assert spare_count(-1, [], restart_together=1, learners=4) == 0
+    assert spare_count(2, [], restart_together=1, learners=4) == 2
     with pytest.raises(ValueError):
         Supervisor(tape=lambda r: None, clock=lambda: 0.0, spares=-1)
 
