@@ -3,7 +3,13 @@
 import pytest
 
 from diloco.chaos import ChaosSpecError, parse_spec, schedule
-from diloco.launch.goodput import learner_speed, tape_metrics, uptime
+from diloco.launch.goodput import (
+    down_accounting,
+    learner_speed,
+    schedule_down,
+    tape_metrics,
+    uptime,
+)
 
 
 def test_spec_parses_all_kinds():
@@ -108,6 +114,31 @@ def test_tape_metrics():
     ]
     assert m["reintegrations"][0]["learner"] == "b"
     assert m["reintegrations"][0]["reintegration_s"] == pytest.approx(0.5)
+
+
+def test_schedule_down_counts_only_the_schedules_own_down_time():
+    chaos = [
+        {"t": 2.0, "kind": "kill", "target": "a", "down_s": 3.0},
+        {"t": 9.0, "kind": "kill", "target": "a", "down_s": 5.0},  # cut at the end (t=11)
+        {"t": 3.0, "kind": "hang", "target": "b", "down_s": 1.0},
+        {"t": 4.0, "kind": "syncer-kill", "target": "syncer", "down_s": 1.0},  # not a learner
+        {"t": 5.0, "kind": "drop", "target": "b", "down_s": 0.0},
+        {"t": 6.0, "kind": "partition", "target": "b", "down_s": 4.0},  # it keeps training
+    ]
+    down = schedule_down(chaos, {"a": 100.0, "b": 50.0}, end=11.0)
+    assert down == {"a": pytest.approx(500.0), "b": pytest.approx(50.0)}
+    assert down_accounting(800.0, 1000.0, 200.0) == {
+        "down_share": pytest.approx(0.2),
+        "goodput_up": pytest.approx(1.0),
+    }
+    assert down_accounting(0.0, 0.0, 0.0) == {"down_share": None, "goodput_up": None}
+
+
+def test_tape_metrics_split_the_schedules_down_time_from_the_rest():
+    records = tape() + [{"event": "chaos", "t": 2.0, "kind": "kill", "target": "a", "down_s": 2}]
+    m = tape_metrics(records, fragments=4, end=11.0, speeds={"a": 100.0, "b": 100.0})
+    assert m["down_share"] == pytest.approx(200 / 1550)
+    assert m["goodput_up"] == pytest.approx(1400 / 1350)  # the toy tape delivers while down
 
 
 def test_uptime_edges_and_learner_speed():

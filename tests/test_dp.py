@@ -68,6 +68,11 @@ def test_rolled_back_steps_and_restart_time_are_lost():
     assert m["max_commit_gap_s"] == pytest.approx(11.0)
     assert new_ground(rank)[-2:] == [21.0, 22.0]
     assert m["reintegrations"][0]["reintegration_s"] == pytest.approx(1.0)
+    # the schedule's down time is the killed rank's only: r1 waiting is data-parallel's cost
+    kill = {"t": 10.0, "kind": "kill", "target": "r0", "down_s": 4.0}
+    m = dp_metrics({"r0": rank, "r1": rank}, [], end=22.0, chaos=[kill])
+    assert m["down_share"] == pytest.approx(400 / 4400)
+    assert m["goodput_up"] == pytest.approx(2400 / 4000)
 
 
 # ---------------------------------------------------------------------------- group policy

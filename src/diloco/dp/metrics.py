@@ -17,7 +17,13 @@ The definitions follow :mod:`diloco.launch.goodput` (DESIGN §3), read for a sta
 
 from __future__ import annotations
 
-from diloco.launch.goodput import commit_gaps, learner_speed, uptime
+from diloco.launch.goodput import (
+    commit_gaps,
+    down_accounting,
+    learner_speed,
+    schedule_down,
+    uptime,
+)
 
 
 def new_ground(records: list[dict]) -> list[float]:
@@ -32,26 +38,37 @@ def new_ground(records: list[dict]) -> list[float]:
     return times
 
 
-def dp_metrics(progress: dict[str, list[dict]], restarts: list[dict], *, end: float) -> dict:
+def dp_metrics(
+    progress: dict[str, list[dict]],
+    restarts: list[dict],
+    *,
+    end: float,
+    chaos: list[dict] = (),
+) -> dict:
     """Goodput, uptime, longest commit gap and reintegrations of a data-parallel run.
 
     ``progress`` maps rank id (rank 0 first) to its progress records; ``restarts`` are the
-    tape's ``restart`` records; ``end`` is when training stopped.
+    tape's ``restart`` records; ``end`` is when training stopped; ``chaos`` the tape's
+    ``chaos`` records (for ``down_share``: the killed rank's own down time; the others
+    waiting for it is data-parallel's cost, not the schedule's).
     """
-    useful, provisioned = {}, {}
+    useful, provisioned, speeds = {}, {}, {}
     for name, records in progress.items():
         starts = [r["t"] for r in records if r.get("event") == "start"]
         last = next((r for r in reversed(records) if "tokens" in r), None)
         useful[name] = int(last["tokens"]) if last else 0
         first = min(starts) if starts else end
-        provisioned[name] = learner_speed(records) * max(0.0, end - first)
+        speeds[name] = learner_speed(records)
+        provisioned[name] = speeds[name] * max(0.0, end - first)
     total = sum(provisioned.values())
+    down = schedule_down(list(chaos), speeds, end)
     leader = next(iter(progress.values()), [])
     commits = new_ground(leader)
     starts = [r["t"] for r in leader if r.get("event") == "start"]
     gaps = commit_gaps(commits)
     return {
         "goodput": sum(useful.values()) / total if total else None,
+        **down_accounting(sum(useful.values()), total, sum(down.values())),
         "useful_tokens": useful,
         "provisioned_tokens": {m: round(v) for m, v in provisioned.items()},
         "uptime": uptime(commits, min(starts), end) if starts else 0.0,

@@ -84,7 +84,7 @@ def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
         clock=lambda: time.time() - started,
         chaos=chaos,
         group=names,
-        spares=spare_count(args.spares, chaos, restart_together=len(names)),
+        spares=spare_count(args.spares, chaos, restart_together=len(names), learners=len(names)),
     )
     snapshot = run_dir / "dp" / "global.safetensors"
     budget_s = args.minutes * 60 if args.minutes else 0.0
@@ -291,11 +291,10 @@ def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
     )
     summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
     restarts = [r for r in records if r.get("event") == "restart"]
-    summary.update(dp_metrics(progress, restarts, end=facts["train_end"]))
+    chaos = [r for r in records if r.get("event") == "chaos"]
+    summary.update(dp_metrics(progress, restarts, end=facts["train_end"], chaos=chaos))
     summary["failures_injected"] = [
-        {k: r[k] for k in ("t", "kind", "target", "down_s") if k in r}
-        for r in records
-        if r.get("event") == "chaos"
+        {k: r[k] for k in ("t", "kind", "target", "down_s") if k in r} for r in chaos
     ]
     summary["group_restarts"] = sum(1 for r in records if r.get("event") == "group-stop")
     summary["syncer_restarts"] = 0

@@ -10,6 +10,12 @@ Definitions used here:
   training, from its progress records) times the time from its first join to the end of the
   run. A learner that is down, hung, restarting or catching up still costs provisioned time.
 * **goodput** = Σ useful / Σ provisioned.
+* **down_share**: the provisioned tokens the failure schedule itself takes away (each kill or
+  hang of a learner: its speed × the down time the schedule drew, cut at the end of the run),
+  as a share of Σ provisioned. No system can turn that time into progress: goodput ≤
+  1 − down_share. **goodput_up** = Σ useful / (Σ provisioned − Σ down): the share of the time
+  the learners were up that became progress, i.e. what restarts, lost tails, stale refusals
+  and waiting cost on top of the schedule.
 * **uptime**: the fraction of the time between the first join and the end of the run that lies
   within ``window`` seconds after some commit, where ``window = 4 × median gap between
   consecutive distinct commit times``: the global model is "advancing" while commits keep coming at their usual
@@ -32,6 +38,29 @@ def useful_tokens(rounds: list[dict], fragments: int) -> dict[str, float]:
         for learner, tokens in r.get("tokens_by_learner", {}).items():
             total[learner] += tokens / fragments
     return dict(total)
+
+
+DOWN_KINDS = ("kill", "hang")  # failures that take a learner's compute away for their down time
+
+
+def schedule_down(chaos: list[dict], speeds: dict[str, float], end: float) -> dict[str, float]:
+    """Provisioned tokens each learner loses to the schedule's own down times: for every
+    ``kill`` or ``hang`` record aimed at it, its speed × ``min(down_s, end − t)``."""
+    down: dict[str, float] = defaultdict(float)
+    for r in chaos:
+        if r.get("kind") in DOWN_KINDS and r.get("target") in speeds:
+            seconds = max(0.0, min(float(r.get("down_s", 0.0)), end - r["t"]))
+            down[r["target"]] += speeds[r["target"]] * seconds
+    return dict(down)
+
+
+def down_accounting(useful: float, provisioned: float, down: float) -> dict:
+    """``down_share`` and ``goodput_up`` (module docstring) from the three totals."""
+    up = provisioned - down
+    return {
+        "down_share": down / provisioned if provisioned else None,
+        "goodput_up": useful / up if up > 0 else None,
+    }
 
 
 def commit_gaps(times: list[float]) -> list[float]:
@@ -108,19 +137,20 @@ def tape_metrics(
         for m, t in joins.items()
     }
     total_provisioned = sum(provisioned.values())
+    chaos = [r for r in records if r.get("event") == "chaos"]
+    down = schedule_down(chaos, {m: speeds.get(m, 0.0) for m in joins}, end)
     start = min(joins.values()) if joins else end
     commit_times = [r["t"] for r in rounds]
     gaps = commit_gaps(commit_times)
     return {
         "goodput": (sum(useful.values()) / total_provisioned) if total_provisioned else None,
+        **down_accounting(sum(useful.values()), total_provisioned, sum(down.values())),
         "useful_tokens": {m: round(v) for m, v in useful.items()},
         "provisioned_tokens": {m: round(v) for m, v in provisioned.items()},
         "uptime": uptime(commit_times, start, end),
         "max_commit_gap_s": max(gaps) if gaps else None,
         "failures_injected": [
-            {k: r[k] for k in ("t", "kind", "target", "down_s") if k in r}
-            for r in records
-            if r.get("event") == "chaos"
+            {k: r[k] for k in ("t", "kind", "target", "down_s") if k in r} for r in chaos
         ],
         "reintegrations": reintegrations(records),
     }
