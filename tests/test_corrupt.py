@@ -118,6 +118,51 @@ def test_each_mode_reaches_the_syncer_and_is_handled(tmp_path, how, refused):
         assert not codes and rounds
 
 
+@pytest.mark.timeout(60)
+def test_a_learner_refused_by_the_guard_resyncs_the_fragment_and_is_accepted_again(tmp_path):
+    """An honest learner whose local fragment jumped (here: by hand, like a diverged step)
+    sends a delta the norm guard refuses. The delta would only grow while refused, so the
+    learner resets that fragment to the global value and its next uploads are accepted."""
+    model = _model()
+    layout = balanced_fragments(model.named_parameters(), 2)
+    named = dict(model.named_parameters())
+    config = SyncerConfig(up_codec="fp32", lease_s=5, heartbeat_s=0.5)
+    server = SyncerServer(
+        layout,
+        [layout.gather(p, named) for p in range(2)],
+        config,
+        tape_path=tmp_path / "events.jsonl",
+    ).start()
+    try:
+        learner = Learner(model, syncer=server.address, fragments=2, sync_every=2)
+        assert learner.wait_for_global(timeout=10)
+        global_value = learner.anchors[0].clone()
+        jump = torch.full_like(global_value, 100.0)  # far beyond 10x the fragment's norm
+        layout.scatter(0, global_value + jump, named)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(0)
+        accepted_after_reset = False
+        for _ in range(12):
+            model(torch.randn(16, 8, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            learner.step(tokens=16)
+            assert learner.link.wait_idle(10)  # each due upload is answered before the next step
+            if learner.guard_resets:
+                accepted_after_reset = accepted_after_reset or learner.versions[0] >= 1
+        learner.close(flush=False)
+    finally:
+        server.stop()
+    tape = read_tape(tmp_path / "events.jsonl")
+    refused = [r for r in tape if r["event"] == "refused"]
+    assert refused and {r["code"] for r in refused} == {"OUT_OF_RANGE"}
+    assert learner.guard_resets == 1
+    # back at the global value (plus a few small AdamW steps), not 100 away from it
+    assert (layout.gather(0, named) - global_value).abs().max() < 1.0
+    merged = [r for r in tape if r["event"] == "round" and r["fragment"] == 0]
+    assert merged and merged[-1]["t"] > refused[0]["t"] and accepted_after_reset
+
+
 # -------------------------------------------------------------------- real processes
 def run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[dict]]:
     token_file = tmp_path / "token"

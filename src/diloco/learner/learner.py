@@ -167,6 +167,10 @@ class Learner:
         # Fragments sent and not yet merged back: p -> (local step sent at, base version).
         self._awaited: dict[int, tuple[int, int]] = {}
         self._arrived_lock = threading.Lock()
+        # Fragments whose upload the syncer's norm guard refused; reset at the next boundary.
+        self._guard_refused: set[int] = set()
+        self.guard_resets = 0
+        """Fragments reset to the global value after a norm-guard refusal (``_reset``)."""
         self._step_time: float | None = None
         self._last_step_at: float | None = None
         self._state = "starting"
@@ -198,6 +202,7 @@ class Learner:
             have_versions=self._have_versions,
             heartbeat_info=self._heartbeat_info,
             on_accepted=self._on_accepted if self.delivery is not None else None,
+            on_guard_refused=self._on_guard_refused,
             **options,
         )
 
@@ -241,15 +246,22 @@ class Learner:
         its way to the syncer already). A merge that includes this learner's in-flight delta
         keeps what was trained after that delta was queued (``rebase_own``). Otherwise (or
         with both off) the paper's rule: overwrite (or α-mix), anchor and counters reset.
+        A fragment whose upload the syncer's norm guard refused goes back to the global value
+        first (``_reset``).
         """
         with self._arrived_lock:
             arrived, self._arrived = self._arrived, {}
+            refused, self._guard_refused = self._guard_refused, set()
         self.last_applied = []
         with torch.no_grad():
+            for p in sorted(refused):
+                if self._reset(p):
+                    self.last_applied.append(p)  # an island sends it to its other ranks
             for p, (version, value, contributors) in sorted(arrived.items()):
                 if version <= self.versions[p]:
                     continue
-                self.last_applied.append(p)
+                if p not in self.last_applied:
+                    self.last_applied.append(p)
                 if self.learner_id in contributors:
                     self._merged_in[p] = version
                     self._apply_own(p, value)
@@ -295,6 +307,32 @@ class Learner:
             after.add_(in_flight.delta)  # θ − (A − δ): what came after δ
         self.layout.scatter(p, after.add_(value), self.params)
         self.anchors[p] = value
+
+    def _reset(self, p: int) -> bool:
+        """After the syncer's norm guard refused a delta of ``p``: back to the global value
+        this learner holds, counters 0. The delta only grows while it is refused (nothing
+        merged moves the anchor), so without this an honest learner whose delta once looked
+        too large (a fragment not synced for many steps) would never be accepted again; a
+        learner with corrupt values is brought back the same way. The fragment's local
+        progress since the anchor is lost, once. Returns whether ``p`` changed."""
+        if self.anchors[p] is None:
+            return False
+        value = self.anchors[p].clone()
+        in_flight = self._sent.get(p)
+        if in_flight is not None and in_flight.rebased:
+            value.add_(in_flight.delta)  # a rebased anchor excludes the delta in flight
+        self.layout.scatter(p, value, self.params)
+        self.anchors[p] = value
+        self.steps_since[p] = 0
+        self.tokens_since[p] = 0
+        self._sent.pop(p, None)
+        self._awaited.pop(p, None)
+        self.guard_resets += 1
+        return True
+
+    def _on_guard_refused(self, job: UploadJob) -> None:
+        with self._arrived_lock:
+            self._guard_refused.add(job.fragment)
 
     def _take_off_counters(self, p: int, in_flight: InFlight) -> None:
         self.steps_since[p] = max(0, self.steps_since[p] - in_flight.steps)
@@ -494,6 +532,7 @@ class Learner:
             "bytes_down": s.bytes_down,
             "uploads_sent": s.uploads_sent,
             "uploads_refused": s.uploads_refused,
+            "guard_resets": self.guard_resets,
             "stale_replies": s.stale_replies,
             "uploads_failed": s.uploads_failed,
             **({"close": self.close_report} if self.close_report else {}),

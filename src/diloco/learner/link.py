@@ -81,9 +81,11 @@ class SyncerLink:
         corruptor: Corruptor | None = None,
         on_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
         on_accepted: Callable[[UploadJob], None] | None = None,
+        on_guard_refused: Callable[[UploadJob], None] | None = None,
     ) -> None:
         """``on_accepted(job)`` is called (from the link's thread) for every upload the syncer
-        accepted into a round. ``on_join(link, info)`` is called after every successful join with what the syncer
+        accepted into a round; ``on_guard_refused(job)`` for every upload its norm guard
+        refused (``OUT_OF_RANGE``: the delta is too large or not finite). ``on_join(link, info)`` is called after every successful join with what the syncer
         said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused join).
         The default insists that this one syncer owns every fragment, so a learner given a
         single shard of a sharded syncer fails with a clear error (``diloco.learner.shards``
@@ -100,6 +102,7 @@ class SyncerLink:
         self.rpc_timeout_s = rpc_timeout_s
         self.max_backoff_s = max_backoff_s
         self.on_accepted = on_accepted
+        self.on_guard_refused = on_guard_refused
         self.corruptor = corruptor
         """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
@@ -374,6 +377,8 @@ class SyncerLink:
             ):
                 self.stats.uploads_refused += 1
                 log.warning("upload of fragment %d refused: %s", job.fragment, exc.details())
+                if code == grpc.StatusCode.OUT_OF_RANGE and self.on_guard_refused is not None:
+                    self.on_guard_refused(job)
             else:
                 self.stats.uploads_failed += 1
             return
