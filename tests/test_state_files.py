@@ -74,3 +74,29 @@ def test_syncer_refuses_to_start_from_a_corrupt_state_dir(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(StateError, match="p000"):
         SyncerServer(layout, params, SyncerConfig(), state_dir=tmp_path / "state")
+
+
+def test_a_commit_persisted_but_not_taped_is_recorded_at_restart(tmp_path):
+    """A syncer killed between persisting a commit and appending its round record restarts
+    with a version the tape never saw: it writes a ``recovered`` record for it, once."""
+    import json
+
+    from diloco.syncer.state import fragment_digest
+    from diloco.syncer.store import read_tape, taped_versions, untaped
+
+    store, layout, params = saved_store(tmp_path)  # fragment 0 persisted at version 3
+    tape = tmp_path / "events.jsonl"
+    tape.write_text(json.dumps({"event": "round", "t": 1.0, "fragment": 0, "version": 2}) + "\n")
+    for _ in range(2):  # the second start finds the tape complete
+        server = SyncerServer(
+            layout, params, SyncerConfig(), state_dir=tmp_path / "state", tape_path=tape
+        )
+        server.start().stop()
+    records = read_tape(tape)
+    (recovered,) = [r for r in records if r["event"] == "recovered"]
+    assert (recovered["fragment"], recovered["version"], recovered["taped_version"]) == (0, 3, 2)
+    assert recovered["digest"] == fragment_digest(params[0] + 1)
+    starts = [r for r in records if r["event"] == "start"]
+    assert len(starts) == 2 and records.index(recovered) < records.index(starts[0])
+    assert taped_versions(records) == {0: 3}
+    assert untaped([0, 1], [3, 5], {0: 3}) == [1]  # pure: restored fragments ahead of the tape

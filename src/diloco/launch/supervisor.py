@@ -208,12 +208,16 @@ class Supervisor:
         child = slot.child
         if slot.heal_at is not None and now >= slot.heal_at:
             slot.heal_at = None
+            t = (
+                time.time()
+            )  # stamped before the fault ends: nothing of the learner's can precede it
             self.relays[slot.name].heal()
-            self.tape({"event": "heal", "t": time.time(), "target": slot.name})
+            self.tape({"event": "heal", "t": t, "target": slot.name})
         if slot.resume_at is not None and now >= slot.resume_at:
             slot.resume_at = None
+            t = time.time()
             child.signal(signal.SIGCONT)
-            self.tape({"event": "resume", "t": time.time(), "target": slot.name})
+            self.tape({"event": "resume", "t": t, "target": slot.name})
         if child is not None and not child.running and slot.restart_at is None:
             code = child.poll()
             slot.exit_codes.append(code)

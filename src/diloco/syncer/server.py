@@ -24,7 +24,14 @@ from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.broadcast import CHUNK_BYTES, RECENT_VERSIONS, Subscriber, chunk_payload
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
-from diloco.syncer.store import EventTape, FragmentStore, state_hash
+from diloco.syncer.store import (
+    EventTape,
+    FragmentStore,
+    read_tape,
+    state_hash,
+    taped_versions,
+    untaped,
+)
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -444,6 +451,7 @@ class SyncerServer:
             if fragments is not None
             else shard_fragments(layout.num_fragments, *shard)
         )
+        earlier = read_tape(tape_path) if tape_path and Path(tape_path).exists() else []
         self.tape = EventTape(tape_path) if tape_path else None
         emit = self.tape.append if self.tape else (lambda record: None)
         self.store = FragmentStore(state_dir) if state_dir else None
@@ -498,7 +506,7 @@ class SyncerServer:
             raise OSError(f"cannot bind the syncer to {bind}")
         self.host = bind.rsplit(":", 1)[0]
         self._started = False
-        self._emit_start(restored)
+        self._emit_start(restored, taped_versions(earlier))
 
     @classmethod
     def for_model(
@@ -521,22 +529,37 @@ class SyncerServer:
         params = [layout.gather(p, named) for p in range(layout.num_fragments)]
         return cls(layout, params, config, **kwargs)
 
-    def _emit_start(self, restored: dict) -> None:
-        if self.tape is not None:
+    def _emit_start(self, restored: dict, taped: dict[int, int]) -> None:
+        """The ``start`` record, after a ``recovered`` record for every restored commit whose
+        round record a crash kept off the tape (so the tape accounts for every version)."""
+        if self.tape is None:
+            return
+        for p in untaped(list(restored), self.state.versions, taped):
             self.tape.append(
                 {
-                    "event": "start",
+                    "event": "recovered",
                     "t": time.time(),
-                    "syncer_id": self.state.syncer_id,
-                    "shard": list(self.state.shard),
-                    "fragments": list(self.state.served),
-                    "restored_fragments": len(restored),
-                    "versions": list(self.state.versions),
-                    "digests": [fragment_digest(t) for t in self.state.params],
-                    "state_hash": state_hash(self.state.versions, self.state.params),
-                },
-                sync=True,
+                    "fragment": p,
+                    "version": self.state.versions[p],
+                    "taped_version": taped.get(p, 0),
+                    "digest": fragment_digest(self.state.params[p]),
+                    "reason": "persisted before the crash; its round record was not written",
+                }
             )
+        self.tape.append(
+            {
+                "event": "start",
+                "t": time.time(),
+                "syncer_id": self.state.syncer_id,
+                "shard": list(self.state.shard),
+                "fragments": list(self.state.served),
+                "restored_fragments": len(restored),
+                "versions": list(self.state.versions),
+                "digests": [fragment_digest(t) for t in self.state.params],
+                "state_hash": state_hash(self.state.versions, self.state.params),
+            },
+            sync=True,
+        )
 
     @property
     def address(self) -> str:

@@ -232,3 +232,21 @@ def read_tape(path: str | os.PathLike) -> list[dict]:
             except ValueError:
                 continue
     return records
+
+
+def taped_versions(records: list[dict]) -> dict[int, int]:
+    """The newest version of each fragment that the tape records as committed (``round``
+    records, and ``recovered`` records written by a restart)."""
+    newest: dict[int, int] = {}
+    for r in records:
+        if r.get("event") in ("round", "recovered"):
+            p, v = int(r["fragment"]), int(r["version"])
+            newest[p] = max(v, newest.get(p, 0))
+    return newest
+
+
+def untaped(restored: Sequence[int], versions: Sequence[int], taped: dict[int, int]) -> list[int]:
+    """Restored fragments whose stored version is ahead of the tape: the syncer died after
+    persisting a commit and before appending its round record (a commit is persisted first,
+    then recorded, then broadcast)."""
+    return [p for p in sorted(restored) if versions[p] > taped.get(p, 0)]
