@@ -49,6 +49,19 @@ def test_the_matrix_gives_every_mode_the_same_recipe_seed_and_budget():
         assert f"--up-codec={s['up_codec']}" in r.flags
         assert f"--down-codec={s['down_codec']}" in r.flags
     assert len({r.name for r in sweep}) == len(sweep)
+    # a subset of settings, e.g. to repeat the ones a target rests on with more seeds
+    only = [mx.parse_setting("sync:96:int4:int4"), mx.parse_setting("decoupled:24:int4:bf16")]
+    assert only == [("sync", 96, "int4", "int4"), ("decoupled", 24, "int4", "bf16")]
+    names = [r.name for s in (1, 2) for r in mx.sweep(budget, seed=s, only=only)]
+    assert names == [
+        "sweep-sync-H96-int4-int4-s1",
+        "sweep-H24-int4-s1",
+        "sweep-sync-H96-int4-int4-s2",
+        "sweep-H24-int4-s2",
+    ]
+    for bad in ("dp:24:int4:bf16", "sync:0:int4:int4", "sync:96:int4", "sync:x:int4:int4"):
+        with pytest.raises(ValueError):
+            mx.parse_setting(bad)
 
 
 def fake_result(

@@ -107,7 +107,10 @@ def run(args: argparse.Namespace) -> int:
             budget,
             parse_list(args.peer),
         )
-        sweep = mx.sweep(budget, seeds[0]) if args.sweep else []
+        only = [mx.parse_setting(t) for t in parse_list(args.sweep_only)] or None
+        sweep_seeds = parse_list(args.sweep_seeds, int) or seeds[:1]
+        wanted = args.sweep or only is not None
+        sweep = [r for s in sweep_seeds for r in mx.sweep(budget, s, only=only)] if wanted else []
     except ValueError as exc:
         print(f"diloco bench: {exc}", file=sys.stderr)
         return 2
@@ -179,6 +182,15 @@ def register(subparsers) -> None:
     p.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     p.add_argument("--peer", default="", help="also run an external peer: torchft")
     p.add_argument("--sweep", action="store_true", help="add the H x upload-codec sweep")
+    p.add_argument(
+        "--sweep-seeds", default="", help="seeds of the sweep (default: the first of --seeds)"
+    )
+    p.add_argument(
+        "--sweep-only",
+        default="",
+        metavar="SETTINGS",
+        help="sweep just these settings, comma list of mode:H:up:down (e.g. sync:96:int4:int4)",
+    )
     p.add_argument("--learners", "-m", type=int, default=mx.Budget.learners)
     p.add_argument("--steps", type=int, default=mx.Budget.steps, help="clean: steps per learner")
     p.add_argument(

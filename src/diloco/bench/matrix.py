@@ -104,12 +104,28 @@ def matrix(
     return runs
 
 
-def sweep(budget: Budget, seed: int, hs=SWEEP_H, codecs=SWEEP_CODECS) -> list[RunSpec]:
+def parse_setting(text: str) -> tuple[str, int, str, str]:
+    """``mode:H:up:down`` (e.g. ``sync:96:int4:int4``) as a sweep setting; ``ValueError`` if
+    it is not one."""
+    parts = text.strip().split(":")
+    if len(parts) != 4 or parts[0] not in MODES[:2]:
+        raise ValueError(f"a sweep setting is decoupled|sync:H:up:down, got {text!r}")
+    mode, h, up, down = parts
+    if not h.isdigit() or int(h) < 1:
+        raise ValueError(f"H must be a positive integer in {text!r}")
+    return mode, int(h), up, down
+
+
+def sweep(budget: Budget, seed: int, hs=SWEEP_H, codecs=SWEEP_CODECS, only=None) -> list[RunSpec]:
     """Clean runs: decoupled over (H, upload codec) with bf16 downloads, then
-    ``LOW_BANDWIDTH``."""
+    ``LOW_BANDWIDTH``; with ``only`` (a collection of ``(mode, H, up, down)``), just those
+    settings (which need not be on the grid)."""
     settings = [("decoupled", h, codec, "bf16") for h in hs for codec in codecs]
+    settings += list(LOW_BANDWIDTH)
+    if only is not None:
+        settings = list(only)
     runs = []
-    for mode, h, up, down in settings + list(LOW_BANDWIDTH):
+    for mode, h, up, down in settings:
         flags = (f"--mode={mode}", *common_flags(budget, seed))
         flags += condition_flags("clean", budget)
         flags += (f"--sync-every={h}", f"--up-codec={up}", f"--down-codec={down}")
