@@ -4,6 +4,7 @@ import pytest
 
 from diloco.chaos import ChaosSpecError, parse_spec, schedule
 from diloco.launch.goodput import (
+    busy_rate,
     down_accounting,
     learner_speed,
     schedule_down,
@@ -125,8 +126,8 @@ def test_schedule_down_counts_only_the_schedules_own_down_time():
         {"t": 5.0, "kind": "drop", "target": "b", "down_s": 0.0},
         {"t": 6.0, "kind": "partition", "target": "b", "down_s": 4.0},  # it keeps training
     ]
-    down = schedule_down(chaos, {"a": 100.0, "b": 50.0}, end=11.0)
-    assert down == {"a": pytest.approx(500.0), "b": pytest.approx(50.0)}
+    down = schedule_down(chaos, {"a", "b"}, end=11.0)
+    assert down == {"a": pytest.approx(5.0), "b": pytest.approx(1.0)}  # seconds
     assert down_accounting(800.0, 1000.0, 200.0) == {
         "down_share": pytest.approx(0.2),
         "goodput_up": pytest.approx(1.0),
@@ -139,6 +140,39 @@ def test_tape_metrics_split_the_schedules_down_time_from_the_rest():
     m = tape_metrics(records, fragments=4, end=11.0, speeds={"a": 100.0, "b": 100.0})
     assert m["down_share"] == pytest.approx(200 / 1550)
     assert m["goodput_up"] == pytest.approx(1400 / 1350)  # the toy tape delivers while down
+
+
+def test_busy_rate_counts_tokens_per_second_of_compute_within_incarnations():
+    progress = [
+        {"t": 0, "tokens": 0, "busy_s": 0.0},
+        {"t": 1, "tokens": 100, "busy_s": 0.5},  # half of the second spent waiting
+        {"t": 2, "tokens": 300, "busy_s": 1.0},
+        {"t": 30, "tokens": 200, "busy_s": 0.2},  # restored: counters went back, skipped
+        {"t": 31, "tokens": 400, "busy_s": 1.2},
+        {"t": 32, "event": "exit", "tokens": 400},
+    ]
+    assert busy_rate(progress) == pytest.approx((100 + 200 + 200) / (0.5 + 0.5 + 1.0))
+    assert busy_rate([{"t": 0, "tokens": 0}, {"t": 1, "tokens": 100}]) is None
+
+
+def test_goodput_counts_time_so_survivors_cannot_use_a_dead_learners_cores():
+    """Two learners share the cores: while a is down (t 10-20), b trains twice as fast. Every
+    token of both reaches the model. Measured in tokens at the median speed, goodput would
+    credit b's extra speed (the shared-machine artefact); in busy time it is exactly the
+    share of time the learners were up."""
+    joins = [{"event": "join", "t": 0.0, "learner": m} for m in ("a", "b")]
+    kill = {"event": "chaos", "t": 10.0, "kind": "kill", "target": "a", "down_s": 10.0}
+    rounds = [  # one fragment; a delivers 100 tokens/s up, b 100 tokens/s (200 while a is down)
+        {"event": "round", "t": 30.0, "participants": ["a", "b"],
+         "tokens_by_learner": {"a": 100 * 20, "b": 100 * 20 + 200 * 10}},
+    ]  # fmt: skip
+    speeds = {"a": 100.0, "b": 100.0}  # medians
+    rates = {"a": 100.0, "b": (100 * 20 + 200 * 10) / 30}  # b was busy all 30 s
+    m = tape_metrics(joins + [kill] + rounds, fragments=1, end=30.0, speeds=speeds, rates=rates)
+    assert m["goodput_speed"] == pytest.approx(6000 / 6000)  # a's down time looks recovered
+    assert m["goodput"] == pytest.approx(50 / 60)  # 20 s of a + 30 s of b, of 60 s
+    assert m["down_share"] == pytest.approx(10 / 60)
+    assert m["goodput_up"] == pytest.approx(1.0)
 
 
 def test_uptime_edges_and_learner_speed():

@@ -5,10 +5,11 @@ The definitions follow :mod:`diloco.launch.goodput` (DESIGN §3), read for a sta
 * **useful tokens** of a rank: its share of the steps that survived, i.e. the tokens of its
   last record (a restart rolls the counter back to the checkpoint, so rolled-back steps and
   the time spent restarting are lost).
-* **provisioned tokens** of a rank: its fault-free speed (median tokens/s between progress
-  records of one incarnation, which is the group's pace) times the time from its first start
-  to the end of training. Measuring speed at the group's pace is generous to data-parallel:
-  a rank waiting for a slower peer is not counted as idle.
+* **provisioned time** of a rank: from its first start to the end of training; its **busy
+  rate**: tokens per second spent in steps (the all-reduce included, so a rank waiting for a
+  slower peer is not counted as idle: generous to data-parallel); **goodput** = Σ useful
+  tokens ÷ busy rate / Σ provisioned time (``goodput_speed``: the former token measure at the
+  median speed). ``down_share`` and ``goodput_up`` as in :mod:`diloco.launch.goodput`.
 * **commits**: every moment the global model reached a step it had never reached before
   (rank 0's records); ``max_commit_gap_s`` and ``uptime`` are computed from them as for
   DiLoCo, so a rollback shows up as a gap until the group is past its old high-water mark.
@@ -18,10 +19,11 @@ The definitions follow :mod:`diloco.launch.goodput` (DESIGN §3), read for a sta
 from __future__ import annotations
 
 from diloco.launch.goodput import (
+    busy_rate,
     commit_gaps,
-    down_accounting,
     learner_speed,
     schedule_down,
+    time_goodput,
     uptime,
 )
 
@@ -52,23 +54,25 @@ def dp_metrics(
     ``chaos`` records (for ``down_share``: the killed rank's own down time; the others
     waiting for it is data-parallel's cost, not the schedule's).
     """
-    useful, provisioned, speeds = {}, {}, {}
+    useful, provisioned, provisioned_s, rates = {}, {}, {}, {}
     for name, records in progress.items():
         starts = [r["t"] for r in records if r.get("event") == "start"]
         last = next((r for r in reversed(records) if "tokens" in r), None)
         useful[name] = int(last["tokens"]) if last else 0
         first = min(starts) if starts else end
-        speeds[name] = learner_speed(records)
-        provisioned[name] = speeds[name] * max(0.0, end - first)
+        speed = learner_speed(records)
+        provisioned_s[name] = max(0.0, end - first)
+        provisioned[name] = speed * provisioned_s[name]
+        rates[name] = busy_rate(records) or speed
     total = sum(provisioned.values())
-    down = schedule_down(list(chaos), speeds, end)
+    down = schedule_down(list(chaos), set(progress), end)
     leader = next(iter(progress.values()), [])
     commits = new_ground(leader)
     starts = [r["t"] for r in leader if r.get("event") == "start"]
     gaps = commit_gaps(commits)
     return {
-        "goodput": sum(useful.values()) / total if total else None,
-        **down_accounting(sum(useful.values()), total, sum(down.values())),
+        **time_goodput(useful, provisioned_s, rates, down),
+        "goodput_speed": sum(useful.values()) / total if total else None,
         "useful_tokens": useful,
         "provisioned_tokens": {m: round(v) for m, v in provisioned.items()},
         "uptime": uptime(commits, min(starts), end) if starts else 0.0,

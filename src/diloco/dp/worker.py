@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     last_report = last_snapshot = 0.0
     cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
     loss_value = float("nan")
+    busy_s = 0.0  # seconds in steps (the all-reduce included) in this incarnation
     while not args.total_steps or step < args.total_steps:
         now = time.time()
         length = schedule_length(args, step, now - run_started)
@@ -136,11 +137,12 @@ def run(args: argparse.Namespace) -> int:
         optimizer.zero_grad(set_to_none=True)
         step, tokens, group_tokens = step + 1, tokens + n, group_tokens + int(total)
         loss_value = loss.item()
+        busy_s += time.perf_counter() - t0
         now = time.time()
         if save:
-            t0 = time.perf_counter()
+            saving = time.perf_counter()
             save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens)
-            cadence.saved(time.time(), time.perf_counter() - t0)
+            cadence.saved(time.time(), time.perf_counter() - saving)
         if leader and args.snapshot and now - last_snapshot >= args.snapshot_every:
             last_snapshot = now
             write_snapshot(Path(args.snapshot), model, step, group_tokens)
@@ -153,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
                 tokens=tokens,
                 loss=loss_value,
                 steps_per_s=sps,
+                busy_s=round(busy_s, 4),
                 bytes_up=sent,
                 bytes_down=0,  # every byte on the wire is counted once, by its sender
             )

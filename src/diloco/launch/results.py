@@ -15,16 +15,17 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
     ``facts`` holds ``started``, ``train_end``, ``val_initial``, ``val_final``, ``num_params``,
     ``seq_len``, ``stopped_by`` and ``codes`` (last exit code per learner).
     """
-    from diloco.launch.goodput import learner_speed, tape_metrics
+    from diloco.launch.goodput import busy_rate, learner_speed, tape_metrics
     from diloco.launch.summary import build_summary
     from diloco.syncer.store import read_tape
 
     records = read_tape(run_dir / "syncer" / "events.jsonl")
     rounds = [r for r in records if r.get("event") == "round"]
-    per_learner, speeds, finished = [], {}, {}
+    per_learner, speeds, rates, finished = [], {}, {}, {}
     for plan in plans:
         progress = read_progress(run_dir / "learners" / plan.id / "progress.jsonl")
         speeds[plan.id] = learner_speed(progress)
+        rates[plan.id] = busy_rate(progress)
         if sup.slots[plan.id].finished and progress and progress[-1].get("event") == "exit":
             finished[plan.id] = progress[-1]["t"]
         contributions = sum(1 for r in rounds if plan.id in r["participants"])
@@ -49,6 +50,7 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
             end=facts["train_end"],
             speeds=speeds,
             finished=finished,
+            rates=rates,
         )
     )
     summary["syncer_restarts"] = sum(

@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
     run_started = args.run_started or started
     first_step = learner.local_step  # > 0 when resumed from a checkpoint
+    busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
     while not args.total_steps or learner.local_step < args.total_steps:
         step = learner.local_step
         now = time.time()
@@ -152,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
         if world > 1:  # the ranks of an island agree on stopping, the lr and checkpoints
             should_stop, length, save = island_agree(should_stop, length, save)
         if save:
-            t0 = time.perf_counter()
+            saving = time.perf_counter()
             save_checkpoint(checkpoint, model, optimizer, learner, stream)
-            cadence.saved(time.time(), time.perf_counter() - t0)
+            cadence.saved(time.time(), time.perf_counter() - saving)
         if should_stop:
             break
         waited = args.wait_for_merge < 0 or learner.wait_for_merges(
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         if args.slow > 1.0:  # emulate slower hardware: stretch this step to `slow` times its cost
             time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
         learner.step(tokens=x.numel())
+        busy_s += time.perf_counter() - t0
         now = time.time()
         if progress and now - last_report >= args.report_every:
             last_report = now
@@ -186,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
                         "tokens": learner.total_tokens,
                         "loss": loss.item(),
                         "steps_per_s": sps,
+                        "busy_s": round(busy_s, 4),
                         "bytes_up": learner.stats.get("bytes_up", 0),
                         "bytes_down": learner.stats.get("bytes_down", 0),
                     }

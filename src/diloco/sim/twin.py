@@ -179,7 +179,8 @@ def twin_report(run_dir: str | Path, constants: MachineConstants, seeds: int = 2
     own = predict(config, constants, own_seed)
     others = np.array([predict(config, constants, own_seed + 1 + k) for k in range(seeds)])
     mean, ci = mean_ci(others)
-    measured = None if summary is None else summary.get("goodput")
+    # the twin models the speed-based measure (tokens at the median speed)
+    measured = None if summary is None else summary.get("goodput_speed", summary.get("goodput"))
     return {
         "run_dir": str(run_dir),
         "spec": config["chaos"],
