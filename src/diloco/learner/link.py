@@ -122,6 +122,9 @@ class SyncerLink:
         self._heartbeat_s = 1.0
         self._stub: pb_grpc.SyncerStub | None = None
         self._channel: grpc.Channel | None = None
+        # Creating a channel's stubs while another thread closes it crashes grpc's C core
+        # (seen as a segfault in a test's close()): both happen under this lock.
+        self._channel_lock = threading.Lock()
         self._closing = threading.Event()
         self._jobs: dict[int, UploadJob] = {}
         self._jobs_cond = threading.Condition()
@@ -164,9 +167,9 @@ class SyncerLink:
             self._jobs_cond.notify_all()
         if leave and self.connected.is_set():
             self._leave_quietly()
-        channel = self._channel
-        if channel is not None:
-            channel.close()
+        with self._channel_lock:
+            if self._channel is not None:
+                self._channel.close()
         for t in self._threads:
             t.join(timeout=5)
 
@@ -225,22 +228,26 @@ class SyncerLink:
             pass
 
     def _close_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
-        self._stub = None
+        with self._channel_lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = None
+            self._stub = None
 
     def _connect_and_listen(self) -> None:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
-        if self.credentials is not None:
-            channel = grpc.secure_channel(self.address, self.credentials, options=options)
-        else:
-            channel = grpc.insecure_channel(self.address, options=options)
-        self._channel = channel
-        stub = pb_grpc.SyncerStub(channel)
+        with self._channel_lock:
+            if self._closing.is_set():
+                return
+            if self.credentials is not None:
+                channel = grpc.secure_channel(self.address, self.credentials, options=options)
+            else:
+                channel = grpc.insecure_channel(self.address, options=options)
+            self._channel = channel
+            stub = pb_grpc.SyncerStub(channel)
         tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in self.layout.tensors]
         reply = stub.Join(
             pb.JoinRequest(
@@ -412,9 +419,11 @@ class SyncerLink:
                 )
             except (grpc.RpcError, ValueError):  # ValueError: channel closed by the link thread
                 continue
-            if not reply.known and self._channel is not None:
+            if not reply.known:
                 # The syncer restarted or dropped us: reconnect (join again) from the link thread.
-                self._channel.close()
+                with self._channel_lock:
+                    if self._channel is not None:
+                        self._channel.close()
 
 
 def _check_owns_all(link: SyncerLink, info: ShardInfo) -> None:
