@@ -66,6 +66,20 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
+def _syncer_for(model: nn.Module, tmp_path: Path, *, up_codec: str):
+    """An in-process syncer (2 fragments, tape in ``tmp_path``), started."""
+    layout = balanced_fragments(model.named_parameters(), 2)
+    named = dict(model.named_parameters())
+    config = SyncerConfig(up_codec=up_codec, lease_s=5, heartbeat_s=0.5)
+    server = SyncerServer(
+        layout,
+        [layout.gather(p, named) for p in range(2)],
+        config,
+        tape_path=tmp_path / "events.jsonl",
+    ).start()
+    return layout, named, server
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "how, refused", [("huge", "OUT_OF_RANGE"), ("nan", "INVALID_ARGUMENT"), ("flip", None)]
@@ -74,15 +88,7 @@ def test_each_mode_reaches_the_syncer_and_is_handled(tmp_path, how, refused):
     """A real Learner whose uploads are corrupted: huge and nan are refused (tape says why),
     flip has an ordinary norm and is accepted (only averaging limits it)."""
     model = _model()
-    layout = balanced_fragments(model.named_parameters(), 2)
-    named = dict(model.named_parameters())
-    config = SyncerConfig(up_codec="int8", lease_s=5, heartbeat_s=0.5)
-    server = SyncerServer(
-        layout,
-        [layout.gather(p, named) for p in range(2)],
-        config,
-        tape_path=tmp_path / "events.jsonl",
-    ).start()
+    layout, named, server = _syncer_for(model, tmp_path, up_codec="int8")
     try:
         learner = Learner(
             model,
@@ -124,15 +130,7 @@ def test_a_learner_refused_by_the_guard_resyncs_the_fragment_and_is_accepted_aga
     sends a delta the norm guard refuses. The delta would only grow while refused, so the
     learner resets that fragment to the global value and its next uploads are accepted."""
     model = _model()
-    layout = balanced_fragments(model.named_parameters(), 2)
-    named = dict(model.named_parameters())
-    config = SyncerConfig(up_codec="fp32", lease_s=5, heartbeat_s=0.5)
-    server = SyncerServer(
-        layout,
-        [layout.gather(p, named) for p in range(2)],
-        config,
-        tape_path=tmp_path / "events.jsonl",
-    ).start()
+    layout, named, server = _syncer_for(model, tmp_path, up_codec="fp32")
     try:
         learner = Learner(model, syncer=server.address, fragments=2, sync_every=2)
         assert learner.wait_for_global(timeout=10)
