@@ -170,3 +170,10 @@ def test_an_island_whose_rank_is_killed_is_restarted_and_rejoins(tmp_path, synce
     ]
     assert after, "the restarted island never contributed again"
     assert_replicas_agree(workdir)
+    # the ranks saved (and so restored) their checkpoints at the same steps: their data
+    # positions still agree at the end
+    positions = [
+        torch.load(workdir / name, weights_only=True)["stream"]["index"]
+        for name in ("checkpoint.pt", "checkpoint.rank1.pt")
+    ]
+    assert positions[0] == positions[1] > 0, positions

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from diloco.cadence import AUTO, CheckpointCadence, parse_every
+from diloco.checkpoint_writer import CheckpointWriter
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     last_report = time.time()
     started = time.time()
     cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
+    writer = CheckpointWriter(checkpoint) if checkpoint else None
     run_started = args.run_started or started
     first_step = learner.local_step  # > 0 when resumed from a checkpoint
     busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
@@ -148,13 +150,14 @@ def run(args: argparse.Namespace) -> int:
         step = learner.local_step
         now = time.time()
         length = schedule_length(args, step, now - run_started)
-        save = bool(checkpoint) and cadence.due(now)
+        # a save is due when the cadence says so and the previous one has reached the disk
+        save = writer is not None and cadence.due(now) and not writer.busy
         should_stop = stop.is_set() or bool(args.deadline and now >= args.deadline)
         if world > 1:  # the ranks of an island agree on stopping, the lr and checkpoints
-            should_stop, length, save = island_agree(should_stop, length, save)
-        if save:
+            should_stop, length, save = island_agree(should_stop, length, save, writer)
+        if save and writer:  # the training thread pays the copy; a background thread writes it
             saving = time.perf_counter()
-            save_checkpoint(checkpoint, model, optimizer, learner, stream)
+            writer.submit(checkpoint_state(model, optimizer, learner, stream))
             cadence.saved(time.time(), time.perf_counter() - saving)
         if should_stop:
             break
@@ -198,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
             progress.flush()
     train_s = time.time() - started
     learner.close(flush=True)
-    if checkpoint:
-        save_checkpoint(checkpoint, model, optimizer, learner, stream)
+    if writer:
+        writer.save_now(checkpoint_state(model, optimizer, learner, stream))
     if workdir and not args.no_sync and leader:
         write_final_state(workdir, learner)
     if world > 1:
@@ -255,39 +258,34 @@ def island_rank() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def island_agree(stop: bool, schedule_len: int, save: bool) -> tuple[bool, int, bool]:
+def island_agree(
+    stop: bool, schedule_len: int, save: bool, writer: CheckpointWriter | None = None
+) -> tuple[bool, int, bool]:
     """One collective per step, so that every rank does the same thing at the same step:
-    stop if any rank was asked to; rank 0's lr schedule length and checkpoint decision."""
+    stop if any rank was asked to; rank 0's lr schedule length and checkpoint decision,
+    taken only when no rank is still writing its previous checkpoint (so every rank's file
+    holds the same step)."""
     import torch
     import torch.distributed as dist
 
     leader = dist.get_rank() == 0
-    mine = [int(stop), schedule_len if leader else 0, int(save and leader)]
+    writing = writer is not None and writer.busy
+    mine = [int(stop), schedule_len if leader else 0, int(save and leader), int(writing)]
     flags = torch.tensor(mine, dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), int(flags[1]), bool(flags[2])
+    return bool(flags[0]), int(flags[1]), bool(flags[2]) and not bool(flags[3])
 
 
-def save_checkpoint(path: Path, model, optimizer, learner, stream) -> None:
-    """This learner's own local checkpoint: model, inner optimizer, Learner state, data position.
-
-    Written to a temporary file, fsynced and renamed, so a crash never leaves a torn file.
-    """
-    import torch
-
-    tmp = path.with_suffix(".tmp")
-    state = {
+def checkpoint_state(model, optimizer, learner, stream) -> dict:
+    """This learner's own local checkpoint: model, inner optimizer, Learner state, data
+    position (references to the live tensors: ``CheckpointWriter`` copies them)."""
+    return {
         "format": 1,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "learner": learner.state_dict(),
         "stream": stream.state_dict(),
     }
-    with tmp.open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_checkpoint(path: Path) -> dict | None:
