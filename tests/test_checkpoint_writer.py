@@ -33,13 +33,13 @@ def test_copy_state_is_independent_of_later_training():
 
 def test_the_written_file_holds_the_state_at_submit_time(tmp_path):
     weights = torch.arange(6.0)
-    writer = CheckpointWriter(tmp_path / "checkpoint.pt")
-    assert writer.submit({"format": 1, "w": weights, "step": 7})
+    writer = CheckpointWriter()
+    assert writer.submit(tmp_path / "checkpoint.pt", {"format": 1, "w": weights, "step": 7})
     weights.add_(100.0)  # training goes on while the write runs
     assert writer.wait(timeout=30)
     saved = read(tmp_path / "checkpoint.pt")
     assert saved["step"] == 7 and torch.equal(saved["w"], torch.arange(6.0))
-    assert writer.written == 1 and writer.failures == 0
+    assert writer.written == 1 and writer.failures == 0 and writer.last_ok
     assert not (tmp_path / "checkpoint.tmp").exists()
 
 
@@ -54,22 +54,22 @@ def test_one_write_at_a_time_and_submit_declines_while_busy(tmp_path, monkeypatc
         real(path, state)
 
     monkeypatch.setattr(checkpoint_writer, "write_atomic", held)
-    writer = CheckpointWriter(tmp_path / "c.pt")
-    assert writer.submit({"step": 1})
-    assert writer.busy
-    assert not writer.submit({"step": 2})  # declined: nothing copied, nothing queued
+    writer, path = CheckpointWriter(), tmp_path / "c.pt"
+    assert writer.submit(path, {"step": 1})
+    assert writer.busy and writer.last_ok is None
+    assert not writer.submit(path, {"step": 2})  # declined: nothing copied, nothing queued
     release.set()
     assert writer.wait(timeout=30)
     assert read(tmp_path / "c.pt")["step"] == 1
-    assert writer.submit({"step": 3}) and writer.wait(timeout=30)
+    assert writer.submit(path, {"step": 3}) and writer.wait(timeout=30)
     assert read(tmp_path / "c.pt")["step"] == 3
 
 
 def test_save_now_waits_for_the_write_in_progress_and_wins(tmp_path):
-    writer = CheckpointWriter(tmp_path / "c.pt")
+    writer, path = CheckpointWriter(), tmp_path / "c.pt"
     big = torch.zeros(2_000_000)  # 8 MB: the background write is still running, most likely
-    assert writer.submit({"step": 1, "x": big})
-    writer.save_now({"step": 2})
+    assert writer.submit(path, {"step": 1, "x": big})
+    writer.save_now(path, {"step": 2})
     assert not writer.busy
     assert read(tmp_path / "c.pt")["step"] == 2
 
@@ -78,9 +78,9 @@ def test_a_failed_write_is_counted_and_keeps_the_last_checkpoint(tmp_path, capsy
     path = tmp_path / "c.pt"
     write_atomic(path, {"step": 1})
     (tmp_path / "c.tmp").mkdir()  # the temporary name cannot be opened as a file
-    writer = CheckpointWriter(path)
-    assert writer.submit({"step": 2})
+    writer = CheckpointWriter()
+    assert writer.submit(path, {"step": 2})
     assert writer.wait(timeout=30)
-    assert writer.failures == 1 and writer.written == 0
+    assert writer.failures == 1 and writer.written == 0 and writer.last_ok is False
     assert read(path)["step"] == 1
     assert "write failed" in capsys.readouterr().err

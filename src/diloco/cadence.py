@@ -9,12 +9,12 @@ the measured cost of the saves: it spends at most ``budget`` of the wall time sa
     interval = clip(save_s / budget, floor_s, cap_s),
 
 with ``save_s`` a running estimate (EMA) of one save's cost on the training thread. Learners
-write their checkpoints in the background (``diloco.checkpoint_writer``): the training thread
-pays only the copy of the state, ~2 ms for the default recipe's 10 MB against ~17 ms for a
-synchronous save with fsync (quiet machine, median of 30), so ``auto`` saves at the floor,
-every second; a model whose copy takes 3 s saves every 300 s (the cap). The data-parallel
-group saves synchronously (~17 ms: about every 2 s). Before any save has been measured the
-first one is due ``floor_s`` after the start. The rule needs no failure rate; with a known
+and data-parallel ranks write their checkpoints in the background
+(``diloco.checkpoint_writer``): the training thread pays only the copy of the state, ~2 ms
+for the default recipe's 10 MB against ~17 ms for a synchronous save with fsync (quiet
+machine, median of 30), so ``auto`` saves at the floor, every second, or as soon as the
+previous write is done if that is later; a model whose copy takes 3 s saves every 300 s (the
+cap). Before any save has been measured the first one is due ``floor_s`` after the start. The rule needs no failure rate; with a known
 mean time between failures, Young's optimum sqrt(2·save_s·MTBF) (60 s MTBF, 17 ms: 1.4 s)
 lands in the same range.
 

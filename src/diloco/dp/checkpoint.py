@@ -5,7 +5,7 @@ holds the model, the optimizer and its data position; every other rank's holds o
 position (the model and the optimizer are the same on every rank). Rank 0 writes
 ``latest.json`` (``{"step": S}``) only after every rank has written its file, so a group killed
 in the middle of a save restarts from the previous complete checkpoint. Files are written to a
-temporary name, fsynced and renamed; they are read with ``torch.load(weights_only=True)``.
+temporary name, fsynced and renamed (``diloco.checkpoint_writer``); they are read with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from diloco.checkpoint_writer import write_atomic
+
 FORMAT = 1
 
 
@@ -23,16 +25,21 @@ def rank_file(directory: Path, step: int, rank: int) -> Path:
     return Path(directory) / f"step-{step}.rank-{rank}.pt"
 
 
-def write_rank_state(directory: Path, step: int, rank: int, state: dict) -> None:
-    """Write this rank's part of the checkpoint of ``step`` (atomic)."""
+def rank_part(step: int, state: dict) -> dict:
+    """A rank's part of the checkpoint of ``step``: its ``state`` with the format and step."""
+    return {"format": FORMAT, "step": step, **state}
+
+
+def write_rank_part(directory: Path, step: int, rank: int, part: dict) -> None:
+    """Write this rank's ``rank_part`` of the checkpoint of ``step`` now (atomic)."""
     path = rank_file(directory, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        torch.save({"format": FORMAT, "step": step, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, part)
+
+
+def write_rank_state(directory: Path, step: int, rank: int, state: dict) -> None:
+    """Write this rank's part of the checkpoint of ``step`` from its ``state`` (atomic)."""
+    write_rank_part(directory, step, rank, rank_part(step, state))
 
 
 def commit(directory: Path, step: int, world: int) -> None:

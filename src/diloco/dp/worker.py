@@ -2,11 +2,15 @@
 
 Every step, each rank computes the gradient of its own batch and the ranks all-reduce
 (gloo, one collective per step) the token-weighted sum of their gradients together with
-three control values: how many tokens the step trained, whether any rank was asked to stop,
-and rank 0's decisions (lr schedule length, checkpoint now). So every rank applies the same
-averaged gradient with the same lr and stops or checkpoints at the same step. The group is
-static: if a rank dies the others fail too, and the supervisor restarts the whole group from
-the last complete checkpoint (:mod:`diloco.dp.checkpoint`), as ``torchrun`` does.
+control values: how many tokens the step trained, whether any rank was asked to stop, rank
+0's decisions (lr schedule length, checkpoint now) and how many ranks have finished writing
+their part of the checkpoint in progress. So every rank applies the same averaged gradient
+with the same lr and stops or checkpoints at the same step. Each rank copies its part at that
+step and a background thread writes it (:mod:`diloco.checkpoint_writer`); once every rank's
+part is on disk, rank 0 commits the checkpoint, and only then may the next one start. The
+group is static: if a rank dies the others fail too, and the supervisor restarts the whole
+group from the last committed checkpoint (:mod:`diloco.dp.checkpoint`), as ``torchrun``
+does.
 
 Rendezvous: the supervisor hosts a ``TCPStore``; the ranks of generation G meet under the
 prefix ``generation-G``, so a restarted group never reads a dead group's keys.
@@ -30,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from diloco.cadence import AUTO, CheckpointCadence, parse_every
+from diloco.checkpoint_writer import CheckpointWriter
 
 
 def ring_bytes_per_step(num_params: int, world: int) -> int:
@@ -107,12 +112,16 @@ def run(args: argparse.Namespace) -> int:
     run_started = args.run_started or started
     last_report = last_snapshot = 0.0
     cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
+    writer = CheckpointWriter()
+    pending: int | None = None  # the step of the checkpoint being written, not yet committed
+    ckdir.mkdir(parents=True, exist_ok=True)
     loss_value = float("nan")
     busy_s = 0.0  # seconds in steps (the all-reduce included) in this incarnation
     while not args.total_steps or step < args.total_steps:
         now = time.time()
         length = schedule_length(args, step, now - run_started)
-        save = leader and cadence.due(now)  # rank 0 decides; the all-reduce tells the others
+        # rank 0 decides (the all-reduce tells the others), once the previous one is committed
+        save = leader and pending is None and cadence.due(now)
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         _, loss = model(x, y)
@@ -120,12 +129,25 @@ def run(args: argparse.Namespace) -> int:
         if args.slow > 1.0:  # emulate slower hardware: the whole group waits for this rank
             time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
         n = x.numel()
+        written = pending is not None and not writer.busy  # my part is on disk (or failed)
         control = torch.tensor(
-            [n, float(stop.is_set()), length if leader else 0, float(save)], dtype=torch.float32
+            [
+                n,
+                float(stop.is_set()),
+                length if leader else 0,
+                float(save),
+                float(written),
+                float(written and bool(writer.last_ok)),
+            ],
+            dtype=torch.float32,
         )
         flat = torch.cat([p.grad.reshape(-1) * n for p in params] + [control])
         dist.all_reduce(flat)
-        total, stopping, length, save = flat[-4:].tolist()
+        total, stopping, length, save, done, ok = flat[-len(control) :].tolist()
+        if pending is not None and done == args.world:
+            if leader and ok == args.world:
+                ckpt.commit(ckdir, pending, args.world)
+            pending = None  # committed, or a part failed and the previous checkpoint stays
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset : offset + p.numel()].view_as(p) / total)
@@ -139,9 +161,11 @@ def run(args: argparse.Namespace) -> int:
         loss_value = loss.item()
         busy_s += time.perf_counter() - t0
         now = time.time()
-        if save:
+        if save:  # this rank pays the copy of its part; the writer thread writes it
             saving = time.perf_counter()
-            save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens)
+            part = rank_part(args, step, model, optimizer, stream, tokens, group_tokens)
+            writer.submit(ckpt.rank_file(ckdir, step, args.rank), part)
+            pending = step
             cadence.saved(time.time(), time.perf_counter() - saving)
         if leader and args.snapshot and now - last_snapshot >= args.snapshot_every:
             last_snapshot = now
@@ -161,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
             )
         if stopping:
             break
+    writer.wait()  # the final checkpoint supersedes the one in progress
     save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens)
     if leader and args.snapshot:
         write_snapshot(Path(args.snapshot), model, step, group_tokens)
@@ -178,10 +203,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens):
-    """Every rank writes its part, then (after a barrier) rank 0 commits the checkpoint."""
-    import torch.distributed as dist
-
+def rank_part(args, step, model, optimizer, stream, tokens, group_tokens) -> dict:
+    """This rank's part of the group checkpoint of ``step`` (references to live tensors)."""
     from diloco.dp import checkpoint as ckpt
 
     state = {"stream": stream.state_dict(), "tokens": tokens}
@@ -191,7 +214,17 @@ def save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, g
             "optimizer": optimizer.state_dict(),
             "group_tokens": group_tokens,
         }
-    ckpt.write_rank_state(ckdir, step, args.rank, state)
+    return ckpt.rank_part(step, state)
+
+
+def save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens):
+    """Every rank writes its part now, then (after a barrier) rank 0 commits the checkpoint."""
+    import torch.distributed as dist
+
+    from diloco.dp import checkpoint as ckpt
+
+    part = rank_part(args, step, model, optimizer, stream, tokens, group_tokens)
+    ckpt.write_rank_part(ckdir, step, args.rank, part)
     if dist.is_initialized():
         dist.barrier()
     if args.rank == 0:

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     last_report = time.time()
     started = time.time()
     cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
-    writer = CheckpointWriter(checkpoint) if checkpoint else None
+    writer = CheckpointWriter() if checkpoint else None
     run_started = args.run_started or started
     first_step = learner.local_step  # > 0 when resumed from a checkpoint
     busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             should_stop, length, save = island_agree(should_stop, length, save, writer)
         if save and writer:  # the training thread pays the copy; a background thread writes it
             saving = time.perf_counter()
-            writer.submit(checkpoint_state(model, optimizer, learner, stream))
+            writer.submit(checkpoint, checkpoint_state(model, optimizer, learner, stream))
             cadence.saved(time.time(), time.perf_counter() - saving)
         if should_stop:
             break
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     train_s = time.time() - started
     learner.close(flush=True)
     if writer:
-        writer.save_now(checkpoint_state(model, optimizer, learner, stream))
+        writer.save_now(checkpoint, checkpoint_state(model, optimizer, learner, stream))
     if workdir and not args.no_sync and leader:
         write_final_state(workdir, learner)
     if world > 1:
