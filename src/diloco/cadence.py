@@ -14,9 +14,9 @@ and data-parallel ranks write their checkpoints in the background
 for the default recipe's 10 MB against ~17 ms for a synchronous save with fsync (quiet
 machine, median of 30), so ``auto`` saves at the floor, every second, or as soon as the
 previous write is done if that is later; a model whose copy takes 3 s saves every 300 s (the
-cap). Before any save has been measured the first one is due ``floor_s`` after the start. The rule needs no failure rate; with a known
-mean time between failures, Young's optimum sqrt(2·save_s·MTBF) (60 s MTBF, 17 ms: 1.4 s)
-lands in the same range.
+cap). Before any save has been measured the first one is due ``floor_s`` after the start.
+The rule needs no failure rate; with a known mean time between failures, Young's optimum
+sqrt(2·save_s·MTBF) (60 s MTBF, 17 ms: 1.4 s) lands in the same range.
 
 ``CheckpointCadence`` holds the clock; ``auto_interval`` and ``parse_every`` are pure.
 """
