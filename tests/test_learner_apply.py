@@ -1,17 +1,22 @@
-"""How arrived fragments are applied: rebase (keep the local progress) when the merge holds
-only other learners' work, keep what came after our delta when it holds ours, overwrite when
-both rebases are off."""
+"""The learner's ledger and how arrived fragments are applied (no syncer: fragments and the
+link's answers are handed to the learner as its link would hand them).
+
+Contract (docs/algorithm.md, "Learner side"): the undelivered progress ``u = (G − Σ ledger)
+− θ`` is what the next delta carries; a delta leaves the ledger when the version that merges
+it is applied (accepted, admitted before that version) or when it was not accepted (its
+progress is undelivered again); a new global value keeps ``u`` and what is on its way.
+"""
 
 import torch
 
 import diloco
+from diloco.learner.link import UploadResult
 
 
 def make_learner(**overrides):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3, bias=False)
-    # No syncer listens on port 1: the link just retries in the background; nothing here
-    # needs the network, fragments are handed to the learner as its link would.
+    # No syncer listens on port 1: the link just retries in the background.
     learner = diloco.Learner(
         model, syncer="127.0.0.1:1", fragments=1, sync_every=4, learner_id="me", **overrides
     )
@@ -22,189 +27,161 @@ def weight(model):
     return model.weight.detach().reshape(-1).clone()
 
 
-def test_foreign_merge_is_rebased_and_in_flight_progress_is_not_sent_twice():
+def train(model, learner, by: float, steps: int = 2, tokens: int = 10):
+    """Emulate ``steps`` inner steps that move every weight by ``by`` in all."""
+    with torch.no_grad():
+        model.weight.add_(by)
+    learner.steps_since[0] += steps
+    learner.tokens_since[0] += steps * tokens
+
+
+def queued_job(learner):
+    """The delta the learner queued, taken back from its (never connected) link."""
+    job = learner.link.withdraw(0)
+    assert job is not None
+    return job
+
+
+def start(model, learner, v0):
+    learner._on_fragment(0, 1, v0, frozenset())
+    learner.apply_arrived()
+    assert torch.equal(weight(model), v0) and learner.versions[0] == 1
+
+
+def test_a_foreign_merge_keeps_the_undelivered_progress_and_its_counters():
     model, learner = make_learner()
     try:
         v0 = torch.arange(12.0)
-        learner._on_fragment(0, 1, v0, frozenset())
+        start(model, learner, v0)
+        train(model, learner, 0.5)
+        learner._on_fragment(0, 2, v0 + 2, frozenset({"other"}))
         learner.apply_arrived()
-        assert torch.equal(weight(model), v0)
-        d1 = torch.full((12,), 0.5)
-        with torch.no_grad():
-            model.weight.add_(d1.reshape(3, 4))
-        learner.steps_since[0], learner.tokens_since[0] = 4, 40
-        learner._queue(0)  # delta −d1 goes out against version 1
-        g = torch.full((12,), 2.0)
-        learner._on_fragment(0, 2, v0 + g, frozenset({"other"}))
-        learner.apply_arrived()
-        assert torch.allclose(weight(model), v0 + g + d1)  # our progress survived
-        assert learner.versions[0] == 2
-        assert torch.allclose(learner.anchors[0] - weight(model), torch.zeros(12))
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
-        d2 = torch.full((12,), -0.25)
-        with torch.no_grad():
-            model.weight.add_(d2.reshape(3, 4))
-        assert torch.allclose(learner.anchors[0] - weight(model), -d2)  # only the new progress
-        learner.steps_since[0], learner.tokens_since[0] = 2, 20
-        # The merge that holds our delta arrives: what came after it (d2) is kept.
-        learner._on_fragment(0, 3, v0 + 7, frozenset({"me", "other"}))
-        learner.apply_arrived()
-        assert torch.allclose(weight(model), v0 + 7 + d2)
-        assert torch.equal(learner.anchors[0], v0 + 7)
+        assert torch.allclose(weight(model), v0 + 2.5)
         assert (learner.steps_since[0], learner.tokens_since[0]) == (2, 20)
-        assert learner.versions[0] == 3 and 0 not in learner._sent
+        assert learner._queue(0)
+        job = queued_job(learner)
+        assert torch.allclose(job.delta, torch.full((12,), -0.5))  # only our progress
+        assert (job.steps, job.tokens, job.base_version) == (2, 20, 2)
     finally:
         learner.close(flush=False)
 
 
-def test_foreign_merge_without_anything_in_flight_keeps_counters():
+def test_every_step_is_sent_once_across_acceptance_and_merge():
     model, learner = make_learner()
     try:
-        learner._on_fragment(0, 1, torch.zeros(12), frozenset())
-        learner.apply_arrived()
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        learner.steps_since[0], learner.tokens_since[0] = 3, 30
-        learner._on_fragment(0, 2, torch.full((12,), 5.0), frozenset({"other"}))
-        learner.apply_arrived()
-        assert torch.allclose(weight(model), torch.full((12,), 6.0))
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (3, 30)
-        assert torch.allclose(learner.anchors[0] - weight(model), torch.full((12,), -1.0))
+        v0 = torch.arange(12.0)
+        start(model, learner, v0)
+        train(model, learner, 0.5, steps=4)
+        assert learner._queue(0)
+        job = queued_job(learner)
+        assert learner.steps_since[0] == 0 and learner.in_flight() == {0: 1}
+        train(model, learner, -0.25, steps=2)  # trained while the delta is on its way
+        # A version arrives before the upload's answer: it waits (it may hold our delta).
+        learner._on_fragment(0, 2, v0 + 1, frozenset({"me"}))
+        assert learner.apply_arrived() == 0 and learner.versions[0] == 1
+        sent = job.delta.clone()
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+        learner.apply_arrived()  # version 2 merged our delta (admitted at 1)
+        assert learner.versions[0] == 2 and learner.in_flight() == {}
+        assert torch.allclose(weight(model), v0 + 1 - 0.25)  # what came after the delta
+        assert learner.steps_since[0] == 2  # ... and only its steps are still to send
+        assert learner._queue(0)
+        assert torch.allclose(queued_job(learner).delta, torch.full((12,), 0.25))
     finally:
         learner.close(flush=False)
 
 
-def test_overwrite_everything_when_rebase_is_off():
-    model, learner = make_learner(rebase_foreign=False)
-    try:
-        learner._on_fragment(0, 1, torch.zeros(12), frozenset())
-        learner.apply_arrived()
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        learner._on_fragment(0, 2, torch.full((12,), 5.0), frozenset({"other"}))
-        learner.apply_arrived()
-        assert torch.equal(weight(model), torch.full((12,), 5.0))
-        assert learner.steps_since[0] == 0
-    finally:
-        learner.close(flush=False)
-
-
-def test_skipped_versions_keep_their_contributors():
-    _, learner = make_learner()
-    try:
-        learner._on_fragment(0, 1, torch.zeros(12), frozenset({"me"}))
-        learner._on_fragment(0, 2, torch.ones(12), frozenset({"other"}))
-        assert learner._arrived[0][2] == {"me", "other"}
-    finally:
-        learner.close(flush=False)
-
-
-def test_a_learner_without_local_progress_takes_a_foreign_merge_bit_exactly():
+def test_an_accepted_delta_stays_on_its_way_through_a_version_that_does_not_merge_it():
     model, learner = make_learner()
     try:
-        torch.manual_seed(1)
-        first, second = torch.randn(12), torch.randn(12)
-        learner._on_fragment(0, 1, first, frozenset({"me"}))
+        v0 = torch.zeros(12)
+        start(model, learner, v0)
+        train(model, learner, 1.0)
+        learner._queue(0)
+        job = queued_job(learner)
+        learner._on_result(job, UploadResult("accepted", admitted=2, sent=job.delta.clone()))
+        learner._on_fragment(0, 2, v0 + 3, frozenset({"other"}))  # committed before ours
         learner.apply_arrived()
-        learner._on_fragment(0, 2, second, frozenset({"other"}))
+        assert learner.in_flight() == {0: 1}
+        assert torch.allclose(weight(model), v0 + 3 + 1)  # our delta is still pending
+        assert not learner._queue(0)  # nothing new to send: no step since
+        learner._on_fragment(0, 3, torch.full((12,), 2.0), frozenset({"me", "other"}), 2)
         learner.apply_arrived()
-        # θ + (Θ − A) computed as Θ + (θ − A) is Θ itself, not Θ up to rounding.
-        assert torch.equal(weight(model), second)
+        assert learner.in_flight() == {} and torch.equal(weight(model), v0 + 5)
     finally:
         learner.close(flush=False)
 
 
-def test_flush_does_not_send_a_fragment_again_whose_queued_delta_holds_all_its_progress():
+def test_a_failed_or_refused_upload_returns_its_progress_and_nothing_is_counted_twice():
+    for outcome in ("failed", "stale", "refused"):
+        model, learner = make_learner()
+        try:
+            start(model, learner, torch.zeros(12))
+            train(model, learner, 1.0, steps=3)
+            learner._queue(0)
+            job = queued_job(learner)
+            train(model, learner, 1.0, steps=1)
+            learner._on_result(job, UploadResult(outcome))
+            learner.apply_arrived()
+            assert learner.in_flight() == {} and learner.steps_since[0] == 4, outcome
+            learner._queue(0)
+            again = queued_job(learner)
+            assert (again.steps, again.tokens) == (4, 40)
+            assert torch.allclose(again.delta, torch.full((12,), -2.0))
+        finally:
+            learner.close(flush=False)
+
+
+def test_a_delta_still_queued_is_withdrawn_and_sent_with_the_newer_progress():
     model, learner = make_learner()
     try:
-        learner._on_fragment(0, 1, torch.zeros(12), frozenset())
-        learner.apply_arrived()
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        learner.steps_since[0], learner.tokens_since[0] = 4, 40
-        learner._queue(0)  # the last step's due upload
-        queued = learner.link._jobs[0]
-        assert not learner.flush(timeout=0)  # nothing can go out: no syncer
-        assert learner.link._jobs[0] is queued  # not queued a second time
-        assert learner._flushed == {0: 1}  # but the drain still waits for its merge
-        # one more step of progress: the flush sends it (the newer delta replaces the queued)
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        learner.steps_since[0], learner.tokens_since[0] = 5, 50
-        learner.flush(timeout=0)
-        job = learner.link._jobs[0]
-        assert job is not queued and (job.steps, job.tokens) == (5, 50)
-        assert torch.allclose(job.delta, torch.full((12,), -2.0))
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 1.0, steps=3)
+        learner._queue(0)
+        train(model, learner, 0.5, steps=1)
+        learner._queue(0)  # the first is still queued: withdrawn, both go out as one
+        job = queued_job(learner)
+        assert (job.steps, job.tokens) == (4, 40) and learner.counters["withdrawn"] == 1
+        assert torch.allclose(job.delta, torch.full((12,), -1.5))
+        assert learner.in_flight() == {0: 1}
     finally:
         learner.close(flush=False)
 
 
-def queue_then_train_on(model, learner, queued_steps=4, after_steps=2):
-    """From Θ = 0 at version 1: train d1, queue it, then train d2 more (if ``after_steps``);
-    returns (d1, d2)."""
-    learner._on_fragment(0, 1, torch.zeros(12), frozenset())
-    learner.apply_arrived()
-    d1, d2 = torch.full((12,), 0.5), torch.full((12,), -0.25)
-    with torch.no_grad():
-        model.weight.add_(d1.reshape(3, 4))
-    learner.steps_since[0], learner.tokens_since[0] = queued_steps, 10 * queued_steps
-    learner._queue(0)
-    if after_steps:
-        with torch.no_grad():
-            model.weight.add_(d2.reshape(3, 4))
-    total = queued_steps + after_steps
-    learner.steps_since[0], learner.tokens_since[0] = total, 10 * total
-    return d1, d2
-
-
-def test_own_merge_keeps_the_steps_trained_while_the_delta_was_in_flight():
+def test_the_residual_of_the_quantized_upload_goes_out_next_time():
     model, learner = make_learner()
     try:
-        _, d2 = queue_then_train_on(model, learner)
-        merged = torch.full((12,), 3.0)
-        learner._on_fragment(0, 2, merged, frozenset({"me"}))
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 1.0)
+        learner._queue(0)
+        job = queued_job(learner)
+        sent = job.delta * 0.9  # the syncer decoded less than was queued
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=sent))
         learner.apply_arrived()
-        assert torch.allclose(weight(model), merged + d2)
-        assert torch.equal(learner.anchors[0], merged)
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (2, 20)
-        assert 0 not in learner._sent
-        # the next delta holds exactly what came after the merged one
-        assert torch.allclose(learner.anchors[0] - weight(model), -d2)
+        train(model, learner, 0.0, steps=1)
+        learner._queue(0)
+        assert torch.allclose(queued_job(learner).delta, job.delta * 0.1)
     finally:
         learner.close(flush=False)
 
 
-def test_own_merge_with_nothing_trained_after_the_delta_is_exactly_the_global_value():
+def test_deltas_apply_bit_exactly_and_one_that_does_not_fit_asks_for_a_keyframe():
     model, learner = make_learner()
     try:
-        queue_then_train_on(model, learner, after_steps=0)
-        merged = torch.randn(12)
-        learner._on_fragment(0, 2, merged, frozenset({"me"}))
+        v0 = torch.randn(12)
+        start(model, learner, v0)
+        d1, d2 = torch.randn(12), torch.randn(12)
+        learner._on_fragment(0, 2, d1, frozenset(), 1)
+        learner._on_fragment(0, 3, d2, frozenset(), 2)
         learner.apply_arrived()
-        assert torch.equal(weight(model), merged)
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
-    finally:
-        learner.close(flush=False)
-
-
-def test_foreign_merges_then_own_merge_keep_every_step_exactly_once():
-    model, learner = make_learner()
-    try:
-        d1, d2 = queue_then_train_on(model, learner)
-        g1, g2 = torch.full((12,), 2.0), torch.full((12,), 5.0)
-        learner._on_fragment(0, 2, g1, frozenset({"other"}))  # our delta still in flight
+        assert learner.versions[0] == 3 and torch.equal(weight(model), (v0 + d1) + d2)
+        learner._on_fragment(0, 9, d1, frozenset(), 7)  # starts from a version we lack
         learner.apply_arrived()
-        learner._on_fragment(0, 3, g2, frozenset({"other"}))  # and still
+        assert learner.versions[0] == 3 and learner.counters["resyncs"] == 1
+        assert learner._have_versions() == [-1]  # the next subscription asks for a keyframe
+        learner._on_fragment(0, 9, v0, frozenset())
         learner.apply_arrived()
-        assert torch.allclose(weight(model), g2 + d1 + d2)  # all our progress on top
-        assert torch.allclose(learner.anchors[0], g2 + d1)  # the next delta: d2 only
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (2, 20)
-        merged = torch.full((12,), 9.0)  # the merge that holds d1
-        learner._on_fragment(0, 4, merged, frozenset({"me", "other"}))
-        learner.apply_arrived()
-        assert torch.allclose(weight(model), merged + d2)
-        assert torch.equal(learner.anchors[0], merged)
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (2, 20)
+        assert learner.versions[0] == 9 and learner._have_versions() == [9]
     finally:
         learner.close(flush=False)
 
@@ -212,28 +189,53 @@ def test_foreign_merges_then_own_merge_keep_every_step_exactly_once():
 def test_own_merge_overwrites_when_rebase_own_is_off():
     model, learner = make_learner(rebase_own=False)
     try:
-        queue_then_train_on(model, learner)
-        merged = torch.full((12,), 3.0)
-        learner._on_fragment(0, 2, merged, frozenset({"me"}))
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 1.0)
+        learner._queue(0)
+        job = queued_job(learner)
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+        train(model, learner, 0.5)
+        learner._on_fragment(0, 2, torch.full((12,), 2.0), frozenset({"me"}))
         learner.apply_arrived()
-        assert torch.equal(weight(model), merged)
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
+        assert torch.equal(weight(model), torch.full((12,), 2.0))  # the paper's overwrite
+        assert learner.steps_since[0] == 0
     finally:
         learner.close(flush=False)
 
 
-def test_flush_sends_the_progress_after_a_rebased_in_flight_delta():
+def test_a_guard_refusal_drops_the_undelivered_progress_once():
     model, learner = make_learner()
     try:
-        queue_then_train_on(model, learner, queued_steps=4, after_steps=0)
-        learner._on_fragment(0, 2, torch.full((12,), 2.0), frozenset({"other"}))
-        learner.apply_arrived()  # counters now 0: the in-flight delta holds everything
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        learner.steps_since[0], learner.tokens_since[0] = 4, 40  # as many steps as the delta
-        learner.flush(timeout=0)
-        job = learner.link._jobs[0]
-        assert (job.steps, job.tokens) == (4, 40)
-        assert torch.allclose(job.delta, torch.full((12,), -1.0))  # only the new progress
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 50.0)
+        learner._queue(0)
+        job = queued_job(learner)
+        learner._on_result(job, UploadResult("guard"))
+        learner.apply_arrived()
+        assert torch.equal(weight(model), torch.zeros(12)) and learner.guard_resets == 1
+        assert learner.steps_since[0] == 0 and learner.last_applied == [0]
     finally:
         learner.close(flush=False)
+
+
+def test_the_ledger_survives_a_checkpoint():
+    model, learner = make_learner()
+    try:
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 1.0)
+        learner._queue(0)
+        job = queued_job(learner)
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+        state = learner.state_dict()
+    finally:
+        learner.close(flush=False)
+    restored = diloco.Learner(
+        model, syncer="127.0.0.1:1", fragments=1, learner_id="me", state=state
+    )
+    try:
+        assert restored.in_flight() == {0: 1}
+        restored._on_fragment(0, 2, torch.full((12,), 1.0), frozenset({"me"}))
+        restored.apply_arrived()  # the version that merged it: nothing left on its way
+        assert restored.in_flight() == {} and torch.equal(weight(model), torch.full((12,), 1.0))
+    finally:
+        restored.close(flush=False)

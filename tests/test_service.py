@@ -96,7 +96,8 @@ def test_learners_train_and_end_with_the_syncers_parameters(tmp_path):
             assert lr.flush(timeout=10)
         # Every fragment committed at least once; then let the last versions reach the learners.
         wait_until(
-            lambda: min(server.state.versions) >= 1 and not server.state.rounds,
+            lambda: min(server.state.versions) >= 1
+            and not any(r.contributions for r in server.state.rounds.values()),
             10,
             "rounds to close",
         )
@@ -109,8 +110,9 @@ def test_learners_train_and_end_with_the_syncers_parameters(tmp_path):
         wait_until(synced, 10, "learners to receive the final versions")
         for lr, m in zip(learners, models, strict=True):
             named = dict(m.named_parameters())
-            for p in range(P):
-                assert torch.equal(server.layout.gather(p, named), server.state.params[p])
+            for p in range(P):  # exactly what the syncer's wire image holds, next to its master
+                assert torch.equal(server.layout.gather(p, named), server.service.wire(p))
+                assert torch.allclose(server.service.wire(p), server.state.params[p], atol=1e-6)
             assert lr.stats["bytes_up"] > 0 and lr.stats["uploads_refused"] == 0
         for lr in learners:
             lr.close(flush=False)
@@ -198,7 +200,7 @@ def test_bad_upload_gets_a_status_and_changes_nothing(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_synchronous_learner_waits_for_the_round_of_what_it_sent(tmp_path):
     # wait-for-all 2: a round closes only when both learners sent the fragment
-    server = make_server(tmp_path, wait_for_all=2, gamma=0.0).start()
+    server = make_server(tmp_path, wait_for_all=2, gamma=0.0, schedule="learner").start()
     try:
         models = [make_model(seed=20 + i) for i in range(2)]
         learners = [

@@ -22,7 +22,9 @@ def make_state(P=2, **cfg):
     # test_guard.py) is off unless a test turns it on.
     # Outer lr 1 (the merged delta replaces the fragment) keeps the expected values simple;
     # the outer step itself is tested in test_outer.py.
-    cfg = {"norm_guard_k": 0.0, "outer_lr": 1.0, **cfg}
+    # These tests drive rounds on the learners' schedule (a round opens at its first
+    # arrival); the syncer's clock is tested in test_syncer_clock.py.
+    cfg = {"norm_guard_k": 0.0, "outer_lr": 1.0, "schedule": "learner", **cfg}
     state = SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append)
     return state, layout, events
 
@@ -83,23 +85,44 @@ def test_grace_window_then_close_with_quorum():
     assert [c.fragment for c in commits] == [1] and commits[0].record["participants"] == ["a"]
 
 
-def test_token_weights_and_replacement():
+def test_token_weights_summed_increments_and_the_weight_cap():
     state, layout, _ = make_state(quorum=2, gamma=0.0)
     n = layout.fragments[0].numel
     sa, sb, _ = join(state, "a", layout), join(state, "b", layout), join(state, "c", layout)
     before = state.params[0].clone()
-    submit(state, "a", sa, 0, torch.full((n,), 100.0), now=1.0)
-    submit(
-        state, "a", sa, 0, torch.full((n,), 1.0), now=1.1, tokens=30, steps=3
-    )  # replaces the first
+    submit(state, "a", sa, 0, torch.full((n,), 100.0), now=1.0)  # 10 tokens, 2 steps
+    submit(state, "a", sa, 0, torch.full((n,), 1.0), now=1.1, tokens=30, steps=3)  # added
     submit(state, "b", sb, 0, torch.full((n,), 2.0), now=1.2, tokens=10, steps=1)
     commits, _ = state.poll(1.2)
-    assert commits and commits[0].record["weights"] == [token_weight(30, 3), token_weight(10, 1)]
-    # weights 300 and 100 on parallel deltas 1 and 2: RDA = (300*1 + 100*2)/400 = 1.25;
+    record = commits[0].record
+    assert record["steps"] == [5, 1] and record["tokens_by_learner"] == {"a": 40, "b": 10}
+    assert record["increments"] == [2, 1]
+    # a: 40²/5 = 320, capped at 3 x the lower median weight (b's 100); b: 10²/1 = 100
+    assert record["weights"] == [300.0, token_weight(10, 1)]
+    # parallel deltas 101 and 2 with weights 300 and 100: RDA = (300*101 + 100*2)/400;
     # "c" is live but not in the round and has not contributed yet: it counts as the mean
-    # contribution (20 tokens), so the round holds 40 of 60 tokens and is scaled by 2/3
-    assert commits[0].record["share"] == pytest.approx(2 / 3, abs=1e-6)
-    assert torch.allclose(state.params[0], before - 1.25 * 2 / 3)
+    # contribution (25 tokens), so the round holds 50 of 75 tokens and is scaled by 2/3
+    assert record["share"] == pytest.approx(2 / 3, abs=1e-6)
+    assert torch.allclose(state.params[0], before - (300 * 101 + 100 * 2) / 400 * 2 / 3)
+
+
+def test_a_claim_above_the_declared_tokens_per_step_is_refused():
+    state, layout, _ = make_state()
+    session = state.join(
+        "a",
+        tensors=layout.tensors,
+        layout_hash=layout.hash,
+        num_fragments=layout.num_fragments,
+        observer=False,
+        now=0.0,
+        tokens_per_step=4,
+    ).session
+    n = layout.fragments[0].numel
+    before = state.digest()
+    with pytest.raises(Refused, match="declared"):
+        submit(state, "a", session, 0, torch.ones(n), now=1.0, steps=2, tokens=9)
+    assert state.digest() == before
+    submit(state, "a", session, 0, torch.ones(n), now=1.0, steps=2, tokens=8)
 
 
 def test_a_round_steps_by_its_share_of_the_live_learners_tokens():

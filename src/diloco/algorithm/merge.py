@@ -63,6 +63,30 @@ def token_weight(tokens: float, steps: float) -> float:
     return float(tokens) * float(tokens) / float(steps)
 
 
+def cap_weights(weights: Sequence[float], cap: float) -> list[float]:
+    """Clip every weight at ``cap`` × the round's lower median weight (robust weights).
+
+    A learner's weight grows with the tokens it claims (``tokens² / steps``); a buggy or
+    hostile learner that claims many tokens would otherwise take over a round. The lower
+    median (the ⌊(n−1)/2⌋-th smallest) is a weight at least half of the round reached, so one
+    contribution cannot raise its own cap: with two contributions the larger gets at most
+    ``cap / (1 + cap)`` of the round (0.75 at the default 3). ``cap <= 0`` turns it off;
+    fewer than two weights are returned unchanged.
+
+    >>> cap_weights([1.0, 100.0], 3.0)
+    [1.0, 3.0]
+    >>> cap_weights([4.0, 5.0, 6.0, 100.0], 3.0)
+    [4.0, 5.0, 6.0, 15.0]
+    """
+    out = [float(w) for w in weights]
+    if any(w < 0 for w in out):
+        raise ValueError(f"weights must be >= 0, got {out}")
+    if cap <= 0 or len(out) < 2:
+        return out
+    limit = cap * sorted(out)[(len(out) - 1) // 2]
+    return [min(w, limit) for w in out] if limit > 0 else out
+
+
 def _check(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> list[float]:
     if len(vectors) == 0:
         raise ValueError("need at least one contribution to merge")

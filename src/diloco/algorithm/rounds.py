@@ -27,7 +27,8 @@ learner is told to resync. A base version from the future is invalid.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import statistics
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 
@@ -141,6 +142,91 @@ def admit_contribution(
         d = staleness_discount(s)
         return Admission(True, d, s, False, f"stale by {s}, weight x{d:.3f}")
     return Admission(False, 0.0, s, True, f"stale by {s} > {max_staleness}: resync the fragment")
+
+
+SCHEDULES = ("syncer", "learner")
+"""Who drives the rounds (``SyncerConfig.schedule``): the syncer's clock or the learners'
+step counts."""
+
+MIN_TICK_S = 1e-3
+MAX_TICK_S = 60.0
+"""Bounds of the syncer's tick period (seconds): a wrong step estimate can neither flood the
+learners with requests nor stop the rounds for longer than a minute."""
+
+
+def fleet_step_time(step_times: Iterable[float | None]) -> float | None:
+    """The fleet's step time: the median of the live learners' measured step times (seconds).
+
+    A median so that neither one slow learner nor one that reports nonsense moves the pace;
+    ``None`` (and non-positive values) are learners without a measurement yet. ``None`` when
+    nobody has one.
+
+    >>> fleet_step_time([0.2, 0.3, None, 9.0])
+    0.3
+    """
+    known = [t for t in step_times if t is not None and t > 0]
+    return statistics.median(known) if known else None
+
+
+def tick_period(step_s: float | None, *, sync_every: int, fragments: int) -> float | None:
+    """Seconds between two ticks of the syncer's clock, or ``None`` (no estimate: no ticks).
+
+    Every fragment's round should open once per ``sync_every`` (H) fleet steps, so the clock
+    opens one of the syncer's ``fragments`` fragments every ``H·ξ_step / fragments`` seconds
+    (one per learner step at P = H), clipped to [``MIN_TICK_S``, ``MAX_TICK_S``].
+
+    >>> tick_period(0.3, sync_every=24, fragments=24)
+    0.3
+    >>> tick_period(None, sync_every=24, fragments=24) is None
+    True
+    """
+    if sync_every < 1 or fragments < 1:
+        raise ValueError(f"sync_every and fragments must be >= 1, got {sync_every}, {fragments}")
+    if step_s is None or not step_s > 0:
+        return None
+    return min(max(step_s * sync_every / fragments, MIN_TICK_S), MAX_TICK_S)
+
+
+@dataclass(frozen=True)
+class Tick:
+    fragment: int | None
+    """The fragment whose round opens now (``None``: not now)."""
+    next_at: float | None
+    """When to tick again (``None``: no estimate of the pace yet)."""
+    cursor: int
+    """Index in the served fragments of the fragment the next tick considers."""
+    reason: str
+
+
+def next_tick(
+    now: float,
+    *,
+    due_at: float | None,
+    period: float | None,
+    cursor: int,
+    served: list[int],
+    open_fragments: Collection[int],
+) -> Tick:
+    """The syncer's clock: which fragment's round opens at ``now``, if any.
+
+    Fragments are taken in turn (``served[cursor]``); a fragment whose previous round is
+    still open is skipped this turn (its learners are still answering), so at most one round
+    per fragment is open. ``due_at`` is when this tick was due (``None``: the first tick,
+    due now). Ticks that fell behind are not made up: the next one is due one period from now
+    at the latest.
+    """
+    if period is None:
+        return Tick(None, None, cursor, "no step estimate yet")
+    if due_at is not None and now < due_at:
+        return Tick(None, due_at, cursor, "not yet")
+    start = due_at if due_at is not None else now
+    next_at = start + period if now < start + period else now + period
+    n = len(served)
+    for k in range(n):
+        p = served[(cursor + k) % n]
+        if p not in open_fragments:
+            return Tick(p, next_at, (cursor + k + 1) % n, f"fragment {p}'s turn")
+    return Tick(None, next_at, cursor, "every fragment has an open round")
 
 
 class Ema:

@@ -37,6 +37,7 @@ class Evaluator:
         self.layout = balanced_fragments(self.model.named_parameters(), fragments)
         self._latest: dict[int, tuple[int, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._need_keyframe: set[int] = set()
         self.versions = [-1] * fragments
         self.link = open_link(
             address,
@@ -48,15 +49,32 @@ class Evaluator:
             **(link_options or {}),
         )
 
-    def _on_fragment(self, fragment: int, version: int, value: torch.Tensor, _contributors=()):
+    def _on_fragment(
+        self, fragment: int, version: int, value: torch.Tensor, _contributors=(), base=-1
+    ) -> None:
+        """Keep the newest global value: a keyframe as it is, a delta on top of the value it
+        starts from (exactly as the syncer adds it); a delta that does not fit is dropped and
+        a keyframe asked for."""
         with self._lock:
             old = self._latest.get(fragment)
-            if old is None or old[0] < version:
-                self._latest[fragment] = (version, value)
+            if base < 0:
+                self._need_keyframe.discard(fragment)
+                if old is None or old[0] < version:
+                    self._latest[fragment] = (version, value)
+                return
+            if old is not None and old[0] == base:
+                self._latest[fragment] = (version, old[1] + value)
+                return
+            self._latest.pop(fragment, None)
+            self._need_keyframe.add(fragment)  # resubscribe with -1: a keyframe comes
+        self.link.reconnect()
 
     def _have_versions(self) -> list[int]:
         with self._lock:
-            return [self._latest.get(p, (v,))[0] for p, v in enumerate(self.versions)]
+            return [
+                -1 if p in self._need_keyframe else self._latest.get(p, (v,))[0]
+                for p, v in enumerate(self.versions)
+            ]
 
     def received_versions(self) -> list[int]:
         return self._have_versions()

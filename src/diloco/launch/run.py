@@ -80,6 +80,9 @@ def plan_learners(args: argparse.Namespace, default_batch: int) -> list[LearnerP
 def syncer_flags(args: argparse.Namespace) -> list[str]:
     wait_for_all = args.learners if args.mode == "sync" else args.wait_for_all
     return [
+        f"--schedule={'learner' if args.mode == 'sync' else args.schedule}",
+        f"--sync-every={args.sync_every}",
+        f"--weight-cap={args.weight_cap}",
         f"--quorum={args.quorum}",
         f"--wait-for-all={wait_for_all}",
         f"--gamma={0.0 if args.mode == 'sync' else args.gamma}",

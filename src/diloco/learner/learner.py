@@ -6,16 +6,20 @@
         learner.step(tokens=batch.numel())   # never blocks on the network
     learner.close()
 
-For every fragment p the learner keeps the anchor ``A_p`` (the last global value it
-received, exactly as decoded, so download rounding never leaks into a delta), its version,
-and the counters ``steps_p``, ``tokens_p`` since it last received p. When p is due
-(``diloco.algorithm.fragments.due_fragments``) it queues ``Δ = A_p − θ_p`` with the base
-version and counters. A merged fragment that arrived is applied at the next ``step`` call: if
-it merged only other learners' work, rebase (``θ_p ← Θ_p + (θ_p − A_p)``, keeping the local
-progress); if it merged this learner's delta δ, keep only what was trained after δ was queued
-(``θ_p ← Θ_p + (θ_p − (A_p − δ))``); the paper's overwrite (``θ_p ← Θ_p``, or
-``θ_p ← αθ_p + (1−α)Θ_p``) when both rebases are off. See ``apply_arrived``. The inner
-optimizer's state (AdamW moments) is left alone. A fragment never received yet is not sent.
+For every fragment p the learner holds the global value ``G_p`` it last received (exactly
+what the syncer's wire image holds at that version, so download rounding never leaks into a
+delta) and its version, and keeps a **ledger** of the deltas of p that are on their way
+(queued, sent, or accepted by the syncer and not yet merged back). Its *undelivered
+progress* is ``u_p = (G_p − Σ ledger) − θ_p``, with the steps and tokens it covers. When the
+syncer asks for p (its clock, ``schedule="syncer"``) or p is due on the learner's own count
+(``schedule="learner"``), the learner queues ``u_p`` and moves it to the ledger. The ledger
+settles exactly: an accepted delta stays until the commit that merges it comes back (then
+its wire value leaves the ledger and enters ``G_p``); a refused, failed or withdrawn one
+leaves the ledger, so its progress is back in ``u_p`` and goes out next time. Applying a new
+global value ``G'_p`` keeps ``u_p`` and what is still on its way:
+``θ_p ← θ_p + (G'_p − G_p) + Σ merged``. The paper's overwrite (``θ_p ← G'_p − Σ ledger``,
+or an α-mix) is an option. See ``apply_arrived``. The inner optimizer's state (AdamW
+moments) is left alone. A fragment never received yet is not sent.
 """
 
 from __future__ import annotations
@@ -25,29 +29,36 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from diloco.algorithm.fragments import FragmentLayout, balanced_fragments, due_fragments
 from diloco.learner.delivery import DeliveryLog, already_delivered
-from diloco.learner.link import UploadJob
+from diloco.learner.link import UploadJob, UploadResult
 from diloco.learner.shards import open_link
 from diloco.wire.auth import client_link_options
 
 log = logging.getLogger(__name__)
 
 
-class InFlight(NamedTuple):
-    """The latest delta queued for a fragment, not yet seen in a merge."""
+@dataclass
+class Outgoing:
+    """One delta of a fragment on its way to the syncer, from queued until merged back.
 
+    ``delta`` is the fp32 delta as queued; once the syncer accepted it, the decoded wire value
+    it actually received (the quantization residual stays in the learner's undelivered
+    progress and goes out next time). ``admitted`` is the fragment's version at the syncer
+    when it accepted the delta (the commit making ``admitted + 1`` merges it); ``None`` while
+    the upload's fate is unknown.
+    """
+
+    job_id: int
     delta: torch.Tensor
     steps: int
     tokens: int
-    rebased: bool = False
-    """A foreign merge was applied since: the anchor already excludes ``delta`` and the
-    counters no longer hold its steps and tokens."""
+    local_step: int
+    admitted: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -55,18 +66,23 @@ class LearnerConfig:
     fragments: int = 24
     """P: number of fragments the model is cut into (must match the syncer)."""
     sync_every: int = 24
-    """H: each fragment is sent every H local steps."""
+    """H on the learners' schedule (a syncer started with ``schedule="learner"``): each
+    fragment is sent every H local steps. On the syncer's schedule (the default) the syncer
+    asks for each fragment and paces the rounds with its own H."""
     rebase_foreign: bool = True
-    """When a merged fragment arrives that does not include this learner's latest
-    contribution, move the local progress onto it (``θ ← θ + (Θ − A)``, counters kept) instead
-    of discarding it."""
+    """When a merged fragment arrives that holds none of this learner's deltas, keep the
+    undelivered progress on top of it (``θ ← θ + (G' − G)``, counters kept) instead of
+    discarding it."""
     rebase_own: bool = True
-    """When the merge that includes this learner's in-flight delta δ arrives, keep the progress
-    made since δ was queued (``θ ← Θ + (θ − (A − δ))``, counters less δ's) instead of
-    overwriting it: the steps trained while δ travelled and was merged are not thrown away.
-    False (or a merge with nothing of ours in flight) applies ``alpha``: the paper's rule."""
+    """When the merge that holds this learner's delta δ arrives, keep the progress made
+    since δ was queued (``θ ← θ + (G' − G) + δ``) instead of overwriting it: the steps trained
+    while δ travelled and was merged are not thrown away. False applies ``alpha``: the
+    paper's rule."""
     alpha: float = 0.0
     """Mixing on receive: θ_p ← αθ_p + (1−α)Θ_p; 0 overwrites (the paper's rule)."""
+    tokens_per_step: int = 0
+    """The most tokens one step may hold (batch × sequence), declared to the syncer at join:
+    it refuses contributions claiming more (0: not declared)."""
     delivery_file: str | None = None
     """Where to keep the delivery log (``diloco.learner.delivery``): per fragment, the step of
     the newest upload the syncer accepted. With it, a learner restored from a checkpoint drops
@@ -109,9 +125,10 @@ class Learner:
     """Wraps a model whose parameters are trained by the user's own optimizer.
 
     ``step`` is called once per inner optimizer step, after ``optimizer.step()``. It never
-    waits for the network: it applies fragments that have arrived, advances the counters and
-    queues due fragments for a background thread. If the syncer refused this learner (model
-    mismatch, authentication) the next ``step`` raises ``RuntimeError`` with the reason.
+    waits for the network: it settles what the syncer answered, queues the fragments the
+    syncer asked for (or that are due), and applies fragments that have arrived; a background
+    thread sends. If the syncer refused this learner (model mismatch, authentication) the
+    next ``step`` raises ``RuntimeError`` with the reason.
 
     ``syncer`` is ``"host:port"``, or for a sharded syncer every shard's address (a list, or
     one comma-separated string): the learner then opens one link per shard, sends each
@@ -154,33 +171,43 @@ class Learner:
         self.local_step = 0
         self.total_tokens = 0
         self.anchors: list[torch.Tensor | None] = [None] * P
+        """G_p: the global value of each fragment this learner holds (the syncer's wire
+        image at ``versions[p]``, bit for bit); ``None`` before the first arrival."""
         self.versions = [-1] * P
         self.steps_since = [0] * P
+        """Steps of the undelivered progress of each fragment (not yet in any delta)."""
         self.tokens_since = [0] * P
         self.applied = 0
         self.last_applied: list[int] = []  # fragments changed by the last apply_arrived()
-        self._arrived: dict[int, tuple[int, torch.Tensor, frozenset[str]]] = {}
-        # Latest delta queued per fragment, the counters it covered and whether a foreign
-        # rebase already took it out of the anchor; forgotten once a merge that includes it
-        # is applied.
-        self._sent: dict[int, InFlight] = {}
+        self._lock = threading.Lock()
+        # Arrived versions per fragment, in stream order: (version, base_version, tensor,
+        # contributors); base_version -1 is a keyframe (the value itself).
+        self._arrived: dict[int, list[tuple[int, int, torch.Tensor, frozenset[str]]]] = {}
+        self._requested: set[int] = set()  # fragments the syncer's clock asked for
+        self._results: list[tuple[UploadJob, UploadResult]] = []  # from the link's threads
+        self._rejoins: list[tuple[str, str, list[int], tuple[int, ...]]] = []
+        self._ledger: dict[int, list[Outgoing]] = {}
+        self._next_job = 0
+        self._syncer_ids: dict[str, str] = {}
+        """The syncer instance (per address) this learner's ledger was admitted by."""
+        self._need_keyframe: set[int] = set()
+        self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
         # Fragments sent and not yet merged back: p -> (local step sent at, base version).
         self._awaited: dict[int, tuple[int, int]] = {}
-        self._arrived_lock = threading.Lock()
-        # Fragments whose upload the syncer's norm guard refused; reset at the next boundary.
-        self._guard_refused: set[int] = set()
         self.guard_resets = 0
         """Fragments reset to the global value after a norm-guard refusal (``_reset``)."""
+        self.counters = {"withdrawn": 0, "returned": 0, "merged": 0, "resyncs": 0}
+        """Ledger events: deltas withdrawn before sending (sent again, bigger), returned to
+        the undelivered progress (refused, failed, lost with a restarted syncer), merged
+        back; fragments resynced because an arrival did not fit what this learner holds."""
         self._step_time: float | None = None
         self._last_step_at: float | None = None
         self._state = "starting"
         self._closed = False
-        self._flushed: dict[int, int] = {}
+        self._flushed: set[int] = set()
         self.close_report: dict = {}
         """What ``close`` did: fragments flushed, whether the uploads went out and the merges
         holding them came back in time (``drained``), and the fragments that did not."""
-        # fragment -> newest applied version whose merge included this learner
-        self._merged_in: dict[int, int] = {}
         self.delivery = DeliveryLog(cfg.delivery_file) if cfg.delivery_file else None
         self.dropped_on_restore: list[int] = []
         """Fragments whose checkpointed progress was found delivered already at restore."""
@@ -199,10 +226,12 @@ class Learner:
             self.learner_id,
             self.layout,
             on_fragment=self._on_fragment,
+            on_request=self._on_request,
+            on_result=self._on_result,
+            on_rejoin=self._on_rejoin,
             have_versions=self._have_versions,
             heartbeat_info=self._heartbeat_info,
-            on_accepted=self._on_accepted if self.delivery is not None else None,
-            on_guard_refused=self._on_guard_refused,
+            tokens_per_step=cfg.tokens_per_step,
             **options,
         )
 
@@ -227,151 +256,225 @@ class Learner:
         for p in range(self.layout.num_fragments):
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
-        due = [
-            p
-            for p in due_fragments(self.local_step, self.config.sync_every, self.config.fragments)
-            if self.versions[p] >= 0
-        ]
-        for p in due:
-            self._queue(p)
+        self._settle()
+        with self._lock:
+            asked, self._requested = self._requested, set()
+        if self.link.schedule == "learner":
+            asked |= set(
+                due_fragments(self.local_step, self.config.sync_every, self.config.fragments)
+            )
+        queued = [p for p in sorted(asked) if self._queue(p)]
         self.apply_arrived()
-        return due
+        return queued
 
     def apply_arrived(self) -> int:
-        """Apply every fragment that has arrived since the last call; returns how many.
+        """Settle the syncer's answers and apply every fragment that has arrived since the
+        last call; returns how many fragments changed.
 
-        A merge of other learners' contributions only is a *rebase* (``rebase_foreign``): the
-        local progress since the anchor is kept on top of the new value, and so are the
-        counters; a delta still in flight is taken out of the next one (its progress is on
-        its way to the syncer already). A merge that includes this learner's in-flight delta
-        keeps what was trained after that delta was queued (``rebase_own``). Otherwise (or
-        with both off) the paper's rule: overwrite (or α-mix), anchor and counters reset.
-        A fragment whose upload the syncer's norm guard refused goes back to the global value
-        first (``_reset``).
+        A fragment with a delta whose upload has no answer yet waits (the answer says
+        whether the new version merged it). For the others: the new value ``G'`` (a keyframe,
+        or the chain of deltas on top of the value held) is applied keeping the undelivered
+        progress and what is still on its way: ``θ ← θ + (G' − G) + Σ merged``, where
+        *merged* are this learner's accepted deltas the new version holds (admitted before
+        it). With ``rebase_foreign`` off (a merge without ours) or ``rebase_own`` off (with
+        ours) the paper's rule: overwrite, ``θ ← G' − Σ ledger`` (α-mixed by ``alpha``),
+        counters 0. An arrival that does not fit the value held is dropped and the fragment
+        resynced (a keyframe is asked for).
         """
-        with self._arrived_lock:
-            arrived, self._arrived = self._arrived, {}
-            refused, self._guard_refused = self._guard_refused, set()
-        self.last_applied = []
+        self._settle()
+        with self._lock:
+            ready = {
+                p: chain
+                for p, chain in self._arrived.items()
+                if all(e.admitted is not None for e in self._ledger.get(p, ()))
+            }
+            for p in ready:
+                del self._arrived[p]
+        self.last_applied, self._reset_now = sorted(self._reset_now), set()
         with torch.no_grad():
-            for p in sorted(refused):
-                if self._reset(p):
-                    self.last_applied.append(p)  # an island sends it to its other ranks
-            for p, (version, value, contributors) in sorted(arrived.items()):
+            for p, chain in sorted(ready.items()):
+                followed = self._follow(p, chain)
+                if followed is None:
+                    self._resync(p)
+                    continue
+                version, value = followed
                 if version <= self.versions[p]:
                     continue
+                self._apply(p, version, value)
                 if p not in self.last_applied:
                     self.last_applied.append(p)
-                if self.learner_id in contributors:
-                    self._merged_in[p] = version
-                    self._apply_own(p, value)
-                else:
-                    self._apply_foreign(p, value)
-                self.versions[p] = version
                 self.applied += 1
         return len(self.last_applied)
 
-    def _apply_foreign(self, p: int, value: torch.Tensor) -> None:
-        anchor = self.anchors[p]
-        if anchor is None or not self.config.rebase_foreign:
-            self._overwrite(p, value)
-            return
-        # value + (local − anchor): exactly the new value when there is no local progress
-        # (a finished learner ends with the syncer's parameters).
-        progress = self.layout.gather(p, self.params).sub_(anchor)
-        in_flight = self._sent.get(p)
-        if in_flight is not None and in_flight.rebased:
-            progress.sub_(in_flight.delta)  # the anchor excludes it: put it back in
-        self.layout.scatter(p, progress.add_(value), self.params)
-        if in_flight is None:
-            self.anchors[p] = value
-            return
-        self.anchors[p] = value - in_flight.delta
-        if not in_flight.rebased:
-            self._take_off_counters(p, in_flight)
-            self._sent[p] = in_flight._replace(rebased=True)
+    def _follow(self, p: int, chain) -> tuple[int, torch.Tensor] | None:
+        """The value at the end of ``chain`` on top of what this learner holds, or ``None``
+        if a delta does not start from the version it holds (exactly as the syncer adds)."""
+        version, value = self.versions[p], self.anchors[p]
+        for v, base, tensor, _ in chain:
+            if base < 0:
+                version, value = v, tensor
+            elif value is not None and base == version:
+                version, value = v, value + tensor
+            else:
+                return None
+        return (version, value) if value is not None else None
 
-    def _apply_own(self, p: int, value: torch.Tensor) -> None:
-        anchor = self.anchors[p]
-        in_flight = self._sent.pop(p, None)
-        if anchor is None or in_flight is None or not self.config.rebase_own:
+    def _apply(self, p: int, version: int, value: torch.Tensor) -> None:
+        held = self.anchors[p]
+        ledger = self._ledger.get(p, [])
+        merged = [e for e in ledger if e.admitted is not None and e.admitted < version]
+        if merged:
+            self._ledger[p] = [e for e in ledger if e not in merged]
+            self.counters["merged"] += len(merged)
+        own = bool(merged)
+        rebase = self.config.rebase_own if own else self.config.rebase_foreign
+        if held is None:
+            self.layout.scatter(p, value, self.params)
+        elif rebase and self.steps_since[p] == 0:  # no undelivered progress: exactly G' − ledger
             self._overwrite(p, value)
-            return
-        if not in_flight.rebased:
-            self._take_off_counters(p, in_flight)
-        if self.steps_since[p] == 0:  # nothing trained since δ was queued: exactly Θ
+        elif rebase:
+            shift = value - held
+            for e in merged:
+                shift.add_(e.delta)
+            self.layout.scatter(p, self.layout.gather(p, self.params).add_(shift), self.params)
+        else:
             self._overwrite(p, value)
-            return
-        after = self.layout.gather(p, self.params).sub_(anchor)  # θ − A
-        if not in_flight.rebased:
-            after.add_(in_flight.delta)  # θ − (A − δ): what came after δ
-        self.layout.scatter(p, after.add_(value), self.params)
         self.anchors[p] = value
+        self.versions[p] = version
 
-    def _reset(self, p: int) -> bool:
-        """After the syncer's norm guard refused a delta of ``p``: back to the global value
-        this learner holds, counters 0. The delta only grows while it is refused (nothing
-        merged moves the anchor), so without this an honest learner whose delta once looked
-        too large (a fragment not synced for many steps) would never be accepted again; a
-        learner with corrupt values is brought back the same way. The fragment's local
-        progress since the anchor is lost, once. Returns whether ``p`` changed."""
-        if self.anchors[p] is None:
-            return False
-        value = self.anchors[p].clone()
-        in_flight = self._sent.get(p)
-        if in_flight is not None and in_flight.rebased:
-            value.add_(in_flight.delta)  # a rebased anchor excludes the delta in flight
-        self.layout.scatter(p, value, self.params)
-        self.anchors[p] = value
+    def _overwrite(self, p: int, value: torch.Tensor) -> None:
+        """The paper's rule: θ_p ← G'_p − Σ ledger (α = 0) or α-mixed; counters 0."""
+        target = value.clone()
+        for e in self._ledger.get(p, ()):
+            target.sub_(e.delta)
+        alpha = self.config.alpha
+        if alpha:
+            target = self.layout.gather(p, self.params).mul_(alpha).add_(target, alpha=1 - alpha)
+        self.layout.scatter(p, target, self.params)
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
-        self._sent.pop(p, None)
+
+    def _reset(self, p: int) -> bool:
+        """After the syncer's norm guard refused a delta of ``p``: drop the fragment's
+        undelivered progress (back to ``G_p − Σ ledger``, counters 0). The delta only grows
+        while it is refused, so without this an honest learner whose delta once looked too
+        large (a fragment not synced for many steps) would never be accepted again; a learner
+        with corrupt values is brought back the same way. Returns whether ``p`` changed."""
+        if self.anchors[p] is None:
+            return False
+        self._overwrite(p, self.anchors[p])
         self._awaited.pop(p, None)
         self.guard_resets += 1
         return True
 
-    def _on_guard_refused(self, job: UploadJob) -> None:
-        with self._arrived_lock:
-            self._guard_refused.add(job.fragment)
+    def _resync(self, p: int) -> None:
+        """Ask for a keyframe of ``p``: an arrival did not fit the value held."""
+        log.warning("fragment %d: arrival does not fit version %d; resyncing", p, self.versions[p])
+        self.counters["resyncs"] += 1
+        with self._lock:
+            self._need_keyframe.add(p)
+        self.link.reconnect()
 
-    def _take_off_counters(self, p: int, in_flight: InFlight) -> None:
-        self.steps_since[p] = max(0, self.steps_since[p] - in_flight.steps)
-        self.tokens_since[p] = max(0, self.tokens_since[p] - in_flight.tokens)
+    # ----------------------------------------------------------------- ledger
+    def _settle(self) -> None:
+        """Apply what the link reported since the last call (training thread only)."""
+        with self._lock:
+            results, self._results = self._results, []
+            rejoins, self._rejoins = self._rejoins, []
+        for address, syncer_id, versions, fragments in rejoins:
+            self._on_syncer(address, syncer_id, versions, fragments)
+        for job, result in results:
+            ledger = self._ledger.get(job.fragment, [])
+            entry = next((e for e in ledger if e.job_id == job.job_id), None)
+            if entry is None:
+                continue
+            if result.outcome == "accepted":
+                entry.admitted, entry.delta = result.admitted, result.sent
+                continue
+            self._return(job.fragment, entry)
+            if result.outcome == "guard" and self._reset(job.fragment):
+                self._reset_now.add(job.fragment)  # an island sends it to its other ranks
 
-    def _overwrite(self, p: int, value: torch.Tensor) -> None:
-        """The paper's rule: θ_p ← Θ_p (α = 0) or αθ_p + (1−α)Θ_p; anchor Θ, counters 0."""
-        alpha = self.config.alpha
-        if alpha == 0.0 or self.anchors[p] is None:
-            self.layout.scatter(p, value, self.params)
-        else:
-            mixed = self.layout.gather(p, self.params).mul_(alpha).add_(value, alpha=1 - alpha)
-            self.layout.scatter(p, mixed, self.params)
-        self.anchors[p] = value
+    def _return(self, p: int, entry: Outgoing) -> None:
+        """Take ``entry`` off the ledger: its progress is undelivered again (sent next time)."""
+        self._ledger[p].remove(entry)
+        self.steps_since[p] += entry.steps
+        self.tokens_since[p] += entry.tokens
+        self.counters["returned"] += 1
+
+    def _on_syncer(self, address: str, syncer_id: str, versions: list[int], fragments) -> None:
+        """A (re)join: a syncer that restarted lost its open rounds, so accepted deltas it
+        had not committed (admitted at or after the version it restored) are returned."""
+        known = self._syncer_ids.get(address)
+        self._syncer_ids[address] = syncer_id
+        if known is None or known == syncer_id:
+            return
+        for p in fragments:
+            for e in [e for e in self._ledger.get(p, []) if e.admitted is not None]:
+                if p < len(versions) and e.admitted >= versions[p]:
+                    self._return(p, e)
+
+    def _queue(self, p: int, *, final: bool = False) -> bool:
+        """Queue fragment ``p``'s undelivered progress; True if a delta was queued. A delta
+        of ``p`` still waiting to be sent is withdrawn first and goes out in this one."""
+        if self.anchors[p] is None:
+            return False
+        withdrawn = self.link.withdraw(p)
+        if withdrawn is not None:
+            entry = next((e for e in self._ledger.get(p, []) if e.job_id == withdrawn.job_id), None)
+            if entry is not None:
+                self._return(p, entry)
+                self.counters["withdrawn"] += 1
+        if self.steps_since[p] == 0:
+            return False
+        delta = self.anchors[p] - self.layout.gather(p, self.params)
+        for e in self._ledger.get(p, ()):
+            delta.sub_(e.delta)
+        self._next_job += 1
+        entry = Outgoing(
+            self._next_job, delta, self.steps_since[p], self.tokens_since[p], self.local_step
+        )
+        self._ledger.setdefault(p, []).append(entry)
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
-        self._sent.pop(p, None)
+        self._awaited.setdefault(p, (self.local_step, self.versions[p]))
+        self.link.submit(
+            UploadJob(
+                p,
+                self.versions[p],
+                entry.steps,
+                entry.tokens,
+                delta,
+                self._step_time or 0.0,
+                self.local_step,
+                job_id=entry.job_id,
+                final=final,
+            )
+        )
+        return True
+
+    def in_flight(self) -> dict[int, int]:
+        """Deltas on their way per fragment (queued, sent, or accepted and not merged back)."""
+        return {p: len(ledger) for p, ledger in self._ledger.items() if ledger}
 
     def wait_for_global(self, timeout: float = 60.0) -> bool:
         """Block until this learner holds every fragment at least at the version the syncer had
         when it joined, and apply them; True if so within ``timeout``.
 
         Call it once before training: a fresh learner then starts from the global model, and
-        one restored from a checkpoint catches up before it sends (instead of sending deltas
-        against versions the syncer has moved past, which it would refuse as too stale).
+        one restored from a checkpoint catches up before it sends.
         """
         deadline = time.monotonic() + timeout
         while True:
             if self.link.error is not None:
                 raise RuntimeError(str(self.link.error))
+            self.apply_arrived()
             target = self.link.joined_versions
-            have = self._have_versions()
             if target is not None and all(
-                h >= max(t, 0) for h, t in zip(have, target, strict=False)
+                h >= max(t, 0) for h, t in zip(self.versions, target, strict=False)
             ):
-                self.apply_arrived()
                 return True
             if time.monotonic() > deadline:
-                self.apply_arrived()
                 return False
             time.sleep(0.02)
 
@@ -400,32 +503,34 @@ class Learner:
             time.sleep(0.005)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Queue every fragment with progress since it was received and wait for the uploads.
+        """Queue every fragment's undelivered progress, marked final (the syncer merges it
+        without waiting for its clock), and wait until every delta on its way has an answer.
 
         Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
-        A fragment whose last queued delta already holds all its progress (no step since it
-        was queued, typically the one the last step queued) is not sent again: a second copy
-        could land in a later round and count that progress twice. Returns True if everything
-        went out within ``timeout``.
+        A delta that fails is returned to the undelivered progress and sent again while time
+        is left. Returns True if everything was accepted within ``timeout``.
         """
-        self._flushed = {}
-        for p in range(self.layout.num_fragments):
-            if self.versions[p] < 0 or self.steps_since[p] == 0:
-                continue
-            queued = self._sent.get(p)
-            if queued is None or queued.rebased or queued.steps != self.steps_since[p]:
-                self._queue(p)
-            self._flushed[p] = self.versions[p]
-        return self.link.wait_idle(self.config.flush_timeout_s if timeout is None else timeout)
+        deadline = time.monotonic() + (self.config.flush_timeout_s if timeout is None else timeout)
+        self._settle()
+        self._flushed = set()
+        while True:
+            for p in range(self.layout.num_fragments):
+                if self.versions[p] >= 0 and self._queue(p, final=True):
+                    self._flushed.add(p)
+            idle = self.link.wait_idle(max(0.0, deadline - time.monotonic()))
+            self._settle()
+            pending = any(self.steps_since[p] for p in self._flushed) or any(
+                e.admitted is None for ledger in self._ledger.values() for e in ledger
+            )
+            if not pending:
+                return True
+            if not idle or time.monotonic() >= deadline or not self.link.connected.is_set():
+                return False
+            time.sleep(0.05)
 
     def drain(self, timeout: float) -> bool:
-        """Wait until every fragment sent by the last ``flush`` has come back in the merge that
-        holds it, applying what arrives. Returns True if all did within ``timeout`` (bounded,
-        never hangs). The merge that holds the flushed delta is the first one that includes
-        this learner at a version above the one the syncer had when it admitted the upload:
-        a newer version merged from other learners' work only, or one holding this learner's
-        *earlier* upload of the fragment, does not count.
-        """
+        """Wait until every accepted delta has come back merged (the ledger is empty),
+        applying what arrives. Returns True if so within ``timeout`` (bounded, never hangs)."""
         deadline = time.monotonic() + timeout
         while True:
             self.apply_arrived()
@@ -436,13 +541,8 @@ class Learner:
         return not pending
 
     def _undrained(self) -> list[int]:
-        """Flushed fragments whose merge holding the flushed upload has not been applied."""
-        admitted = self.link.admitted  # version at admission of each last upload
-        return [
-            p
-            for p in sorted(self._flushed)
-            if self._merged_in.get(p, -1) <= admitted.get(p, self._flushed[p] - 1)
-        ]
+        """Fragments with a delta on its way (not yet merged back)."""
+        return sorted(p for p, ledger in self._ledger.items() if ledger)
 
     def close(self, *, flush: bool = True) -> None:
         """Optionally flush, leave the syncer and stop the background threads (bounded)."""
@@ -460,18 +560,33 @@ class Learner:
                 "drained": drained,
                 "drain_s": round(time.monotonic() - t1, 3),
                 "undrained": self._undrained(),
+                "unsent_steps": sum(self.steps_since),
             }
         self._state = "closed"
         self._closed = True
         self.link.close()
 
     def state_dict(self) -> dict:
-        """What a restarted learner needs to carry on: anchors, versions, counters, step.
+        """What a restarted learner needs to carry on: global values held, versions,
+        counters, the ledger of deltas on their way, the step.
 
         Save it with the model and the inner optimizer (``torch.save``; load with
         ``weights_only=True``) and pass it back as ``Learner(..., state=...)``: the learner
         then resubscribes with these versions and only receives fragments that moved on.
         """
+        self._settle()
+        ledger = [
+            {
+                "fragment": p,
+                "delta": e.delta.clone(),
+                "steps": e.steps,
+                "tokens": e.tokens,
+                "local_step": e.local_step,
+                "admitted": -2 if e.admitted is None else e.admitted,  # -2: no answer yet
+            }
+            for p, entries in sorted(self._ledger.items())
+            for e in entries
+        ]
         return {
             "local_step": self.local_step,
             "total_tokens": self.total_tokens,
@@ -479,26 +594,28 @@ class Learner:
             "steps_since": list(self.steps_since),
             "tokens_since": list(self.tokens_since),
             "anchors": [a.clone() if a is not None else torch.empty(0) for a in self.anchors],
+            "ledger": ledger,
+            "syncer_ids": dict(self._syncer_ids),
             "layout_hash": self.layout.hash,
         }
 
     def _drop_delivered(self, accepted_at: dict[int, int]) -> None:
-        """Parameters back to the anchor and counters to 0 for every fragment whose
-        checkpointed progress an accepted upload carried after the checkpoint."""
+        """After a restore: deltas whose answer the checkpoint did not know count as
+        delivered if the delivery log shows an upload of that fragment accepted at or after
+        them (else they are returned and sent again); the undelivered progress of a fragment
+        whose upload queued after the checkpoint was accepted is dropped (delivered)."""
         with torch.no_grad():
+            for p, ledger in self._ledger.items():
+                for e in [e for e in ledger if e.admitted is None]:
+                    if accepted_at.get(p, -1) >= e.local_step:
+                        e.admitted = -1  # merged by the first version that arrives
+                    else:
+                        self._return(p, e)
             for p in already_delivered(accepted_at, self.local_step, self.steps_since):
                 if self.anchors[p] is None:
                     continue
-                self.layout.scatter(p, self.anchors[p], self.params)
-                self.steps_since[p] = 0
-                self.tokens_since[p] = 0
+                self._overwrite(p, self.anchors[p])
                 self.dropped_on_restore.append(p)
-
-    def _on_accepted(self, job: UploadJob) -> None:
-        try:
-            self.delivery.record(job.fragment, job.local_step)
-        except OSError as exc:  # a full disk must not stop training; a restore may resend
-            log.warning("delivery log %s: %s", self.delivery.path, exc)
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("layout_hash") != self.layout.hash:
@@ -518,6 +635,24 @@ class Learner:
         self.versions = [
             v if self.anchors[p] is not None else -1 for p, v in enumerate(self.versions)
         ]
+        self._ledger = {}
+        for item in state.get("ledger", []):
+            p = int(item["fragment"])
+            if not 0 <= p < P or item["delta"].numel() != self.layout.fragments[p].numel:
+                raise ValueError(f"learner state: ledger entry of fragment {p} does not fit")
+            self._next_job += 1
+            admitted = int(item["admitted"])
+            self._ledger.setdefault(p, []).append(
+                Outgoing(
+                    self._next_job,
+                    item["delta"].clone(),
+                    int(item["steps"]),
+                    int(item["tokens"]),
+                    int(item["local_step"]),
+                    None if admitted < -1 else admitted,
+                )
+            )
+        self._syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}
 
     @property
     def stats(self) -> dict:
@@ -535,6 +670,9 @@ class Learner:
             "guard_resets": self.guard_resets,
             "stale_replies": s.stale_replies,
             "uploads_failed": s.uploads_failed,
+            "requests": s.requests,
+            "keyframes": s.keyframes,
+            **self.counters,
             **({"close": self.close_report} if self.close_report else {}),
         }
 
@@ -544,40 +682,49 @@ class Learner:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(flush=exc_type is None)
 
-    # --------------------------------------------------------------- internal
-    def _queue(self, p: int) -> None:
-        anchor = self.anchors[p]
-        if anchor is None:
-            return
-        delta = anchor - self.layout.gather(p, self.params)
-        self._sent[p] = InFlight(delta, self.steps_since[p], self.tokens_since[p])
-        self._awaited.setdefault(p, (self.local_step, self.versions[p]))
-        self.link.submit(
-            UploadJob(
-                p,
-                self.versions[p],
-                self.steps_since[p],
-                self.tokens_since[p],
-                delta,
-                self._step_time or 0.0,
-                self.local_step,
-            )
-        )
-
+    # --------------------------------------------------------------- callbacks
+    # (called from the link's threads: they only queue, under the lock)
     def _on_fragment(
-        self, fragment: int, version: int, value: torch.Tensor, contributors=frozenset()
+        self,
+        fragment: int,
+        version: int,
+        value: torch.Tensor,
+        contributors=frozenset(),
+        base_version: int = -1,
     ) -> None:
-        with self._arrived_lock:
-            current = self._arrived.get(fragment)
-            if current is not None:  # superseded before it was applied: keep who it merged
-                contributors = frozenset(contributors) | current[2]
-            if current is None or current[0] < version:
-                self._arrived[fragment] = (version, value, frozenset(contributors))
+        with self._lock:
+            chain = self._arrived.setdefault(fragment, [])
+            if base_version < 0:
+                chain.clear()  # a keyframe replaces whatever was pending
+                self._need_keyframe.discard(fragment)
+            chain.append((version, base_version, value, frozenset(contributors)))
+
+    def _on_request(self, fragment: int, version: int) -> None:
+        with self._lock:
+            self._requested.add(fragment)
+
+    def _on_result(self, job: UploadJob, result: UploadResult) -> None:
+        if result.outcome == "accepted" and self.delivery is not None:
+            try:
+                self.delivery.record(job.fragment, job.local_step)
+            except OSError as exc:  # a full disk must not stop training; a restore may resend
+                log.warning("delivery log %s: %s", self.delivery.path, exc)
+        with self._lock:
+            self._results.append((job, result))
+
+    def _on_rejoin(self, address: str, syncer_id: str, versions: list[int], fragments) -> None:
+        with self._lock:
+            self._rejoins.append((address, syncer_id, list(versions), tuple(fragments)))
 
     def _have_versions(self) -> list[int]:
-        with self._arrived_lock:
-            pending = {p: v for p, (v, _, _) in self._arrived.items()}
-        return [max(v, pending.get(p, -1)) for p, v in enumerate(self.versions)]
+        """What this learner will hold once it applied what arrived (the syncer sends deltas
+        on top of it); -1 for a fragment that needs a keyframe."""
+        with self._lock:
+            pending = {p: chain[-1][0] for p, chain in self._arrived.items() if chain}
+            need = set(self._need_keyframe)
+        return [
+            -1 if p in need else max(v, pending.get(p, -1)) for p, v in enumerate(self.versions)
+        ]
 
     def _heartbeat_info(self) -> dict:
         sps = 1.0 / self._step_time if self._step_time else 0.0

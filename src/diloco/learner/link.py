@@ -1,9 +1,11 @@
 """The learner's connection to the syncer, run entirely on background threads.
 
 ``SyncerLink`` joins (layout handshake), keeps a subscription that receives every new
-fragment version, sends queued uploads and heartbeats, and reconnects with exponential
-backoff when the syncer goes away. The training loop only ever calls ``submit`` (puts a
-job in a dict, never blocks) and reads what ``on_fragment`` delivered.
+fragment version (keyframes and deltas, ``on_fragment``) and the requests of the syncer's
+clock (``on_request``), sends queued uploads and heartbeats, and reconnects with exponential
+backoff when the syncer goes away. The training loop only ever calls ``submit`` and
+``withdraw`` (a dict under a lock, never blocks); every submitted job gets exactly one
+answer through ``on_result`` (accepted, refused, failed, ...), except a withdrawn one.
 
 Threads: ``link`` (connect / reconnect and the subscription stream), ``sender`` (encodes
 and uploads), ``heartbeat``. A refused join (another model) is fatal: ``error`` is set and
@@ -46,6 +48,21 @@ class UploadJob:
     step_time_s: float
     local_step: int = 0
     """The learner's step when it queued this delta (for its delivery log)."""
+    job_id: int = 0
+    final: bool = False
+    """The learner is stopping: the syncer merges this without waiting for its clock."""
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    """The answer to one upload: ``outcome`` is ``accepted`` (``admitted`` is the fragment's
+    version at admission, ``sent`` the delta as the syncer decoded it), ``guard`` (the norm
+    guard refused it), ``stale`` (too stale, resync), ``refused`` (another refusal) or
+    ``failed`` (no answer: connection lost, timeout)."""
+
+    outcome: str
+    admitted: int = -1
+    sent: torch.Tensor | None = None
 
 
 @dataclass
@@ -57,6 +74,8 @@ class LinkStats:
     uploads_failed: int = 0
     stale_replies: int = 0
     fragments_received: int = 0
+    keyframes: int = 0
+    requests: int = 0
     connects: int = 0
     corrupted: int = 0
 
@@ -70,7 +89,7 @@ class SyncerLink:
         learner_id: str,
         layout: FragmentLayout,
         *,
-        on_fragment: Callable[[int, int, torch.Tensor, frozenset[str]], None],
+        on_fragment: Callable[..., None],
         have_versions: Callable[[], list[int]],
         heartbeat_info: Callable[[], dict] = dict,
         observer: bool = False,
@@ -80,12 +99,17 @@ class SyncerLink:
         max_backoff_s: float = 5.0,
         corruptor: Corruptor | None = None,
         on_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
-        on_accepted: Callable[[UploadJob], None] | None = None,
-        on_guard_refused: Callable[[UploadJob], None] | None = None,
+        on_request: Callable[[int, int], None] | None = None,
+        on_result: Callable[[UploadJob, UploadResult], None] | None = None,
+        on_rejoin: Callable[[str, str, list[int], tuple[int, ...]], None] | None = None,
+        tokens_per_step: int = 0,
     ) -> None:
-        """``on_accepted(job)`` is called (from the link's thread) for every upload the syncer
-        accepted into a round; ``on_guard_refused(job)`` for every upload its norm guard
-        refused (``OUT_OF_RANGE``: the delta is too large or not finite). ``on_join(link, info)`` is called after every successful join with what the syncer
+        """Callbacks run on the link's threads. ``on_fragment(p, version, tensor,
+        contributors, base_version)``: a keyframe (``base_version`` -1, the value) or a delta
+        on top of ``base_version``. ``on_request(p, version)``: the syncer's clock asks for
+        p. ``on_result(job, result)``: the answer to every submitted upload (not withdrawn
+        ones). ``on_rejoin(address, syncer_id, versions, fragments)``: after every join.
+        ``on_join(link, info)`` is called after every successful join with what the syncer
         said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused join).
         The default insists that this one syncer owns every fragment, so a learner given a
         single shard of a sharded syncer fails with a clear error (``diloco.learner.shards``
@@ -101,8 +125,13 @@ class SyncerLink:
         self.metadata = metadata
         self.rpc_timeout_s = rpc_timeout_s
         self.max_backoff_s = max_backoff_s
-        self.on_accepted = on_accepted
-        self.on_guard_refused = on_guard_refused
+        self.on_request = on_request
+        self.on_result = on_result
+        self.on_rejoin = on_rejoin
+        self.tokens_per_step = tokens_per_step
+        self.schedule = "learner"
+        """Who drives the rounds, as the syncer said at the last join (``"learner"`` until
+        then and for syncers older than the syncer's clock)."""
         self.corruptor = corruptor
         """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
@@ -144,10 +173,31 @@ class SyncerLink:
         return self
 
     def submit(self, job: UploadJob) -> None:
-        """Queue an upload; a queued, unsent job for the same fragment is replaced."""
+        """Queue an upload. A job of the same fragment still queued is replaced and answered
+        ``failed`` (callers that keep a ledger ``withdraw`` it first)."""
         with self._jobs_cond:
+            replaced = self._jobs.pop(job.fragment, None)
             self._jobs[job.fragment] = job
             self._jobs_cond.notify()
+        if replaced is not None:
+            self._answer(replaced, UploadResult("failed"))
+
+    def withdraw(self, fragment: int) -> UploadJob | None:
+        """Take back the queued, not yet sent job of ``fragment`` (None if there is none: it
+        was sent or is being sent, and will be answered)."""
+        with self._jobs_cond:
+            return self._jobs.pop(fragment, None)
+
+    def reconnect(self) -> None:
+        """Join and subscribe again (the learner asks for keyframes of fragments it cannot
+        apply deltas to through ``have_versions``)."""
+        with self._channel_lock:
+            if self._channel is not None:
+                self._channel.close()
+
+    def _answer(self, job: UploadJob, result: UploadResult) -> None:
+        if self.on_result is not None:
+            self.on_result(job, result)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every queued upload has been sent (or given up); True if idle in time."""
@@ -256,6 +306,7 @@ class SyncerLink:
                 num_fragments=self.layout.num_fragments,
                 tensors=tensors,
                 observer=self.observer,
+                tokens_per_step=self.tokens_per_step,
             ),
             timeout=self.rpc_timeout_s,
             metadata=self.metadata,
@@ -275,7 +326,10 @@ class SyncerLink:
             max(0.05, reply.heartbeat_s),
             reply.up_codec,
         )
+        self.schedule = reply.schedule or "learner"
         self.stats.connects += 1
+        if self.on_rejoin is not None:
+            self.on_rejoin(self.address, reply.syncer_id, list(reply.versions), info.fragments)
         stream = stub.Subscribe(
             pb.SubscribeRequest(
                 learner_id=self.learner_id,
@@ -297,6 +351,11 @@ class SyncerLink:
                 raise ConnectionError(
                     f"{self.address} sent fragment {chunk.fragment}, which it does not own"
                 )
+            if chunk.request:
+                self.stats.requests += 1
+                if self.on_request is not None:
+                    self.on_request(chunk.fragment, chunk.version)
+                continue
             if chunk.chunk_index == 0:
                 parts = []
                 contributors = frozenset(chunk.contributors)
@@ -307,7 +366,9 @@ class SyncerLink:
                 numel = self.layout.fragments[chunk.fragment].numel
                 value = codecs.decode(payload, numel, chunk.codec)
                 self.stats.fragments_received += 1
-                self.on_fragment(chunk.fragment, chunk.version, value, contributors)
+                base = chunk.base_version if chunk.is_delta else -1
+                self.stats.keyframes += base < 0
+                self.on_fragment(chunk.fragment, chunk.version, value, contributors, base)
 
     def _send_loop(self) -> None:
         while not self._closing.is_set():
@@ -326,23 +387,28 @@ class SyncerLink:
                 job = self._jobs.pop(fragment)
                 self._in_flight += 1
             try:
-                self._upload(job)
+                result = self._upload(job)
             except ValueError:
-                # The link thread closed the channel under us (connection lost): the job is
-                # dropped; its progress is still in the learner and goes out when next due.
+                # The link thread closed the channel under us (connection lost): the job
+                # fails; the learner sends its progress again next time.
                 self.stats.uploads_failed += 1
+                result = UploadResult("failed")
             except Exception as exc:  # the sender must never die silently
                 self.stats.uploads_failed += 1
                 log.warning("upload of fragment %d failed: %r", job.fragment, exc)
+                result = UploadResult("failed")
+            try:
+                self._answer(job, result)
             finally:
                 with self._jobs_cond:
                     self._in_flight -= 1
                     self._jobs_cond.notify_all()
 
-    def _upload(self, job: UploadJob) -> None:
+    def _upload(self, job: UploadJob) -> UploadResult:
         stub = self._stub
         if stub is None:
-            return
+            self.stats.uploads_failed += 1
+            return UploadResult("failed")
         corrupt = self.corruptor is not None and self.corruptor.active(time.time())
         delta = self.corruptor.delta(job.delta) if corrupt else job.delta
         payload = codecs.encode(delta, self.up_codec)
@@ -369,6 +435,7 @@ class SyncerLink:
                     num_chunks=len(pieces),
                     data=bytes(piece),
                     step_time_s=job.step_time_s,
+                    final=job.final,
                 )
 
         try:
@@ -384,19 +451,19 @@ class SyncerLink:
             ):
                 self.stats.uploads_refused += 1
                 log.warning("upload of fragment %d refused: %s", job.fragment, exc.details())
-                if code == grpc.StatusCode.OUT_OF_RANGE and self.on_guard_refused is not None:
-                    self.on_guard_refused(job)
-            else:
-                self.stats.uploads_failed += 1
-            return
+                return UploadResult("guard" if code == grpc.StatusCode.OUT_OF_RANGE else "refused")
+            self.stats.uploads_failed += 1
+            return UploadResult("failed")
         self.stats.bytes_up += len(payload)
         self.stats.uploads_sent += 1
         if not reply.accepted:
             self.stats.stale_replies += 1
-        else:
-            self.admitted[job.fragment] = reply.current_version
-            if self.on_accepted is not None:
-                self.on_accepted(job)
+            return UploadResult("stale")
+        self.admitted[job.fragment] = reply.current_version
+        # What the syncer merges is the decoded payload (corrupted or not); the rest of the
+        # delta (the quantization residual) stays with the learner for the next upload.
+        sent = codecs.decode(payload, job.delta.numel(), self.up_codec)
+        return UploadResult("accepted", reply.current_version, sent)
 
     def _heartbeat_loop(self) -> None:
         while not self._closing.wait(self._heartbeat_s):

@@ -23,11 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 
-import torch
-
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
-from diloco.learner.link import LinkStats, SyncerLink, UploadJob
+from diloco.learner.link import LinkStats, SyncerLink, UploadJob, UploadResult
 
 __all__ = ["ShardedLink", "open_link", "parse_syncer_addresses"]
 
@@ -93,7 +91,7 @@ class ShardedLink:
         learner_id: str,
         layout: FragmentLayout,
         *,
-        on_fragment: Callable[[int, int, torch.Tensor, frozenset[str]], None],
+        on_fragment: Callable[..., None],
         have_versions: Callable[[], list[int]],
         **kwargs,
     ) -> None:
@@ -159,6 +157,21 @@ class ShardedLink:
                 return link
         return None
 
+    @property
+    def schedule(self) -> str:
+        """Who drives the rounds (every shard runs the same configuration)."""
+        return self.links[0].schedule
+
+    def withdraw(self, fragment: int) -> UploadJob | None:
+        """``SyncerLink.withdraw`` on the owner shard's link."""
+        link = self.owner(fragment)
+        return link.withdraw(fragment) if link is not None else None
+
+    def reconnect(self) -> None:
+        """Every shard's link joins and subscribes again."""
+        for link in self.links:
+            link.reconnect()
+
     def submit(self, job: UploadJob) -> None:
         """Queue an upload on the owner shard's link (never blocks).
 
@@ -170,6 +183,7 @@ class ShardedLink:
         link = self.owner(job.fragment)
         if link is None:
             self.links[0].stats.uploads_failed += 1
+            self.links[0]._answer(job, UploadResult("failed"))
             return
         link.submit(job)
 

@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         sync_every=args.sync_every,
         rebase_own=not args.overwrite_own,
         learner_id=args.id,
+        # what one step of this island holds: the syncer refuses claims above it
+        tokens_per_step=(args.batch_size or recipe.batch_size) * recipe.model.seq_len * world,
         cpu_threads=args.threads,
         token=token,
         tls_ca=args.tls_ca,

@@ -1,18 +1,26 @@
 """Per-stream broadcast queues of the syncer and the chunking of fragment payloads.
 
-Every ``Subscribe`` stream owns a :class:`Subscriber`: the committer offers each new version
-of a fragment to every subscriber, a version still waiting to be sent is superseded by the
-newer one (its contributors carried over, so the learner still learns whether its own
-contribution was merged), and the stream's handler thread takes what is pending and sends it
-in ``CHUNK_BYTES`` pieces.
+Every ``Subscribe`` stream owns a :class:`Subscriber`. The committer offers each new version
+of a fragment to every subscriber as a **delta** (``W(v) − W(v−1)`` in the down codec) when
+the stream last sent that fragment at ``v − 1``, and otherwise as a **keyframe** (``W(v)`` in
+fp32): so a learner receives each fragment at most once per round, only the latest version,
+and never a version it cannot apply. A version still waiting to be sent is superseded by the
+newer one, as a keyframe (its contributors carried over, so the learner still learns whether
+its own contribution was merged). The syncer's clock also queues **requests** here ("send
+your contribution for fragment p"); they go out before any payload. The stream's handler
+thread takes what is pending and sends it in ``CHUNK_BYTES`` pieces.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 CHUNK_BYTES = 1 << 20
 """Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
+
+KEYFRAME_CODEC = "fp32"
+"""Keyframes carry W exactly, so a learner holding version v holds exactly W(v)."""
 
 
 def chunk_payload(payload: bytes) -> list[memoryview]:
@@ -25,33 +33,81 @@ def chunk_payload(payload: bytes) -> list[memoryview]:
 RECENT_VERSIONS = 16
 
 
-class Subscriber:
-    """Latest pending version of each fragment for one stream; older ones are superseded."""
+@dataclass(frozen=True)
+class Outgoing:
+    """One fragment version queued for a stream."""
 
-    def __init__(self, learner_id: str, session: str, observer: bool) -> None:
+    fragment: int
+    version: int
+    payload: bytes
+    codec: str
+    base_version: int
+    """``-1`` for a keyframe; otherwise the version the delta applies to."""
+    contributors: frozenset[str]
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base_version >= 0
+
+
+class Subscriber:
+    """Pending requests and the latest pending version of each fragment for one stream."""
+
+    def __init__(
+        self, learner_id: str, session: str, observer: bool, held: dict[int, int] | None = None
+    ) -> None:
+        """``held``: the version of each fragment the learner said it holds when it
+        subscribed (the stream sends it nothing older, and deltas only on top of it)."""
         self.learner_id, self.session, self.observer = learner_id, session, observer
-        self.pending: dict[int, tuple[int, bytes, frozenset[str]]] = {}
+        self.held: dict[int, int] = dict(held or {})
+        self.pending: dict[int, Outgoing] = {}
+        self.requests: dict[int, int] = {}
         self.cond = threading.Condition()
         self.closed = False
 
     def offer(
-        self, fragment: int, version: int, payload: bytes, contributors: frozenset[str]
+        self,
+        fragment: int,
+        version: int,
+        *,
+        keyframe: bytes,
+        delta: bytes | None = None,
+        delta_codec: str = "",
+        contributors: frozenset[str] = frozenset(),
     ) -> None:
-        """Queue a version; one still pending is superseded, its contributors carried over."""
+        """Queue ``version``: as the delta when this stream's learner will hold ``version −
+        1`` and nothing of the fragment is pending, else as the keyframe (superseding what
+        is pending, whose contributors are carried over)."""
         with self.cond:
             skipped = self.pending.get(fragment)
             if skipped is not None:
-                contributors = contributors | skipped[2]
-            self.pending[fragment] = (version, payload, contributors)
+                contributors = contributors | skipped.contributors
+            if skipped is None and delta is not None and self.held.get(fragment) == version - 1:
+                item = Outgoing(fragment, version, delta, delta_codec, version - 1, contributors)
+            else:
+                item = Outgoing(fragment, version, keyframe, KEYFRAME_CODEC, -1, contributors)
+            self.pending[fragment] = item
             self.cond.notify()
 
-    def take(self, timeout: float) -> list[tuple[int, int, bytes, frozenset[str]]]:
+    def request(self, fragment: int, version: int) -> None:
+        """Ask this stream's learner for its contribution to ``fragment``'s open round."""
         with self.cond:
-            if not self.pending and not self.closed:
+            self.requests[fragment] = version
+            self.cond.notify()
+
+    def take(self, timeout: float) -> tuple[list[tuple[int, int]], list[Outgoing]]:
+        """Wait (up to ``timeout``) for something to send; returns the requests and the
+        fragment versions, and counts the versions as held by the learner."""
+        with self.cond:
+            if not self.pending and not self.requests and not self.closed:
                 self.cond.wait(timeout)
-            items = sorted((p, v, b, c) for p, (v, b, c) in self.pending.items())
+            requests = sorted(self.requests.items())
+            items = [self.pending[p] for p in sorted(self.pending)]
+            self.requests.clear()
             self.pending.clear()
-            return items
+            for item in items:
+                self.held[item.fragment] = item.version
+            return requests, items
 
     def close(self) -> None:
         with self.cond:

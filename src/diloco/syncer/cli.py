@@ -11,7 +11,25 @@ from pathlib import Path
 
 
 def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by ``diloco syncer`` and the launchers that start one."""
+    """Flags shared by ``diloco syncer`` and the launchers that start one (H, ``--sync-every``,
+    is each command's own: the launchers give it to learners and syncer alike)."""
+    from diloco.syncer.config import SyncerConfig
+
+    p.add_argument(
+        "--schedule",
+        choices=["syncer", "learner"],
+        default=SyncerConfig.schedule,
+        help="who drives the rounds: syncer (default: the syncer's clock asks every live "
+        "learner for each fragment in turn) or learner (each learner sends on its own step "
+        "count; synchronous mode uses it); docs/algorithm.md",
+    )
+    p.add_argument(
+        "--weight-cap",
+        type=float,
+        default=SyncerConfig.weight_cap,
+        help="no contribution weighs more than this x the round's lower median weight "
+        f"(default {SyncerConfig.weight_cap}; 0: off)",
+    )
     p.add_argument(
         "--quorum", type=int, default=1, help="K: contributions a round needs (default 1)"
     )
@@ -23,7 +41,10 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
         help="synchronous DiLoCo: every round waits for M contributions",
     )
     p.add_argument(
-        "--gamma", type=float, default=1.0, help="grace window scale γ (0: close at quorum)"
+        "--gamma",
+        type=float,
+        default=SyncerConfig.gamma,
+        help=f"grace window scale γ (default {SyncerConfig.gamma}; 0: close at quorum)",
     )
     p.add_argument("--tau", type=float, default=2.0, help="overlap τ in steps (default 2)")
     p.add_argument(
@@ -49,7 +70,13 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
         "round (see docs/algorithm.md)",
     )
     p.add_argument("--up-codec", default="int4", choices=["fp32", "bf16", "int8", "int4"])
-    p.add_argument("--down-codec", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
+    p.add_argument(
+        "--down-codec",
+        default=SyncerConfig.down_codec,
+        choices=["fp32", "bf16", "int8", "int4"],
+        help="codec of the merged deltas the syncer sends down (keyframes are fp32; default "
+        f"{SyncerConfig.down_codec})",
+    )
     p.add_argument(
         "--norm-guard",
         type=float,
@@ -64,6 +91,9 @@ def config_from_args(args: argparse.Namespace):
     from diloco.syncer.config import SyncerConfig
 
     return SyncerConfig(
+        schedule=args.schedule,
+        sync_every=args.sync_every,
+        weight_cap=args.weight_cap,
         quorum=args.quorum,
         wait_for_all=args.wait_for_all,
         gamma=args.gamma,
@@ -203,6 +233,12 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the initial model")
     p.add_argument(
         "--fragments", type=int, default=24, help="P: fragments (must match the learners)"
+    )
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=24,
+        help="H: with --schedule syncer, each fragment's round opens once per H fleet steps",
     )
     p.add_argument(
         "--shard",

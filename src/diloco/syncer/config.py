@@ -11,6 +11,7 @@ from diloco.algorithm.guard import (
     DEFAULT_PARAM_RATIO,
     DEFAULT_WINDOW,
 )
+from diloco.algorithm.rounds import SCHEDULES
 
 OUTER_SCALES = ("share", "none")
 """How a round's merged delta is scaled before the outer step (``SyncerConfig.outer_scale``)."""
@@ -18,9 +19,16 @@ OUTER_SCALES = ("share", "none")
 
 @dataclass(kw_only=True)
 class SyncerConfig:
+    schedule: str = "syncer"
+    """Who drives the rounds: ``"syncer"`` (the syncer's clock opens each fragment's round
+    in turn and asks every live learner for it; docs/algorithm.md "Rounds on the syncer's
+    clock") or ``"learner"`` (each learner sends fragment p on its own step count and a round
+    opens at its first arrival; the behaviour before 2026-11-25, used by synchronous mode)."""
+    sync_every: int = 24
+    """H: with the syncer's schedule, each fragment's round opens once per H fleet steps."""
     quorum: int = 1
     """K: contributions a round needs before the grace window starts."""
-    gamma: float = 1.0
+    gamma: float = 0.5
     """γ: scale of the adaptive grace window (0 disables it: close at quorum)."""
     tau: float = 2.0
     """τ: steps within which a merged fragment is expected back at a learner."""
@@ -44,8 +52,12 @@ class SyncerConfig:
     ``"none"``: apply every round at the full lr (the behaviour before 2026-11-23)."""
     up_codec: str = "int4"
     """Codec learners use for their outer gradients."""
-    down_codec: str = "bf16"
-    """Codec of the fragments the syncer broadcasts."""
+    down_codec: str = "int8"
+    """Codec of the deltas the syncer broadcasts (``W(v) − W(v−1)``, with the rounding kept
+    in W for the next one); keyframes (join, resync) are always fp32."""
+    weight_cap: float = 3.0
+    """No contribution weighs more than this × the round's lower median weight
+    (``diloco.algorithm.merge.cap_weights``); 0 turns the cap off."""
     max_tokens_per_step: int = 1 << 24
     """Sanity bound on ``tokens / steps`` in a contribution."""
     max_steps_per_contribution: int = 1 << 24
@@ -63,6 +75,12 @@ class SyncerConfig:
     """Distinct learner ids the syncer remembers; joins of new ids beyond it are refused."""
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES} (got {self.schedule!r})")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1 (got {self.sync_every})")
+        if not self.weight_cap >= 0:
+            raise ValueError(f"weight_cap must be >= 0 (0: off; got {self.weight_cap})")
         if self.quorum < 1:
             raise ValueError(f"quorum must be >= 1 (got {self.quorum})")
         if self.gamma < 0 or self.tau < 0:
@@ -73,6 +91,11 @@ class SyncerConfig:
             raise ValueError(f"max_staleness must be >= 0 (got {self.max_staleness})")
         if self.wait_for_all < 0:
             raise ValueError(f"wait_for_all must be >= 0 (got {self.wait_for_all})")
+        if self.wait_for_all and self.schedule != "learner":
+            raise ValueError(
+                "synchronous mode (wait_for_all > 0) runs on the learners' schedule: "
+                "pass schedule='learner' (--schedule learner)"
+            )
         if not self.heartbeat_s > 0 or self.lease_s < 2 * self.heartbeat_s:
             raise ValueError(
                 f"lease_s ({self.lease_s}) must be at least twice heartbeat_s ({self.heartbeat_s}) "

@@ -1,10 +1,17 @@
 """The syncer's gRPC service: decode, validate, call the state machine, persist, broadcast.
 
 Threads: gRPC's pool runs the RPC handlers (each ``Subscribe`` stream holds one thread for
-its lifetime, so the pool is sized from ``max_learners``); one **committer** thread closes
-rounds, writes each commit to disk, appends it to the tape and only then hands the new
-fragment to every subscriber. All state changes happen under one lock, and nothing slow
-(decoding, encoding, disk, network) happens while it is held, except the merge itself.
+its lifetime, so the pool is sized from ``max_learners``); one **committer** thread runs the
+syncer's clock (opens rounds and queues their requests), closes rounds, writes each commit
+to disk, appends it to the tape and only then hands the new fragment to every subscriber.
+All state changes happen under one lock, and nothing slow (decoding, encoding, disk,
+network) happens while it is held, except the merge itself.
+
+**What learners hold.** For every fragment the committer keeps the wire image ``W_p``: the
+value every learner holding version v holds, bit for bit. A commit sends ``d = Θ_p − W_p``
+in the down codec and moves ``W_p`` by the decoded ``d̂`` (the rounding stays in ``Θ_p − W_p``
+and goes out with the next delta); a learner applies the same ``W + d̂``. ``W_p`` is persisted
+with the commit, so a restarted syncer goes on sending deltas its learners can apply.
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ import torch
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
-from diloco.syncer.broadcast import CHUNK_BYTES, RECENT_VERSIONS, Subscriber, chunk_payload
+from diloco.syncer.broadcast import (
+    CHUNK_BYTES,
+    KEYFRAME_CODEC,
+    RECENT_VERSIONS,
+    Subscriber,
+    chunk_payload,
+)
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import (
@@ -52,7 +65,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         store: FragmentStore | None,
         tape: EventTape | None,
         allowed_learners: frozenset[str] | None = None,
+        wire: dict[int, torch.Tensor] | None = None,
     ) -> None:
+        """``wire``: the restored wire image of each fragment (default: Θ_p)."""
         self.state = state
         self.allowed_learners = allowed_learners
         self.store = store
@@ -60,18 +75,17 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.lock = threading.Lock()
         self.started_at = time.time()
         self._subscribers: set[Subscriber] = set()
+        # Latest keyframe (W_p in fp32) of each fragment and who its version merged.
         self._payloads: dict[int, tuple[int, bytes, frozenset[str]]] = {}
+        self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
         # Contributors of each fragment's last few versions: a learner catching up after a
         # reconnect must know whether any version it missed merged its own contribution.
         self._recent: dict[int, list[tuple[int, frozenset[str]]]] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
         for p in state.served:
-            self._payloads[p] = (
-                state.versions[p],
-                codecs.encode(state.params[p], state.config.down_codec),
-                frozenset(),
-            )
+            keyframe = codecs.encode(self._wire[p], KEYFRAME_CODEC)
+            self._payloads[p] = (state.versions[p], keyframe, frozenset())
         self._committer = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
 
     # --------------------------------------------------------------- lifecycle
@@ -121,6 +135,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                     num_fragments=request.num_fragments,
                     observer=request.observer,
                     now=time.time(),
+                    tokens_per_step=request.tokens_per_step,
                 )
                 versions = list(self.state.versions)
         except Refused as err:
@@ -137,6 +152,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             syncer_id=self.state.syncer_id,
             shard=self.state.shard[0],
             num_shards=self.state.shard[1],
+            schedule=cfg.schedule,
+            sync_every=cfg.sync_every,
         )
 
     def Subscribe(
@@ -154,34 +171,41 @@ class SyncerService(pb_grpc.SyncerServicer):
                 info = self.state.session_of(request.learner_id, request.session)
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Subscribe")
-        sub = Subscriber(info.learner_id, info.session, info.observer)
+        sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
         with self.lock:
             self._subscribers.add(sub)
-            for p, (version, payload, _) in self._payloads.items():
+            for p, (version, keyframe, _) in self._payloads.items():
                 if p >= len(have) or have[p] != version:
                     since = have[p] if p < len(have) else -1
-                    sub.offer(p, version, payload, self._contributors_since(p, since))
+                    contributors = self._contributors_since(p, since)
+                    sub.offer(p, version, keyframe=keyframe, contributors=contributors)
         context.add_callback(sub.close)
-        codec = self.state.config.down_codec
         try:
             while context.is_active() and not self._stopping.is_set() and not sub.closed:
-                for p, version, payload, contributors in sub.take(timeout=0.5):
-                    pieces = chunk_payload(payload)
-                    numel = self.state.layout.fragments[p].numel
+                requests, items = sub.take(timeout=0.5)
+                for p, version in requests:
+                    yield pb.FragmentChunk(
+                        fragment=p, version=version, request=True, chunk_index=0, num_chunks=1
+                    )
+                for item in items:
+                    pieces = chunk_payload(item.payload)
+                    numel = self.state.layout.fragments[item.fragment].numel
                     for i, piece in enumerate(pieces):
                         yield pb.FragmentChunk(
-                            fragment=p,
-                            version=version,
-                            codec=codec,
+                            fragment=item.fragment,
+                            version=item.version,
+                            codec=item.codec,
                             numel=numel,
                             chunk_index=i,
                             num_chunks=len(pieces),
                             data=bytes(piece),
-                            contributors=sorted(contributors) if i == 0 else (),
+                            contributors=sorted(item.contributors) if i == 0 else (),
+                            is_delta=item.is_delta,
+                            base_version=max(item.base_version, 0),
                         )
                     with self.lock:
-                        info.bytes_down += len(payload)
-                        self.state.bytes_down += len(payload)
+                        info.bytes_down += len(item.payload)
+                        self.state.bytes_down += len(item.payload)
         finally:
             with self.lock:
                 self._subscribers.discard(sub)
@@ -213,6 +237,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                     step_time_s=header.step_time_s,
                     nbytes=len(payload),
                     now=time.time(),
+                    final=header.final,
                 )
                 current = self.state.versions[header.fragment]
         except Refused as err:
@@ -363,32 +388,73 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._wake.clear()
             t0 = time.time()
             with self.lock:
+                request, tick_at = self.state.tick(t0)
+                if request is not None:
+                    self._ask(request)
                 commits, wake_at = self.state.poll(t0)
+            if tick_at is not None:
+                wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
             for commit in commits:
                 self._publish(commit, t0)
 
+    def _ask(self, request) -> None:
+        """Queue the clock's request on the streams of the learners it asks (lock held)."""
+        for sub in self._subscribers:
+            if not sub.observer and sub.learner_id in request.asked:
+                sub.request(request.fragment, request.version)
+        self._emit(
+            {
+                "event": "tick",
+                "t": time.time(),
+                "fragment": request.fragment,
+                "version": request.version,
+                "asked": len(request.asked),
+            }
+        )
+
     def _publish(self, commit: Commit, t0: float) -> None:
-        """Persist, then record, then broadcast one commit (in that order)."""
+        """Persist, then record, then broadcast one commit (in that order).
+
+        The broadcast is the delta from the wire image (see the module docstring); the
+        committer is the only thread that moves ``W_p``, one commit at a time."""
+        p = commit.fragment
+        codec = self.state.config.down_codec
+        delta = codecs.encode(commit.params - self._wire[p], codec)
+        wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
         if self.store is not None:
-            self.store.save(commit.fragment, commit.version, commit.params, commit.momentum)
-        payload = codecs.encode(commit.params, self.state.config.down_codec)
+            self.store.save(p, commit.version, commit.params, commit.momentum, wire=wire)
+        keyframe = codecs.encode(wire, KEYFRAME_CODEC)
         record = dict(commit.record)
         record["sync_s"] = round(time.time() - t0, 6)
+        record["bytes_delta"] = len(delta)
         self._emit(record, sync=True)
         with self.lock:
+            self._wire[p] = wire
             contributors = frozenset(commit.record["participants"])
-            self._payloads[commit.fragment] = (commit.version, payload, contributors)
-            recent = self._recent.setdefault(commit.fragment, [])
+            self._payloads[p] = (commit.version, keyframe, contributors)
+            recent = self._recent.setdefault(p, [])
             recent.append((commit.version, contributors))
             del recent[:-RECENT_VERSIONS]
             for sub in self._subscribers:
-                sub.offer(commit.fragment, commit.version, payload, contributors)
+                sub.offer(
+                    p,
+                    commit.version,
+                    keyframe=keyframe,
+                    delta=delta,
+                    delta_codec=codec,
+                    contributors=contributors,
+                )
             self.state.record_sync_time(time.time() - t0)
 
     def _contributors_since(self, fragment: int, version: int) -> frozenset[str]:
         """Everyone merged into ``fragment`` after ``version`` (as far as the recent history
         goes; empty after a restart)."""
         return frozenset().union(*(c for v, c in self._recent.get(fragment, ()) if v > version))
+
+    def wire(self, fragment: int) -> torch.Tensor:
+        """A copy of ``W_p``: the value every learner holding the current version holds."""
+        with self.lock:
+            return self._wire[fragment].clone()
 
     def committed_hash(self) -> str:
         with self.lock:
@@ -413,6 +479,7 @@ def _header_fields(chunk: pb.UploadChunk) -> tuple:
         chunk.numel,
         chunk.num_chunks,
         chunk.step_time_s,
+        chunk.final,
     )
 
 
@@ -458,12 +525,15 @@ class SyncerServer:
         params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
         versions = [0] * layout.num_fragments
         restored = {}
+        wire = {}
         if self.store is not None:
             self.store.initialize(layout, dict(vars(self.config)), shard=shard)
             for p in owned:
                 loaded = self.store.load(p, layout.fragments[p].numel)
                 if loaded is not None:
                     versions[p], params[p], restored[p] = loaded
+                    if "wire" in restored[p]:
+                        wire[p] = restored[p].pop("wire")
         self.state = SyncerState(
             layout,
             params,
@@ -480,6 +550,7 @@ class SyncerServer:
             store=self.store,
             tape=self.tape,
             allowed_learners=frozenset(allowed_learners) if allowed_learners is not None else None,
+            wire=wire,
         )
         if token is not None:
             interceptors = [

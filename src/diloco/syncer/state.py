@@ -5,10 +5,15 @@ clock. The gRPC server (``server.py``) only decodes requests, calls these method
 lock, persists commits and broadcasts them.
 
 Per fragment p the state holds the global value Θ_p (fp32, the single source of truth), its
-version, the outer optimizer's momentum and at most one open round. A round collects one
-contribution per learner (a newer one from the same learner replaces the older) and closes
-as ``diloco.algorithm.rounds.decide_round`` says; closing merges the contributions with
+version, the outer optimizer's momentum and at most one round. A round collects one
+contribution per learner (a later increment from the same learner is added to its earlier
+one, deltas and counters alike, so no progress is dropped) and closes as
+``diloco.algorithm.rounds.decide_round`` says; closing merges the contributions with capped
 token weights (× staleness discount), applies the outer Nesterov step and bumps the version.
+
+With the syncer's schedule (the default) rounds open on the syncer's clock (``tick``): each
+tick opens the next fragment's round and names the live learners it asks; a contribution
+that arrives while its fragment has no open round waits in the fragment's next round.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.guard import NormHistory, check_norm
-from diloco.algorithm.merge import merge_contributions, token_weight
+from diloco.algorithm.merge import cap_weights, merge_contributions, token_weight
 from diloco.algorithm.outer import NesterovOuter, round_share
 from diloco.algorithm.rounds import (
     Admission,
@@ -31,6 +36,9 @@ from diloco.algorithm.rounds import (
     OpenRound,
     admit_contribution,
     decide_round,
+    fleet_step_time,
+    next_tick,
+    tick_period,
 )
 from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.config import SyncerConfig
@@ -60,9 +68,16 @@ class LearnerInfo:
     state: str = "joined"
     contributions: int = 0
     last_tokens: int | None = None
-    """Tokens of this learner's last accepted contribution (the round share's estimate)."""
+    """Tokens of this learner's last accepted contribution (the round share's fallback)."""
     bytes_up: int = 0
     bytes_down: int = 0
+    tokens_per_step: int = 0
+    """Declared at join (batch × sequence); 0: not declared. Claims above it are refused."""
+    step_s: float | None = None
+    """This learner's measured step time (heartbeats, uploads): the syncer's clock's pace."""
+    tokens_per_s: float | None = None
+    """Its measured throughput (EMA over heartbeats): the round share of an absent learner."""
+    _rate_mark: tuple[float, int] | None = None
 
 
 @dataclass
@@ -75,17 +90,58 @@ class Contribution:
     discount: float
     arrived_at: float
     nbytes: int
+    increments: int = 1
+    """Uploads summed into this contribution (a late one and the answer to this round)."""
+    final: bool = False
 
     @property
     def weight(self) -> float:
         return token_weight(self.tokens, self.steps) * self.discount
 
+    def add(self, other: Contribution) -> None:
+        """Sum a later increment of the same learner into this one: deltas and counters add,
+        the older base version and the smaller discount stay (the increment is no fresher
+        than its oldest part)."""
+        self.delta = self.delta + other.delta
+        self.steps += other.steps
+        self.tokens += other.tokens
+        self.base_version = min(self.base_version, other.base_version)
+        self.discount = min(self.discount, other.discount)
+        self.arrived_at = other.arrived_at
+        self.nbytes += other.nbytes
+        self.increments += other.increments
+        self.final = self.final or other.final
+
 
 @dataclass
 class FragmentRound:
-    opened_at: float
+    opened_at: float | None
+    """When the round opened (a tick, or the first arrival on the learners' schedule);
+    ``None``: contributions wait here for the fragment's next tick."""
     contributions: dict[str, Contribution] = field(default_factory=dict)
     quorum_at: float | None = None
+    asked: frozenset[str] | None = None
+    """Learners the tick asked (``None`` on the learners' schedule)."""
+
+    def answered(self) -> frozenset[str]:
+        """Learners with a contribution that arrived since the round opened: a late one from
+        the previous round rides along but does not answer this round's request."""
+        if self.opened_at is None:
+            return frozenset()
+        if self.asked is None:
+            return frozenset(self.contributions)
+        return frozenset(
+            lid for lid, c in self.contributions.items() if c.arrived_at >= self.opened_at
+        )
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """A round the syncer's clock opened: ask ``asked`` for ``fragment``'s contribution."""
+
+    fragment: int
+    version: int
+    asked: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -151,6 +207,9 @@ class SyncerState:
         self._ema_step = Ema(config.ema_decay)
         self._ema_quorum = Ema(config.ema_decay)
         self._ema_sync = Ema(config.ema_decay)
+        self._tick_due: float | None = None
+        self._cursor = 0
+        self.last_commit_at: dict[int, float] = {}
 
     # ----------------------------------------------------------------- learners
     def join(
@@ -162,13 +221,21 @@ class SyncerState:
         num_fragments: int,
         observer: bool,
         now: float,
+        tokens_per_step: int = 0,
     ) -> LearnerInfo:
         """Admit a learner (or observer) whose model matches the layout; returns its record.
 
         Raises ``Refused("FAILED_PRECONDITION", ...)`` naming the first mismatching tensor.
         A learner that joins again gets a new session; its previous one is forgotten.
+        ``tokens_per_step`` (0: not declared) bounds the tokens per step it may claim.
         """
         _check_id(learner_id)
+        if not 0 <= tokens_per_step <= self.config.max_tokens_per_step:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"tokens_per_step must be in [0, {self.config.max_tokens_per_step}], "
+                f"got {tokens_per_step}",
+            )
         if num_fragments != self.layout.num_fragments:
             raise Refused(
                 "FAILED_PRECONDITION",
@@ -192,7 +259,12 @@ class SyncerState:
                 f"the syncer already knows {len(self.learners)} learner ids (max_learner_ids)",
             )
         info = LearnerInfo(
-            learner_id, uuid.uuid4().hex, joined_at=now, last_seen=now, observer=observer
+            learner_id,
+            uuid.uuid4().hex,
+            joined_at=now,
+            last_seen=now,
+            observer=observer,
+            tokens_per_step=tokens_per_step,
         )
         if old is not None:
             info.contributions, info.bytes_up, info.bytes_down = (
@@ -235,6 +307,9 @@ class SyncerState:
         info.last_seen = now
         info.step, info.tokens, info.steps_per_s = step, tokens, steps_per_s
         info.state = state[:64] or info.state
+        if steps_per_s > 0:
+            info.step_s = 1.0 / steps_per_s
+        _update_rate(info, now, tokens, self.config.ema_decay)
         if not info.live and info.connected:
             info.live = True
             self.emit({"event": "revive", "t": now, "learner": learner_id})
@@ -287,11 +362,14 @@ class SyncerState:
         step_time_s: float,
         nbytes: int,
         now: float,
+        final: bool = False,
     ) -> Admission:
         """Put a decoded contribution into fragment ``fragment``'s open round.
 
         Raises ``Refused`` for invalid requests (state unchanged); returns the admission
-        (refused-as-stale contributions come back with ``resync=True``).
+        (refused-as-stale contributions come back with ``resync=True``). On the syncer's
+        schedule a contribution that finds no open round waits for the fragment's next tick,
+        unless it is ``final`` (the learner is stopping): then its round opens at once.
         """
         info = self.session_of(learner_id, session)
         if info.observer:
@@ -312,6 +390,12 @@ class SyncerState:
             raise Refused(
                 "INVALID_ARGUMENT",
                 f"tokens must be in [1, steps*{self.config.max_tokens_per_step}], got {tokens}",
+            )
+        if info.tokens_per_step and tokens > steps * info.tokens_per_step:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"{tokens} tokens in {steps} steps is more than the {info.tokens_per_step} "
+                "tokens per step this learner declared at join",
             )
         if not (step_time_s >= 0 and step_time_s < 3600):
             raise Refused(
@@ -349,6 +433,7 @@ class SyncerState:
         self.bytes_up += nbytes
         if step_time_s > 0:
             self._ema_step.update(step_time_s)
+            info.step_s = step_time_s
         if not admission.accept:
             self.emit(
                 {
@@ -362,17 +447,38 @@ class SyncerState:
             return admission
         round_ = self.rounds.get(fragment)
         if round_ is None:
-            round_ = self.rounds[fragment] = FragmentRound(opened_at=now)
-        round_.contributions[learner_id] = Contribution(
-            learner_id, delta, base_version, steps, tokens, admission.discount, now, nbytes
+            on_clock = self.config.schedule == "syncer" and not final
+            round_ = self.rounds[fragment] = FragmentRound(opened_at=None if on_clock else now)
+        elif round_.opened_at is None and final:
+            round_.opened_at = now
+        contribution = Contribution(
+            learner_id,
+            delta,
+            base_version,
+            steps,
+            tokens,
+            admission.discount,
+            now,
+            nbytes,
+            final=final,
         )
+        earlier = round_.contributions.get(learner_id)
+        if earlier is None:
+            round_.contributions[learner_id] = contribution
+        else:
+            earlier.add(contribution)
         info.contributions += 1
         info.last_tokens = tokens
         self.norms.record(fragment, norm, steps)
-        if round_.quorum_at is None and len(round_.contributions) >= self._quorum():
+        self._note_quorum(round_, now)
+        return admission
+
+    def _note_quorum(self, round_: FragmentRound, now: float) -> None:
+        if round_.opened_at is None or round_.quorum_at is not None:
+            return
+        if len(round_.answered()) >= min(self._quorum(), len(round_.asked or ()) or 1 << 30):
             round_.quorum_at = now
             self._ema_quorum.update(now - round_.opened_at)
-        return admission
 
     def check_owned(self, fragment: int) -> None:
         """Raise ``Refused`` unless this syncer (shard) owns ``fragment``."""
@@ -415,7 +521,7 @@ class SyncerState:
             h.update(outer["buffers"][p].contiguous().numpy().tobytes())
         for p in sorted(self.rounds):
             r = self.rounds[p]
-            h.update(repr((p, r.opened_at, r.quorum_at)).encode())
+            h.update(repr((p, r.opened_at, r.quorum_at, sorted(r.asked or ()))).encode())
             for lid in sorted(r.contributions):
                 c = r.contributions[lid]
                 h.update(repr((lid, c.base_version, c.steps, c.tokens, c.discount)).encode())
@@ -429,7 +535,53 @@ class SyncerState:
 
     # -------------------------------------------------------------------- rounds
     def estimates(self) -> Estimates:
-        return Estimates(self._ema_step.value, self._ema_quorum.value, self._ema_sync.value)
+        """The grace window's inputs; with the syncer's schedule ξ_step is the fleet's step
+        time (the median over live learners), else the EMA of reported step times."""
+        step = self._ema_step.value
+        if self.config.schedule == "syncer":
+            step = self.fleet_step_s() or step
+        return Estimates(step, self._ema_quorum.value, self._ema_sync.value)
+
+    def fleet_step_s(self, now: float | None = None) -> float | None:
+        """Median measured step time of the live learners (all known ones if ``now`` is None)."""
+        live = self.live(now) if now is not None else None
+        return fleet_step_time(
+            i.step_s
+            for lid, i in self.learners.items()
+            if not i.observer and (live is None or lid in live)
+        )
+
+    def tick(self, now: float) -> tuple[RoundRequest | None, float | None]:
+        """The syncer's clock (``schedule="syncer"``): open the round of the fragment whose
+        turn it is and say whom to ask. Returns the request (``None``: no round opens now) and
+        when to tick again (``None``: no step estimate yet, tick again on the next event)."""
+        if self.config.schedule != "syncer":
+            return None, None
+        self.expire(now)
+        live = self.live(now)
+        period = tick_period(
+            self.fleet_step_s(now), sync_every=self.config.sync_every, fragments=len(self.served)
+        )
+        # A round open with no answer when its turn comes again (its learners died or could
+        # not answer) is asked again; one with answers closes within its grace window.
+        busy = [p for p, r in self.rounds.items() if r.opened_at is not None and r.answered()]
+        t = next_tick(
+            now,
+            due_at=self._tick_due,
+            period=period,
+            cursor=self._cursor,
+            served=self.served,
+            open_fragments=busy if live else self.served,  # nobody to ask: no round opens
+        )
+        self._tick_due, self._cursor = t.next_at, t.cursor
+        if t.fragment is None:
+            return None, t.next_at
+        round_ = self.rounds.get(t.fragment)
+        if round_ is None:
+            round_ = self.rounds[t.fragment] = FragmentRound(opened_at=None)
+        round_.opened_at, round_.asked = now, frozenset(live)
+        self._note_quorum(round_, now)
+        return RoundRequest(t.fragment, self.versions[t.fragment], frozenset(live)), t.next_at
 
     def record_sync_time(self, seconds: float) -> None:
         """Feed ξ_sync: measured merge + persist + broadcast time of one commit."""
@@ -440,6 +592,8 @@ class SyncerState:
 
     def _decide(self, now: float, fragment: int, live: set[str]):
         round_ = self.rounds[fragment]
+        if round_.opened_at is None:
+            return False, None, "waiting for the fragment's next tick"
         if self.config.wait_for_all:  # synchronous DiLoCo: wait for everyone, no grace
             # ... who is still in the run: a dead learner is waited for (it comes back), one
             # that left cleanly has finished its work and will not contribute again.
@@ -451,10 +605,16 @@ class SyncerState:
             need = max(1, self.config.wait_for_all - finished)
             n = len(round_.contributions)
             return n >= need, None, f"synchronous: {n}/{need} contributions"
+        expected = live if round_.asked is None else live & round_.asked
+        answered = round_.answered()
+        if any(c.final for c in round_.contributions.values()) or not expected:
+            # a stopping learner's last progress is merged at once; so is what waits in a
+            # round whose asked learners are all gone (nobody else will answer)
+            expected, answered = frozenset(), frozenset(round_.contributions)
         d = decide_round(
             now,
-            OpenRound(frozenset(round_.contributions), round_.opened_at, round_.quorum_at),
-            live,
+            OpenRound(answered, round_.opened_at, round_.quorum_at),
+            expected,
             quorum=self.config.quorum,
             gamma=self.config.gamma,
             tau=self.config.tau,
@@ -479,24 +639,32 @@ class SyncerState:
                 wake = wait_until if wake is None else min(wake, wait_until)
         return commits, wake
 
-    def _share(self, round_: FragmentRound, live: set[str]) -> float:
-        """The factor this round's merged delta is scaled by (``SyncerConfig.outer_scale``)."""
+    def _share(self, fragment: int, round_: FragmentRound, live: set[str], now: float) -> float:
+        """The factor this round's merged delta is scaled by (``SyncerConfig.outer_scale``).
+
+        An absent live learner is expected to bring what its measured throughput trained
+        since the fragment's previous commit (its last contribution's tokens before a
+        throughput is known)."""
         if self.config.outer_scale == "none" or self.config.wait_for_all:
             return 1.0  # a synchronous round holds everyone by construction
         absent = sorted(live - set(round_.contributions))
-        return round_share(
-            [c.tokens for c in round_.contributions.values()],
-            [self.learners[lid].last_tokens for lid in absent],
-        )
+        since = now - self.last_commit_at.get(fragment, now)
+        expected = []
+        for lid in absent:
+            info = self.learners[lid]
+            rate = info.tokens_per_s
+            expected.append(rate * since if rate and since > 0 else info.last_tokens)
+        return round_share([c.tokens for c in round_.contributions.values()], expected)
 
     def _commit(self, fragment: int, reason: str, now: float, live: set[str]) -> Commit:
         round_ = self.rounds.pop(fragment)
         contribs = sorted(round_.contributions.values(), key=lambda c: c.learner_id)
-        weights = [c.weight for c in contribs]
+        weights = cap_weights([c.weight for c in contribs], self.config.weight_cap)
         merged = merge_contributions(
             [c.delta for c in contribs], weights, self.layout.fragments[fragment]
         )
-        share = self._share(round_, live)
+        share = self._share(fragment, round_, live, now)
+        self.last_commit_at[fragment] = now
         if share != 1.0:
             merged = merged * share
         self.outer.step(fragment, self.params[fragment], merged)
@@ -515,7 +683,9 @@ class SyncerState:
             "tokens_by_learner": {c.learner_id: c.tokens for c in contribs},
             "bytes_up": sum(c.nbytes for c in contribs),
             "opened_at": round_.opened_at,
-            "wait_s": round(now - round_.opened_at, 6),
+            "wait_s": round(now - (round_.opened_at or now), 6),
+            "asked": len(round_.asked) if round_.asked is not None else None,
+            "increments": [c.increments for c in contribs],
             "reason": reason,
             "share": round(share, 6),
             "delta_norm": float(merged.norm()),
@@ -528,6 +698,19 @@ class SyncerState:
             self.outer.fragment_state(fragment),
             record,
         )
+
+
+def _update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> None:
+    """EMA of a learner's tokens per second from the cumulative counts its heartbeats carry
+    (a count that went down, e.g. after a restart, restarts the measurement)."""
+    mark = info._rate_mark
+    info._rate_mark = (now, tokens)
+    if mark is None or tokens < mark[1] or now <= mark[0]:
+        return
+    rate = (tokens - mark[1]) / (now - mark[0])
+    info.tokens_per_s = (
+        rate if info.tokens_per_s is None else (decay * info.tokens_per_s + (1 - decay) * rate)
+    )
 
 
 def fragment_digest(params: torch.Tensor) -> str:

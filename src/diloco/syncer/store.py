@@ -3,7 +3,8 @@
 Layout of a state directory::
 
     meta.json                  layout (names, shapes, pieces), its hash, the config used
-    fragments/p007.safetensors Θ_7, momentum_7; metadata: version, sha256 of the tensors
+    fragments/p007.safetensors Θ_7, momentum_7, wire_7 (what learners hold); metadata:
+                               version, sha256 of the tensors
 
 A commit writes only its own fragment (1/P of the model): to a temp file, fsync, rename,
 fsync of the directory. A crash leaves either the old file or the new one. Files are
@@ -131,12 +132,22 @@ class FragmentStore:
         _fsync_dir(self.root)
 
     def save(
-        self, fragment: int, version: int, params: torch.Tensor, momentum: dict[str, torch.Tensor]
+        self,
+        fragment: int,
+        version: int,
+        params: torch.Tensor,
+        momentum: dict[str, torch.Tensor],
+        *,
+        wire: torch.Tensor | None = None,
     ) -> None:
-        """Atomically write fragment ``fragment`` at ``version`` (returns once it is on disk)."""
+        """Atomically write fragment ``fragment`` at ``version`` (returns once it is on disk).
+
+        ``wire``: the value learners holding ``version`` hold (``diloco.syncer.server``)."""
         tensors = {"params": params.detach().contiguous()}
         if "momentum" in momentum:
             tensors["momentum"] = momentum["momentum"].detach().contiguous()
+        if wire is not None:
+            tensors["wire"] = wire.detach().contiguous()
         meta = {
             "fragment": str(fragment),
             "version": str(version),
@@ -156,7 +167,8 @@ class FragmentStore:
     def load(
         self, fragment: int, numel: int
     ) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None:
-        """Return ``(version, params, momentum_state)`` of a saved fragment, or ``None``.
+        """Return ``(version, params, state)`` of a saved fragment, or ``None``; ``state``
+        holds ``"momentum"`` and ``"wire"`` where they were saved.
 
         Raises ``StateError`` if the file is corrupt (bad format, checksum, shape).
         """
@@ -188,13 +200,11 @@ class FragmentStore:
             raise StateError(f"{path}: missing or bad version") from None
         if version < 0:
             raise StateError(f"{path}: negative version {version}")
-        momentum = {"momentum": tensors["momentum"]} if "momentum" in tensors else {}
-        if momentum and (
-            momentum["momentum"].dtype != torch.float32
-            or momentum["momentum"].shape != params.shape
-        ):
-            raise StateError(f"{path}: momentum does not match the parameters' shape or dtype")
-        return version, params, momentum
+        extra = {k: tensors[k] for k in ("momentum", "wire") if k in tensors}
+        for name, t in extra.items():
+            if t.dtype != torch.float32 or t.shape != params.shape:
+                raise StateError(f"{path}: {name} does not match the parameters' shape or dtype")
+        return version, params, extra
 
 
 class EventTape:

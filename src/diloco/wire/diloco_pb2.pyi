@@ -17,21 +17,23 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout_hash", "num_fragments", "tensors", "observer")
+    __slots__ = ("learner_id", "layout_hash", "num_fragments", "tensors", "observer", "tokens_per_step")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     OBSERVER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     layout_hash: str
     num_fragments: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     observer: bool
-    def __init__(self, learner_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., num_fragments: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., observer: _Optional[bool] = ...) -> None: ...
+    tokens_per_step: int
+    def __init__(self, learner_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., num_fragments: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("session", "versions", "lease_s", "heartbeat_s", "up_codec", "down_codec", "fragments", "syncer_id", "shard", "num_shards")
+    __slots__ = ("session", "versions", "lease_s", "heartbeat_s", "up_codec", "down_codec", "fragments", "syncer_id", "shard", "num_shards", "schedule", "sync_every")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +44,8 @@ class JoinReply(_message.Message):
     SYNCER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     session: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
@@ -52,7 +56,9 @@ class JoinReply(_message.Message):
     syncer_id: str
     shard: int
     num_shards: int
-    def __init__(self, session: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., up_codec: _Optional[str] = ..., down_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., syncer_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    schedule: str
+    sync_every: int
+    def __init__(self, session: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., up_codec: _Optional[str] = ..., down_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., syncer_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., schedule: _Optional[str] = ..., sync_every: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("learner_id", "session", "have_versions")
@@ -65,7 +71,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "numel", "chunk_index", "num_chunks", "data", "contributors")
+    __slots__ = ("fragment", "version", "codec", "numel", "chunk_index", "num_chunks", "data", "contributors", "is_delta", "base_version", "request")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +80,9 @@ class FragmentChunk(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    IS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -82,10 +91,13 @@ class FragmentChunk(_message.Message):
     num_chunks: int
     data: bytes
     contributors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
+    is_delta: bool
+    base_version: int
+    request: bool
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., contributors: _Optional[_Iterable[str]] = ..., is_delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., request: _Optional[bool] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
-    __slots__ = ("learner_id", "session", "fragment", "base_version", "steps", "tokens", "codec", "numel", "chunk_index", "num_chunks", "data", "step_time_s")
+    __slots__ = ("learner_id", "session", "fragment", "base_version", "steps", "tokens", "codec", "numel", "chunk_index", "num_chunks", "data", "step_time_s", "final")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +110,7 @@ class UploadChunk(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     session: str
     fragment: int
@@ -110,7 +123,8 @@ class UploadChunk(_message.Message):
     num_chunks: int
     data: bytes
     step_time_s: float
-    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    final: bool
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., step_time_s: _Optional[float] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class UploadReply(_message.Message):
     __slots__ = ("accepted", "reason", "resync", "current_version")
