@@ -70,7 +70,9 @@ def _syncer_for(model: nn.Module, tmp_path: Path, *, up_codec: str):
     """An in-process syncer (2 fragments, tape in ``tmp_path``), started."""
     layout = balanced_fragments(model.named_parameters(), 2)
     named = dict(model.named_parameters())
-    config = SyncerConfig(up_codec=up_codec, lease_s=5, heartbeat_s=0.5)
+    # On the learners' schedule each step's due fragment is sent at once: these tests count
+    # uploads per step. The syncer's clock is exercised by the multi-process tests below.
+    config = SyncerConfig(up_codec=up_codec, lease_s=5, heartbeat_s=0.5, schedule="learner")
     server = SyncerServer(
         layout,
         [layout.gather(p, named) for p in range(2)],

@@ -6,7 +6,7 @@ import torch
 
 import diloco
 from diloco.learner.delivery import DeliveryLog, already_delivered
-from diloco.learner.link import UploadJob
+from diloco.learner.link import UploadJob, UploadResult
 
 
 def test_already_delivered_looks_at_each_fragments_unsent_window():
@@ -68,7 +68,7 @@ def test_a_restore_drops_only_the_progress_delivered_after_the_checkpoint(tmp_pa
         trained = {p: learner.layout.gather(p, learner.params) for p in range(2)}
         # after the checkpoint, fragment 1 went out at step 8 and was accepted; 0 did not
         job = UploadJob(1, 1, 8, 80, torch.zeros(1), 0.0, local_step=8)
-        learner._on_accepted(job)
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=torch.zeros(1)))
     finally:
         learner.close(flush=False)
 

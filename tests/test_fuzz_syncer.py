@@ -50,8 +50,15 @@ class Harness:
         self.layout = balanced_fragments(model.named_parameters(), P)
         named = dict(model.named_parameters())
         params = [self.layout.gather(p, named) for p in range(P)]
+        # The learners' schedule: the upload below opens a round, and no clock changes the
+        # state between a hostile request and the digest taken after it.
         config = SyncerConfig(
-            quorum=3, up_codec="fp32", lease_s=600, heartbeat_s=1, max_learner_ids=4
+            quorum=3,
+            up_codec="fp32",
+            lease_s=600,
+            heartbeat_s=1,
+            max_learner_ids=4,
+            schedule="learner",
         )
         self.tape_path = tmp_path / "events.jsonl"
         self.server = SyncerServer(

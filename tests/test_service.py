@@ -96,8 +96,10 @@ def test_learners_train_and_end_with_the_syncers_parameters(tmp_path):
             assert lr.flush(timeout=10)
         # Every fragment committed at least once; then let the last versions reach the learners.
         wait_until(
-            lambda: min(server.state.versions) >= 1
-            and not any(r.contributions for r in server.state.rounds.values()),
+            lambda: (
+                min(server.state.versions) >= 1
+                and not any(r.contributions for r in server.state.rounds.values())
+            ),
             10,
             "rounds to close",
         )

@@ -21,6 +21,7 @@ COLUMNS = (
     ("down_share", "down (schedule)", "{:.1%}"),
     ("goodput_up", "goodput while up", "{:.1%}"),
     ("bytes_per_token", "bytes/token", "{:,.1f}"),
+    ("at_least_3", "rounds with >=3 learners", "{:.1%}"),
     ("wall_s", "wall s", "{:.0f}"),
 )
 
@@ -42,6 +43,7 @@ def result_of(spec: dict, summary: dict, curve: list[dict]) -> dict:
         "goodput_up": summary.get("goodput_up"),
         "bytes_per_token": summary["bytes"]["per_token"],
         "dp_bytes_per_token": summary["bytes"].get("data_parallel_per_token"),
+        "at_least_3": (summary.get("contributors_per_round") or {}).get("at_least_3"),
         "curve": curve,
     }
 

@@ -9,7 +9,9 @@ keeps running and training; bytes are always copied unchanged:
 - ``drop()`` closes every open connection once: whatever messages were in flight (a fragment
   upload, a broadcast) are lost, and the learner may reconnect at once;
 - ``delay(seconds, latency)`` holds every byte for ``latency`` seconds in both directions
-  until the time is up (one-way latency, without a bandwidth cap).
+  until the time is up (one-way latency, without a bandwidth cap);
+- ``throttle(bytes_per_s)`` caps each direction of each connection at that rate (0: off), by
+  pausing after each block for as long as the block takes at that rate.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Relay:
         self._blocked_until = 0.0
         self._delayed_until = 0.0
         self._latency = 0.0
+        self._rate = 0.0
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -65,6 +68,12 @@ class Relay:
             raise ValueError("latency must be >= 0")
         self._latency = latency
         self._delayed_until = time.monotonic() + seconds
+
+    def throttle(self, bytes_per_s: float) -> None:
+        """Cap every direction of every connection at ``bytes_per_s`` (0 lifts the cap)."""
+        if bytes_per_s < 0:
+            raise ValueError("bytes_per_s must be >= 0")
+        self._rate = float(bytes_per_s)
 
     def heal(self) -> None:
         """End a partition or a delay now."""
@@ -121,6 +130,8 @@ class Relay:
                 if (wait := due - time.monotonic()) > 0:
                     time.sleep(wait)
                 dst.sendall(data)
+                if self._rate > 0:
+                    time.sleep(len(data) / self._rate)
         except OSError:
             pass
         finally:

@@ -16,7 +16,7 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
     ``seq_len``, ``stopped_by`` and ``codes`` (last exit code per learner).
     """
     from diloco.launch.goodput import busy_rate, learner_speed, tape_metrics
-    from diloco.launch.summary import build_summary
+    from diloco.launch.summary import build_summary, contributors_per_round
     from diloco.syncer.store import read_tape
 
     records = read_tape(run_dir / "syncer" / "events.jsonl")
@@ -43,6 +43,7 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
         stopped_by=facts["stopped_by"],
     )
     summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
+    summary["contributors_per_round"] = contributors_per_round(rounds)
     summary.update(
         tape_metrics(
             records,

@@ -18,6 +18,24 @@ def data_parallel_bytes_per_token(num_params: int, learners: int, tokens_per_ste
     return 2 * (learners - 1) * 4 * num_params / tokens_per_step
 
 
+def contributors_per_round(rounds: list[dict]) -> dict:
+    """How many learners each committed round merged, from the tape's ``round`` records:
+    ``{"histogram": {"1": n1, "2": n2, ...}, "mean": m, "at_least_3": share}`` (an empty
+    tape gives an empty histogram and ``None`` for the rest)."""
+    counts: dict[int, int] = {}
+    for r in rounds:
+        n = len(r.get("participants", ()))
+        counts[n] = counts.get(n, 0) + 1
+    total = sum(counts.values())
+    return {
+        "histogram": {str(n): counts[n] for n in sorted(counts)},
+        "mean": round(sum(n * c for n, c in counts.items()) / total, 3) if total else None,
+        "at_least_3": round(sum(c for n, c in counts.items() if n >= 3) / total, 4)
+        if total
+        else None,
+    }
+
+
 def build_summary(
     *,
     mode: str,
@@ -66,9 +84,11 @@ def build_summary(
 def format_summary(s: dict) -> str:
     """A few human lines for the end of ``diloco run``."""
     b = s["bytes"]
+    per_round = s.get("contributors_per_round") or {}
+    merged = f" (learners per round: mean {per_round['mean']:.2f})" if per_round.get("mean") else ""
     lines = [
         f"run {s['run_dir']} ({s['mode']}, {s['learners']} learners, stopped by {s['stopped_by']})",
-        f"  wall {s['wall_s']:.1f}s  tokens {s['tokens']:,}  rounds {s['rounds']}",
+        f"  wall {s['wall_s']:.1f}s  tokens {s['tokens']:,}  rounds {s['rounds']}{merged}",
         f"  held-out loss {s['val_loss']['initial']:.3f} -> {s['val_loss']['final']:.3f} nats/byte",
     ]
     if b["per_token"] is not None:

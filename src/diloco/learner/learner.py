@@ -271,8 +271,8 @@ class Learner:
         """Settle the syncer's answers and apply every fragment that has arrived since the
         last call; returns how many fragments changed.
 
-        A fragment with a delta whose upload has no answer yet waits (the answer says
-        whether the new version merged it). For the others: the new value ``G'`` (a keyframe,
+        A fragment with a delta on the wire (sent, no answer yet) waits: the answer says
+        whether the new version merged it. For the others: the new value ``G'`` (a keyframe,
         or the chain of deltas on top of the value held) is applied keeping the undelivered
         progress and what is still on its way: ``θ ← θ + (G' − G) + Σ merged``, where
         *merged* are this learner's accepted deltas the new version holds (admitted before
@@ -281,15 +281,27 @@ class Learner:
         counters 0. An arrival that does not fit the value held is dropped and the fragment
         resynced (a keyframe is asked for).
         """
-        self._settle()
         with self._lock:
-            ready = {
-                p: chain
-                for p, chain in self._arrived.items()
-                if all(e.admitted is not None for e in self._ledger.get(p, ()))
-            }
-            for p in ready:
-                del self._arrived[p]
+            arrived, self._arrived = self._arrived, {}
+        # Taken after the arrivals: a job still queued now was not on the wire when any of
+        # them was committed, so none of them holds it.
+        queued = self.link.queued_jobs()
+        self._settle()
+        ready, waiting = {}, {}
+        for p, chain in arrived.items():
+            unanswered = [e for e in self._ledger.get(p, ()) if e.admitted is None]
+            if any(e.job_id not in queued for e in unanswered):
+                waiting[p] = chain  # on the wire: its answer says whether these merged it
+            else:
+                ready[p] = chain
+        if waiting:
+            with self._lock:
+                for p, chain in waiting.items():
+                    later = self._arrived.get(p, [])
+                    keyframe = next(
+                        (i for i in range(len(later) - 1, -1, -1) if later[i][1] < 0), None
+                    )
+                    self._arrived[p] = later[keyframe:] if keyframe is not None else chain + later
         self.last_applied, self._reset_now = sorted(self._reset_now), set()
         with torch.no_grad():
             for p, chain in sorted(ready.items()):
@@ -507,26 +519,27 @@ class Learner:
         without waiting for its clock), and wait until every delta on its way has an answer.
 
         Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
-        A delta that fails is returned to the undelivered progress and sent again while time
-        is left. Returns True if everything was accepted within ``timeout``.
+        Progress whose upload failed (connection lost) is queued again while time is left;
+        progress the syncer refused stays unsent (the ``unsent_steps`` of ``close_report``).
+        Returns True if every delta had an answer within ``timeout``.
         """
         deadline = time.monotonic() + (self.config.flush_timeout_s if timeout is None else timeout)
         self._settle()
         self._flushed = set()
-        while True:
+        for _attempt in range(3):
+            failed_before = self.link.stats.uploads_failed
             for p in range(self.layout.num_fragments):
                 if self.versions[p] >= 0 and self._queue(p, final=True):
                     self._flushed.add(p)
             idle = self.link.wait_idle(max(0.0, deadline - time.monotonic()))
             self._settle()
-            pending = any(self.steps_since[p] for p in self._flushed) or any(
-                e.admitted is None for ledger in self._ledger.values() for e in ledger
-            )
-            if not pending:
-                return True
-            if not idle or time.monotonic() >= deadline or not self.link.connected.is_set():
+            unanswered = any(e.admitted is None for ledger in self._ledger.values() for e in ledger)
+            if not idle or unanswered:
                 return False
-            time.sleep(0.05)
+            retry = self.link.stats.uploads_failed > failed_before
+            if not retry or time.monotonic() >= deadline or not self.link.connected.is_set():
+                return True
+        return True
 
     def drain(self, timeout: float) -> bool:
         """Wait until every accepted delta has come back merged (the ledger is empty),

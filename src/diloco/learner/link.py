@@ -156,6 +156,11 @@ class SyncerLink:
         self._channel_lock = threading.Lock()
         self._closing = threading.Event()
         self._jobs: dict[int, UploadJob] = {}
+        # When each fragment first queued a job not yet sent: a job withdrawn and queued again
+        # keeps its turn (oldest waiting fragment first), so a fragment asked again and again
+        # while its upload waits is not sent to the back of the queue each time.
+        self._waiting_since: dict[int, int] = {}
+        self._queued_count = 0
         self._jobs_cond = threading.Condition()
         self._in_flight = 0
         self._threads = [
@@ -178,6 +183,8 @@ class SyncerLink:
         with self._jobs_cond:
             replaced = self._jobs.pop(job.fragment, None)
             self._jobs[job.fragment] = job
+            self._queued_count += 1
+            self._waiting_since.setdefault(job.fragment, self._queued_count)
             self._jobs_cond.notify()
         if replaced is not None:
             self._answer(replaced, UploadResult("failed"))
@@ -187,6 +194,11 @@ class SyncerLink:
         was sent or is being sent, and will be answered)."""
         with self._jobs_cond:
             return self._jobs.pop(fragment, None)
+
+    def queued_jobs(self) -> set[int]:
+        """Ids of the jobs waiting to be sent (not yet on the wire)."""
+        with self._jobs_cond:
+            return {job.job_id for job in self._jobs.values()}
 
     def reconnect(self) -> None:
         """Join and subscribe again (the learner asks for keyframes of fragments it cannot
@@ -381,10 +393,12 @@ class SyncerLink:
                     return
                 if not self._jobs:
                     continue
-                # Oldest waiting fragment first: a replaced job keeps its place in the queue,
-                # so when uploads cannot keep up every fragment still gets its turn.
-                fragment = next(iter(self._jobs))
+                # Oldest waiting fragment first: a replaced (or withdrawn and queued again)
+                # job keeps its turn, so when uploads cannot keep up every fragment still
+                # gets its turn.
+                fragment = min(self._jobs, key=lambda p: self._waiting_since.get(p, 0))
                 job = self._jobs.pop(fragment)
+                self._waiting_since.pop(fragment, None)
                 self._in_flight += 1
             try:
                 result = self._upload(job)

@@ -167,6 +167,10 @@ class ShardedLink:
         link = self.owner(fragment)
         return link.withdraw(fragment) if link is not None else None
 
+    def queued_jobs(self) -> set[int]:
+        """``SyncerLink.queued_jobs`` of every shard."""
+        return set().union(*(link.queued_jobs() for link in self.links))
+
     def reconnect(self) -> None:
         """Every shard's link joins and subscribes again."""
         for link in self.links:

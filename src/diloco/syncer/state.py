@@ -593,7 +593,9 @@ class SyncerState:
     def _decide(self, now: float, fragment: int, live: set[str]):
         round_ = self.rounds[fragment]
         if round_.opened_at is None:
-            return False, None, "waiting for the fragment's next tick"
+            if live:
+                return False, None, "waiting for the fragment's next tick"
+            round_.opened_at = now  # nobody is left to ask: merge what waits
         if self.config.wait_for_all:  # synchronous DiLoCo: wait for everyone, no grace
             # ... who is still in the run: a dead learner is waited for (it comes back), one
             # that left cleanly has finished its work and will not contribute again.

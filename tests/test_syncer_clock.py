@@ -1,0 +1,160 @@
+"""Rounds on the syncer's clock (``schedule="syncer"``), with a fake clock and no sockets.
+
+The contract (docs/algorithm.md, "Rounds on the syncer's clock"): ticks open each fragment's
+round in turn, one every ``H·ξ_step/P`` seconds, and ask the live learners; a round closes
+when every asked learner answered (or at quorum plus the grace window); an answer that finds
+no open round waits for the fragment's next tick and is summed with that learner's answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diloco.algorithm.rounds import fleet_step_time, next_tick, tick_period
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.state import SyncerState
+
+
+def make_state(P=2, **cfg):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    from diloco.algorithm import balanced_fragments
+
+    layout = balanced_fragments(model.named_parameters(), P)
+    named = dict(model.named_parameters())
+    params = [layout.gather(p, named) for p in range(P)]
+    cfg = {"norm_guard_k": 0.0, "sync_every": P, "lease_s": 100.0, **cfg}
+    events = []
+    return SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append), layout, events
+
+
+def join(state, lid, layout, now=0.0, steps_per_s=10.0):
+    session = state.join(
+        lid,
+        tensors=layout.tensors,
+        layout_hash=layout.hash,
+        num_fragments=layout.num_fragments,
+        observer=False,
+        now=now,
+    ).session
+    state.heartbeat(lid, session, now=now, steps_per_s=steps_per_s)
+    return session
+
+
+def answer(state, lid, session, fragment, now, steps=2, tokens=20, value=1.0, final=False):
+    n = state.layout.fragments[fragment].numel
+    return state.submit(
+        lid,
+        session,
+        fragment=fragment,
+        base_version=state.versions[fragment],
+        steps=steps,
+        tokens=tokens,
+        delta=torch.full((n,), value),
+        step_time_s=0.1,
+        nbytes=n,
+        now=now,
+        final=final,
+    )
+
+
+def test_the_pace_and_the_turns_of_the_clock():
+    assert fleet_step_time([None, 0.2, 0.4, 100.0]) == 0.4  # median: one outlier cannot
+    assert fleet_step_time([None, 0.0]) is None
+    assert tick_period(0.1, sync_every=24, fragments=24) == pytest.approx(0.1)
+    assert tick_period(0.1, sync_every=48, fragments=12) == pytest.approx(0.4)
+    assert tick_period(1e-9, sync_every=1, fragments=24) == 1e-3  # clipped
+    assert tick_period(None, sync_every=24, fragments=24) is None
+    t = next_tick(5.0, due_at=None, period=0.5, cursor=0, served=[0, 1, 2], open_fragments=[0])
+    assert (t.fragment, t.next_at, t.cursor) == (1, 5.5, 2)  # 0 is still open: skipped
+    t = next_tick(5.2, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
+    assert t.fragment is None and t.next_at == 5.5
+    t = next_tick(9.0, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
+    assert (t.fragment, t.next_at) == (2, 9.5)  # ticks that fell behind are not made up
+    with pytest.raises(ValueError):
+        tick_period(0.1, sync_every=0, fragments=1)
+
+
+def test_no_round_opens_before_the_fleet_has_a_step_time():
+    state, layout, _ = make_state()
+    state.join(
+        "a",
+        tensors=layout.tensors,
+        layout_hash=layout.hash,
+        num_fragments=2,
+        observer=False,
+        now=0.0,
+    )
+    assert state.tick(0.0) == (None, None)
+
+
+def test_ticks_ask_every_live_learner_and_the_round_closes_when_all_answered():
+    state, layout, events = make_state(P=2, sync_every=4)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)  # 10 steps/s each
+    request, next_at = state.tick(1.0)
+    assert request.fragment == 0 and request.asked == {"a", "b"} and request.version == 0
+    assert next_at == pytest.approx(1.0 + 0.1 * 4 / 2)  # H·ξ_step/P
+    assert state.tick(1.1) == (None, pytest.approx(1.2))
+    answer(state, "a", sa, 0, now=1.05)
+    commits, _ = state.poll(1.05)
+    assert commits == []  # b was asked too: the grace window starts at quorum
+    answer(state, "b", sb, 0, now=1.08)
+    (commit,) = state.poll(1.08)[0]
+    assert commit.record["participants"] == ["a", "b"] and commit.record["asked"] == 2
+    request, _ = state.tick(1.2)
+    assert request.fragment == 1 and request.version == 0
+
+
+def test_an_answer_that_misses_its_round_waits_for_the_next_tick_and_is_summed():
+    state, layout, _ = make_state(P=2, sync_every=4, gamma=0.0)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    state.tick(1.0)  # fragment 0
+    answer(state, "a", sa, 0, now=1.05)
+    assert [c.fragment for c in state.poll(1.05)[0]] == [0]  # quorum 1, no grace: closed
+    answer(state, "b", sb, 0, now=1.06, steps=3, tokens=30)  # late: no open round of 0
+    assert state.poll(5.0)[0] == []  # waits for the clock, however long
+    state.tick(5.0)  # fragment 1's turn
+    request, _ = state.tick(5.3)
+    assert request.fragment == 0
+    answer(state, "b", sb, 0, now=5.35, steps=2, tokens=20)
+    answer(state, "a", sa, 0, now=5.36)
+    (commit,) = state.poll(5.36)[0]
+    # b's late answer and its answer to this round went in as one contribution
+    assert commit.record["participants"] == ["a", "b"]
+    assert commit.record["steps"] == [2, 5] and commit.record["increments"] == [1, 2]
+    assert commit.record["tokens_by_learner"] == {"a": 20, "b": 50}
+
+
+def test_a_round_nobody_answers_is_asked_again_on_its_next_turn():
+    state, layout, _ = make_state(P=2, sync_every=4)
+    join(state, "a", layout)
+    assert state.tick(1.0)[0].fragment == 0
+    assert state.tick(1.2)[0].fragment == 1
+    request, _ = state.tick(1.4)
+    assert request.fragment == 0  # no answer to the first request: asked again
+
+
+def test_a_final_answer_is_merged_at_once_and_nothing_waits_forever_without_learners():
+    state, layout, _ = make_state(P=2, sync_every=4)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    answer(state, "a", sa, 1, now=1.0, final=True)  # a stops: no tick needed
+    assert [c.fragment for c in state.poll(1.0)[0]] == [1]
+    answer(state, "b", sb, 0, now=1.1)  # waits for the clock ...
+    assert state.poll(1.1)[0] == []
+    state.leave("a", sa, now=1.2)
+    state.leave("b", sb, now=1.2)  # ... but nobody is left to be asked: merged
+    assert [c.fragment for c in state.poll(1.3)[0]] == [0]
+
+
+def test_an_absent_learner_counts_in_the_share_by_its_measured_throughput():
+    state, layout, _ = make_state(P=2, sync_every=4, gamma=0.0)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    state.heartbeat("b", sb, now=1.0, steps_per_s=10.0, tokens=300)  # 300 tokens/s since 0
+    state.last_commit_at[0] = 1.5
+    state.tick(2.0)
+    answer(state, "a", sa, 0, now=2.0, tokens=100)
+    (commit,) = state.poll(2.0)[0]
+    # b trained ~300 tokens/s x 0.5 s since fragment 0's last commit: 100 of 250 tokens
+    assert commit.record["share"] == pytest.approx(100 / 250)
