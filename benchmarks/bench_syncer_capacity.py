@@ -85,7 +85,10 @@ def serve(args: argparse.Namespace) -> int:
     layout = synthetic_layout(args.params, args.fragments)
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(f.numel, generator=gen) * 0.02 for f in layout.fragments]
-    config = SyncerConfig(quorum=1, lease_s=10.0, heartbeat_s=2.0, up_codec="int4")
+    # The synthetic learners send on their own step count (they do not answer the clock).
+    config = SyncerConfig(
+        quorum=1, lease_s=10.0, heartbeat_s=2.0, up_codec="int4", schedule="learner"
+    )
     server = SyncerServer(
         layout,
         params,

@@ -39,7 +39,7 @@ def test_the_matrix_gives_every_mode_the_same_recipe_seed_and_budget():
     sweep = mx.sweep(budget, seed=0)
     grid, extra = sweep[:9], sweep[9:]
     assert {r.sweep["H"] for r in grid} == {24, 48, 96}
-    assert {(r.mode, r.sweep["down_codec"]) for r in grid} == {("decoupled", "bf16")}
+    assert {(r.mode, r.sweep["down_codec"]) for r in grid} == {("decoupled", "int8")}
     assert [(r.mode, *r.sweep.values()) for r in extra] == [
         (mode, *setting) for mode, *setting in mx.LOW_BANDWIDTH
     ]
@@ -110,13 +110,13 @@ def test_the_bandwidth_target_needs_both_the_ratio_and_the_quality():
                 "bytes_per_token": bpt}  # fmt: skip
 
     rows = [
-        row("decoupled", 24, "int4", "bf16", 2.00, 30.0),
-        row("decoupled", 96, "int4", "bf16", 2.08, 10.0),
-        row("decoupled", 96, "fp32", "bf16", 2.30, 5.0),
-        row("sync", 24, "int4", "bf16", 1.90, 29.0),  # better, but not the default setting
+        row("decoupled", 24, "int4", "int8", 2.00, 30.0),
+        row("decoupled", 96, "int4", "int8", 2.08, 10.0),
+        row("decoupled", 96, "fp32", "int8", 2.30, 5.0),
+        row("sync", 24, "int4", "int8", 1.90, 29.0),  # better, but not the default setting
     ]
     goal = rp.bandwidth_target(rows, dp_bytes_per_token=3000.0)
-    assert goal["met"] is True and goal["measured"].startswith("300x at decoupled H=96 int4/bf16")
+    assert goal["met"] is True and goal["measured"].startswith("300x at decoupled H=96 int4/int8")
     rows[1]["val_loss"] = 2.2  # now too far from H=24
     assert rp.bandwidth_target(rows, dp_bytes_per_token=3000.0)["met"] is False
 

@@ -136,11 +136,12 @@ def test_a_round_nobody_answers_is_asked_again_on_its_next_turn():
     assert request.fragment == 0  # no answer to the first request: asked again
 
 
-def test_a_final_answer_is_merged_at_once_and_nothing_waits_forever_without_learners():
+def test_a_final_answer_opens_its_round_and_nothing_waits_forever_without_learners():
     state, layout, _ = make_state(P=2, sync_every=4)
     sa, sb = join(state, "a", layout), join(state, "b", layout)
-    answer(state, "a", sa, 1, now=1.0, final=True)  # a stops: no tick needed
-    assert [c.fragment for c in state.poll(1.0)[0]] == [1]
+    answer(state, "a", sa, 1, now=1.0, final=True)  # a stops: no tick needed ...
+    assert state.poll(1.0)[0] == []  # ... but the round waits its grace window for others
+    assert [c.fragment for c in state.poll(1.11)[0]] == [1]
     answer(state, "b", sb, 0, now=1.1)  # waits for the clock ...
     assert state.poll(1.1)[0] == []
     state.leave("a", sa, now=1.2)

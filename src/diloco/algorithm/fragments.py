@@ -272,3 +272,12 @@ def due_fragments(step: int, sync_every: int, num_fragments: int) -> list[int]:
         for p in range(num_fragments)
         if (step - fragment_offset(p, sync_every, num_fragments)) % sync_every == 0
     ]
+
+
+def fragment_digest(values: torch.Tensor) -> str:
+    """Short SHA-256 of a fragment's float32 values. The syncer's tape records it for every
+    commit (and a restarted syncer's ``start`` record shows the digests it restored, so an
+    audit can check that no committed round was lost); a learner sends it at subscription
+    for the values it starts from, and downloads nothing when they are the syncer's."""
+    data = values.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]

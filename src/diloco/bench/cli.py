@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         json.dumps({"budget": vars(budget), "results": results, "targets": goals}, indent=1)
     )
     figures = plots.loss_curves(main, out) + plots.bars(rows, out)
+    figures.append(plots.contributors(main, out))
     if sweep_rows:
         figures.append(plots.sweep_tradeoff(sweep_rows, out))
     text = [

@@ -78,6 +78,43 @@ def bars(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+def contributors(results: list[dict], out: Path) -> Path | None:
+    """How many learners each committed round merged: the share of rounds with n learners,
+    one group of bars per (mode, condition) cell, rounds of all its seeds together."""
+    totals: dict[tuple[str, str], dict[int, int]] = {}
+    for r in results:
+        cell = totals.setdefault((r["mode"], r["condition"]), {})
+        for n, count in (r.get("contributors") or {}).items():
+            cell[int(n)] = cell.get(int(n), 0) + int(count)
+    totals = {k: v for k, v in totals.items() if sum(v.values())}
+    if not totals:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ns = sorted({n for v in totals.values() for n in v})
+    width = 0.8 / len(totals)
+    for i, ((mode, condition), counts) in enumerate(sorted(totals.items())):
+        total = sum(counts.values())
+        ax.bar(
+            [n + (i - (len(totals) - 1) / 2) * width for n in ns],
+            [counts.get(n, 0) / total for n in ns],
+            width=width,
+            color=COLORS.get(mode, "gray"),
+            alpha=0.5 + 0.5 * (condition == "clean"),
+            label=f"{mode} ({condition})",
+        )
+    ax.set_xticks(ns)
+    ax.set_xlabel("learners merged by a round")
+    ax.set_ylabel("share of rounds")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "contributors.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def sweep_tradeoff(rows: list[dict], out: Path) -> Path | None:
     """Held-out loss against bytes per token for every setting of the sweep."""
     if not rows:

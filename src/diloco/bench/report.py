@@ -44,6 +44,7 @@ def result_of(spec: dict, summary: dict, curve: list[dict]) -> dict:
         "bytes_per_token": summary["bytes"]["per_token"],
         "dp_bytes_per_token": summary["bytes"].get("data_parallel_per_token"),
         "at_least_3": (summary.get("contributors_per_round") or {}).get("at_least_3"),
+        "contributors": (summary.get("contributors_per_round") or {}).get("histogram", {}),
         "curve": curve,
     }
 

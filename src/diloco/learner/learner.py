@@ -33,7 +33,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from diloco.algorithm.fragments import FragmentLayout, balanced_fragments, due_fragments
+from diloco.algorithm.fragments import (
+    FragmentLayout,
+    balanced_fragments,
+    due_fragments,
+    fragment_digest,
+)
 from diloco.learner.delivery import DeliveryLog, already_delivered
 from diloco.learner.link import UploadJob, UploadResult
 from diloco.learner.shards import open_link
@@ -191,6 +196,7 @@ class Learner:
         self._syncer_ids: dict[str, str] = {}
         """The syncer instance (per address) this learner's ledger was admitted by."""
         self._need_keyframe: set[int] = set()
+        self._claims: dict[int, torch.Tensor] = {}  # values whose digest was sent (see below)
         self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
         # Fragments sent and not yet merged back: p -> (local step sent at, base version).
         self._awaited: dict[int, tuple[int, int]] = {}
@@ -230,6 +236,7 @@ class Learner:
             on_result=self._on_result,
             on_rejoin=self._on_rejoin,
             have_versions=self._have_versions,
+            have_digests=self._have_digests,
             heartbeat_info=self._heartbeat_info,
             tokens_per_step=cfg.tokens_per_step,
             **options,
@@ -705,6 +712,14 @@ class Learner:
         contributors=frozenset(),
         base_version: int = -1,
     ) -> None:
+        if value is None:  # the syncer confirmed we hold its value: the one we claimed
+            with self._lock:
+                value = self._claims.pop(fragment, None)
+            if value is None:
+                with self._lock:
+                    self._need_keyframe.add(fragment)
+                self.link.reconnect()
+                return
         with self._lock:
             chain = self._arrived.setdefault(fragment, [])
             if base_version < 0:
@@ -738,6 +753,22 @@ class Learner:
         return [
             -1 if p in need else max(v, pending.get(p, -1)) for p, v in enumerate(self.versions)
         ]
+
+    def _have_digests(self) -> list[str]:
+        """Digests of the fragments never received, with a copy of the values they cover: a
+        learner built from the same initialization as the syncer's model (the usual start)
+        then downloads nothing at join. Called by the link at each subscription."""
+        digests = []
+        with torch.no_grad():
+            for p in range(self.layout.num_fragments):
+                if self.versions[p] >= 0 or p in self._need_keyframe:
+                    digests.append("")
+                    continue
+                value = self.layout.gather(p, self.params).detach().clone()
+                with self._lock:
+                    self._claims[p] = value
+                digests.append(fragment_digest(value))
+        return digests
 
     def _heartbeat_info(self) -> dict:
         sps = 1.0 / self._step_time if self._step_time else 0.0

@@ -103,12 +103,15 @@ class SyncerLink:
         on_result: Callable[[UploadJob, UploadResult], None] | None = None,
         on_rejoin: Callable[[str, str, list[int], tuple[int, ...]], None] | None = None,
         tokens_per_step: int = 0,
+        have_digests: Callable[[], list[str]] | None = None,
     ) -> None:
         """Callbacks run on the link's threads. ``on_fragment(p, version, tensor,
         contributors, base_version)``: a keyframe (``base_version`` -1, the value) or a delta
         on top of ``base_version``. ``on_request(p, version)``: the syncer's clock asks for
         p. ``on_result(job, result)``: the answer to every submitted upload (not withdrawn
         ones). ``on_rejoin(address, syncer_id, versions, fragments)``: after every join.
+        ``have_digests()``: digests of the values held for fragments never received (the
+        syncer then sends no payload when they are its own, ``on_fragment`` gets ``None``).
         ``on_join(link, info)`` is called after every successful join with what the syncer
         said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused join).
         The default insists that this one syncer owns every fragment, so a learner given a
@@ -129,6 +132,7 @@ class SyncerLink:
         self.on_result = on_result
         self.on_rejoin = on_rejoin
         self.tokens_per_step = tokens_per_step
+        self.have_digests = have_digests
         self.schedule = "learner"
         """Who drives the rounds, as the syncer said at the last join (``"learner"`` until
         then and for syncers older than the syncer's clock)."""
@@ -347,6 +351,7 @@ class SyncerLink:
                 learner_id=self.learner_id,
                 session=reply.session,
                 have_versions=self.have_versions(),
+                have_digests=self.have_digests() if self.have_digests is not None else [],
             ),
             metadata=self.metadata,
         )
@@ -367,6 +372,9 @@ class SyncerLink:
                 self.stats.requests += 1
                 if self.on_request is not None:
                     self.on_request(chunk.fragment, chunk.version)
+                continue
+            if chunk.unchanged:  # it holds this value already: no payload
+                self.on_fragment(chunk.fragment, chunk.version, None, frozenset(), -1)
                 continue
             if chunk.chunk_index == 0:
                 parts = []

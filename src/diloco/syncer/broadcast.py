@@ -44,6 +44,8 @@ class Outgoing:
     base_version: int
     """``-1`` for a keyframe; otherwise the version the delta applies to."""
     contributors: frozenset[str]
+    unchanged: bool = False
+    """A keyframe without payload: the learner already holds this value (digest matched)."""
 
     @property
     def is_delta(self) -> bool:
@@ -87,6 +89,14 @@ class Subscriber:
             else:
                 item = Outgoing(fragment, version, keyframe, KEYFRAME_CODEC, -1, contributors)
             self.pending[fragment] = item
+            self.cond.notify()
+
+    def confirm(self, fragment: int, version: int) -> None:
+        """Tell this stream's learner it already holds ``version`` (no payload)."""
+        with self.cond:
+            self.pending[fragment] = Outgoing(
+                fragment, version, b"", KEYFRAME_CODEC, -1, frozenset(), unchanged=True
+            )
             self.cond.notify()
 
     def request(self, fragment: int, version: int) -> None:

@@ -28,7 +28,7 @@ class SyncerConfig:
     """H: with the syncer's schedule, each fragment's round opens once per H fleet steps."""
     quorum: int = 1
     """K: contributions a round needs before the grace window starts."""
-    gamma: float = 0.5
+    gamma: float = 0.8
     """γ: scale of the adaptive grace window (0 disables it: close at quorum)."""
     tau: float = 2.0
     """τ: steps within which a merged fragment is expected back at a learner."""

@@ -75,8 +75,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.lock = threading.Lock()
         self.started_at = time.time()
         self._subscribers: set[Subscriber] = set()
-        # Latest keyframe (W_p in fp32) of each fragment and who its version merged.
-        self._payloads: dict[int, tuple[int, bytes, frozenset[str]]] = {}
+        # Latest keyframe (W_p in fp32) of each fragment, who its version merged, its digest.
+        self._payloads: dict[int, tuple[int, bytes, frozenset[str], str]] = {}
         self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
         # Contributors of each fragment's last few versions: a learner catching up after a
         # reconnect must know whether any version it missed merged its own contribution.
@@ -85,7 +85,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._stopping = threading.Event()
         for p in state.served:
             keyframe = codecs.encode(self._wire[p], KEYFRAME_CODEC)
-            self._payloads[p] = (state.versions[p], keyframe, frozenset())
+            digest = fragment_digest(self._wire[p])
+            self._payloads[p] = (state.versions[p], keyframe, frozenset(), digest)
         self._committer = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
 
     # --------------------------------------------------------------- lifecycle
@@ -160,13 +161,17 @@ class SyncerService(pb_grpc.SyncerServicer):
         self, request: pb.SubscribeRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FragmentChunk]:
         have = list(request.have_versions)
+        digests = list(request.have_digests)
         try:
-            if len(have) > self.state.layout.num_fragments:
+            P = self.state.layout.num_fragments
+            if len(have) > P or len(digests) > P:
                 raise Refused(
                     "INVALID_ARGUMENT",
-                    f"have_versions lists {len(have)} fragments, the model has "
-                    f"{self.state.layout.num_fragments}",
+                    f"have_versions lists {len(have)} and have_digests {len(digests)} "
+                    f"fragments, the model has {P}",
                 )
+            if any(len(d) > 64 for d in digests):
+                raise Refused("INVALID_ARGUMENT", "a have_digests entry is over 64 characters")
             with self.lock:
                 info = self.state.session_of(request.learner_id, request.session)
         except Refused as err:
@@ -174,11 +179,15 @@ class SyncerService(pb_grpc.SyncerServicer):
         sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
         with self.lock:
             self._subscribers.add(sub)
-            for p, (version, keyframe, _) in self._payloads.items():
-                if p >= len(have) or have[p] != version:
-                    since = have[p] if p < len(have) else -1
-                    contributors = self._contributors_since(p, since)
-                    sub.offer(p, version, keyframe=keyframe, contributors=contributors)
+            for p, (version, keyframe, _, digest) in self._payloads.items():
+                since = have[p] if p < len(have) else -1
+                if since == version:
+                    continue
+                if since < 0 and p < len(digests) and digests[p] == digest:
+                    sub.confirm(p, version)  # it holds exactly this value already
+                    continue
+                contributors = self._contributors_since(p, since)
+                sub.offer(p, version, keyframe=keyframe, contributors=contributors)
         context.add_callback(sub.close)
         try:
             while context.is_active() and not self._stopping.is_set() and not sub.closed:
@@ -202,6 +211,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                             contributors=sorted(item.contributors) if i == 0 else (),
                             is_delta=item.is_delta,
                             base_version=max(item.base_version, 0),
+                            unchanged=item.unchanged,
                         )
                     with self.lock:
                         info.bytes_down += len(item.payload)
@@ -431,7 +441,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         with self.lock:
             self._wire[p] = wire
             contributors = frozenset(commit.record["participants"])
-            self._payloads[p] = (commit.version, keyframe, contributors)
+            self._payloads[p] = (commit.version, keyframe, contributors, fragment_digest(wire))
             recent = self._recent.setdefault(p, [])
             recent.append((commit.version, contributors))
             del recent[:-RECENT_VERSIONS]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.algorithm.fragments import FragmentLayout
+from diloco.algorithm.fragments import FragmentLayout, fragment_digest
 from diloco.algorithm.guard import NormHistory, check_norm
 from diloco.algorithm.merge import cap_weights, merge_contributions, token_weight
 from diloco.algorithm.outer import NesterovOuter, round_share
@@ -369,7 +369,8 @@ class SyncerState:
         Raises ``Refused`` for invalid requests (state unchanged); returns the admission
         (refused-as-stale contributions come back with ``resync=True``). On the syncer's
         schedule a contribution that finds no open round waits for the fragment's next tick,
-        unless it is ``final`` (the learner is stopping): then its round opens at once.
+        unless it is ``final`` (the learner is stopping): then its round opens at once (and
+        closes as any round does, so learners that stop together are merged together).
         """
         info = self.session_of(learner_id, session)
         if info.observer:
@@ -609,10 +610,8 @@ class SyncerState:
             return n >= need, None, f"synchronous: {n}/{need} contributions"
         expected = live if round_.asked is None else live & round_.asked
         answered = round_.answered()
-        if any(c.final for c in round_.contributions.values()) or not expected:
-            # a stopping learner's last progress is merged at once; so is what waits in a
-            # round whose asked learners are all gone (nobody else will answer)
-            expected, answered = frozenset(), frozenset(round_.contributions)
+        if not expected:  # the learners it asked are gone: nobody else will answer
+            answered = frozenset(round_.contributions)
         d = decide_round(
             now,
             OpenRound(answered, round_.opened_at, round_.quorum_at),
@@ -713,14 +712,6 @@ def _update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> No
     info.tokens_per_s = (
         rate if info.tokens_per_s is None else (decay * info.tokens_per_s + (1 - decay) * rate)
     )
-
-
-def fragment_digest(params: torch.Tensor) -> str:
-    """Short SHA-256 of a fragment's float32 values: the tape records it for every commit, and
-    a restarted syncer's ``start`` record shows the digests it restored, so an audit can check
-    that no committed round was lost."""
-    data = params.detach().to(torch.float32).contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _span(fragments: list[int]) -> str:

@@ -61,17 +61,19 @@ class JoinReply(_message.Message):
     def __init__(self, session: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., up_codec: _Optional[str] = ..., down_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., syncer_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., schedule: _Optional[str] = ..., sync_every: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("learner_id", "session", "have_versions")
+    __slots__ = ("learner_id", "session", "have_versions", "have_digests")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    HAVE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     session: str
     have_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    have_digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., have_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "numel", "chunk_index", "num_chunks", "data", "contributors", "is_delta", "base_version", "request")
+    __slots__ = ("fragment", "version", "codec", "numel", "chunk_index", "num_chunks", "data", "contributors", "is_delta", "base_version", "request", "unchanged")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,7 @@ class FragmentChunk(_message.Message):
     IS_DELTA_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -94,7 +97,8 @@ class FragmentChunk(_message.Message):
     is_delta: bool
     base_version: int
     request: bool
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., contributors: _Optional[_Iterable[str]] = ..., is_delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., request: _Optional[bool] = ...) -> None: ...
+    unchanged: bool
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., contributors: _Optional[_Iterable[str]] = ..., is_delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., request: _Optional[bool] = ..., unchanged: _Optional[bool] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("learner_id", "session", "fragment", "base_version", "steps", "tokens", "codec", "numel", "chunk_index", "num_chunks", "data", "step_time_s", "final")
