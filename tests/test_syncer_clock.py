@@ -140,7 +140,9 @@ def test_a_final_answer_opens_its_round_and_nothing_waits_forever_without_learne
     state, layout, _ = make_state(P=2, sync_every=4)
     sa, sb = join(state, "a", layout), join(state, "b", layout)
     answer(state, "a", sa, 1, now=1.0, final=True)  # a stops: no tick needed ...
-    assert state.poll(1.0)[0] == []  # ... but the round waits its grace window for others
+    (request,) = state.early_requests  # ... the round opens now and asks the others
+    assert (request.fragment, request.asked) == (1, {"b"})
+    assert state.poll(1.0)[0] == []  # ... and waits its grace window for their answers
     assert [c.fragment for c in state.poll(1.11)[0]] == [1]
     answer(state, "b", sb, 0, now=1.1)  # waits for the clock ...
     assert state.poll(1.1)[0] == []

@@ -65,6 +65,8 @@ def parse_assignments(values: list[str], flag: str, learners: int, cast) -> dict
 def plan_learners(args: argparse.Namespace, default_batch: int) -> list[LearnerPlan]:
     batches = parse_assignments(args.batch, "--batch", args.learners, int)
     slows = parse_assignments(args.slow, "--slow", args.learners, float)
+    if not 0.0 <= getattr(args, "jitter", 0.0) < 1.0:
+        raise ValueError(f"--jitter must be in [0, 1), got {args.jitter}")
     plans = []
     for i in range(args.learners):
         b = batches.get(i, args.batch_size or default_batch)
@@ -83,6 +85,8 @@ def syncer_flags(args: argparse.Namespace) -> list[str]:
         f"--schedule={'learner' if args.mode == 'sync' else args.schedule}",
         f"--sync-every={args.sync_every}",
         f"--weight-cap={args.weight_cap}",
+        f"--merge={args.merge_rule}",
+        f"--weighting={args.weighting}",
         f"--quorum={args.quorum}",
         f"--wait-for-all={wait_for_all}",
         f"--gamma={0.0 if args.mode == 'sync' else args.gamma}",
@@ -247,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
                     f"--index={plan.index}",
                     f"--batch-size={plan.batch_size}",
                     f"--slow={plan.slow}",
+                    f"--jitter={args.jitter}",
                     f"--sync-every={args.sync_every}",
                     f"--total-steps={args.steps}",
                     f"--schedule-seconds={budget_s}",
@@ -534,6 +539,14 @@ def register(subparsers) -> None:
         default=[],
         metavar="I=F",
         help="learner I takes F times as long per step (repeatable), e.g. --slow 1=3",
+    )
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        metavar="J",
+        help="every learner's step time varies by up to +-J of its (slowed) cost, seeded per "
+        "learner (default 0; e.g. 0.2 with --slow for a mixed fleet)",
     )
     p.add_argument("--fragments", type=int, default=24, help="P (default 24)")
     p.add_argument("--sync-every", type=int, default=24, help="H in steps (default 24)")

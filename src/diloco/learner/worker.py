@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import sys
 import threading
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     run_started = args.run_started or started
     first_step = learner.local_step  # > 0 when resumed from a checkpoint
     busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
+    jitter = random.Random(f"{args.seed}/{args.index}/{learner.local_step}")
     while not args.total_steps or learner.local_step < args.total_steps:
         step = learner.local_step
         now = time.time()
@@ -177,8 +179,10 @@ def run(args: argparse.Namespace) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if args.slow > 1.0:  # emulate slower hardware: stretch this step to `slow` times its cost
-            time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
+        # emulate slower (and uneven) hardware: stretch this step to `stretch` times its cost
+        stretch = args.slow * (1.0 + args.jitter * jitter.uniform(-1.0, 1.0))
+        if stretch > 1.0:
+            time.sleep((stretch - 1.0) * (time.perf_counter() - t0))
         learner.step(tokens=x.numel())
         busy_s += time.perf_counter() - t0
         now = time.time()
@@ -378,6 +382,12 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument(
         "--slow", type=float, default=1.0, help="emulated slowdown factor (3: each step takes 3x)"
+    )
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="each step takes up to +-this fraction more or less than --slow says (seeded)",
     )
     p.add_argument("--fragments", type=int, default=24)
     p.add_argument("--sync-every", type=int, default=24)

@@ -24,6 +24,20 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
         "count; synchronous mode uses it); docs/algorithm.md",
     )
     p.add_argument(
+        "--merge",
+        dest="merge_rule",
+        choices=["rda", "mean"],
+        default=SyncerConfig.merge_rule,
+        help="rda (default): radial-directional averaging, embeddings by weighted mean; mean: "
+        "weighted mean for every tensor (an ablation)",
+    )
+    p.add_argument(
+        "--weighting",
+        choices=["tokens", "uniform"],
+        default=SyncerConfig.weighting,
+        help="tokens (default): weight tokens^2/steps; uniform: every contribution 1 (ablation)",
+    )
+    p.add_argument(
         "--weight-cap",
         type=float,
         default=SyncerConfig.weight_cap,
@@ -94,6 +108,8 @@ def config_from_args(args: argparse.Namespace):
         schedule=args.schedule,
         sync_every=args.sync_every,
         weight_cap=args.weight_cap,
+        merge_rule=args.merge_rule,
+        weighting=args.weighting,
         quorum=args.quorum,
         wait_for_all=args.wait_for_all,
         gamma=args.gamma,

@@ -13,6 +13,10 @@ from diloco.algorithm.guard import (
 )
 from diloco.algorithm.rounds import SCHEDULES
 
+MERGE_RULES = ("rda", "mean")
+"""How a round's deltas are merged (``SyncerConfig.merge_rule``); ``mean`` is an ablation."""
+WEIGHTINGS = ("tokens", "uniform")
+"""How contributions are weighted (``SyncerConfig.weighting``); ``uniform`` is an ablation."""
 OUTER_SCALES = ("share", "none")
 """How a round's merged delta is scaled before the outer step (``SyncerConfig.outer_scale``)."""
 
@@ -55,6 +59,12 @@ class SyncerConfig:
     down_codec: str = "int8"
     """Codec of the deltas the syncer broadcasts (``W(v) − W(v−1)``, with the rounding kept
     in W for the next one); keyframes (join, resync) are always fp32."""
+    merge_rule: str = "rda"
+    """``"rda"``: radial–directional averaging for every non-embedding tensor (embeddings by
+    weighted mean); ``"mean"``: weighted mean for every tensor (an ablation)."""
+    weighting: str = "tokens"
+    """``"tokens"``: ``w = tokens² / steps``; ``"uniform"``: every contribution weighs 1 (an
+    ablation; the staleness discount still applies)."""
     weight_cap: float = 3.0
     """No contribution weighs more than this × the round's lower median weight
     (``diloco.algorithm.merge.cap_weights``); 0 turns the cap off."""
@@ -79,6 +89,10 @@ class SyncerConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES} (got {self.schedule!r})")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1 (got {self.sync_every})")
+        if self.merge_rule not in MERGE_RULES:
+            raise ValueError(f"merge_rule must be one of {MERGE_RULES} (got {self.merge_rule!r})")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS} (got {self.weighting!r})")
         if not self.weight_cap >= 0:
             raise ValueError(f"weight_cap must be >= 0 (0: off; got {self.weight_cap})")
         if self.quorum < 1:

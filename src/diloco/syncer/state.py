@@ -207,6 +207,8 @@ class SyncerState:
         self._ema_step = Ema(config.ema_decay)
         self._ema_quorum = Ema(config.ema_decay)
         self._ema_sync = Ema(config.ema_decay)
+        self.early_requests: list[RoundRequest] = []
+        """Rounds a final contribution opened; the server asks their learners (``take``)."""
         self._tick_due: float | None = None
         self._cursor = 0
         self.last_commit_at: dict[int, float] = {}
@@ -448,10 +450,14 @@ class SyncerState:
             return admission
         round_ = self.rounds.get(fragment)
         if round_ is None:
-            on_clock = self.config.schedule == "syncer" and not final
+            on_clock = self.config.schedule == "syncer"
             round_ = self.rounds[fragment] = FragmentRound(opened_at=None if on_clock else now)
-        elif round_.opened_at is None and final:
-            round_.opened_at = now
+        if round_.opened_at is None and final:
+            # A stopping learner's last progress: open the round now, as a tick would, and
+            # ask the others, so learners that stop one after another are merged together.
+            asked = frozenset(self.live(now) | {learner_id})
+            round_.opened_at, round_.asked = now, asked
+            self.early_requests.append(RoundRequest(fragment, current, asked - {learner_id}))
         contribution = Contribution(
             learner_id,
             delta,
@@ -660,9 +666,13 @@ class SyncerState:
     def _commit(self, fragment: int, reason: str, now: float, live: set[str]) -> Commit:
         round_ = self.rounds.pop(fragment)
         contribs = sorted(round_.contributions.values(), key=lambda c: c.learner_id)
-        weights = cap_weights([c.weight for c in contribs], self.config.weight_cap)
+        raw = [c.weight if self.config.weighting == "tokens" else c.discount for c in contribs]
+        weights = cap_weights(raw, self.config.weight_cap)
         merged = merge_contributions(
-            [c.delta for c in contribs], weights, self.layout.fragments[fragment]
+            [c.delta for c in contribs],
+            weights,
+            self.layout.fragments[fragment],
+            **({"is_embedding": _every_tensor} if self.config.merge_rule == "mean" else {}),
         )
         share = self._share(fragment, round_, live, now)
         self.last_commit_at[fragment] = now
@@ -699,6 +709,11 @@ class SyncerState:
             self.outer.fragment_state(fragment),
             record,
         )
+
+
+def _every_tensor(name: str) -> bool:
+    """``merge_rule="mean"``: every tensor is merged by weighted mean, as embeddings are."""
+    return True
 
 
 def _update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> None:
