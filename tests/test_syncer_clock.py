@@ -136,19 +136,21 @@ def test_a_round_nobody_answers_is_asked_again_on_its_next_turn():
     assert request.fragment == 0  # no answer to the first request: asked again
 
 
-def test_a_final_answer_opens_its_round_and_nothing_waits_forever_without_learners():
+def test_a_final_answer_answers_the_next_round_and_nothing_waits_forever_without_learners():
     state, layout, _ = make_state(P=2, sync_every=4)
     sa, sb = join(state, "a", layout), join(state, "b", layout)
-    answer(state, "a", sa, 1, now=1.0, final=True)  # a stops: no tick needed ...
-    (request,) = state.early_requests  # ... the round opens now and asks the others
-    assert (request.fragment, request.asked) == (1, {"b"})
-    assert state.poll(1.0)[0] == []  # ... and waits its grace window for their answers
-    assert [c.fragment for c in state.poll(1.11)[0]] == [1]
-    answer(state, "b", sb, 0, now=1.1)  # waits for the clock ...
-    assert state.poll(1.1)[0] == []
-    state.leave("a", sa, now=1.2)
-    state.leave("b", sb, now=1.2)  # ... but nobody is left to be asked: merged
-    assert [c.fragment for c in state.poll(1.3)[0]] == [0]
+    answer(state, "a", sa, 0, now=1.0, final=True)  # a stops: its last progress waits ...
+    assert state.poll(1.0)[0] == []
+    state.tick(1.1)  # ... for fragment 0's tick, where it counts as a's answer
+    answer(state, "b", sb, 0, now=1.15)
+    (commit,) = state.poll(1.15)[0]
+    assert commit.record["participants"] == ["a", "b"]
+    assert commit.record["reason"].startswith("every live learner")
+    answer(state, "b", sb, 1, now=1.2)  # waits for the clock ...
+    assert state.poll(1.2)[0] == []
+    state.leave("a", sa, now=1.3)
+    state.leave("b", sb, now=1.3)  # ... but nobody is left to be asked: merged
+    assert [c.fragment for c in state.poll(1.4)[0]] == [1]
 
 
 def test_an_absent_learner_counts_in_the_share_by_its_measured_throughput():

@@ -101,7 +101,9 @@ class LearnerConfig:
     """How long ``close`` waits for queued uploads to go out."""
     drain_timeout_s: float = 3.0
     """After the final flush, how long ``close`` waits for the merged fragments to come back,
-    so a learner that stops cleanly ends holding the global values (0: do not wait)."""
+    so a learner that stops cleanly ends holding the global values (0: do not wait). On the
+    syncer's clock the flushed progress is merged at each fragment's next tick, so the wait
+    is at least 1.5 cycles of the clock (H of this learner's steps), at most 30 s."""
     step_time_decay: float = 0.9
     """EMA decay of the measured step time reported to the syncer."""
     token: str | None = field(default=None, repr=False)
@@ -522,8 +524,9 @@ class Learner:
             time.sleep(0.005)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Queue every fragment's undelivered progress, marked final (the syncer merges it
-        without waiting for its clock), and wait until every delta on its way has an answer.
+        """Queue every fragment's undelivered progress, marked final (the syncer counts it as
+        this learner's answer to the fragment's next round), and wait until every delta on
+        its way has an answer.
 
         Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
         Progress whose upload failed (connection lost) is queued again while time is left;
@@ -560,6 +563,16 @@ class Learner:
             time.sleep(0.02)
         return not pending
 
+    def _drain_timeout(self) -> float:
+        """``drain_timeout_s``; on the syncer's clock at least one and a half of its cycles
+        (H fleet steps, estimated by this learner's own step time), at most 30 s: flushed
+        progress is merged at each fragment's next tick."""
+        wait = self.config.drain_timeout_s
+        if wait > 0 and self.link.schedule == "syncer" and self._step_time:
+            cycle = self.link.sync_every * self._step_time
+            wait = max(wait, min(1.5 * cycle, 30.0))
+        return wait
+
     def _undrained(self) -> list[int]:
         """Fragments with a delta on its way (not yet merged back)."""
         return sorted(p for p, ledger in self._ledger.items() if ledger)
@@ -572,7 +585,8 @@ class Learner:
             t0 = time.monotonic()
             flushed = self.flush()
             t1 = time.monotonic()
-            drained = self.config.drain_timeout_s > 0 and self.drain(self.config.drain_timeout_s)
+            wait = self._drain_timeout()
+            drained = wait > 0 and self.drain(wait)
             self.close_report = {
                 "flushed": len(self._flushed),
                 "flush_ok": flushed,

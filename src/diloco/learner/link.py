@@ -136,6 +136,8 @@ class SyncerLink:
         self.schedule = "learner"
         """Who drives the rounds, as the syncer said at the last join (``"learner"`` until
         then and for syncers older than the syncer's clock)."""
+        self.sync_every = 0
+        """H the syncer paces its rounds with (0 until the first join, or not used)."""
         self.corruptor = corruptor
         """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
@@ -343,6 +345,7 @@ class SyncerLink:
             reply.up_codec,
         )
         self.schedule = reply.schedule or "learner"
+        self.sync_every = reply.sync_every
         self.stats.connects += 1
         if self.on_rejoin is not None:
             self.on_rejoin(self.address, reply.syncer_id, list(reply.versions), info.fragments)

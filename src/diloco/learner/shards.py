@@ -162,6 +162,10 @@ class ShardedLink:
         """Who drives the rounds (every shard runs the same configuration)."""
         return self.links[0].schedule
 
+    @property
+    def sync_every(self) -> int:
+        return self.links[0].sync_every
+
     def withdraw(self, fragment: int) -> UploadJob | None:
         """``SyncerLink.withdraw`` on the owner shard's link."""
         link = self.owner(fragment)

@@ -250,9 +250,6 @@ class SyncerService(pb_grpc.SyncerServicer):
                     final=header.final,
                 )
                 current = self.state.versions[header.fragment]
-                for request in self.state.early_requests:
-                    self._ask(request)
-                self.state.early_requests.clear()
         except Refused as err:
             return self._refuse(context, who.get("learner_id", ""), err, "Upload")
         self._wake.set()

@@ -125,13 +125,16 @@ class FragmentRound:
 
     def answered(self) -> frozenset[str]:
         """Learners with a contribution that arrived since the round opened: a late one from
-        the previous round rides along but does not answer this round's request."""
+        the previous round rides along but does not answer this round's request (a final one,
+        from a learner that stopped, does)."""
         if self.opened_at is None:
             return frozenset()
         if self.asked is None:
             return frozenset(self.contributions)
         return frozenset(
-            lid for lid, c in self.contributions.items() if c.arrived_at >= self.opened_at
+            lid
+            for lid, c in self.contributions.items()
+            if c.arrived_at >= self.opened_at or c.final
         )
 
 
@@ -207,8 +210,6 @@ class SyncerState:
         self._ema_step = Ema(config.ema_decay)
         self._ema_quorum = Ema(config.ema_decay)
         self._ema_sync = Ema(config.ema_decay)
-        self.early_requests: list[RoundRequest] = []
-        """Rounds a final contribution opened; the server asks their learners (``take``)."""
         self._tick_due: float | None = None
         self._cursor = 0
         self.last_commit_at: dict[int, float] = {}
@@ -370,9 +371,10 @@ class SyncerState:
 
         Raises ``Refused`` for invalid requests (state unchanged); returns the admission
         (refused-as-stale contributions come back with ``resync=True``). On the syncer's
-        schedule a contribution that finds no open round waits for the fragment's next tick,
-        unless it is ``final`` (the learner is stopping): then its round opens at once (and
-        closes as any round does, so learners that stop together are merged together).
+        schedule a contribution that finds no open round waits for the fragment's next tick;
+        a ``final`` one (the learner is stopping and will not answer again) counts as its
+        answer to that round, so learners that stop one after another are merged with the
+        others and no extra round is made for them.
         """
         info = self.session_of(learner_id, session)
         if info.observer:
@@ -452,12 +454,6 @@ class SyncerState:
         if round_ is None:
             on_clock = self.config.schedule == "syncer"
             round_ = self.rounds[fragment] = FragmentRound(opened_at=None if on_clock else now)
-        if round_.opened_at is None and final:
-            # A stopping learner's last progress: open the round now, as a tick would, and
-            # ask the others, so learners that stop one after another are merged together.
-            asked = frozenset(self.live(now) | {learner_id})
-            round_.opened_at, round_.asked = now, asked
-            self.early_requests.append(RoundRequest(fragment, current, asked - {learner_id}))
         contribution = Contribution(
             learner_id,
             delta,
