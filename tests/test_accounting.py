@@ -11,6 +11,9 @@ exactly the steps it trained, per fragment.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -169,3 +172,64 @@ def test_on_the_syncers_clock_rounds_merge_every_learner(tmp_path):
         len(r["participants"]) for r in clocked
     ]
     assert all(lr.stats["keyframes"] == P for lr in learners)  # deltas after the first pull
+
+
+STEPS_RUN = 1500
+CHAOS = (
+    "drop:at=2s,learners=0;"  # uploads and broadcasts in flight are lost
+    "delay:at=3s,down=3s,latency=0.2s,learners=1;"  # a round trip spans many steps
+    "syncer-hang:at=7s,down=2s"  # SIGSTOP: the syncer pauses far longer than H steps
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_processes_merge_every_trained_step_exactly_once(tmp_path):
+    """``diloco run`` with real processes, a real SIGSTOP of the syncer, connections cut and
+    delayed by the learners' relays, and stale refusals (``--max-staleness 0``): per learner
+    and fragment, the steps the tape's rounds merged plus the learner's unsent tail
+    (``final.json``) are exactly the steps it trained."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "run",
+            "--recipe=tiny",
+            "--learners=2",
+            f"--steps={STEPS_RUN}",
+            "--minutes=3",
+            "--eval-every=0",
+            "--max-staleness=0",
+            f"--chaos={CHAOS}",
+            f"--runs-dir={tmp_path}",
+            "--name=acct",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["stopped_by"] == "learners finished"
+    run_dir = tmp_path / "acct"
+    tape = read_tape(run_dir / "syncer" / "events.jsonl")
+    kinds = {r["kind"] for r in tape if r["event"] == "chaos"}
+    assert kinds == {"drop", "delay", "syncer-hang"}, kinds
+    assert [r for r in tape if r["event"] == "stale"]  # refusals happened
+    rounds = [r for r in tape if r["event"] == "round"]
+    fragments = json.loads((run_dir / "config.json").read_text()).get("fragments", 24)
+    for i in range(2):
+        final = json.loads((run_dir / "learners" / f"learner-{i}" / "final.json").read_text())
+        assert final["step"] == STEPS_RUN
+        for p in range(fragments):
+            merged = sum(
+                steps
+                for r in rounds
+                if r["fragment"] == p
+                for who, steps in zip(r["participants"], r["steps"], strict=True)
+                if who == f"learner-{i}"
+            )
+            assert merged + final["unsent"][p] == STEPS_RUN, (i, p, merged, final["unsent"][p])

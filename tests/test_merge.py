@@ -159,3 +159,16 @@ def test_merge_contributions_joins_row_pieces_of_one_tensor():
 def test_merge_contributions_checks_coverage():
     with pytest.raises(ValueError, match="cover"):
         merge_contributions([torch.zeros(3)], [1], _Fragment((_Piece("w", 0, 2),)))
+
+
+def test_cap_weights_bounds_one_claim_by_the_rounds_lower_median():
+    from diloco.algorithm.merge import cap_weights
+
+    assert cap_weights([1.0, 100.0], 3.0) == [1.0, 3.0]  # the larger gets at most 3/4
+    assert cap_weights([4.0, 5.0, 6.0, 100.0], 3.0) == [4.0, 5.0, 6.0, 15.0]
+    assert cap_weights([2.0, 3.0], 3.0) == [2.0, 3.0]  # honest spread: untouched
+    assert cap_weights([7.0], 3.0) == [7.0]
+    assert cap_weights([1.0, 100.0], 0.0) == [1.0, 100.0]  # off
+    assert cap_weights([0.0, 0.0, 5.0], 3.0) == [0.0, 0.0, 5.0]  # no positive median: as is
+    with pytest.raises(ValueError):
+        cap_weights([-1.0, 1.0], 3.0)

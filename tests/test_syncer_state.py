@@ -270,3 +270,24 @@ def test_synchronous_mode_stops_waiting_for_a_learner_that_finished():
     assert state.poll(50.0)[0] == []
     state.leave("b", sb, now=60.0)  # a clean leave: b did all its steps
     assert [c.fragment for c in state.poll(60.0)[0]] == [1]
+
+
+@pytest.mark.parametrize(
+    "cfg, expected",
+    [
+        ({}, (300 * 1.0 + 100 * 2.0) / 400),  # RDA of parallel deltas, token weights 300:100
+        ({"weighting": "uniform"}, (1.0 + 2.0) / 2),
+        ({"merge_rule": "mean", "weight_cap": 0.0}, (900 * 1.0 + 100 * 2.0) / 1000),
+    ],
+)
+def test_the_merge_and_weighting_ablations(cfg, expected):
+    state, layout, _ = make_state(quorum=2, gamma=0.0, outer_scale="none", **cfg)
+    n = layout.fragments[0].numel
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    before = state.params[0].clone()
+    submit(state, "a", sa, 0, torch.full((n,), 1.0), now=1.0, tokens=30, steps=1)
+    submit(state, "b", sb, 0, torch.full((n,), 2.0), now=1.0, tokens=10, steps=1)
+    (commit,) = state.poll(1.0)[0]
+    assert torch.allclose(state.params[0], before - expected)
+    with pytest.raises(ValueError, match="merge_rule"):
+        SyncerConfig(merge_rule="median")

@@ -18,6 +18,7 @@ Durations take ``ms``, ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIG
                                        add one-way latency to a learner's network for the
                                        down time (default latency 200 ms)
 ``syncer-kill:at=120s,down=2s``        SIGKILL the syncer at ``at``, restart it after ``down``
+``syncer-hang:at=60s,down=3s``         SIGSTOP the syncer at ``at``, SIGCONT it after ``down``
 ``kill:at=20s,down=3s,learners=1``     one failure at a fixed time (any learner kind)
 ``corrupt:learners=1,how=huge``        silent data corruption: from ``start`` (for ``down``
                                        seconds, default the whole run) the learner damages
@@ -36,7 +37,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill", "corrupt")
+KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill", "syncer-hang", "corrupt")
+SYNCER_KINDS = ("syncer-kill", "syncer-hang")
 #: Kinds carried out on a learner's network through its relay (see diloco.launch.relay).
 NETWORK_KINDS = ("partition", "drop", "delay")
 CORRUPT_HOWS = ("huge", "flip", "nan")
@@ -134,10 +136,10 @@ def parse_spec(spec: str) -> list[Clause]:
                 raise ChaosSpecError(f"{raw!r}: corrupt needs how={'|'.join(CORRUPT_HOWS)}")
             fields.setdefault("down_s", (float("inf"), float("inf")))  # default: whole run
         clause = Clause(**fields)
-        if kind not in ("syncer-kill", "corrupt") and clause.mtbf_s <= 0 and clause.at_s <= 0:
+        if kind not in (*SYNCER_KINDS, "corrupt") and clause.mtbf_s <= 0 and clause.at_s <= 0:
             raise ChaosSpecError(f"{raw!r}: {kind} needs mtbf=DURATION or at=DURATION")
-        if kind == "syncer-kill" and clause.at_s <= 0:
-            raise ChaosSpecError(f"{raw!r}: syncer-kill needs at=DURATION > 0")
+        if kind in SYNCER_KINDS and clause.at_s <= 0:
+            raise ChaosSpecError(f"{raw!r}: {kind} needs at=DURATION > 0")
         clauses.append(clause)
     return clauses
 
@@ -153,10 +155,10 @@ def schedule(clauses: list[Clause], learners: int, horizon_s: float, seed: int) 
     for clause in clauses:
         if clause.kind == "corrupt":  # not an event: a window, see ``corruptions``
             continue
-        if clause.kind == "syncer-kill":
+        if clause.kind in SYNCER_KINDS:
             if clause.at_s <= horizon_s:
                 events.append(
-                    ChaosEvent(clause.at_s, "syncer-kill", "syncer", rng.uniform(*clause.down_s))
+                    ChaosEvent(clause.at_s, clause.kind, "syncer", rng.uniform(*clause.down_s))
                 )
             continue
         targets = clause.learners if clause.learners is not None else range(learners)

@@ -27,12 +27,14 @@ def round_share(contributed: Sequence[int], expected_absent: Sequence[int | None
     """The share of one cycle of the live learners' work that a closing round holds.
 
     ``contributed``: the tokens of each contribution in the round. ``expected_absent``: for
-    every live learner that is *not* in the round, the tokens one of its contributions usually
-    carries (its last accepted one), or ``None`` when it has not contributed yet (then the
-    mean of ``contributed`` stands in). Returns ``Σ contributed / (Σ contributed + Σ absent)``,
+    every live learner that is *not* in the round, the tokens it is expected to bring (the
+    syncer uses its measured throughput since the fragment's last commit, or its last
+    contribution's tokens), or ``None`` when nothing is known (then the mean of
+    ``contributed`` stands in). Returns ``Σ contributed / (Σ contributed + Σ absent)``,
     in (0, 1]; 1 when every live learner is in the round.
 
-    Why: with quorum 1 most rounds carry one learner's delta and the other learners rebase
+    Why: when a round misses learners (on the learners' schedule with quorum 1, most rounds
+    carried one learner's delta; on the syncer's clock, a learner that was late), the others rebase
     their own progress on top of the result, so every learner's progress reaches the global
     model through its own round. Scaling a round's merged delta by this share makes the model
     move by ``lr`` times the *mean* of the learners' deltas per cycle, as synchronous DiLoCo

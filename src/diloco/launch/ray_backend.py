@@ -36,8 +36,9 @@ from diloco.launch.ray_actors import ProcActor, RayChild
 from diloco.launch.supervisor import Slot, Supervisor
 
 MISSING = "the Ray backend needs Ray: pip install 'diloco[ray]'"
-#: Chaos kinds the Ray backend cannot carry out: they need a TCP relay next to each learner.
-UNSUPPORTED_CHAOS = ("partition", "drop", "delay")
+#: Chaos kinds the Ray backend cannot carry out: network faults need a TCP relay next to each
+#: learner; a syncer hang is not implemented for Ray actors.
+UNSUPPORTED_CHAOS = ("partition", "drop", "delay", "syncer-hang")
 LOOPBACK = "127.0.0.1"
 
 

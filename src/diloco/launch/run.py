@@ -329,13 +329,13 @@ def run(args: argparse.Namespace) -> int:
 
 def check_shards(args: argparse.Namespace, clauses) -> None:
     """Refuse (``ValueError``) a shard count that cannot work, and chaos that targets one
-    syncer address (``syncer-kill``, network faults through relays) with several shards."""
+    syncer address (``syncer-kill``, ``syncer-hang``, network faults through relays) with several shards."""
     from diloco.algorithm.shards import shard_fragments
-    from diloco.chaos import NETWORK_KINDS
+    from diloco.chaos import NETWORK_KINDS, SYNCER_KINDS
 
     shard_fragments(args.fragments, 0, args.shards)  # raises ShardError (a ValueError)
     unsupported = sorted(
-        {c.kind for c in clauses if c.kind == "syncer-kill" or c.kind in NETWORK_KINDS}
+        {c.kind for c in clauses if c.kind in SYNCER_KINDS or c.kind in NETWORK_KINDS}
     )
     if args.shards > 1 and unsupported:
         raise ValueError(

@@ -192,7 +192,7 @@ class Supervisor:
             slot.child.kill()
             slot.child.proc.wait(10)
             slot.restart_at = now + event.down_s
-        elif event.kind == "hang":
+        elif event.kind in ("hang", "syncer-hang"):
             slot.child.signal(signal.SIGSTOP)
             slot.resume_at = now + event.down_s
         elif event.kind == "partition":

@@ -132,6 +132,9 @@ class IslandLearner:
     def anchors(self) -> list:
         return self.leader.anchors if self.leader else []
 
+    def unsent(self) -> list[int]:
+        return self.leader.unsent() if self.leader else []
+
     def state_dict(self) -> dict:
         return self.leader.state_dict() if self.leader else {}
 

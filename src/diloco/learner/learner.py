@@ -474,6 +474,15 @@ class Learner:
         )
         return True
 
+    def unsent(self) -> list[int]:
+        """Per fragment, the trained steps the syncer has not accepted: the undelivered
+        progress plus deltas without an answer (after ``close``: the unsent tail)."""
+        return [
+            self.steps_since[p]
+            + sum(e.steps for e in self._ledger.get(p, ()) if e.admitted is None)
+            for p in range(self.layout.num_fragments)
+        ]
+
     def in_flight(self) -> dict[int, int]:
         """Deltas on their way per fragment (queued, sent, or accepted and not merged back)."""
         return {p: len(ledger) for p, ledger in self._ledger.items() if ledger}

@@ -350,7 +350,8 @@ def schedule_length(args: argparse.Namespace, step: int, elapsed: float) -> int:
 
 def write_final_state(workdir: Path, learner) -> None:
     """Write what this learner holds at exit: its anchor (last global value received) and
-    version per fragment, as ``final.safetensors`` + ``final.json``, for audits and tests."""
+    version per fragment, as ``final.safetensors`` + ``final.json`` (with the steps of each
+    fragment that never reached the syncer: the unsent tail), for audits and tests."""
     from safetensors.torch import save_file
 
     anchors = {
@@ -358,7 +359,10 @@ def write_final_state(workdir: Path, learner) -> None:
     }
     save_file(anchors, str(workdir / "final.safetensors"))
     (workdir / "final.json").write_text(
-        json.dumps({"versions": learner.versions, **learner.stats}, indent=1)
+        json.dumps(
+            {"versions": learner.versions, "unsent": learner.unsent(), **learner.stats},
+            indent=1,
+        )
     )
 
 

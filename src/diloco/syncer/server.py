@@ -94,11 +94,18 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._committer.start()
 
     def stop(self) -> None:
+        """Stop the committer; first commit what waits for learners that are all gone (the
+        rounds ``poll`` closes now), so progress flushed by the last learners is kept."""
         self._stopping.set()
         self._wake.set()
         for sub in list(self._subscribers):
             sub.close()
         self._committer.join(timeout=10)
+        now = time.time()
+        with self.lock:
+            commits, _ = self.state.poll(now)
+        for commit in commits:
+            self._publish(commit, now)
 
     def _emit(self, record: dict, sync: bool = False) -> None:
         if self.tape is not None:
