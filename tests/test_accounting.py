@@ -49,41 +49,45 @@ def train(learner: Learner, model: nn.Module, seed: int) -> None:
         time.sleep(0.015)  # a steady pace for the syncer's clock
 
 
-def unsent(learner: Learner, p: int) -> int:
-    """Steps of fragment ``p`` this learner holds that never reached the syncer."""
-    pending = sum(e.steps for e in learner._ledger.get(p, []) if e.admitted is None)
-    return learner.steps_since[p] + pending
-
-
-@pytest.mark.timeout(120)
-def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_cuts(tmp_path):
+def start_syncer(tmp_path, **cfg) -> SyncerServer:
+    """An in-process syncer of ``make_model(0)`` on the syncer's clock, tape in ``tmp_path``."""
     model = make_model(0)
     layout = balanced_fragments(model.named_parameters(), P)
     named = dict(model.named_parameters())
-    config = SyncerConfig(
-        sync_every=4, max_staleness=0, lease_s=5.0, heartbeat_s=0.2, norm_guard_k=0.0
-    )
-    server = SyncerServer(
+    config = SyncerConfig(sync_every=4, lease_s=5.0, heartbeat_s=0.2, **cfg)
+    return SyncerServer(
         layout,
         [layout.gather(p, named) for p in range(P)],
         config,
         tape_path=tmp_path / "events.jsonl",
     ).start()
-    relays = [Relay(server.address, name=f"relay-{i}") for i in range(3)]
-    models = [make_model(10 + i) for i in range(3)]
+
+
+def start_training(addresses: list[str]) -> tuple[list[Learner], list[threading.Thread]]:
+    """One learner per address, joined, each training ``STEPS`` steps on its own thread."""
+    models = [make_model(10 + i) for i in range(len(addresses))]
     learners = [
-        Learner(m, syncer=r.address, fragments=P, learner_id=f"l{i}", tokens_per_step=8)
-        for i, (m, r) in enumerate(zip(models, relays, strict=True))
+        Learner(m, syncer=a, fragments=P, learner_id=f"l{i}", tokens_per_step=8)
+        for i, (m, a) in enumerate(zip(models, addresses, strict=True))
     ]
+    for lr in learners:
+        assert lr.wait_for_global(timeout=20)
+    threads = [
+        threading.Thread(target=train, args=(lr, m, i))
+        for i, (lr, m) in enumerate(zip(learners, models, strict=True))
+    ]
+    for t in threads:
+        t.start()
+    return learners, threads
+
+
+@pytest.mark.timeout(120)
+def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_cuts(tmp_path):
+    server = start_syncer(tmp_path, max_staleness=0, norm_guard_k=0.0)
+    relays = [Relay(server.address, name=f"relay-{i}") for i in range(3)]
+    learners: list[Learner] = []
     try:
-        for lr in learners:
-            assert lr.wait_for_global(timeout=20)
-        threads = [
-            threading.Thread(target=train, args=(lr, m, i))
-            for i, (lr, m) in enumerate(zip(learners, models, strict=True))
-        ]
-        for t in threads:
-            t.start()
+        learners, threads = start_training([r.address for r in relays])
         time.sleep(0.4)
         relays[0].throttle(200_000)  # a slow link: each round trip spans several steps
         time.sleep(0.3)
@@ -128,37 +132,16 @@ def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_c
                 for who, steps in zip(r["participants"], r["steps"], strict=True)
                 if who == f"l{i}"
             )
-            assert merged + unsent(lr, p) == STEPS, (i, p, merged, unsent(lr, p))
+            assert merged + lr.unsent()[p] == STEPS, (i, p, merged, lr.unsent())
 
 
 @pytest.mark.timeout(120)
 def test_on_the_syncers_clock_rounds_merge_every_learner(tmp_path):
     """Three learners at a steady pace, no faults: the clock asks all three for each fragment
     at once, so (nearly) every round merges all three (learner-driven rounds merged one)."""
-    model = make_model(0)
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
-    config = SyncerConfig(sync_every=4, lease_s=5.0, heartbeat_s=0.2)
-    server = SyncerServer(
-        layout,
-        [layout.gather(p, named) for p in range(P)],
-        config,
-        tape_path=tmp_path / "events.jsonl",
-    ).start()
-    models = [make_model(10 + i) for i in range(3)]
-    learners = [
-        Learner(m, syncer=server.address, fragments=P, learner_id=f"l{i}", tokens_per_step=8)
-        for i, m in enumerate(models)
-    ]
+    server = start_syncer(tmp_path)
     try:
-        for lr in learners:
-            assert lr.wait_for_global(timeout=20)
-        threads = [
-            threading.Thread(target=train, args=(lr, m, i))
-            for i, (lr, m) in enumerate(zip(learners, models, strict=True))
-        ]
-        for t in threads:
-            t.start()
+        learners, threads = start_training([server.address] * 3)
         for t in threads:
             t.join(timeout=60)
         for lr in learners:
