@@ -39,31 +39,16 @@ from diloco.algorithm.fragments import (
     due_fragments,
     fragment_digest,
 )
-from diloco.learner.delivery import DeliveryLog, already_delivered
+from diloco.learner.delivery import DeliveryLog
+from diloco.learner.inbox import Inbox, Rejoin
+from diloco.learner.ledger import Ledger, Outgoing
 from diloco.learner.link import UploadJob, UploadResult
+from diloco.learner.restoring import Restoring
 from diloco.learner.shards import open_link
+from diloco.learner.stopping import Stopping
 from diloco.wire.auth import client_link_options
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Outgoing:
-    """One delta of a fragment on its way to the syncer, from queued until merged back.
-
-    ``delta`` is the fp32 delta as queued; once the syncer accepted it, the decoded wire value
-    it actually received (the quantization residual stays in the learner's undelivered
-    progress and goes out next time). ``admitted`` is the fragment's version at the syncer
-    when it accepted the delta (the commit making ``admitted + 1`` merges it); ``None`` while
-    the upload's fate is unknown.
-    """
-
-    job_id: int
-    delta: torch.Tensor
-    steps: int
-    tokens: int
-    local_step: int
-    admitted: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -128,7 +113,7 @@ class LearnerConfig:
             )
 
 
-class Learner:
+class Learner(Stopping, Restoring):
     """Wraps a model whose parameters are trained by the user's own optimizer.
 
     ``step`` is called once per inner optimizer step, after ``optimizer.step()``. It never
@@ -186,19 +171,10 @@ class Learner:
         self.tokens_since = [0] * P
         self.applied = 0
         self.last_applied: list[int] = []  # fragments changed by the last apply_arrived()
-        self._lock = threading.Lock()
-        # Arrived versions per fragment, in stream order: (version, base_version, tensor,
-        # contributors); base_version -1 is a keyframe (the value itself).
-        self._arrived: dict[int, list[tuple[int, int, torch.Tensor, frozenset[str]]]] = {}
-        self._requested: set[int] = set()  # fragments the syncer's clock asked for
-        self._results: list[tuple[UploadJob, UploadResult]] = []  # from the link's threads
-        self._rejoins: list[tuple[str, str, list[int], tuple[int, ...]]] = []
-        self._ledger: dict[int, list[Outgoing]] = {}
-        self._next_job = 0
+        self._inbox = Inbox()  # what the link's threads hand to the training thread
+        self._ledger = Ledger()
         self._syncer_ids: dict[str, str] = {}
         """The syncer instance (per address) this learner's ledger was admitted by."""
-        self._need_keyframe: set[int] = set()
-        self._claims: dict[int, torch.Tensor] = {}  # values whose digest was sent (see below)
         self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
         # Fragments sent and not yet merged back: p -> (local step sent at, base version).
         self._awaited: dict[int, tuple[int, int]] = {}
@@ -266,8 +242,7 @@ class Learner:
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
         self._settle()
-        with self._lock:
-            asked, self._requested = self._requested, set()
+        asked = self._inbox.take_requested()
         if self.link.schedule == "learner":
             asked |= set(
                 due_fragments(self.local_step, self.config.sync_every, self.config.fragments)
@@ -290,27 +265,18 @@ class Learner:
         counters 0. An arrival that does not fit the value held is dropped and the fragment
         resynced (a keyframe is asked for).
         """
-        with self._lock:
-            arrived, self._arrived = self._arrived, {}
+        arrived = self._inbox.take_arrived()
         # Taken after the arrivals: a job still queued now was not on the wire when any of
         # them was committed, so none of them holds it.
         queued = self.link.queued_jobs()
         self._settle()
         ready, waiting = {}, {}
         for p, chain in arrived.items():
-            unanswered = [e for e in self._ledger.get(p, ()) if e.admitted is None]
-            if any(e.job_id not in queued for e in unanswered):
+            if any(e.job_id not in queued for e in self._ledger.unanswered(p)):
                 waiting[p] = chain  # on the wire: its answer says whether these merged it
             else:
                 ready[p] = chain
-        if waiting:
-            with self._lock:
-                for p, chain in waiting.items():
-                    later = self._arrived.get(p, [])
-                    keyframe = next(
-                        (i for i in range(len(later) - 1, -1, -1) if later[i][1] < 0), None
-                    )
-                    self._arrived[p] = later[keyframe:] if keyframe is not None else chain + later
+        self._inbox.put_back(waiting)
         self.last_applied, self._reset_now = sorted(self._reset_now), set()
         with torch.no_grad():
             for p, chain in sorted(ready.items()):
@@ -342,11 +308,8 @@ class Learner:
 
     def _apply(self, p: int, version: int, value: torch.Tensor) -> None:
         held = self.anchors[p]
-        ledger = self._ledger.get(p, [])
-        merged = [e for e in ledger if e.admitted is not None and e.admitted < version]
-        if merged:
-            self._ledger[p] = [e for e in ledger if e not in merged]
-            self.counters["merged"] += len(merged)
+        merged = self._ledger.take_merged(p, version)
+        self.counters["merged"] += len(merged)
         own = bool(merged)
         rebase = self.config.rebase_own if own else self.config.rebase_foreign
         if held is None:
@@ -366,8 +329,9 @@ class Learner:
     def _overwrite(self, p: int, value: torch.Tensor) -> None:
         """The paper's rule: θ_p ← G'_p − Σ ledger (α = 0) or α-mixed; counters 0."""
         target = value.clone()
-        for e in self._ledger.get(p, ()):
-            target.sub_(e.delta)
+        on_its_way = self._ledger.on_its_way(p)
+        if on_its_way is not None:
+            target.sub_(on_its_way)
         alpha = self.config.alpha
         if alpha:
             target = self.layout.gather(p, self.params).mul_(alpha).add_(target, alpha=1 - alpha)
@@ -392,21 +356,17 @@ class Learner:
         """Ask for a keyframe of ``p``: an arrival did not fit the value held."""
         log.warning("fragment %d: arrival does not fit version %d; resyncing", p, self.versions[p])
         self.counters["resyncs"] += 1
-        with self._lock:
-            self._need_keyframe.add(p)
+        self._inbox.ask_keyframe(p)
         self.link.reconnect()
 
     # ----------------------------------------------------------------- ledger
     def _settle(self) -> None:
         """Apply what the link reported since the last call (training thread only)."""
-        with self._lock:
-            results, self._results = self._results, []
-            rejoins, self._rejoins = self._rejoins, []
-        for address, syncer_id, versions, fragments in rejoins:
-            self._on_syncer(address, syncer_id, versions, fragments)
+        results, rejoins = self._inbox.take_answers()
+        for rejoin in rejoins:
+            self._on_syncer(rejoin)
         for job, result in results:
-            ledger = self._ledger.get(job.fragment, [])
-            entry = next((e for e in ledger if e.job_id == job.job_id), None)
+            entry = self._ledger.find(job.fragment, job.job_id)
             if entry is None:
                 continue
             if result.outcome == "accepted":
@@ -418,21 +378,21 @@ class Learner:
 
     def _return(self, p: int, entry: Outgoing) -> None:
         """Take ``entry`` off the ledger: its progress is undelivered again (sent next time)."""
-        self._ledger[p].remove(entry)
+        self._ledger.remove(p, entry)
         self.steps_since[p] += entry.steps
         self.tokens_since[p] += entry.tokens
         self.counters["returned"] += 1
 
-    def _on_syncer(self, address: str, syncer_id: str, versions: list[int], fragments) -> None:
+    def _on_syncer(self, rejoin: Rejoin) -> None:
         """A (re)join: a syncer that restarted lost its open rounds, so accepted deltas it
         had not committed (admitted at or after the version it restored) are returned."""
-        known = self._syncer_ids.get(address)
-        self._syncer_ids[address] = syncer_id
-        if known is None or known == syncer_id:
+        known = self._syncer_ids.get(rejoin.address)
+        self._syncer_ids[rejoin.address] = rejoin.syncer_id
+        if known is None or known == rejoin.syncer_id:
             return
-        for p in fragments:
-            for e in [e for e in self._ledger.get(p, []) if e.admitted is not None]:
-                if p < len(versions) and e.admitted >= versions[p]:
+        for p in rejoin.fragments:
+            for e in [e for e in self._ledger.of(p) if e.admitted is not None]:
+                if p < len(rejoin.versions) and e.admitted >= rejoin.versions[p]:
                     self._return(p, e)
 
     def _queue(self, p: int, *, final: bool = False) -> bool:
@@ -442,20 +402,19 @@ class Learner:
             return False
         withdrawn = self.link.withdraw(p)
         if withdrawn is not None:
-            entry = next((e for e in self._ledger.get(p, []) if e.job_id == withdrawn.job_id), None)
+            entry = self._ledger.find(p, withdrawn.job_id)
             if entry is not None:
                 self._return(p, entry)
                 self.counters["withdrawn"] += 1
         if self.steps_since[p] == 0:
             return False
         delta = self.anchors[p] - self.layout.gather(p, self.params)
-        for e in self._ledger.get(p, ()):
-            delta.sub_(e.delta)
-        self._next_job += 1
-        entry = Outgoing(
-            self._next_job, delta, self.steps_since[p], self.tokens_since[p], self.local_step
+        on_its_way = self._ledger.on_its_way(p)
+        if on_its_way is not None:
+            delta.sub_(on_its_way)
+        entry = self._ledger.add(
+            p, delta, self.steps_since[p], self.tokens_since[p], self.local_step
         )
-        self._ledger.setdefault(p, []).append(entry)
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
         self._awaited.setdefault(p, (self.local_step, self.versions[p]))
@@ -478,14 +437,13 @@ class Learner:
         """Per fragment, the trained steps the syncer has not accepted: the undelivered
         progress plus deltas without an answer (after ``close``: the unsent tail)."""
         return [
-            self.steps_since[p]
-            + sum(e.steps for e in self._ledger.get(p, ()) if e.admitted is None)
+            self.steps_since[p] + sum(e.steps for e in self._ledger.unanswered(p))
             for p in range(self.layout.num_fragments)
         ]
 
     def in_flight(self) -> dict[int, int]:
         """Deltas on their way per fragment (queued, sent, or accepted and not merged back)."""
-        return {p: len(ledger) for p, ledger in self._ledger.items() if ledger}
+        return self._ledger.in_flight()
 
     def wait_for_global(self, timeout: float = 60.0) -> bool:
         """Block until this learner holds every fragment at least at the version the syncer had
@@ -532,171 +490,6 @@ class Learner:
                 return False
             time.sleep(0.005)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Queue every fragment's undelivered progress, marked final (the syncer counts it as
-        this learner's answer to the fragment's next round), and wait until every delta on
-        its way has an answer.
-
-        Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
-        Progress whose upload failed (connection lost) is queued again while time is left;
-        progress the syncer refused stays unsent (the ``unsent_steps`` of ``close_report``).
-        Returns True if every delta had an answer within ``timeout``.
-        """
-        deadline = time.monotonic() + (self.config.flush_timeout_s if timeout is None else timeout)
-        self._settle()
-        self._flushed = set()
-        for _attempt in range(3):
-            failed_before = self.link.stats.uploads_failed
-            for p in range(self.layout.num_fragments):
-                if self.versions[p] >= 0 and self._queue(p, final=True):
-                    self._flushed.add(p)
-            idle = self.link.wait_idle(max(0.0, deadline - time.monotonic()))
-            self._settle()
-            unanswered = any(e.admitted is None for ledger in self._ledger.values() for e in ledger)
-            if not idle or unanswered:
-                return False
-            retry = self.link.stats.uploads_failed > failed_before
-            if not retry or time.monotonic() >= deadline or not self.link.connected.is_set():
-                return True
-        return True
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until every accepted delta has come back merged (the ledger is empty),
-        applying what arrives. Returns True if so within ``timeout`` (bounded, never hangs)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.apply_arrived()
-            pending = self._undrained()
-            if not pending or time.monotonic() >= deadline or not self.link.connected.is_set():
-                break
-            time.sleep(0.02)
-        return not pending
-
-    def _drain_timeout(self) -> float:
-        """``drain_timeout_s``; on the syncer's clock at least one and a half of its cycles
-        (H fleet steps, estimated by this learner's own step time), at most 30 s: flushed
-        progress is merged at each fragment's next tick."""
-        wait = self.config.drain_timeout_s
-        if wait > 0 and self.link.schedule == "syncer" and self._step_time:
-            cycle = self.link.sync_every * self._step_time
-            wait = max(wait, min(1.5 * cycle, 30.0))
-        return wait
-
-    def _undrained(self) -> list[int]:
-        """Fragments with a delta on its way (not yet merged back)."""
-        return sorted(p for p, ledger in self._ledger.items() if ledger)
-
-    def close(self, *, flush: bool = True) -> None:
-        """Optionally flush, leave the syncer and stop the background threads (bounded)."""
-        if self._closed:
-            return
-        if flush and self.link.connected.is_set():
-            t0 = time.monotonic()
-            flushed = self.flush()
-            t1 = time.monotonic()
-            wait = self._drain_timeout()
-            drained = wait > 0 and self.drain(wait)
-            self.close_report = {
-                "flushed": len(self._flushed),
-                "flush_ok": flushed,
-                "flush_s": round(t1 - t0, 3),
-                "drained": drained,
-                "drain_s": round(time.monotonic() - t1, 3),
-                "undrained": self._undrained(),
-                "unsent_steps": sum(self.steps_since),
-            }
-        self._state = "closed"
-        self._closed = True
-        self.link.close()
-
-    def state_dict(self) -> dict:
-        """What a restarted learner needs to carry on: global values held, versions,
-        counters, the ledger of deltas on their way, the step.
-
-        Save it with the model and the inner optimizer (``torch.save``; load with
-        ``weights_only=True``) and pass it back as ``Learner(..., state=...)``: the learner
-        then resubscribes with these versions and only receives fragments that moved on.
-        """
-        self._settle()
-        ledger = [
-            {
-                "fragment": p,
-                "delta": e.delta.clone(),
-                "steps": e.steps,
-                "tokens": e.tokens,
-                "local_step": e.local_step,
-                "admitted": -2 if e.admitted is None else e.admitted,  # -2: no answer yet
-            }
-            for p, entries in sorted(self._ledger.items())
-            for e in entries
-        ]
-        return {
-            "local_step": self.local_step,
-            "total_tokens": self.total_tokens,
-            "versions": list(self.versions),
-            "steps_since": list(self.steps_since),
-            "tokens_since": list(self.tokens_since),
-            "anchors": [a.clone() if a is not None else torch.empty(0) for a in self.anchors],
-            "ledger": ledger,
-            "syncer_ids": dict(self._syncer_ids),
-            "layout_hash": self.layout.hash,
-        }
-
-    def _drop_delivered(self, accepted_at: dict[int, int]) -> None:
-        """After a restore: deltas whose answer the checkpoint did not know count as
-        delivered if the delivery log shows an upload of that fragment accepted at or after
-        them (else they are returned and sent again); the undelivered progress of a fragment
-        whose upload queued after the checkpoint was accepted is dropped (delivered)."""
-        with torch.no_grad():
-            for p, ledger in self._ledger.items():
-                for e in [e for e in ledger if e.admitted is None]:
-                    if accepted_at.get(p, -1) >= e.local_step:
-                        e.admitted = -1  # merged by the first version that arrives
-                    else:
-                        self._return(p, e)
-            for p in already_delivered(accepted_at, self.local_step, self.steps_since):
-                if self.anchors[p] is None:
-                    continue
-                self._overwrite(p, self.anchors[p])
-                self.dropped_on_restore.append(p)
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("layout_hash") != self.layout.hash:
-            raise ValueError("this learner state belongs to another model or fragmentation")
-        P = self.layout.num_fragments
-        if len(state["versions"]) != P or len(state["anchors"]) != P:
-            raise ValueError(f"learner state has {len(state['versions'])} fragments, expected {P}")
-        self.local_step = int(state["local_step"])
-        self.total_tokens = int(state["total_tokens"])
-        self.versions = [int(v) for v in state["versions"]]
-        self.steps_since = [int(v) for v in state["steps_since"]]
-        self.tokens_since = [int(v) for v in state["tokens_since"]]
-        self.anchors = [
-            a.clone() if v >= 0 and a.numel() == self.layout.fragments[p].numel else None
-            for p, (a, v) in enumerate(zip(state["anchors"], self.versions, strict=True))
-        ]
-        self.versions = [
-            v if self.anchors[p] is not None else -1 for p, v in enumerate(self.versions)
-        ]
-        self._ledger = {}
-        for item in state.get("ledger", []):
-            p = int(item["fragment"])
-            if not 0 <= p < P or item["delta"].numel() != self.layout.fragments[p].numel:
-                raise ValueError(f"learner state: ledger entry of fragment {p} does not fit")
-            self._next_job += 1
-            admitted = int(item["admitted"])
-            self._ledger.setdefault(p, []).append(
-                Outgoing(
-                    self._next_job,
-                    item["delta"].clone(),
-                    int(item["steps"]),
-                    int(item["tokens"]),
-                    int(item["local_step"]),
-                    None if admitted < -1 else admitted,
-                )
-            )
-        self._syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}
-
     @property
     def stats(self) -> dict:
         s = self.link.stats
@@ -735,24 +528,11 @@ class Learner:
         contributors=frozenset(),
         base_version: int = -1,
     ) -> None:
-        if value is None:  # the syncer confirmed we hold its value: the one we claimed
-            with self._lock:
-                value = self._claims.pop(fragment, None)
-            if value is None:
-                with self._lock:
-                    self._need_keyframe.add(fragment)
-                self.link.reconnect()
-                return
-        with self._lock:
-            chain = self._arrived.setdefault(fragment, [])
-            if base_version < 0:
-                chain.clear()  # a keyframe replaces whatever was pending
-                self._need_keyframe.discard(fragment)
-            chain.append((version, base_version, value, frozenset(contributors)))
+        if not self._inbox.arrive(fragment, version, base_version, value, contributors):
+            self.link.reconnect()  # "you hold it already", but we claimed nothing: resync
 
     def _on_request(self, fragment: int, version: int) -> None:
-        with self._lock:
-            self._requested.add(fragment)
+        self._inbox.request(fragment)
 
     def _on_result(self, job: UploadJob, result: UploadResult) -> None:
         if result.outcome == "accepted" and self.delivery is not None:
@@ -760,22 +540,15 @@ class Learner:
                 self.delivery.record(job.fragment, job.local_step)
             except OSError as exc:  # a full disk must not stop training; a restore may resend
                 log.warning("delivery log %s: %s", self.delivery.path, exc)
-        with self._lock:
-            self._results.append((job, result))
+        self._inbox.answer(job, result)
 
     def _on_rejoin(self, address: str, syncer_id: str, versions: list[int], fragments) -> None:
-        with self._lock:
-            self._rejoins.append((address, syncer_id, list(versions), tuple(fragments)))
+        self._inbox.rejoin(Rejoin(address, syncer_id, list(versions), tuple(fragments)))
 
     def _have_versions(self) -> list[int]:
         """What this learner will hold once it applied what arrived (the syncer sends deltas
         on top of it); -1 for a fragment that needs a keyframe."""
-        with self._lock:
-            pending = {p: chain[-1][0] for p, chain in self._arrived.items() if chain}
-            need = set(self._need_keyframe)
-        return [
-            -1 if p in need else max(v, pending.get(p, -1)) for p, v in enumerate(self.versions)
-        ]
+        return self._inbox.have_versions(self.versions)
 
     def _have_digests(self) -> list[str]:
         """Digests of the fragments never received, with a copy of the values they cover: a
@@ -784,12 +557,11 @@ class Learner:
         digests = []
         with torch.no_grad():
             for p in range(self.layout.num_fragments):
-                if self.versions[p] >= 0 or p in self._need_keyframe:
+                if self.versions[p] >= 0 or self._inbox.needs_keyframe(p):
                     digests.append("")
                     continue
                 value = self.layout.gather(p, self.params).detach().clone()
-                with self._lock:
-                    self._claims[p] = value
+                self._inbox.claim(p, value)
                 digests.append(fragment_digest(value))
         return digests
 

@@ -45,6 +45,7 @@ from diloco.syncer.store import (
     taped_versions,
     untaped,
 )
+from diloco.syncer.upload import receive_upload
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -236,7 +237,7 @@ class SyncerService(pb_grpc.SyncerServicer):
     ) -> pb.UploadReply:
         who: dict[str, str] = {}
         try:
-            header, payload = self._receive_upload(request_iterator, who)
+            header, payload = receive_upload(request_iterator, self.state, self.lock, who)
             numel = self.state.layout.fragments[header.fragment].numel
             try:
                 delta = codecs.decode(payload, numel, header.codec)
@@ -266,77 +267,6 @@ class SyncerService(pb_grpc.SyncerServicer):
             resync=admission.resync,
             current_version=current,
         )
-
-    def _receive_upload(
-        self, chunks: Iterator[pb.UploadChunk], who: dict[str, str]
-    ) -> tuple[pb.UploadChunk, bytes]:
-        """Reassemble one upload, checking chunk order, header consistency and sizes.
-
-        The first chunk's header is checked (session, fragment, codec, numel, chunk count)
-        before any more data is read, so a stranger or a bad header costs one chunk.
-        """
-        header = None
-        parts: list[bytes] = []
-        received = 0
-        expected = 0
-        for i, chunk in enumerate(chunks):
-            if header is None:
-                header = chunk
-                who["learner_id"] = chunk.learner_id
-                with self.lock:
-                    info = self.state.session_of(chunk.learner_id, chunk.session)
-                if info.observer:
-                    raise Refused("PERMISSION_DENIED", "observers cannot contribute")
-                if not 0 <= chunk.fragment < self.state.layout.num_fragments:
-                    raise Refused(
-                        "INVALID_ARGUMENT",
-                        f"fragment {chunk.fragment} out of range [0, {self.state.layout.num_fragments})",
-                    )
-                self.state.check_owned(chunk.fragment)
-                if chunk.codec != self.state.config.up_codec:
-                    raise Refused(
-                        "INVALID_ARGUMENT",
-                        f"codec {chunk.codec[:16]!r} is not the syncer's up codec "
-                        f"{self.state.config.up_codec!r} (sent at join)",
-                    )
-                numel = self.state.layout.fragments[chunk.fragment].numel
-                if chunk.numel != numel:
-                    raise Refused(
-                        "INVALID_ARGUMENT",
-                        f"fragment {chunk.fragment} has {numel} values, header says {chunk.numel}",
-                    )
-                expected = codecs.encoded_nbytes(numel, chunk.codec)
-                max_chunks = max(1, -(-expected // CHUNK_BYTES))
-                if not 1 <= chunk.num_chunks <= max_chunks:
-                    raise Refused(
-                        "INVALID_ARGUMENT",
-                        f"num_chunks must be in [1, {max_chunks}], got {chunk.num_chunks}",
-                    )
-            elif _header_fields(chunk) != _header_fields(header):
-                raise Refused("INVALID_ARGUMENT", f"chunk {i} header differs from chunk 0")
-            if len(chunk.data) > CHUNK_BYTES:
-                raise Refused(
-                    "INVALID_ARGUMENT", f"chunk {i} carries {len(chunk.data)} > {CHUNK_BYTES} bytes"
-                )
-            if chunk.chunk_index != i or i >= header.num_chunks:
-                raise Refused(
-                    "INVALID_ARGUMENT",
-                    f"chunk {chunk.chunk_index} arrived at position {i} of {header.num_chunks}",
-                )
-            received += len(chunk.data)
-            if received > expected:
-                raise Refused(
-                    "INVALID_ARGUMENT", f"upload exceeds the {expected} bytes its header implies"
-                )
-            parts.append(chunk.data)
-        if header is None:
-            raise Refused("INVALID_ARGUMENT", "empty upload")
-        if len(parts) != header.num_chunks or received != expected:
-            raise Refused(
-                "INVALID_ARGUMENT",
-                f"upload truncated: {len(parts)}/{header.num_chunks} chunks, {received}/{expected} bytes",
-            )
-        return header, b"".join(parts)
 
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
@@ -481,23 +411,6 @@ class SyncerService(pb_grpc.SyncerServicer):
         """``SyncerState.digest`` under the lock: equal before and after a refused request."""
         with self.lock:
             return self.state.digest()
-
-
-def _header_fields(chunk: pb.UploadChunk) -> tuple:
-    """Fields every chunk of one upload must repeat unchanged."""
-    return (
-        chunk.learner_id,
-        chunk.session,
-        chunk.fragment,
-        chunk.base_version,
-        chunk.steps,
-        chunk.tokens,
-        chunk.codec,
-        chunk.numel,
-        chunk.num_chunks,
-        chunk.step_time_s,
-        chunk.final,
-    )
 
 
 class SyncerServer:

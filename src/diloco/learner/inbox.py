@@ -1,0 +1,115 @@
+"""What the link's threads hand to a learner's training thread, under one lock.
+
+The link's threads only put things here (arrived versions, the clock's requests, upload
+answers, rejoins); the training thread takes them at a step boundary. Arrived versions are
+kept per fragment in stream order, as a chain: a keyframe (``base`` -1, the value itself)
+replaces whatever was pending, a delta is appended to be added on top of the version before
+it, exactly as the syncer added it (``diloco.syncer.server``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+Chain = list[tuple[int, int, torch.Tensor, frozenset[str]]]
+"""``(version, base_version, tensor, contributors)`` in stream order; base -1: a keyframe."""
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """A (re)join: which syncer instance, the versions it reported, the fragments it owns."""
+
+    address: str
+    syncer_id: str
+    versions: list[int]
+    fragments: tuple[int, ...]
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._arrived: dict[int, Chain] = {}
+        self._requested: set[int] = set()
+        self._results: list = []
+        self._rejoins: list[Rejoin] = []
+        self._need_keyframe: set[int] = set()
+        self._claims: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------ link side
+    def arrive(self, fragment: int, version: int, base: int, value, contributors) -> bool:
+        """An arrived version; ``value`` ``None`` means "you hold this already" and takes
+        the value claimed for it (False if there is no claim: ask for a keyframe)."""
+        with self._lock:
+            if value is None:
+                value = self._claims.pop(fragment, None)
+                if value is None:
+                    self._need_keyframe.add(fragment)
+                    return False
+            chain = self._arrived.setdefault(fragment, [])
+            if base < 0:
+                chain.clear()  # a keyframe replaces whatever was pending
+                self._need_keyframe.discard(fragment)
+            chain.append((version, base, value, frozenset(contributors)))
+            return True
+
+    def request(self, fragment: int) -> None:
+        with self._lock:
+            self._requested.add(fragment)
+
+    def answer(self, job, result) -> None:
+        with self._lock:
+            self._results.append((job, result))
+
+    def rejoin(self, rejoin: Rejoin) -> None:
+        with self._lock:
+            self._rejoins.append(rejoin)
+
+    def claim(self, fragment: int, value: torch.Tensor) -> None:
+        """The learner sent the digest of ``value`` for a fragment it never received."""
+        with self._lock:
+            self._claims[fragment] = value
+
+    def have_versions(self, versions: list[int]) -> list[int]:
+        """What the learner will hold once it applied what arrived; -1 where it needs a
+        keyframe."""
+        with self._lock:
+            pending = {p: chain[-1][0] for p, chain in self._arrived.items() if chain}
+            need = set(self._need_keyframe)
+        return [-1 if p in need else max(v, pending.get(p, -1)) for p, v in enumerate(versions)]
+
+    def needs_keyframe(self, fragment: int) -> bool:
+        with self._lock:
+            return fragment in self._need_keyframe
+
+    # -------------------------------------------------------- training side
+    def ask_keyframe(self, fragment: int) -> None:
+        with self._lock:
+            self._need_keyframe.add(fragment)
+
+    def take_requested(self) -> set[int]:
+        with self._lock:
+            asked, self._requested = self._requested, set()
+        return asked
+
+    def take_answers(self) -> tuple[list, list[Rejoin]]:
+        with self._lock:
+            results, self._results = self._results, []
+            rejoins, self._rejoins = self._rejoins, []
+        return results, rejoins
+
+    def take_arrived(self) -> dict[int, Chain]:
+        with self._lock:
+            arrived, self._arrived = self._arrived, {}
+        return arrived
+
+    def put_back(self, waiting: dict[int, Chain]) -> None:
+        """Chains taken but not applied yet go back in front of what arrived since (a
+        keyframe that arrived since makes them moot)."""
+        with self._lock:
+            for p, chain in waiting.items():
+                later = self._arrived.get(p, [])
+                keys = [i for i, item in enumerate(later) if item[1] < 0]
+                self._arrived[p] = later[keys[-1] :] if keys else chain + later

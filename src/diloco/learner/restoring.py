@@ -1,0 +1,74 @@
+"""What a learner saves in its checkpoint and how it comes back from one (``state_dict``,
+``load_state_dict``, dropping what was delivered after the checkpoint; a mixin of
+``Learner``)."""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.learner.delivery import already_delivered
+
+
+class Restoring:
+    """The checkpoint half of ``diloco.learner.learner.Learner``."""
+
+    def state_dict(self) -> dict:
+        """What a restarted learner needs to carry on: global values held, versions,
+        counters, the ledger of deltas on their way, the step.
+
+        Save it with the model and the inner optimizer (``torch.save``; load with
+        ``weights_only=True``) and pass it back as ``Learner(..., state=...)``: the learner
+        then resubscribes with these versions and only receives fragments that moved on.
+        """
+        self._settle()
+        return {
+            "local_step": self.local_step,
+            "total_tokens": self.total_tokens,
+            "versions": list(self.versions),
+            "steps_since": list(self.steps_since),
+            "tokens_since": list(self.tokens_since),
+            "anchors": [a.clone() if a is not None else torch.empty(0) for a in self.anchors],
+            "ledger": self._ledger.state(),
+            "syncer_ids": dict(self._syncer_ids),
+            "layout_hash": self.layout.hash,
+        }
+
+    def _drop_delivered(self, accepted_at: dict[int, int]) -> None:
+        """After a restore: deltas whose answer the checkpoint did not know count as
+        delivered if the delivery log shows an upload of that fragment accepted at or after
+        them (else they are returned and sent again); the undelivered progress of a fragment
+        whose upload queued after the checkpoint was accepted is dropped (delivered)."""
+        with torch.no_grad():
+            for p, e in self._ledger.items():
+                if e.admitted is not None:
+                    continue
+                if accepted_at.get(p, -1) >= e.local_step:
+                    e.admitted = -1  # merged by the first version that arrives
+                else:
+                    self._return(p, e)
+            for p in already_delivered(accepted_at, self.local_step, self.steps_since):
+                if self.anchors[p] is None:
+                    continue
+                self._overwrite(p, self.anchors[p])
+                self.dropped_on_restore.append(p)
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("layout_hash") != self.layout.hash:
+            raise ValueError("this learner state belongs to another model or fragmentation")
+        P = self.layout.num_fragments
+        if len(state["versions"]) != P or len(state["anchors"]) != P:
+            raise ValueError(f"learner state has {len(state['versions'])} fragments, expected {P}")
+        self.local_step = int(state["local_step"])
+        self.total_tokens = int(state["total_tokens"])
+        self.versions = [int(v) for v in state["versions"]]
+        self.steps_since = [int(v) for v in state["steps_since"]]
+        self.tokens_since = [int(v) for v in state["tokens_since"]]
+        self.anchors = [
+            a.clone() if v >= 0 and a.numel() == self.layout.fragments[p].numel else None
+            for p, (a, v) in enumerate(zip(state["anchors"], self.versions, strict=True))
+        ]
+        self.versions = [
+            v if self.anchors[p] is not None else -1 for p, v in enumerate(self.versions)
+        ]
+        self._ledger.load(state.get("ledger", []), [f.numel for f in self.layout.fragments])
+        self._syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}

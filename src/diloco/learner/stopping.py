@@ -1,0 +1,88 @@
+"""How a learner stops cleanly: flush its undelivered progress, wait for it to come back
+merged, leave (``Learner.flush``, ``drain``, ``close``; a mixin of ``Learner``)."""
+
+from __future__ import annotations
+
+import time
+
+
+class Stopping:
+    """The stopping half of ``diloco.learner.learner.Learner`` (it uses the learner's
+    ledger, link, counters and ``_queue`` / ``_settle`` / ``apply_arrived``)."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Queue every fragment's undelivered progress, marked final (the syncer counts it as
+        this learner's answer to the fragment's next round), and wait until every delta on
+        its way has an answer.
+
+        Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
+        Progress whose upload failed (connection lost) is queued again while time is left;
+        progress the syncer refused stays unsent (the ``unsent_steps`` of ``close_report``).
+        Returns True if every delta had an answer within ``timeout``.
+        """
+        deadline = time.monotonic() + (self.config.flush_timeout_s if timeout is None else timeout)
+        self._settle()
+        self._flushed = set()
+        for _attempt in range(3):
+            failed_before = self.link.stats.uploads_failed
+            for p in range(self.layout.num_fragments):
+                if self.versions[p] >= 0 and self._queue(p, final=True):
+                    self._flushed.add(p)
+            idle = self.link.wait_idle(max(0.0, deadline - time.monotonic()))
+            self._settle()
+            unanswered = bool(self._ledger.unanswered())
+            if not idle or unanswered:
+                return False
+            retry = self.link.stats.uploads_failed > failed_before
+            if not retry or time.monotonic() >= deadline or not self.link.connected.is_set():
+                return True
+        return True
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every accepted delta has come back merged (the ledger is empty),
+        applying what arrives. Returns True if so within ``timeout`` (bounded, never hangs)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.apply_arrived()
+            pending = self._undrained()
+            if not pending or time.monotonic() >= deadline or not self.link.connected.is_set():
+                break
+            time.sleep(0.02)
+        return not pending
+
+    def _drain_timeout(self) -> float:
+        """``drain_timeout_s``; on the syncer's clock at least one and a half of its cycles
+        (H fleet steps, estimated by this learner's own step time), at most 30 s: flushed
+        progress is merged at each fragment's next tick."""
+        wait = self.config.drain_timeout_s
+        if wait > 0 and self.link.schedule == "syncer" and self._step_time:
+            cycle = self.link.sync_every * self._step_time
+            wait = max(wait, min(1.5 * cycle, 30.0))
+        return wait
+
+    def _undrained(self) -> list[int]:
+        """Fragments with a delta on its way (not yet merged back)."""
+        return sorted(self._ledger.in_flight())
+
+    def close(self, *, flush: bool = True) -> None:
+        """Optionally flush, leave the syncer and stop the background threads (bounded)."""
+        if self._closed:
+            return
+        if flush and self.link.connected.is_set():
+            t0 = time.monotonic()
+            flushed = self.flush()
+            t1 = time.monotonic()
+            wait = self._drain_timeout()
+            drained = wait > 0 and self.drain(wait)
+            self.close_report = {
+                "flushed": len(self._flushed),
+                "flush_ok": flushed,
+                "flush_s": round(t1 - t0, 3),
+                "drained": drained,
+                "drain_s": round(time.monotonic() - t1, 3),
+                "undrained": self._undrained(),
+                "unsent_steps": sum(self.steps_since),
+            }
+        self._state = "closed"
+        self._closed = True
+        self.link.close()

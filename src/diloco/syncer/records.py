@@ -1,0 +1,193 @@
+"""What the syncer's state machine keeps and returns: learner records, contributions, rounds,
+the clock's requests and commits (plain records; the decisions are in ``state.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.algorithm.merge import token_weight
+
+
+class Refused(Exception):
+    """A request that is invalid; ``code`` names the gRPC status the server answers with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class LearnerInfo:
+    learner_id: str
+    session: str
+    joined_at: float
+    last_seen: float
+    observer: bool = False
+    connected: bool = True
+    live: bool = True
+    step: int = 0
+    tokens: int = 0
+    steps_per_s: float = 0.0
+    state: str = "joined"
+    contributions: int = 0
+    last_tokens: int | None = None
+    """Tokens of this learner's last accepted contribution (the round share's fallback)."""
+    bytes_up: int = 0
+    bytes_down: int = 0
+    tokens_per_step: int = 0
+    """Declared at join (batch × sequence); 0: not declared. Claims above it are refused."""
+    step_s: float | None = None
+    """This learner's measured step time (heartbeats, uploads): the syncer's clock's pace."""
+    tokens_per_s: float | None = None
+    """Its measured throughput (EMA over heartbeats): the round share of an absent learner."""
+    _rate_mark: tuple[float, int] | None = None
+
+
+@dataclass
+class Contribution:
+    learner_id: str
+    delta: torch.Tensor
+    base_version: int
+    steps: int
+    tokens: int
+    discount: float
+    arrived_at: float
+    nbytes: int
+    increments: int = 1
+    """Uploads summed into this contribution (a late one and the answer to this round)."""
+    final: bool = False
+
+    @property
+    def weight(self) -> float:
+        return token_weight(self.tokens, self.steps) * self.discount
+
+    def add(self, other: Contribution) -> None:
+        """Sum a later increment of the same learner into this one: deltas and counters add,
+        the older base version and the smaller discount stay (the increment is no fresher
+        than its oldest part)."""
+        self.delta = self.delta + other.delta
+        self.steps += other.steps
+        self.tokens += other.tokens
+        self.base_version = min(self.base_version, other.base_version)
+        self.discount = min(self.discount, other.discount)
+        self.arrived_at = other.arrived_at
+        self.nbytes += other.nbytes
+        self.increments += other.increments
+        self.final = self.final or other.final
+
+
+@dataclass
+class FragmentRound:
+    opened_at: float | None
+    """When the round opened (a tick, or the first arrival on the learners' schedule);
+    ``None``: contributions wait here for the fragment's next tick."""
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    quorum_at: float | None = None
+    asked: frozenset[str] | None = None
+    """Learners the tick asked (``None`` on the learners' schedule)."""
+
+    def answered(self) -> frozenset[str]:
+        """Learners with a contribution that arrived since the round opened: a late one from
+        the previous round rides along but does not answer this round's request (a final one,
+        from a learner that stopped, does)."""
+        if self.opened_at is None:
+            return frozenset()
+        if self.asked is None:
+            return frozenset(self.contributions)
+        return frozenset(
+            lid
+            for lid, c in self.contributions.items()
+            if c.arrived_at >= self.opened_at or c.final
+        )
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """A round the syncer's clock opened: ask ``asked`` for ``fragment``'s contribution."""
+
+    fragment: int
+    version: int
+    asked: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A closed round: the new value of one fragment, to persist and then broadcast."""
+
+    fragment: int
+    version: int
+    params: torch.Tensor
+    momentum: dict[str, torch.Tensor]
+    record: dict
+
+
+def update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> None:
+    """EMA of a learner's tokens per second from the cumulative counts its heartbeats carry
+    (a count that went down, e.g. after a restart, restarts the measurement)."""
+    mark = info._rate_mark
+    info._rate_mark = (now, tokens)
+    if mark is None or tokens < mark[1] or now <= mark[0]:
+        return
+    rate = (tokens - mark[1]) / (now - mark[0])
+    info.tokens_per_s = (
+        rate if info.tokens_per_s is None else (decay * info.tokens_per_s + (1 - decay) * rate)
+    )
+
+
+def check_counters(
+    info: LearnerInfo,
+    config,
+    *,
+    numel: int,
+    fragment: int,
+    steps: int,
+    tokens: int,
+    delta: torch.Tensor,
+    step_time_s: float,
+) -> None:
+    """Raise ``Refused`` unless a contribution's shape, counters, step time and values are
+    within bounds: the length of its fragment, ``1 <= steps``, ``1 <= tokens``, the sanity
+    bounds of ``config`` (a ``SyncerConfig``), at most the tokens per step ``info`` declared
+    at join, finite values."""
+    expected = numel
+    if delta.dim() != 1 or delta.numel() != expected:
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"fragment {fragment} has {expected} values, got {delta.numel()}",
+        )
+    if not 1 <= steps <= config.max_steps_per_contribution:
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"steps must be in [1, {config.max_steps_per_contribution}], got {steps}",
+        )
+    if not 1 <= tokens <= steps * config.max_tokens_per_step:
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"tokens must be in [1, steps*{config.max_tokens_per_step}], got {tokens}",
+        )
+    if info.tokens_per_step and tokens > steps * info.tokens_per_step:
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"{tokens} tokens in {steps} steps is more than the {info.tokens_per_step} "
+            "tokens per step this learner declared at join",
+        )
+    if not (step_time_s >= 0 and step_time_s < 3600):
+        raise Refused("INVALID_ARGUMENT", f"step_time_s must be in [0, 3600), got {step_time_s}")
+    if not bool(torch.isfinite(delta).all()):
+        raise Refused("INVALID_ARGUMENT", "delta has non-finite values")
+
+
+def check_id(learner_id: str) -> None:
+    """Raise ``Refused`` unless the id is 1-64 characters of letters, digits, ``-_.:``."""
+    if (
+        not learner_id
+        or len(learner_id) > 64
+        or not all(c.isalnum() or c in "-_.:" for c in learner_id)
+    ):
+        raise Refused(
+            "INVALID_ARGUMENT",
+            "learner id must be 1-64 characters of letters, digits, '-', '_', '.', ':'",
+        )
