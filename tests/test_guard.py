@@ -55,6 +55,9 @@ def make_state(**cfg):
     layout = balanced_fragments(model.named_parameters(), 1)
     params = [layout.gather(0, dict(model.named_parameters()))]
     events = []
+    # rounds open at arrival (the learners' schedule): the fragment bound is not shrunk for
+    # short deltas there, so these tests see the median rule and the plain bound
+    cfg = {"schedule": "learner", **cfg}
     state = SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append)
     for lid in ("good", "bad"):
         state.join(
@@ -106,3 +109,16 @@ def test_without_the_guard_the_huge_contribution_gets_in():
     submit(state, "bad", 1e3 * torch.ones(n), now=1.0)
     commits, _ = state.poll(100.0)
     assert commits and float(state.params[0].abs().max()) > 100
+
+
+def test_the_fragment_bound_follows_the_steps_a_delta_covers():
+    from diloco.algorithm.guard import check_norm
+
+    # 10 x ||theta|| at H steps, in proportion to the steps a delta covers, at least 1/4 of it
+    assert check_norm(9.0, 24, [], 1.0, sync_every=24).accept
+    assert not check_norm(9.0, 6, [], 1.0, sync_every=24).accept
+    assert check_norm(90.0, 240, [], 1.0, sync_every=24).accept  # many steps, a larger bound
+    assert not check_norm(101.0, 240, [], 1.0, sync_every=24).accept
+    assert check_norm(2.4, 6, [], 1.0, sync_every=24).accept
+    assert check_norm(2.4, 1, [], 1.0, sync_every=24).accept  # the floor: 1/4 of the bound
+    assert check_norm(9.0, 6, [], 1.0).accept  # without H: the plain bound

@@ -65,22 +65,33 @@ def check_norm(
     k: float = DEFAULT_K,
     param_ratio: float = DEFAULT_PARAM_RATIO,
     min_history: int = DEFAULT_MIN_HISTORY,
+    sync_every: int = 0,
 ) -> NormVerdict:
     """Decide whether a contribution of L2 norm ``norm`` covering ``steps`` inner steps may
     enter its fragment's round.
 
     ``history`` holds the fragment's recent accepted per-step norms (oldest first),
-    ``param_norm`` is ``‖Θ_p‖`` of the current global fragment. Pure: same inputs, same verdict.
+    ``param_norm`` is ``‖Θ_p‖`` of the current global fragment. With ``sync_every`` (H) the
+    bound of check 2 follows the steps a delta covers: ``param_ratio · max(steps / H, 1/4) ·
+    ‖Θ_p‖``. On the syncer's clock a delta covers however many steps the learner did since
+    it last sent the fragment: a learner whose delta was refused answers the next round with
+    only a few steps (a corrupted short delta slipped under the plain bound while the
+    fragment had no history), and when the syncer cannot tick as fast as steps are taken (the
+    ``tiny`` recipe, ~10 ms steps) an honest delta covers hundreds of steps (one of 258 steps
+    exceeded the plain bound). Pure: same inputs, same verdict.
     """
     if not math.isfinite(norm) or norm < 0:  # overflowed float32, or garbage
         return NormVerdict(False, f"delta norm {norm} is not a finite non-negative number")
     if k <= 0:
         return NormVerdict(True, "norm guard disabled")
-    if param_norm > 0 and norm > param_ratio * param_norm:
+    ratio = param_ratio
+    if sync_every > 0:
+        ratio *= max(steps / sync_every, 0.25)
+    if param_norm > 0 and norm > ratio * param_norm:
         return NormVerdict(
             False,
-            f"delta norm {norm:.4g} exceeds {param_ratio:g} x the fragment's own norm "
-            f"{param_norm:.4g}",
+            f"delta norm {norm:.4g} over {steps} steps exceeds {ratio:.3g} x the fragment's "
+            f"own norm {param_norm:.4g}",
         )
     per_step = norm / max(steps, 1)
     if len(history) >= max(min_history, 1):

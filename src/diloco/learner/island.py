@@ -132,6 +132,10 @@ class IslandLearner:
     def anchors(self) -> list:
         return self.leader.anchors if self.leader else []
 
+    @property
+    def dropped(self) -> list[int]:
+        return self.leader.dropped if self.leader else []
+
     def unsent(self) -> list[int]:
         return self.leader.unsent() if self.leader else []
 

@@ -169,6 +169,9 @@ class Learner(Stopping, Restoring):
         self.steps_since = [0] * P
         """Steps of the undelivered progress of each fragment (not yet in any delta)."""
         self.tokens_since = [0] * P
+        self.dropped = [0] * P
+        """Per fragment, trained steps thrown away on purpose (a norm-guard reset, the
+        paper's overwrite rule): every trained step is merged, unsent, or counted here."""
         self.applied = 0
         self.last_applied: list[int] = []  # fragments changed by the last apply_arrived()
         self._inbox = Inbox()  # what the link's threads hand to the training thread
@@ -326,8 +329,10 @@ class Learner(Stopping, Restoring):
         self.anchors[p] = value
         self.versions[p] = version
 
-    def _overwrite(self, p: int, value: torch.Tensor) -> None:
-        """The paper's rule: θ_p ← G'_p − Σ ledger (α = 0) or α-mixed; counters 0."""
+    def _overwrite(self, p: int, value: torch.Tensor, *, drops: bool = True) -> None:
+        """The paper's rule: θ_p ← G'_p − Σ ledger (α = 0) or α-mixed; counters 0. The steps
+        of the undelivered progress thrown away are counted in ``dropped`` (unless
+        ``drops`` is False: progress known to be delivered already)."""
         target = value.clone()
         on_its_way = self._ledger.on_its_way(p)
         if on_its_way is not None:
@@ -336,6 +341,8 @@ class Learner(Stopping, Restoring):
         if alpha:
             target = self.layout.gather(p, self.params).mul_(alpha).add_(target, alpha=1 - alpha)
         self.layout.scatter(p, target, self.params)
+        if drops:
+            self.dropped[p] += self.steps_since[p]
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
 
@@ -504,6 +511,7 @@ class Learner(Stopping, Restoring):
             "uploads_sent": s.uploads_sent,
             "uploads_refused": s.uploads_refused,
             "guard_resets": self.guard_resets,
+            "dropped_steps": sum(self.dropped),
             "stale_replies": s.stale_replies,
             "uploads_failed": s.uploads_failed,
             "requests": s.requests,

@@ -141,9 +141,6 @@ class SyncerLink:
         self.corruptor = corruptor
         """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
-        # fragment -> the syncer's version when it admitted this link's latest upload of it:
-        # the round holding that upload commits a version above it.
-        self.admitted: dict[int, int] = {}
         self.error: BaseException | None = None
         self.connected = threading.Event()
         self.joined_versions: list[int] | None = None
@@ -484,7 +481,6 @@ class SyncerLink:
         if not reply.accepted:
             self.stats.stale_replies += 1
             return UploadResult("stale")
-        self.admitted[job.fragment] = reply.current_version
         # What the syncer merges is the decoded payload (corrupted or not); the rest of the
         # delta (the quantization residual) stays with the learner for the next upload.
         sent = codecs.decode(payload, job.delta.numel(), self.up_codec)

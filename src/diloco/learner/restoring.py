@@ -49,7 +49,7 @@ class Restoring:
             for p in already_delivered(accepted_at, self.local_step, self.steps_since):
                 if self.anchors[p] is None:
                     continue
-                self._overwrite(p, self.anchors[p])
+                self._overwrite(p, self.anchors[p], drops=False)  # delivered
                 self.dropped_on_restore.append(p)
 
     def load_state_dict(self, state: dict) -> None:

@@ -195,14 +195,6 @@ class ShardedLink:
             return
         link.submit(job)
 
-    @property
-    def admitted(self) -> dict[int, int]:
-        """``SyncerLink.admitted`` of every shard (fragments are disjoint across shards)."""
-        out: dict[int, int] = {}
-        for link in self.links:
-            out.update(link.admitted)
-        return out
-
     def wait_idle(self, timeout: float) -> bool:
         """Wait (bounded by ``timeout`` in all) until every shard's uploads have gone out."""
         deadline = time.monotonic() + timeout

@@ -16,15 +16,17 @@ class Stopping:
         its way has an answer.
 
         Used on a clean stop or a preemption notice (SIGTERM) so no finished work is lost.
-        Progress whose upload failed (connection lost) is queued again while time is left;
-        progress the syncer refused stays unsent (the ``unsent_steps`` of ``close_report``).
+        Progress whose upload failed (connection lost) or was refused as too stale is queued
+        again (after applying what arrived) while time is left; progress the syncer refused
+        otherwise stays unsent (the ``unsent_steps`` of ``close_report``).
         Returns True if every delta had an answer within ``timeout``.
         """
         deadline = time.monotonic() + (self.config.flush_timeout_s if timeout is None else timeout)
         self._settle()
         self._flushed = set()
         for _attempt in range(3):
-            failed_before = self.link.stats.uploads_failed
+            stats = self.link.stats
+            failed_before = stats.uploads_failed + stats.stale_replies
             for p in range(self.layout.num_fragments):
                 if self.versions[p] >= 0 and self._queue(p, final=True):
                     self._flushed.add(p)
@@ -33,7 +35,11 @@ class Stopping:
             unanswered = bool(self._ledger.unanswered())
             if not idle or unanswered:
                 return False
-            retry = self.link.stats.uploads_failed > failed_before
+            stats = self.link.stats
+            # failed or too stale: sent again once the newer versions that arrived are applied
+            retry = stats.uploads_failed + stats.stale_replies > failed_before
+            if retry:
+                self.apply_arrived()
             if not retry or time.monotonic() >= deadline or not self.link.connected.is_set():
                 return True
         return True

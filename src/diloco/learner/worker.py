@@ -360,7 +360,12 @@ def write_final_state(workdir: Path, learner) -> None:
     save_file(anchors, str(workdir / "final.safetensors"))
     (workdir / "final.json").write_text(
         json.dumps(
-            {"versions": learner.versions, "unsent": learner.unsent(), **learner.stats},
+            {
+                "versions": learner.versions,
+                "unsent": learner.unsent(),
+                "dropped": list(getattr(learner, "dropped", [])),
+                **learner.stats,
+            },
             indent=1,
         )
     )

@@ -312,6 +312,7 @@ class SyncerState:
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
             min_history=self.config.norm_guard_min_history,
+            sync_every=self.config.sync_every if self.config.schedule == "syncer" else 0,
         )
         if not verdict.accept:
             raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
