@@ -49,6 +49,17 @@ def train(learner: Learner, model: nn.Module, seed: int) -> None:
         time.sleep(0.015)  # a steady pace for the syncer's clock
 
 
+def merged_steps(rounds: list[dict], learner: str, fragment: int) -> int:
+    """Steps of ``learner`` that the tape's round records of ``fragment`` merged."""
+    return sum(
+        steps
+        for r in rounds
+        if r["fragment"] == fragment
+        for who, steps in zip(r["participants"], r["steps"], strict=True)
+        if who == learner
+    )
+
+
 def start_syncer(tmp_path, **cfg) -> SyncerServer:
     """An in-process syncer of ``make_model(0)`` on the syncer's clock, tape in ``tmp_path``."""
     model = make_model(0)
@@ -125,13 +136,7 @@ def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_c
     for i, lr in enumerate(learners):
         assert lr.local_step == STEPS
         for p in range(P):
-            merged = sum(
-                steps
-                for r in rounds
-                if r["fragment"] == p
-                for who, steps in zip(r["participants"], r["steps"], strict=True)
-                if who == f"l{i}"
-            )
+            merged = merged_steps(rounds, f"l{i}", p)
             assert merged + lr.unsent()[p] == STEPS, (i, p, merged, lr.unsent())
 
 
@@ -209,13 +214,7 @@ def test_real_processes_merge_every_trained_step_exactly_once(tmp_path):
         final = json.loads((run_dir / "learners" / f"learner-{i}" / "final.json").read_text())
         assert final["step"] == STEPS_RUN
         for p in range(fragments):
-            merged = sum(
-                steps
-                for r in rounds
-                if r["fragment"] == p
-                for who, steps in zip(r["participants"], r["steps"], strict=True)
-                if who == f"learner-{i}"
-            )
+            merged = merged_steps(rounds, f"learner-{i}", p)
             # merged, still unsent at exit, or dropped on purpose (a norm-guard reset)
             accounted = merged + final["unsent"][p] + final["dropped"][p]
             assert accounted == STEPS_RUN, (i, p, merged, final["unsent"][p], final["dropped"][p])

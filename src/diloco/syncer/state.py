@@ -53,16 +53,8 @@ from diloco.syncer.records import (
     update_rate,
 )
 
-__all__ = [
-    "Commit",
-    "Contribution",
-    "FragmentRound",
-    "LearnerInfo",
-    "Refused",
-    "RoundRequest",
-    "SyncerState",
-    "fragment_digest",
-]
+__all__ = ["Commit", "Contribution", "FragmentRound", "LearnerInfo", "Refused", "RoundRequest"]
+__all__ += ["SyncerState", "fragment_digest"]
 
 
 class SyncerState:
