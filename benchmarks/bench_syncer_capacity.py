@@ -4,21 +4,25 @@
     python benchmarks/bench_syncer_capacity.py                  # M = 2..64, S = 1 and 2
 
 **What runs.** The syncer is the real ``SyncerServer`` (gRPC, validation, int4 decode, RDA
-merge, outer step, durable per-fragment commit with fsync, bf16 broadcast) in its own
+merge, outer step, durable per-fragment commit with fsync, int8 delta downloads) in its own
 process (``serve`` sub-command of this script: the real server over a synthetic ~100M
-parameter model of 1024-column matrices, P fragments, quorum 1, default grace window), one
-process per shard with ``--shards 2`` (``--shard i/S``, fragments ``p mod S``). The learners
+parameter model of 1024-column matrices, P fragments, H = P, quorum 1, default grace window),
+one process per shard with ``--shards 2`` (``--shard i/S``, fragments ``p mod S``). The learners
 are synthetic: no model, no compute. Each one joins every shard with the generated stubs,
-holds a ``Subscribe`` stream per shard (it receives and discards every broadcast, as a real
-learner does; ``--no-subscribe`` drops this to measure the upload path alone) and, every
-``--step`` seconds, uploads one fragment (``p = k mod P`` at its k-th step, all learners in
-step, as learners with equal speeds are) to the shard that owns it, as the int4 payload of a
-real delta encoded once up front, with ``base_version`` the newest version it has seen.
+heartbeats its step time, holds a ``Subscribe`` stream per shard (it receives and discards
+every download, as a real learner applies them; ``--no-subscribe`` drops this to measure the
+upload path alone) and steps every ``--step`` seconds. With the syncer's schedule (default)
+it answers every request the syncer's clock sent since its last step at that step boundary,
+as a real learner does: the syncer opens one fragment's round per fleet step and asks every
+live learner, so each round merges up to M contributions. With ``--schedule learner`` (the
+former protocol) it sends ``p = k mod P`` at its k-th step on its own, all learners in step.
+An upload is the int4 payload of a real delta encoded once up front, with ``base_version``
+the newest version the learner has seen.
 Learners run as threads in ``--client-procs`` separate processes that import neither torch
 nor the syncer (only grpc and the generated protobuf code).
 
 **Measures** (over a ``--duration`` window after ``--warmup``): offered uploads/s
-(= M / step); accepted contributions/s (client-side replies); commits/s and merged MB/s
+(= M / step: one upload per learner per step); accepted contributions/s (client-side replies); commits/s and merged MB/s
 (Status RPC of every shard: rounds and admitted upload bytes, before and after the window);
 broadcast MB/s received by the learners; upload latency (the Upload RPC, send to reply,
 p50/p95); schedule lag (reply time minus the time the upload was due; a learner that falls
@@ -51,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 COLS = 1024
@@ -85,9 +90,13 @@ def serve(args: argparse.Namespace) -> int:
     layout = synthetic_layout(args.params, args.fragments)
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(f.numel, generator=gen) * 0.02 for f in layout.fragments]
-    # The synthetic learners send on their own step count (they do not answer the clock).
     config = SyncerConfig(
-        quorum=1, lease_s=10.0, heartbeat_s=2.0, up_codec="int4", schedule="learner"
+        quorum=1,
+        lease_s=10.0,
+        heartbeat_s=2.0,
+        up_codec="int4",
+        schedule=args.schedule,
+        sync_every=args.fragments,
     )
     server = SyncerServer(
         layout,
@@ -127,6 +136,8 @@ def client(args: argparse.Namespace) -> int:
         ("grpc.max_send_message_length", 4 << 20),
     ]
     tensors = [pb.TensorSpec(name=n, shape=s, dtype=d) for n, s, d in spec["tensors"]]
+    clocked = spec["schedule"] == "syncer"
+    heartbeat_every = max(1, round(2.0 / step))  # steps between heartbeats (~2 s)
     records: list[tuple] = []
     received: list[list[int]] = []  # one counter per stream, each written by its own thread
     lock = threading.Lock()
@@ -150,33 +161,33 @@ def client(args: argparse.Namespace) -> int:
             for p in reply.fragments:
                 versions[p] = reply.versions[p]
         streams = []
+        requested: deque[int] = deque()  # fragments the clock asked for (appended by streams)
+
+        def heartbeat() -> None:
+            for stub, session in zip(stubs, sessions, strict=True):
+                try:
+                    stub.Heartbeat(
+                        pb.HeartbeatRequest(
+                            learner_id=lid, session=session, steps_per_s=1.0 / step
+                        ),
+                        timeout=10,
+                    )
+                except grpc.RpcError:
+                    pass
 
         def listen(stream, counter: list[int]) -> None:
             try:
                 for chunk in stream:
+                    if chunk.request:
+                        requested.append(chunk.fragment)
+                        continue
                     if chunk.chunk_index == 0:
                         versions[chunk.fragment] = max(versions[chunk.fragment], chunk.version)
                     counter[0] += len(chunk.data)
             except grpc.RpcError:
                 pass
 
-        if spec["subscribe"]:
-            for stub, session in zip(stubs, sessions, strict=True):
-                stream = stub.Subscribe(
-                    pb.SubscribeRequest(learner_id=lid, session=session, have_versions=versions)
-                )
-                streams.append(stream)
-                counter = [0]
-                with lock:
-                    received.append(counter)
-                threading.Thread(target=listen, args=(stream, counter), daemon=True).start()
-        k = 0
-        while True:
-            due = start + k * step
-            if due >= window[1]:
-                break
-            time.sleep(max(0.0, due - time.time()))
-            p = k % P
+        def upload(p: int) -> tuple[float, float, int, str]:
             shard = owner[p]
             payload = payloads[p]
             pieces = [payload[i : i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]
@@ -204,9 +215,37 @@ def client(args: argparse.Namespace) -> int:
                 versions[p] = max(versions[p], reply.current_version)
             except grpc.RpcError as exc:
                 outcome = f"refused:{exc.code().name}"
-            t1 = time.time()
-            with lock:
-                records.append((due, t0, t1, p, outcome))
+            return t0, time.time(), p, outcome
+
+        if spec["subscribe"]:
+            for stub, session in zip(stubs, sessions, strict=True):
+                stream = stub.Subscribe(
+                    pb.SubscribeRequest(learner_id=lid, session=session, have_versions=versions)
+                )
+                streams.append(stream)
+                counter = [0]
+                with lock:
+                    received.append(counter)
+                threading.Thread(target=listen, args=(stream, counter), daemon=True).start()
+        k = 0
+        while True:
+            due = start + k * step
+            if due >= window[1]:
+                break
+            time.sleep(max(0.0, due - time.time()))
+            if k % heartbeat_every == 0:
+                heartbeat()
+            if clocked:  # answer what the clock asked for since the last step boundary
+                asked = []
+                while requested:
+                    asked.append(requested.popleft())
+                todo = list(dict.fromkeys(asked))
+            else:
+                todo = [k % P]
+            for p in todo:
+                row = (due, *upload(p))
+                with lock:
+                    records.append(row)
             k += 1
         for stub, session in zip(stubs, sessions, strict=True):
             try:
@@ -270,6 +309,7 @@ def start_syncers(args, shards: int, work: Path) -> tuple[list[subprocess.Popen]
                 f"--shard={i}/{shards}",
                 f"--port-file={port_file}",
                 f"--max-learners={max(args.learners) + 8}",
+                f"--schedule={args.schedule}",
             ]
             if not args.no_persist:
                 argv.append(f"--state-dir={work / f'state-{shards}-{i}'}")
@@ -322,6 +362,7 @@ def measure(args, layout, payload_files, syncers, addresses, shards, m, work, ta
         "warmup_s": args.warmup + args.step / 2,
         "duration_s": args.duration,
         "subscribe": not args.no_subscribe,
+        "schedule": args.schedule,
     }
     spec_path = work / f"spec-{tag}-{m}.json"
     spec_path.write_text(json.dumps(spec))
@@ -457,7 +498,7 @@ def bench(args: argparse.Namespace) -> int:
         f"synthetic model: {n / 1e6:.1f}M parameters, P = H = {args.fragments}, step "
         f"{args.step}s, fragment {n / args.fragments / 1e6:.2f}M values; cores: {os.cpu_count()}; "
         f"client processes: {args.client_procs}; subscribe: {not args.no_subscribe}; "
-        f"persist: {not args.no_persist}",
+        f"persist: {not args.no_persist}; schedule: {args.schedule}",
         flush=True,
     )
     rows = []
@@ -498,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port-file", required=True)
     s.add_argument("--state-dir", default="")
     s.add_argument("--max-learners", type=int, default=72)
+    s.add_argument("--schedule", default="syncer")
     c = sub.add_parser("client", help="(internal) one process of synthetic learners")
     c.add_argument("--spec", required=True)
     c.add_argument("--first", type=int, required=True)
@@ -514,6 +556,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-procs", type=int, default=2, help="synthetic learner processes")
     parser.add_argument("--no-subscribe", action="store_true", help="learners do not download")
     parser.add_argument("--no-persist", action="store_true", help="syncer keeps no state dir")
+    parser.add_argument(
+        "--schedule",
+        choices=["syncer", "learner"],
+        default="syncer",
+        help="who drives the rounds (default: the syncer's clock)",
+    )
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     if args.cmd == "serve":
@@ -526,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
     args.params = int(args.params)
     args.learners = [int(x) for x in str(args.learners).split(",")]
     args.shards = [int(x) for x in str(args.shards).split(",")]
+    if args.no_subscribe and args.schedule == "syncer":
+        parser.error(
+            "--no-subscribe needs --schedule learner (the clock's requests come on the stream)"
+        )
     if min(args.learners) < 1 or min(args.shards) < 1 or args.step <= 0:
         parser.error("--learners and --shards must be >= 1 and --step > 0")
     return bench(args)
