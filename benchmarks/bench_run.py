@@ -11,7 +11,7 @@ Run: ``.venv/bin/python benchmarks/bench_run.py [--steps 300] [--repeats 3]``.
     2 cores, one learner + one slowed learner + the syncer still fit.
 (c) bytes: bytes on the wire per token (up + down, counted by the syncer per learner) against
     data-parallel fp32 ring all-reduce for the same workers (formula in
-    ``diloco.launch.summary.data_parallel_bytes_per_token``), from the runs of (b).
+    ``diloco.report.summary.data_parallel_bytes_per_token``), from the runs of (b).
 
 The runs of (a) and (b) evaluate the global model only at the start and the end
 (``--eval-every 0``): the periodic evaluator of ``diloco run`` shares the machine's second core

@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from diloco.bench import plots
-from diloco.bench import report as rp
-from diloco.bench.cli import read_curve
+from diloco.cli.bench import read_curve
+from diloco.report import bench as rp
+from diloco.report import plots
 
 
 def main(out: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from diloco.bench import matrix as mx
-from diloco.bench import report as rp
+from diloco.report import bench as rp
 
 
 def test_the_matrix_gives_every_mode_the_same_recipe_seed_and_budget():
@@ -122,7 +122,7 @@ def test_the_bandwidth_target_needs_both_the_ratio_and_the_quality():
 
 
 def test_the_sweep_figure_and_table_name_every_setting(tmp_path):
-    from diloco.bench import plots
+    from diloco.report import plots
 
     rows = [
         {"mode": m, "H": h, "up_codec": "int4", "down_codec": d, "val_loss": loss,

@@ -1,11 +1,11 @@
-"""The checkpoint clock (diloco.cadence): pure, no files, no sleeps."""
+"""The checkpoint clock (diloco.runtime.cadence): pure, no files, no sleeps."""
 
 import argparse
 import math
 
 import pytest
 
-from diloco.cadence import AUTO, CheckpointCadence, auto_interval, parse_every
+from diloco.runtime.cadence import AUTO, CheckpointCadence, auto_interval, parse_every
 
 KW = {"budget": 0.01, "floor_s": 1.0, "cap_s": 300.0}
 

@@ -3,7 +3,7 @@
 import pytest
 
 from diloco.chaos import ChaosSpecError, parse_spec, schedule
-from diloco.launch.goodput import (
+from diloco.report.goodput import (
     busy_rate,
     down_accounting,
     learner_speed,

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from diloco.checkpoint_writer import CheckpointWriter, copy_state, write_atomic
+from diloco.runtime.checkpoint_writer import CheckpointWriter, copy_state, write_atomic
 
 
 def read(path):
@@ -44,7 +44,7 @@ def test_the_written_file_holds_the_state_at_submit_time(tmp_path):
 
 
 def test_one_write_at_a_time_and_submit_declines_while_busy(tmp_path, monkeypatch):
-    from diloco import checkpoint_writer
+    from diloco.runtime import checkpoint_writer
 
     release = threading.Event()
     real = checkpoint_writer.write_atomic

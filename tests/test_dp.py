@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from diloco.dp import checkpoint as ckpt
-from diloco.dp.metrics import dp_metrics, new_ground
+from diloco.baselines.dp import checkpoint as ckpt
 from diloco.launch.supervisor import Supervisor
+from diloco.report.dp_metrics import dp_metrics, new_ground
 from diloco.syncer.store import read_tape
 
 

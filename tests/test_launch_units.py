@@ -1,13 +1,13 @@
 """Pure parts of the launcher: argument plans, summary, bandwidth formula, view."""
 
-import argparse
 import io
 
 import pytest
 
-from diloco.launch.run import parse_assignments, plan_learners
-from diloco.launch.summary import build_summary, data_parallel_bytes_per_token, format_summary
+from diloco.config.run import RunConfig
+from diloco.launch.children import parse_assignments, plan_learners
 from diloco.launch.view import LiveView, render
+from diloco.report.summary import build_summary, data_parallel_bytes_per_token, format_summary
 
 
 def test_assignments_parse_and_validate():
@@ -19,8 +19,8 @@ def test_assignments_parse_and_validate():
 
 
 def test_plan_learners_defaults_and_overrides():
-    args = argparse.Namespace(learners=3, batch=["2=16"], slow=["1=3"], batch_size=0)
-    plans = plan_learners(args, default_batch=8)
+    config = RunConfig(learners=3, batch=["2=16"], slow=["1=3"])
+    plans = plan_learners(config, default_batch=8)
     assert [(p.id, p.batch_size, p.slow) for p in plans] == [
         ("learner-0", 8, 1.0),
         ("learner-1", 8, 3.0),

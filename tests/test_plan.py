@@ -7,12 +7,12 @@ import json
 import pytest
 
 from diloco.cli import main as cli_main
+from diloco.cli.plan import parse_count
 from diloco.plan import (
     PlanInputs,
     decoupled_bandwidth_bps,
     dp_bandwidth_bps,
     dp_time_budget_s,
-    parse_count,
     plan,
     ring_factor,
 )

@@ -260,17 +260,23 @@ def test_allow_list_refuses_other_learner_ids(tmp_path):
 def test_syncer_security_flags(tmp_path, monkeypatch):
     import argparse
 
-    from diloco.syncer.cli import add_security_arguments, security_from_args
+    from diloco.config import add_options, from_namespace
+    from diloco.config.common import ServerSecurityConfig
+    from diloco.syncer.process import server_security
 
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     parser = argparse.ArgumentParser()
-    add_security_arguments(parser, server=True)
+    add_options(parser, ServerSecurityConfig)
+
+    def security(argv):
+        return server_security(from_namespace(ServerSecurityConfig, parser.parse_args(argv)))
+
     (tmp_path / "token").write_text(TOKEN)
-    args = parser.parse_args([f"--token-file={tmp_path / 'token'}", "--allow-learners=a, b,"])
-    assert security_from_args(args) == {"token": TOKEN, "allowed_learners": ["a", "b"]}
+    got = security([f"--token-file={tmp_path / 'token'}", "--allow-learners=a, b,"])
+    assert got == {"token": TOKEN, "allowed_learners": ["a", "b"]}
     with pytest.raises(auth.AuthConfigError, match="both --tls-cert and --tls-key"):
-        security_from_args(parser.parse_args(["--tls-cert=x.pem"]))
+        security(["--tls-cert=x.pem"])
     with pytest.raises(auth.AuthConfigError, match="--tls-client-ca needs"):
-        security_from_args(parser.parse_args(["--tls-client-ca=ca.pem"]))
+        security(["--tls-client-ca=ca.pem"])
     with pytest.raises(auth.AuthConfigError, match="cannot read the TLS"):
-        security_from_args(parser.parse_args(["--tls-cert=missing.pem", "--tls-key=missing.key"]))
+        security(["--tls-cert=missing.pem", "--tls-key=missing.key"])

@@ -10,6 +10,8 @@ import pytest
 
 from diloco.algorithm.rounds import Estimates, OpenRound, decide_round
 from diloco.cli import main as cli_main
+from diloco.config import RecipeConfig, to_dict
+from diloco.config.run import RunConfig
 from diloco.sim.calibrate import max_residual_points, nelder_mead, row_goodput
 from diloco.sim.failures import Recovery, draw_outages, merge_outages
 from diloco.sim.grid import (
@@ -249,13 +251,13 @@ def test_cli_rejects_bad_input_with_exit_2(argv):
 
 
 def test_twin_prediction_of_one_known_kill():
-    config = {"learners": 1, "minutes": 1.0, "chaos": "kill:at=20s,down=5s", "sync_every": 24}
+    config = RunConfig(learners=1, minutes=1.0, chaos="kill:at=20s,down=5s")
     c = MachineConstants(startup_s=0.0, restart_s=5.0, steps_per_s=12.0)
-    # lost: 12 undelivered steps = 1 s before the kill; down 5 s + restart 5 s after it
+    # lost: 12 undelivered steps (H = 24) = 1 s before the kill; down 5 s + restart 5 s after it
     assert predict(config, c, seed=0) == pytest.approx(1 - 11 / 60)
-    hang = dict(config, chaos="hang:at=20s,down=5s")
+    hang = replace(config, chaos="hang:at=20s,down=5s")
     assert predict(hang, c, seed=0) == pytest.approx(1 - 5 / 60)
-    two = dict(config, learners=2, chaos="kill:at=20s,down=5s,learners=1")
+    two = replace(config, learners=2, chaos="kill:at=20s,down=5s,learners=1")
     assert predict(two, c, seed=0) == pytest.approx(1 - 11 / 120)
 
 
@@ -278,20 +280,20 @@ def test_dp_counts_every_failure_and_ignores_recovery_times():
     assert a == b
 
 
-def _fake_run(tmp_path, *, seed: int = 0):
-    """A run directory as ``diloco run`` leaves it: one learner killed once at 20 s."""
+def _fake_run(tmp_path, *, seed: int = 0, legacy: bool = False):
+    """A run directory as ``diloco run`` leaves it: one learner killed once at 20 s
+    (``legacy``: its ``config.json`` in the flat format of runs before 2026-11-25)."""
     run = tmp_path / "run"
     (run / "syncer").mkdir(parents=True)
     (run / "learners" / "learner-0").mkdir(parents=True)
-    config = {
-        "learners": 1,
-        "minutes": 1.0,
-        "seed": seed,
-        "chaos": "kill:at=20s,down=5s",
-        "sync_every": 24,
-        "quorum": 1,
-    }
-    (run / "config.json").write_text(json.dumps(config))
+    config = RunConfig(
+        learners=1, minutes=1.0, recipe=RecipeConfig(seed=seed), chaos="kill:at=20s,down=5s"
+    )
+    data = to_dict(config)
+    if legacy:
+        flat = {"learners": 1, "minutes": 1.0, "seed": seed, "chaos": config.chaos}
+        data = {**flat, "sync_every": 24, "quorum": 1, "lease": 5.0, "func": None}
+    (run / "config.json").write_text(json.dumps(data))
     launch = 1000.0
     tape = [
         {"event": "start", "t": launch},
@@ -315,8 +317,9 @@ def _fake_run(tmp_path, *, seed: int = 0):
     return run
 
 
-def test_twin_measures_constants_and_reports(tmp_path):
-    run = _fake_run(tmp_path)
+@pytest.mark.parametrize("legacy", [False, True])
+def test_twin_measures_constants_and_reports(tmp_path, legacy):
+    run = _fake_run(tmp_path, legacy=legacy)
     c = measure_constants(run)
     assert (c.startup_s, c.restart_s, c.steps_per_s) == (4.0, 3.0, 10.0)
     assert c.speed_ratio == pytest.approx(1.0)

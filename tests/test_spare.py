@@ -6,10 +6,9 @@ import time
 import pytest
 
 from diloco.chaos import ChaosEvent
-from diloco.launch.procs import Child, diloco_command
-from diloco.launch.run import spare_count
-from diloco.launch.spare import assignment, parse_assignment
 from diloco.launch.supervisor import Supervisor
+from diloco.runtime.procs import Child, diloco_command
+from diloco.runtime.spare import assignment, parse_assignment, spare_count
 
 
 def wait_exit(child: Child, timeout: float = 90.0) -> int:
@@ -96,7 +95,7 @@ def test_a_crashed_child_restarts_warm_and_the_spare_is_replaced(tmp_path):
         assert len(sup._spares) == 1 and sup._spares[0].pid != first_spare
         slot.child.proc.wait(90)  # the spare ran the learner command: the same error, logged
         assert slot.child.poll() == 2
-        assert (tmp_path / "l0.log").read_text().count("diloco learner: error:") == 2
+        assert (tmp_path / "l0.log").read_text().count("unrecognized arguments: --bogus") == 2
         spare = sup._spares[0]
     finally:
         sup.kill_everything()

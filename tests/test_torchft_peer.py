@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.peers.netbytes import SocketBytes
-from diloco.peers.torchft_peer import parse_slow
-from diloco.peers.torchft_replica import split_fragments
+from diloco.baselines.torchft.netbytes import SocketBytes
+from diloco.baselines.torchft.peer import parse_slow
+from diloco.baselines.torchft.replica import split_fragments
 
 CORE_FIELDS = (
     "mode",
@@ -95,7 +95,7 @@ def test_socket_bytes_counts_tcp_payload_both_ways():
 @pytest.mark.timeout(90)
 def test_two_replica_groups_train_a_few_rounds_and_the_loss_falls(tmp_path):
     pytest.importorskip("torchft")
-    from diloco.peers.torchft_peer import run_torchft
+    from diloco.baselines.torchft.peer import run_torchft
 
     rounds, sync_every = 4, 16
     summary = run_torchft(
@@ -134,7 +134,7 @@ def test_two_replica_groups_train_a_few_rounds_and_the_loss_falls(tmp_path):
 @pytest.mark.timeout(90)
 def test_a_time_budget_stops_every_replica_after_the_same_commit(tmp_path):
     pytest.importorskip("torchft")
-    from diloco.peers.torchft_peer import run_torchft
+    from diloco.baselines.torchft.peer import run_torchft
 
     summary = run_torchft(
         learners=2, recipe="tiny", minutes=0.25, run_dir=tmp_path / "run", stop_timeout=20.0

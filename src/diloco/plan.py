@@ -1,4 +1,4 @@
-"""``diloco plan``: the wide-area bandwidth data-parallel and Decoupled DiLoCo need.
+"""The wide-area bandwidth data-parallel and Decoupled DiLoCo need (``diloco plan``).
 
 The model (docs/plan.md has it written out with a worked example). Bandwidth is per site, one
 direction of a full-duplex wide-area link, in bits per second; N parameters, step time t,
@@ -26,10 +26,9 @@ streams (a syncer sharded across the sites spreads that load).
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import asdict, dataclass
+
+from diloco.config.common import ProtocolConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,9 +45,9 @@ class PlanInputs:
     """Bits per value of a learner's outer gradient (4: int4, the paper's choice)."""
     down_bits: int = 4
     """Bits per value of a merged fragment sent back to the learners."""
-    fragments: int = 24
+    fragments: int = ProtocolConfig.fragments
     """P."""
-    sync_every: int = 24
+    sync_every: int = ProtocolConfig.sync_every
     """H: each fragment is sent every H steps."""
     tau: float = 2.0
     """τ: steps a fragment may take to arrive."""
@@ -111,78 +110,3 @@ def plan(p: PlanInputs) -> dict:
         "dp_bits_per_step": dp_bits_per_step(p),
         "dp_time_budget_s": dp_time_budget_s(p),
     }
-
-
-def parse_count(text: str) -> float:
-    """``12e9``, ``12B``, ``350M``, ``70b`` → a parameter count."""
-    t = text.strip().upper()
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
-    if scale != 1.0:
-        t = t[:-1]
-    try:
-        return float(t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a parameter count (e.g. 12B, 350M)"
-        ) from None
-
-
-def register(subparsers) -> None:
-    d = PlanInputs(params=1, step_time_s=1)
-    p = subparsers.add_parser(
-        "plan",
-        help="wide-area bandwidth data-parallel and Decoupled DiLoCo need (docs/plan.md)",
-        description=__doc__.splitlines()[0],
-    )
-    p.add_argument("--params", type=parse_count, required=True, help="e.g. 12B")
-    p.add_argument("--step-time", type=float, required=True, help="seconds per step")
-    p.add_argument("--sites", type=int, default=d.sites)
-    p.add_argument("--dp-bits", type=int, default=d.dp_bits)
-    p.add_argument("--bits", type=int, default=d.up_bits, help="learner upload bits (int4: 4)")
-    p.add_argument("--down-bits", type=int, default=d.down_bits)
-    p.add_argument("--fragments", type=int, default=d.fragments, help="P")
-    p.add_argument("--sync-every", type=int, default=d.sync_every, help="H")
-    p.add_argument("--tau", type=float, default=d.tau)
-    p.add_argument("--utilization", type=float, default=d.utilization, help="target, in (0, 1)")
-    p.add_argument("--dp-overlap", type=float, default=d.dp_overlap, help="in [0, 1]")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        inputs = PlanInputs(
-            params=args.params,
-            step_time_s=args.step_time,
-            sites=args.sites,
-            dp_bits=args.dp_bits,
-            up_bits=args.bits,
-            down_bits=args.down_bits,
-            fragments=args.fragments,
-            sync_every=args.sync_every,
-            tau=args.tau,
-            utilization=args.utilization,
-            dp_overlap=args.dp_overlap,
-        )
-    except ValueError as exc:
-        print(f"diloco plan: error: {exc}", file=sys.stderr)
-        return 2
-    out = plan(inputs)
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
-    p = inputs
-    print(
-        f"{p.params:.3g} parameters, {p.step_time_s:g} s/step, {p.sites} sites, "
-        f"utilization target {p.utilization:g}"
-    )
-    print(
-        f"  data-parallel ({p.dp_bits}-bit gradients, ring across sites, {p.dp_overlap:g} of a "
-        f"step overlapped): {out['dp_gbps']:.3g} Gbps per site"
-    )
-    print(
-        f"  Decoupled DiLoCo (P={p.fragments}, H={p.sync_every}, tau={p.tau:g}, "
-        f"{p.up_bits}-bit up / {p.down_bits}-bit down): {out['decoupled_gbps']:.3g} Gbps per site"
-    )
-    print(f"  ratio {out['ratio']:.0f}x")
-    return 0

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from diloco.config.common import ProtocolConfig
+from diloco.syncer.config import SyncerConfig
+
 MODES = ("decoupled", "sync", "dp")
 CONDITIONS = ("clean", "chaos", "slow")
 PEERS = ("torchft",)
@@ -27,7 +30,12 @@ SWEEP_KEYS = ("mode", "H", "up_codec", "down_codec")
 """What identifies a sweep row (the sweep settings plus the mode)."""
 LOW_BANDWIDTH = (("decoupled", 96, "int4", "int4"), ("sync", 96, "int4", "int4"))
 """(mode, H, up codec, down codec) runs added to the sweep's grid."""
-DEFAULT_SETTING = {"mode": "decoupled", "H": 24, "up_codec": "int4", "down_codec": "int8"}
+DEFAULT_SETTING = {
+    "mode": "decoupled",
+    "H": ProtocolConfig.sync_every,
+    "up_codec": SyncerConfig.up_codec,
+    "down_codec": SyncerConfig.down_codec,
+}
 """The default configuration the sweep's losses are compared with."""
 
 

@@ -1,6 +1,6 @@
 """External peers in ``diloco bench``: the same cell, trained by another implementation.
 
-``torchft``: torchft's DiLoCo (:func:`diloco.peers.torchft_peer.run_torchft`) on the same recipe,
+``torchft``: torchft's DiLoCo (:func:`diloco.baselines.torchft.peer.run_torchft`) on the same recipe,
 seed, learners and batch size, H = 24 (one fragment: torchft's plain DiLoCo), our syncer's
 default outer optimizer (lr 1.0, μ 0). Its lighthouse waits for every replica, so it is
 synchronous DiLoCo as torchft runs it. Clean cells stop at the matrix's token budget
@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from diloco.config.common import ProtocolConfig
+
 PEER_OUTER_LR = 1.0
 
 
@@ -26,7 +28,7 @@ def peer_kwargs(spec, budget) -> dict:
         "learners": budget.learners,
         "recipe": budget.recipe,
         "seed": spec.seed,
-        "sync_every": 24,
+        "sync_every": ProtocolConfig.sync_every,
         "outer_lr": PEER_OUTER_LR,
         "outer_momentum": 0.0,
     }
@@ -42,7 +44,7 @@ def run_peer(spec, run_dir: Path, budget) -> dict:
     """Run ``spec`` with its peer; returns its summary (also written to ``run_dir``)."""
     if spec.peer != "torchft":
         raise ValueError(f"unknown peer {spec.peer!r}")
-    from diloco.peers.torchft_peer import run_torchft
+    from diloco.baselines.torchft.peer import run_torchft
 
     summary = run_torchft(run_dir=run_dir, **peer_kwargs(spec, budget))
     summary.setdefault("mode", "torchft")

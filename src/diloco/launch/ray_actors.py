@@ -12,7 +12,7 @@ import signal
 import threading
 from pathlib import Path
 
-from diloco.launch.procs import Child, diloco_command
+from diloco.runtime.procs import Child, diloco_command
 
 
 class ProcActor:
@@ -77,7 +77,7 @@ def _binds_port_0(arg: str) -> bool:
 
 
 class RayChild:
-    """The supervisor's view of one actor: what :class:`~diloco.launch.procs.Child` offers
+    """The supervisor's view of one actor: what :class:`~diloco.runtime.procs.Child` offers
     (``running``, ``poll``, ``signal``, ``kill``, ``tail``) plus the incarnations seen.
 
     Status is polled without blocking: one ``status`` call is kept in flight and read when it

@@ -22,7 +22,6 @@ directory is on a filesystem every node sees at the same path (logs, progress, c
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import signal
@@ -30,10 +29,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from diloco.launch.procs import diloco_command
 from diloco.launch.ray_actors import ProcActor, RayChild
 from diloco.launch.supervisor import Slot, Supervisor
+from diloco.runtime.procs import diloco_command
+
+if TYPE_CHECKING:
+    from diloco.config.run import RunConfig
 
 MISSING = "the Ray backend needs Ray: pip install 'diloco[ray]'"
 #: Chaos kinds the Ray backend cannot carry out: network faults need a TCP relay next to each
@@ -55,33 +58,6 @@ def import_ray():
     return ray
 
 
-def add_ray_arguments(p: argparse.ArgumentParser) -> None:
-    """``diloco run`` flags of the Ray backend (ignored, and refused if set, by the local one)."""
-    p.add_argument(
-        "--backend",
-        choices=["local", "ray"],
-        default="local",
-        help="local: processes on this machine (default); ray: actors on a Ray cluster",
-    )
-    p.add_argument(
-        "--address",
-        help="Ray cluster to join, e.g. auto (default: start a local Ray instance for the run)",
-    )
-    p.add_argument("--ray-learner-cpus", type=float, help="CPUs Ray reserves per learner (1)")
-    p.add_argument("--ray-learner-gpus", type=float, help="GPUs Ray reserves per learner (0)")
-    p.add_argument("--ray-syncer-cpus", type=float, help="CPUs Ray reserves for the syncer (1)")
-    p.add_argument(
-        "--ray-max-restarts",
-        type=int,
-        help="times Ray restarts a failed learner (-1: always, the default); the syncer: always",
-    )
-    p.add_argument(
-        "--ray-syncer-host",
-        help="host the syncer binds on its node (default 127.0.0.1 for a local Ray instance, "
-        "the node's IP with --address; a non-loopback bind needs --token-file)",
-    )
-
-
 RAY_DEFAULTS = {
     "ray_learner_cpus": 1.0,
     "ray_learner_gpus": 0.0,
@@ -90,24 +66,26 @@ RAY_DEFAULTS = {
 }
 
 
-def check_args(args: argparse.Namespace, chaos_kinds: set[str]) -> None:
+def check_config(config: RunConfig, chaos_kinds: set[str]) -> None:
     """Refuse what the chosen backend cannot do (ValueError); fill in the Ray defaults."""
     ray_flags = [*RAY_DEFAULTS, "address", "ray_syncer_host"]
-    if args.backend != "ray":
-        given = [f"--{k.replace('_', '-')}" for k in ray_flags if getattr(args, k) is not None]
+    if config.ray.backend != "ray":
+        given = [
+            f"--{k.replace('_', '-')}" for k in ray_flags if getattr(config.ray, k) is not None
+        ]
         if given:
             raise ValueError(f"{', '.join(given)}: only with --backend ray")
         return
     for key, value in RAY_DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+        if getattr(config.ray, key) is None:
+            setattr(config.ray, key, value)
     if importlib.util.find_spec("ray") is None:
         raise ValueError(MISSING)
-    if args.mode == "dp":
+    if config.mode == "dp":
         raise ValueError("--mode dp: not supported with --backend ray (a static gloo group)")
-    if args.shards > 1:
+    if config.shards > 1:
         raise ValueError("--shards > 1: not supported with --backend ray yet; use --backend local")
-    if getattr(args, "spares", -1) > 0:
+    if getattr(config, "spares", -1) > 0:
         raise ValueError("--spares: local backend only (Ray restarts its own actors)")
     bad = sorted(chaos_kinds & set(UNSUPPORTED_CHAOS))
     if bad:
@@ -115,18 +93,21 @@ def check_args(args: argparse.Namespace, chaos_kinds: set[str]) -> None:
             f"--chaos {', '.join(bad)}: not supported with --backend ray "
             "(network faults need a local relay per learner); use --backend local"
         )
-    if args.address and args.address.startswith("ray://"):
+    if config.ray.address and config.ray.address.startswith("ray://"):
         raise ValueError(
             "--address ray://...: run diloco on a node of the cluster (--address auto)"
         )
-    if min(args.ray_learner_cpus, args.ray_learner_gpus, args.ray_syncer_cpus) < 0:
+    if (
+        min(config.ray.ray_learner_cpus, config.ray.ray_learner_gpus, config.ray.ray_syncer_cpus)
+        < 0
+    ):
         raise ValueError("--ray-*-cpus/gpus must be >= 0")
 
 
 class RaySupervisor(Supervisor):
     """:class:`~diloco.launch.supervisor.Supervisor` whose slots are Ray actors.
 
-    Joins the Ray cluster at ``args.address`` or starts a local Ray instance sized to the
+    Joins the Ray cluster at ``config.ray.address`` or starts a local Ray instance sized to the
     run's requests (:meth:`close` shuts that one down). ``add`` starts an actor per process:
     the syncer pinned to this node and restarted always, learners wherever their
     ``--ray-learner-cpus/--ray-learner-gpus`` fit, restarted up to ``--ray-max-restarts``
@@ -134,27 +115,27 @@ class RaySupervisor(Supervisor):
     the tape, with the time the new child started, and ``crash`` unless chaos caused it).
     """
 
-    def __init__(self, args: argparse.Namespace, **kwargs) -> None:
+    def __init__(self, config: RunConfig, **kwargs) -> None:
         super().__init__(**kwargs)
         self.ray = ray = import_ray()
-        self.args = args
-        self.owns_ray = not args.address
+        self.config = config
+        self.owns_ray = not config.ray.address
         # ray.init installs a SIGTERM handler that exits at once; the run's own handler stops
         # the run in order (learners, final evaluation, summary): put it back afterwards.
         on_sigterm = signal.getsignal(signal.SIGTERM)
         if self.owns_ray:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            cpus = args.learners * args.ray_learner_cpus + args.ray_syncer_cpus
+            cpus = config.learners * config.ray.ray_learner_cpus + config.ray.ray_syncer_cpus
             ray.init(
                 address="local",
                 num_cpus=max(1, int(cpus + 0.999)),
-                num_gpus=None if args.ray_learner_gpus else 0,
+                num_gpus=None if config.ray.ray_learner_gpus else 0,
                 include_dashboard=False,
                 log_to_driver=False,
                 object_store_memory=100 * 1024 * 1024,  # nothing of ours goes through it
             )
         else:
-            ray.init(address=args.address, log_to_driver=False)
+            ray.init(address=config.ray.address, log_to_driver=False)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_sigterm)
         # Ray's driver prints its notices (e.g. "a worker died", which each restart here
@@ -166,7 +147,7 @@ class RaySupervisor(Supervisor):
         self.given_up: set[str] = set()  # slots whose actor Ray no longer restarts
         try:
             self.node_id = ray.get_runtime_context().get_node_id()
-            self.syncer_host = args.ray_syncer_host or (
+            self.syncer_host = config.ray.ray_syncer_host or (
                 LOOPBACK if self.owns_ray else ray.util.get_node_ip_address()
             )
             self.actor_class = ray.remote(ProcActor)
@@ -178,8 +159,9 @@ class RaySupervisor(Supervisor):
     def _warn_if_short(self) -> None:
         have = self.ray.cluster_resources()
         need = {
-            "CPU": self.args.learners * self.args.ray_learner_cpus + self.args.ray_syncer_cpus,
-            "GPU": self.args.learners * self.args.ray_learner_gpus,
+            "CPU": self.config.learners * self.config.ray.ray_learner_cpus
+            + self.config.ray.ray_syncer_cpus,
+            "GPU": self.config.learners * self.config.ray.ray_learner_gpus,
         }
         for key, n in need.items():
             if n > have.get(key, 0.0):
@@ -200,16 +182,16 @@ class RaySupervisor(Supervisor):
                 (a.split("=", 1)[1] for a in command if a.startswith("--port-file=")), None
             )
             options = {
-                "num_cpus": self.args.ray_syncer_cpus,
+                "num_cpus": self.config.ray.ray_syncer_cpus,
                 "max_restarts": -1,
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_id, soft=False),
             }
         else:
             port_file = None
             options = {
-                "num_cpus": self.args.ray_learner_cpus,
-                "num_gpus": self.args.ray_learner_gpus,
-                "max_restarts": self.args.ray_max_restarts,
+                "num_cpus": self.config.ray.ray_learner_cpus,
+                "num_gpus": self.config.ray.ray_learner_gpus,
+                "max_restarts": self.config.ray.ray_max_restarts,
             }
         actor = self.actor_class.options(max_concurrency=4, **options).remote(
             name, command, str(log), os.getcwd(), port_file

@@ -7,7 +7,7 @@ down. The syncer is restarted from its state directory on the same address whene
 Every injected failure and every restart is appended to the event tape (``chaos`` and
 ``restart`` records) next to the syncer's own records.
 
-With ``spares=N`` the supervisor keeps N warm spares (:mod:`diloco.launch.spare`: interpreters
+With ``spares=N`` the supervisor keeps N warm spares (:mod:`diloco.runtime.spare`: interpreters
 that have imported torch) from the start of the chaos clock on; a restart hands the child's
 command to one (``"warm": true`` on a learner's ``restart`` record; the syncer always
 restarts fresh) and a new spare is started in its
@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.chaos import NETWORK_KINDS, ChaosEvent
-from diloco.launch.procs import Child
 from diloco.launch.syncers import is_syncer
+from diloco.runtime.procs import Child
+
+MAX_UNPLANNED_RESTARTS = 5
+"""A process that exits on its own (not by chaos) more often than this fails the run."""
 
 
 @dataclass
@@ -275,7 +278,7 @@ class Supervisor:
     def stop(self, names: list[str], timeout: float) -> dict[str, int | None]:
         """Stop the named processes (resume hung ones first); name -> exit code of the clean
         stop, 0 if it had finished before, None if it was down when asked to stop."""
-        from diloco.launch.procs import stop_all
+        from diloco.runtime.procs import stop_all
 
         live = []
         for name in names:

@@ -39,6 +39,7 @@ from diloco.algorithm.fragments import (
     due_fragments,
     fragment_digest,
 )
+from diloco.config.common import ProtocolConfig
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Inbox, Rejoin
 from diloco.learner.ledger import Ledger, Outgoing
@@ -53,9 +54,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class LearnerConfig:
-    fragments: int = 24
+    fragments: int = ProtocolConfig.fragments
     """P: number of fragments the model is cut into (must match the syncer)."""
-    sync_every: int = 24
+    sync_every: int = ProtocolConfig.sync_every
     """H on the learners' schedule (a syncer started with ``schedule="learner"``): each
     fragment is sent every H local steps. On the syncer's schedule (the default) the syncer
     asks for each fragment and paces the rounds with its own H."""

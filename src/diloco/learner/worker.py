@@ -7,7 +7,6 @@ every fragment's progress to the syncer and exits 0; so does reaching ``--deadli
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -17,14 +16,16 @@ import threading
 import time
 from pathlib import Path
 
-from diloco.cadence import AUTO, CheckpointCadence, parse_every
-from diloco.checkpoint_writer import CheckpointWriter
+from diloco.config.worker import WorkerConfig
+from diloco.runtime.cadence import CheckpointCadence
+from diloco.runtime.checkpoint_writer import CheckpointWriter
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: WorkerConfig) -> int:
+    """Train until the budget, SIGTERM or the deadline; returns the exit status."""
     import torch
 
-    if not args.syncer and not args.no_sync:
+    if not config.syncer and not config.no_sync:
         print("diloco learner: --syncer HOST:PORT is required (or --no-sync)", file=sys.stderr)
         return 2
 
@@ -32,20 +33,20 @@ def run(args: argparse.Namespace) -> int:
     from diloco.learner.shards import parse_syncer_addresses
     from diloco.recipes import get_recipe
 
-    if args.syncer and not args.no_sync:
+    if config.syncer and not config.no_sync:
         try:
-            parse_syncer_addresses(args.syncer)
+            parse_syncer_addresses(config.syncer)
         except ValueError as exc:
             print(f"diloco learner: --syncer: {exc}", file=sys.stderr)
             return 2
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(config.threads)
     rank, world = island_rank()
-    if world > 1 and args.wait_for_merge >= 0:
+    if world > 1 and config.wait_for_merge >= 0:
         print("diloco learner: --wait-for-merge is not supported in an island", file=sys.stderr)
         return 2  # (0, 1) unless started by torchrun with several ranks
-    recipe = get_recipe(args.recipe, data_path=args.data)
-    model = recipe.build_model(args.seed)
+    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    model = recipe.build_model(config.recipe.seed)
     train_model = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -54,53 +55,55 @@ def run(args: argparse.Namespace) -> int:
     optimizer = recipe.build_optimizer(model)
     # Every rank of every island reads its own stream of the data.
     stream = recipe.stream(
-        learner_id=args.index * world + rank, seed=args.seed, batch_size=args.batch_size
+        learner_id=config.index * world + rank,
+        seed=config.recipe.seed,
+        batch_size=config.batch_size,
     )
-    workdir = Path(args.workdir) if args.workdir else None
+    workdir = Path(config.workdir) if config.workdir else None
     if workdir:
         workdir.mkdir(parents=True, exist_ok=True)
     leader = rank == 0  # the rank that reports progress and writes the learner's files
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    if args.exit_with_parent:
-        from diloco.launch.procs import exit_with_parent
+    if config.exit_with_parent:
+        from diloco.runtime.procs import exit_with_parent
 
         exit_with_parent(stop)
 
     from diloco.wire.auth import AuthConfigError, load_token
 
     try:
-        token = None if args.no_sync else load_token(args.token_file)
+        token = None if config.no_sync else load_token(config.security.token_file)
     except AuthConfigError as exc:
         print(f"diloco learner: {exc}", file=sys.stderr)
         return 2
-    config = LearnerConfig(
-        fragments=args.fragments,
-        sync_every=args.sync_every,
-        rebase_own=not args.overwrite_own,
-        learner_id=args.id,
+    learner_config = LearnerConfig(
+        fragments=config.protocol.fragments,
+        sync_every=config.protocol.sync_every,
+        rebase_own=not config.overwrite_own,
+        learner_id=config.id,
         # what one step of this island holds: the syncer refuses claims above it
-        tokens_per_step=(args.batch_size or recipe.batch_size) * recipe.model.seq_len * world,
-        cpu_threads=args.threads,
+        tokens_per_step=(config.batch_size or recipe.batch_size) * recipe.model.seq_len * world,
+        cpu_threads=config.threads,
         token=token,
-        tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
+        tls_ca=config.security.tls_ca,
+        tls_cert=config.security.tls_cert,
+        tls_key=config.security.tls_key,
         # beside the checkpoint: what was delivered after it is not sent again on restore
         delivery_file=str(workdir / DELIVERY_LOG)
-        if workdir and leader and not args.no_sync
+        if workdir and leader and not config.no_sync
         else None,
     )
     link_options = {}
-    if args.corrupt:
+    if config.corrupt:
         from diloco.learner.corrupt import Corruptor
 
-        end = args.corrupt_end if args.corrupt_end > 0 else float("inf")
-        link_options["corruptor"] = Corruptor(args.corrupt, args.corrupt_start, end)
-        print(f"learner {args.id}: chaos: corrupting uploads ({args.corrupt})", flush=True)
+        end = config.corrupt_end if config.corrupt_end > 0 else float("inf")
+        link_options["corruptor"] = Corruptor(config.corrupt, config.corrupt_start, end)
+        print(f"learner {config.id}: chaos: corrupting uploads ({config.corrupt})", flush=True)
     name = CHECKPOINT if leader else f"checkpoint.rank{rank}.pt"
-    checkpoint = workdir / name if workdir and not args.no_sync else None
+    checkpoint = workdir / name if workdir and not config.no_sync else None
     saved = load_checkpoint(checkpoint) if checkpoint else None
     if saved is not None:
         model.load_state_dict(saved["model"])
@@ -108,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
         stream.load_state_dict(saved["stream"])
         if leader:
             step = saved["learner"]["local_step"]
-            print(f"learner {args.id}: resumed from {checkpoint} at step {step}")
-    if args.no_sync:
+            print(f"learner {config.id}: resumed from {checkpoint} at step {step}")
+    if config.no_sync:
         learner = LocalOnly()
     elif world > 1:
         from diloco.learner.island import IslandLearner
@@ -117,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
         learner = IslandLearner(
             train_model,
             optimizer,
-            syncer=args.syncer,
-            config=config,
+            syncer=config.syncer,
+            config=learner_config,
             state=saved["learner"] if saved and leader else None,
             link_options=link_options,
         )
@@ -126,37 +129,37 @@ def run(args: argparse.Namespace) -> int:
         learner = Learner(
             model,
             optimizer,
-            syncer=args.syncer,
-            config=config,
+            syncer=config.syncer,
+            config=learner_config,
             state=saved["learner"] if saved else None,
             link_options=link_options,
         )
     dropped = getattr(learner, "dropped_on_restore", [])  # (none without a syncer)
     if dropped:
         print(
-            f"learner {args.id}: {len(dropped)} fragments' checkpointed progress was delivered "
+            f"learner {config.id}: {len(dropped)} fragments' checkpointed progress was delivered "
             "after the checkpoint; not sending it again"
         )
-    if not learner.wait_for_global(timeout=args.join_timeout):
+    if not learner.wait_for_global(timeout=config.join_timeout):
         print(
-            f"learner {args.id}: no global model from {args.syncer} within {args.join_timeout}s; training from the local init"
+            f"learner {config.id}: no global model from {config.syncer} within {config.join_timeout}s; training from the local init"
         )
     progress = (workdir / "progress.jsonl").open("a") if workdir and leader else None
     last_report = time.time()
     started = time.time()
-    cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
+    cadence = CheckpointCadence(every=config.checkpoint_every, start=started)
     writer = CheckpointWriter() if checkpoint else None
-    run_started = args.run_started or started
+    run_started = config.run_started or started
     first_step = learner.local_step  # > 0 when resumed from a checkpoint
     busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
-    jitter = random.Random(f"{args.seed}/{args.index}/{learner.local_step}")
-    while not args.total_steps or learner.local_step < args.total_steps:
+    jitter = random.Random(f"{config.recipe.seed}/{config.index}/{learner.local_step}")
+    while not config.total_steps or learner.local_step < config.total_steps:
         step = learner.local_step
         now = time.time()
-        length = schedule_length(args, step, now - run_started)
+        length = schedule_length(config, step, now - run_started)
         # a save is due when the cadence says so and the previous one has reached the disk
         save = writer is not None and cadence.due(now) and not writer.busy
-        should_stop = stop.is_set() or bool(args.deadline and now >= args.deadline)
+        should_stop = stop.is_set() or bool(config.deadline and now >= config.deadline)
         if world > 1:  # the ranks of an island agree on stopping, the lr and checkpoints
             should_stop, length, save = island_agree(should_stop, length, save, writer)
         if save and writer:  # the training thread pays the copy; a background thread writes it
@@ -165,11 +168,11 @@ def run(args: argparse.Namespace) -> int:
             cadence.saved(time.time(), time.perf_counter() - saving)
         if should_stop:
             break
-        waited = args.wait_for_merge < 0 or learner.wait_for_merges(
-            args.wait_for_merge, args.merge_timeout, stop
+        waited = config.wait_for_merge < 0 or learner.wait_for_merges(
+            config.wait_for_merge, config.merge_timeout, stop
         )
         if not waited and not stop.is_set():
-            print(f"learner {args.id}: no merge within {args.merge_timeout}s; going on")
+            print(f"learner {config.id}: no merge within {config.merge_timeout}s; going on")
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr_at(step, length)
         t0 = time.perf_counter()
@@ -180,13 +183,13 @@ def run(args: argparse.Namespace) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # emulate slower (and uneven) hardware: stretch this step to `stretch` times its cost
-        stretch = args.slow * (1.0 + args.jitter * jitter.uniform(-1.0, 1.0))
+        stretch = config.slow * (1.0 + config.jitter * jitter.uniform(-1.0, 1.0))
         if stretch > 1.0:
             time.sleep((stretch - 1.0) * (time.perf_counter() - t0))
         learner.step(tokens=x.numel())
         busy_s += time.perf_counter() - t0
         now = time.time()
-        if progress and now - last_report >= args.report_every:
+        if progress and now - last_report >= config.report_every:
             last_report = now
             sps = (learner.local_step - first_step) / max(now - started, 1e-9)
             progress.write(
@@ -209,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     learner.close(flush=True)
     if writer:
         writer.save_now(checkpoint, checkpoint_state(model, optimizer, learner, stream))
-    if workdir and not args.no_sync and leader:
+    if workdir and not config.no_sync and leader:
         write_final_state(workdir, learner)
     if world > 1:
         if workdir:  # what every replica holds at exit, to check that they agree
@@ -335,16 +338,16 @@ class LocalOnly:
         return {"step": self.local_step, "tokens": self.total_tokens}
 
 
-def schedule_length(args: argparse.Namespace, step: int, elapsed: float) -> int:
+def schedule_length(config, step: int, elapsed: float) -> int:
     """Length of the lr schedule in steps: given, or estimated from a time budget.
 
     With ``--schedule-seconds`` the schedule ends when the time budget does: the length is
     re-estimated every step as ``step × budget / elapsed`` (0 = unknown, constant lr).
     """
-    if args.schedule_steps or args.total_steps:
-        return args.schedule_steps or args.total_steps
-    if args.schedule_seconds and step > 0 and elapsed > 0:
-        return max(step + 1, int(step * args.schedule_seconds / elapsed))
+    if config.schedule_steps or config.total_steps:
+        return config.schedule_steps or config.total_steps
+    if config.schedule_seconds and step > 0 and elapsed > 0:
+        return max(step + 1, int(step * config.schedule_seconds / elapsed))
     return 0
 
 
@@ -369,109 +372,3 @@ def write_final_state(workdir: Path, learner) -> None:
             indent=1,
         )
     )
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("learner", help="run one learner process")
-    p.add_argument(
-        "--syncer",
-        help="syncer address HOST:PORT, or every shard's address comma-separated for a sharded "
-        "syncer (HOST0:PORT0,HOST1:PORT1,...); required unless --no-sync",
-    )
-    p.add_argument(
-        "--no-sync", action="store_true", help="train alone without a syncer (a baseline)"
-    )
-    p.add_argument("--id", required=True, help="learner id (keep it across restarts)")
-    p.add_argument(
-        "--index", type=int, default=0, help="learner index: selects this learner's data stream"
-    )
-    p.add_argument("--recipe", default="shakespeare")
-    p.add_argument("--data", help="UTF-8 text file instead of Shakespeare")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument(
-        "--slow", type=float, default=1.0, help="emulated slowdown factor (3: each step takes 3x)"
-    )
-    p.add_argument(
-        "--jitter",
-        type=float,
-        default=0.0,
-        help="each step takes up to +-this fraction more or less than --slow says (seeded)",
-    )
-    p.add_argument("--fragments", type=int, default=24)
-    p.add_argument("--sync-every", type=int, default=24)
-    p.add_argument(
-        "--total-steps", type=int, default=0, help="stop after this many steps (0: until SIGTERM)"
-    )
-    p.add_argument(
-        "--schedule-steps", type=int, default=0, help="length of the lr schedule (0: --total-steps)"
-    )
-    p.add_argument(
-        "--schedule-seconds",
-        type=float,
-        default=0.0,
-        help="fit the lr schedule to this time budget when the step count is unknown",
-    )
-    p.add_argument(
-        "--run-started",
-        type=float,
-        default=0.0,
-        help="epoch seconds the run started (schedule-seconds counts from it; default: now)",
-    )
-    p.add_argument(
-        "--deadline",
-        type=float,
-        default=0.0,
-        help="epoch seconds: stop (cleanly, as on SIGTERM) at the first step boundary after it "
-        "(0: none); for launchers whose signals may not reach the learner",
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=parse_every,
-        default=AUTO,
-        help="seconds between local checkpoints in --workdir (0: only at exit), or 'auto' "
-        "(default: as often as keeps saving under 1%% of the time, 1-300 s; diloco.cadence)",
-    )
-    p.add_argument(
-        "--wait-for-merge",
-        type=int,
-        default=-1,
-        metavar="LAG",
-        help="synchronous DiLoCo: before each step, wait until every fragment sent LAG or "
-        "more steps ago came back merged (-1: never wait, the decoupled default)",
-    )
-    p.add_argument(
-        "--merge-timeout",
-        type=float,
-        default=120.0,
-        help="with --wait-for-merge: the longest wait before training on regardless",
-    )
-    p.add_argument(
-        "--overwrite-own",
-        action="store_true",
-        help="apply a merge that holds this learner's delta by the paper's overwrite, dropping "
-        "the steps trained while the delta was in flight (default: keep them)",
-    )
-    p.add_argument("--workdir", help="directory for progress and checkpoints")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--join-timeout", type=float, default=60.0)
-    p.add_argument("--report-every", type=float, default=1.0, help="seconds between progress lines")
-    p.add_argument(
-        "--exit-with-parent", action="store_true", help="stop (cleanly) if the parent process dies"
-    )
-    from diloco.chaos import CORRUPT_HOWS
-    from diloco.syncer.cli import add_security_arguments
-
-    add_security_arguments(p, server=False)
-    p.add_argument(
-        "--corrupt",
-        choices=CORRUPT_HOWS,
-        help="chaos: damage every uploaded delta (emulated silent data corruption)",
-    )
-    p.add_argument(
-        "--corrupt-start", type=float, default=0.0, help="epoch seconds the corruption starts"
-    )
-    p.add_argument(
-        "--corrupt-end", type=float, default=0.0, help="epoch seconds it ends (0: never)"
-    )
-    p.set_defaults(func=run)

@@ -6,7 +6,7 @@ run's chaos schedule (:func:`diloco.chaos.schedule`, a pure function of the spec
 length and the seed), so the prediction for the run's own seed uses exactly the failures it
 suffered; other seeds give the spread a user should expect from the same spec.
 
-What the measured ``goodput`` in ``summary.json`` is (``diloco.launch.goodput``): tokens
+What the measured ``goodput`` in ``summary.json`` is (``diloco.report.goodput``): tokens
 carried by accepted contributions ÷ (each learner's fault-free speed × the time from its
 first join to the end). So a learner loses, per failure:
 
@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from diloco.chaos import parse_spec, schedule
-from diloco.launch.goodput import learner_speed
+from diloco.config.run import RunConfig, load_run_config
+from diloco.report.goodput import learner_speed
 from diloco.sim.failures import merge_outages
 from diloco.sim.grid import mean_ci
 from diloco.sim.modes import elastic_accounting
@@ -63,31 +64,29 @@ REFERENCE_CONSTANTS = MachineConstants(
 )
 
 
-def load_run(run_dir: str | Path) -> tuple[dict, list[dict], dict | None]:
-    """``config.json``, the event tape and ``summary.json`` (None if missing) of a run."""
+def load_run(run_dir: str | Path) -> tuple[RunConfig, list[dict], dict | None]:
+    """The run's configuration (``config.json``), its event tape and ``summary.json`` (None if
+    missing)."""
     run = Path(run_dir)
     config_path, tape_path = run / "config.json", run / "syncer" / "events.jsonl"
     if not config_path.is_file() or not tape_path.is_file():
         raise FileNotFoundError(
             f"{run}: not a diloco run directory (need config.json and syncer/events.jsonl)"
         )
-    config = json.loads(config_path.read_text())
+    config = load_run_config(config_path)
     records = [json.loads(line) for line in tape_path.read_text().splitlines() if line.strip()]
     summary_path = run / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     return config, records, summary
 
 
-def launch_time(config: dict, records: list[dict]) -> float | None:
+def launch_time(config: RunConfig, records: list[dict]) -> float | None:
     """The run's launch time on the tape's clock, from its first chaos record and schedule."""
     chaos = [r for r in records if r.get("event") == "chaos"]
-    if not chaos or not config.get("chaos"):
+    if not chaos or not config.chaos:
         return None
     planned = schedule(
-        parse_spec(config["chaos"]),
-        int(config["learners"]),
-        float(config["minutes"]) * 60,
-        int(config.get("seed", 0)),
+        parse_spec(config.chaos), config.learners, config.minutes * 60, config.recipe.seed
     )
     return float(chaos[0]["t"]) - planned[0].t
 
@@ -142,13 +141,13 @@ def measure_constants(run_dir: str | Path) -> MachineConstants:
     )
 
 
-def predict(config: dict, constants: MachineConstants, seed: int) -> float:
-    """Predicted goodput of a run with ``config`` (``config.json``) under chaos seed ``seed``."""
-    m = int(config["learners"])
-    horizon = float(config["minutes"]) * 60
-    sync_every = int(config.get("sync_every", 24))
-    quorum = min(int(config.get("quorum", 1)), m)
-    events = schedule(parse_spec(config.get("chaos") or ""), m, horizon, seed)
+def predict(config: RunConfig, constants: MachineConstants, seed: int) -> float:
+    """Predicted goodput of a run with ``config`` under chaos seed ``seed``."""
+    m = config.learners
+    horizon = config.minutes * 60
+    sync_every = config.protocol.sync_every
+    quorum = min(config.syncer.quorum, m)
+    events = schedule(parse_spec(config.chaos or ""), m, horizon, seed)
     lost_s = 0.5 * sync_every / constants.steps_per_s
     sid, start, end = [], [], []
     for ev in events:
@@ -173,9 +172,9 @@ def predict(config: dict, constants: MachineConstants, seed: int) -> float:
 def twin_report(run_dir: str | Path, constants: MachineConstants, seeds: int = 200) -> dict:
     """Predicted (the run's own seed; and mean ± 95% CI over ``seeds`` other seeds) vs measured."""
     config, _, summary = load_run(run_dir)
-    if not config.get("chaos"):
+    if not config.chaos:
         raise ValueError(f"{run_dir}: the run has no --chaos spec to predict from")
-    own_seed = int(config.get("seed", 0))
+    own_seed = config.recipe.seed
     own = predict(config, constants, own_seed)
     others = np.array([predict(config, constants, own_seed + 1 + k) for k in range(seeds)])
     mean, ci = mean_ci(others)
@@ -183,9 +182,9 @@ def twin_report(run_dir: str | Path, constants: MachineConstants, seeds: int = 2
     measured = None if summary is None else summary.get("goodput_speed", summary.get("goodput"))
     return {
         "run_dir": str(run_dir),
-        "spec": config["chaos"],
-        "learners": config["learners"],
-        "minutes": config["minutes"],
+        "spec": config.chaos,
+        "learners": config.learners,
+        "minutes": config.minutes,
         "seed": own_seed,
         "constants": asdict(constants),
         "predicted_goodput": own,

@@ -12,6 +12,8 @@ from diloco.algorithm.guard import (
     DEFAULT_WINDOW,
 )
 from diloco.algorithm.rounds import SCHEDULES
+from diloco.config.common import ProtocolConfig
+from diloco.config.schema import option
 
 MERGE_RULES = ("rda", "mean")
 """How a round's deltas are merged (``SyncerConfig.merge_rule``); ``mean`` is an ablation."""
@@ -23,56 +25,57 @@ OUTER_SCALES = ("share", "none")
 
 @dataclass(kw_only=True)
 class SyncerConfig:
-    schedule: str = "syncer"
+    schedule: str = option("syncer", choices=SCHEDULES)
     """Who drives the rounds: ``"syncer"`` (the syncer's clock opens each fragment's round
     in turn and asks every live learner for it; docs/algorithm.md "Rounds on the syncer's
     clock") or ``"learner"`` (each learner sends fragment p on its own step count and a round
     opens at its first arrival; the behaviour before 2026-11-25, used by synchronous mode)."""
-    sync_every: int = 24
-    """H: with the syncer's schedule, each fragment's round opens once per H fleet steps."""
-    quorum: int = 1
+    sync_every: int = ProtocolConfig.sync_every
+    """H: with the syncer's schedule, each fragment's round opens once per H fleet steps (the
+    command line sets it from ``ProtocolConfig.sync_every``)."""
+    quorum: int = option(1, metavar="K")
     """K: contributions a round needs before the grace window starts."""
-    gamma: float = 0.8
+    gamma: float = option(0.8)
     """γ: scale of the adaptive grace window (0 disables it: close at quorum)."""
-    tau: float = 2.0
+    tau: float = option(2.0)
     """τ: steps within which a merged fragment is expected back at a learner."""
     ema_decay: float = 0.8
     """Decay of the running estimates ξ_step, ξ_quorum, ξ_sync."""
-    max_staleness: int = 2
+    max_staleness: int = option(2)
     """Contributions up to this many versions behind are accepted (discounted), older refused."""
-    wait_for_all: int = 0
+    wait_for_all: int = option(0, metavar="M")
     """Synchronous mode: if > 0, every round waits for this many contributions (no grace)."""
-    lease_s: float = 5.0
+    lease_s: float = option(5.0, flag="--lease")
     """A learner is live while its last heartbeat or upload is at most this old."""
-    heartbeat_s: float = 1.0
-    """Heartbeat interval suggested to learners."""
-    outer_lr: float = 1.0
+    heartbeat_s: float | None = None
+    """Heartbeat interval suggested to learners (None: ``min(1 s, lease_s / 4)``)."""
+    outer_lr: float = option(1.0)
     """Outer Nesterov learning rate (see docs/algorithm.md for the sweep behind it)."""
-    outer_momentum: float = 0.0
+    outer_momentum: float = option(0.0)
     """Outer Nesterov momentum μ."""
-    outer_scale: str = "share"
+    outer_scale: str = option("share", choices=OUTER_SCALES)
     """``"share"``: scale a round's merged delta by the share of the live learners' tokens it
     holds (``diloco.algorithm.outer.round_share``), so the outer lr does not depend on M;
     ``"none"``: apply every round at the full lr (the behaviour before 2026-11-23)."""
-    up_codec: str = "int4"
+    up_codec: str = option("int4", choices=CODECS)
     """Codec learners use for their outer gradients."""
-    down_codec: str = "int8"
+    down_codec: str = option("int8", choices=CODECS)
     """Codec of the deltas the syncer broadcasts (``W(v) − W(v−1)``, with the rounding kept
     in W for the next one); keyframes (join, resync) are always fp32."""
-    merge_rule: str = "rda"
+    merge_rule: str = option("rda", flag="--merge", choices=MERGE_RULES)
     """``"rda"``: radial–directional averaging for every non-embedding tensor (embeddings by
     weighted mean); ``"mean"``: weighted mean for every tensor (an ablation)."""
-    weighting: str = "tokens"
+    weighting: str = option("tokens", choices=WEIGHTINGS)
     """``"tokens"``: ``w = tokens² / steps``; ``"uniform"``: every contribution weighs 1 (an
     ablation; the staleness discount still applies)."""
-    weight_cap: float = 3.0
+    weight_cap: float = option(3.0)
     """No contribution weighs more than this × the round's lower median weight
     (``diloco.algorithm.merge.cap_weights``); 0 turns the cap off."""
     max_tokens_per_step: int = 1 << 24
     """Sanity bound on ``tokens / steps`` in a contribution."""
     max_steps_per_contribution: int = 1 << 24
     """Sanity bound on ``steps`` in a contribution."""
-    norm_guard_k: float = DEFAULT_K
+    norm_guard_k: float = option(DEFAULT_K, flag="--norm-guard", metavar="K")
     """Refuse a contribution whose norm per inner step exceeds k × the running median of its
     fragment's accepted ones (see ``diloco.algorithm.guard``). 0 disables the guard."""
     norm_guard_param_ratio: float = DEFAULT_PARAM_RATIO
@@ -110,9 +113,10 @@ class SyncerConfig:
                 "synchronous mode (wait_for_all > 0) runs on the learners' schedule: "
                 "pass schedule='learner' (--schedule learner)"
             )
-        if not self.heartbeat_s > 0 or self.lease_s < 2 * self.heartbeat_s:
+        beat = self.heartbeat_interval_s
+        if not beat > 0 or self.lease_s < 2 * beat:
             raise ValueError(
-                f"lease_s ({self.lease_s}) must be at least twice heartbeat_s ({self.heartbeat_s}) "
+                f"lease_s ({self.lease_s}) must be at least twice heartbeat_s ({beat}) "
                 "so one lost heartbeat does not drop a learner"
             )
         if not self.norm_guard_param_ratio > 0:
@@ -135,3 +139,8 @@ class SyncerConfig:
         for field in ("up_codec", "down_codec"):
             if getattr(self, field) not in CODECS:
                 raise ValueError(f"{field} must be one of {CODECS} (got {getattr(self, field)!r})")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """``heartbeat_s``, or ``min(1 s, lease_s / 4)`` when it is None."""
+        return self.heartbeat_s if self.heartbeat_s is not None else min(1.0, self.lease_s / 4)

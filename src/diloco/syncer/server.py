@@ -28,6 +28,7 @@ import torch
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
+from diloco.config.common import ProtocolConfig
 from diloco.syncer.broadcast import (
     CHUNK_BYTES,
     KEYFRAME_CODEC,
@@ -154,7 +155,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             session=info.session,
             versions=versions,
             lease_s=cfg.lease_s,
-            heartbeat_s=cfg.heartbeat_s,
+            heartbeat_s=cfg.heartbeat_interval_s,
             up_codec=cfg.up_codec,
             down_codec=cfg.down_codec,
             fragments=self.state.served,
@@ -514,7 +515,7 @@ class SyncerServer:
         cls,
         model: torch.nn.Module,
         *,
-        fragments: int = 24,
+        fragments: int = ProtocolConfig.fragments,
         config: SyncerConfig | None = None,
         **kwargs,
     ) -> SyncerServer:

@@ -1,7 +1,9 @@
-"""The ``diloco`` command line: one sub-command per job.
+"""The ``diloco`` command line: one sub-command per job, the only room that parses flags.
 
-Each sub-command lives in its own module and registers itself through a
-``register(subparsers)`` function, so this file only wires them together.
+Each sub-command lives in its own module of this package and registers itself through a
+``register(subparsers)`` function, so this file only wires them together. The flags of the
+configurable commands are generated from their configuration dataclasses
+(``diloco.config``); nothing below this package imports it.
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import sys
 
 # (sub-command, module that provides ``register(subparsers)``)
 _COMMANDS: list[tuple[str, str]] = [
-    ("selfcheck", "diloco.selfcheck"),
-    ("syncer", "diloco.syncer.cli"),
-    ("learner", "diloco.learner.worker"),
-    ("run", "diloco.launch.run"),
-    ("dp-worker", "diloco.dp.worker"),
-    ("bench", "diloco.bench.cli"),
-    ("simulate", "diloco.sim.cli"),
-    ("plan", "diloco.plan"),
+    ("selfcheck", "diloco.cli.selfcheck"),
+    ("syncer", "diloco.cli.syncer"),
+    ("learner", "diloco.cli.learner"),
+    ("run", "diloco.cli.run"),
+    ("dp-worker", "diloco.cli.dp_worker"),
+    ("bench", "diloco.cli.bench"),
+    ("simulate", "diloco.cli.simulate"),
+    ("plan", "diloco.cli.plan"),
 ]
 
 

@@ -3,7 +3,7 @@
 A fresh learner spends most of its start in imports: ``torch``, then ``torch._dynamo``, which
 ``torch.optim`` pulls in when the first optimizer is built (the measured start-up is in
 ``docs/deployment.md``). The supervisor can keep spares (``diloco run --spares``): each runs
-``python -m diloco.launch.spare``, imports all that and blocks on its stdin. A restart hands a
+``python -m diloco.cli.spare``, imports all that and blocks on its stdin. A restart hands a
 spare the child's command line and log; the spare points its stdout and stderr at that log and
 runs the command in the same interpreter. The restart then costs what the learner does
 itself (checkpoint, data, join), not the interpreter's start. A spare warms up at a lower CPU
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import sys
 
 
 def parse_assignment(line: str) -> tuple[list[str], str]:
@@ -44,17 +43,6 @@ def assignment(argv: list[str], log: str) -> bytes:
     return (json.dumps({"argv": argv, "log": log}) + "\n").encode()
 
 
-def warm_up() -> None:
-    """Import what a learner or a data-parallel worker imports, including ``torch._dynamo``."""
-    import torch._dynamo  # noqa: F401  (torch.optim imports it on the first optimizer)
-
-    import diloco.cli  # noqa: F401
-    import diloco.dp.worker  # noqa: F401
-    import diloco.learner.learner  # noqa: F401
-    import diloco.learner.worker  # noqa: F401
-    import diloco.recipes  # noqa: F401
-
-
 #: Niceness of a spare while it warms up: it should use idle CPU, not the learners'.
 WARM_UP_NICE = 10
 
@@ -68,32 +56,15 @@ def can_restore_priority(nice_now: int) -> bool:
     return soft == resource.RLIM_INFINITY or 20 - soft <= nice_now
 
 
-def main() -> int:
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    lowered = can_restore_priority(base)
-    if lowered:  # else warm up at full priority: a spare must not become a slow learner
-        os.setpriority(os.PRIO_PROCESS, 0, min(19, base + WARM_UP_NICE))
-    warm_up()
-    line = sys.stdin.readline()
-    if lowered:
-        os.setpriority(os.PRIO_PROCESS, 0, base)
-    if not line:
-        return 0  # the supervisor is gone before it needed us
-    try:
-        argv, log = parse_assignment(line)
-    except ValueError as exc:
-        print(f"diloco spare: bad assignment: {exc}", file=sys.stderr)
-        return 2
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    from diloco.cli import main as diloco_main
-
-    return diloco_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def spare_count(asked: int, chaos, *, restart_together: int, learners: int) -> int:
+    """Warm spares to keep: ``asked`` if given (>= 0). By default (-1), none unless the chaos
+    schedule kills learners (a spare costs an idle interpreter's memory); then the whole group
+    for data-parallel (``restart_together`` ranks restart at once), and for DiLoCo modes two
+    (at most ``learners``): one for a restart and one for a second learner killed while the
+    first's replacement spare is still warming up (~9 s), which left 2, 6 and 3 of 8, 16 and
+    11 restarts cold with a single spare (benchmarks/RESULTS.md)."""
+    if asked >= 0:
+        return asked
+    if not any(e.kind == "kill" for e in chaos):
+        return 0
+    return restart_together if restart_together > 1 else min(2, learners)

@@ -1,6 +1,6 @@
 """Goodput and commit gaps of a data-parallel run, from its ranks' progress records. Pure.
 
-The definitions follow :mod:`diloco.launch.goodput` (DESIGN §3), read for a static group:
+The definitions follow :mod:`diloco.report.goodput` (DESIGN §3), read for a static group:
 
 * **useful tokens** of a rank: its share of the steps that survived, i.e. the tokens of its
   last record (a restart rolls the counter back to the checkpoint, so rolled-back steps and
@@ -9,7 +9,7 @@ The definitions follow :mod:`diloco.launch.goodput` (DESIGN §3), read for a sta
   rate**: tokens per second spent in steps (the all-reduce included, so a rank waiting for a
   slower peer is not counted as idle: generous to data-parallel); **goodput** = Σ useful
   tokens ÷ busy rate / Σ provisioned time (``goodput_speed``: the former token measure at the
-  median speed). ``down_share`` and ``goodput_up`` as in :mod:`diloco.launch.goodput`.
+  median speed). ``down_share`` and ``goodput_up`` as in :mod:`diloco.report.goodput`.
 * **commits**: every moment the global model reached a step it had never reached before
   (rank 0's records); ``max_commit_gap_s`` and ``uptime`` are computed from them as for
   DiLoCo, so a rollback shows up as a gap until the group is past its old high-water mark.
@@ -18,7 +18,7 @@ The definitions follow :mod:`diloco.launch.goodput` (DESIGN §3), read for a sta
 
 from __future__ import annotations
 
-from diloco.launch.goodput import (
+from diloco.report.goodput import (
     busy_rate,
     commit_gaps,
     learner_speed,

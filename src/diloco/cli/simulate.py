@@ -210,7 +210,7 @@ def main(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     cells = summarize(results)
     if args.plot:
-        from diloco.sim.plot import plot_goodput
+        from diloco.report.sim_plot import plot_goodput
 
         plot_goodput(cells, args.plot)
     if args.json:

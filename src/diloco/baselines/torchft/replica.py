@@ -1,9 +1,9 @@
 """The processes of the torchft peer: a lighthouse, and one replica group per learner.
 
-``python -m diloco.peers.torchft_replica lighthouse --port-file F --min-replicas M``
+``python -m diloco.cli.torchft_replica lighthouse --port-file F --min-replicas M``
     runs torchft's in-wheel ``LighthouseServer`` on a free port and writes its address to F.
 
-``python -m diloco.peers.torchft_replica replica --index I --lighthouse-file F --workdir D ...``
+``python -m diloco.cli.torchft_replica replica --index I --lighthouse-file F --workdir D ...``
     runs one replica group (one process, world size 1, gloo on CPU). It hosts its own
     ``TCPStore`` on a free port, builds torchft's ``Manager`` (synchronous quorum, as DiLoCo
     requires) and trains the recipe exactly like our learner (:mod:`diloco.learner.worker`:
@@ -13,7 +13,7 @@
     across the replica groups in the quorum and the outer optimizer (SGD, Nesterov when the
     momentum is > 0) steps.
 
-Contract of a replica (what :mod:`diloco.peers.torchft_peer` relies on):
+Contract of a replica (what :mod:`diloco.baselines.torchft.peer` relies on):
 
 * after every fragment sync it appends one JSON line to ``D/progress.jsonl`` (``t``, inner
   ``step``, ``tokens``, ``outer_step`` = torchft's committed step, ``committed``,
@@ -33,7 +33,6 @@ cost *before* the sync, so only compute is slowed, never the time spent waiting 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -42,16 +41,16 @@ import threading
 import time
 from pathlib import Path
 
-from diloco.peers.netbytes import SocketBytes
+from diloco.baselines.torchft.netbytes import SocketBytes
 
 STOP_FILE = "stop"
 
 
-def lighthouse_main(args: argparse.Namespace) -> int:
+def lighthouse_main(args) -> int:
     """Serve a torchft lighthouse until SIGTERM or parent death."""
     from torchft._torchft import LighthouseServer
 
-    from diloco.launch.procs import exit_with_parent
+    from diloco.runtime.procs import exit_with_parent
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -96,7 +95,7 @@ def split_fragments(model, count: int) -> list:
     return holders
 
 
-def replica_main(args: argparse.Namespace) -> int:
+def replica_main(args) -> int:
     import torch
     from torch.distributed import TCPStore
 
@@ -231,7 +230,7 @@ class _ReplicaRun:
     blocked in a quorum that can no longer form.
     """
 
-    def __init__(self, args: argparse.Namespace, workdir: Path, model, fragments: list) -> None:
+    def __init__(self, args, workdir: Path, model, fragments: list) -> None:
         self.args = args
         self.workdir = workdir
         self.model = model
@@ -356,13 +355,13 @@ def _atomic_write(path: Path, text: str) -> None:
 class _ScheduleArgs:
     """The fields :func:`diloco.learner.worker.schedule_length` reads, from our arguments."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args) -> None:
         self.schedule_steps = args.schedule_steps
         self.total_steps = 0
         self.schedule_seconds = args.schedule_seconds
 
 
-def _lighthouse_address(args: argparse.Namespace, stop: threading.Event) -> str:
+def _lighthouse_address(args, stop: threading.Event) -> str:
     """``--lighthouse``, or the address the lighthouse writes to ``--lighthouse-file`` (waited
     for, so that replicas start in parallel with the lighthouse, bounded by the deadline)."""
     if args.lighthouse:
@@ -400,58 +399,3 @@ def _td(seconds: float):
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m diloco.peers.torchft_replica")
-    sub = p.add_subparsers(dest="role", required=True)
-    lh = sub.add_parser("lighthouse")
-    lh.add_argument("--port-file", required=True)
-    lh.add_argument("--bind", default="[::]:0")
-    lh.add_argument("--min-replicas", type=int, required=True)
-    lh.add_argument("--join-timeout-ms", type=int, default=60000)
-    lh.add_argument("--quorum-tick-ms", type=int, default=100)
-    lh.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
-    lh.set_defaults(func=lighthouse_main)
-    r = sub.add_parser("replica")
-    r.add_argument("--index", type=int, required=True)
-    r.add_argument("--replicas", type=int, required=True, help="M: replica groups in the run")
-    where = r.add_mutually_exclusive_group(required=True)
-    where.add_argument("--lighthouse", help="lighthouse address")
-    where.add_argument("--lighthouse-file", help="file the lighthouse writes its address to")
-    r.add_argument("--workdir", required=True)
-    r.add_argument("--recipe", default="tiny")
-    r.add_argument("--data")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--batch-size", type=int, default=None)
-    r.add_argument("--slow", type=float, default=1.0)
-    r.add_argument("--sync-every", type=int, default=24)
-    r.add_argument("--fragments", type=int, default=1)
-    r.add_argument("--sync-delay", type=int, default=0)
-    r.add_argument("--outer-lr", type=float, default=1.0)
-    r.add_argument("--outer-momentum", type=float, default=0.0)
-    r.add_argument("--rounds", type=int, default=0, help="stop at this committed step (0: none)")
-    r.add_argument("--schedule-steps", type=int, default=0)
-    r.add_argument("--schedule-seconds", type=float, default=0.0)
-    r.add_argument("--run-started", type=float, default=0.0, help="epoch s (lr schedule clock)")
-    r.add_argument("--min-replica-size", type=int, default=1)
-    r.add_argument("--timeout-s", type=float, default=60.0)
-    r.add_argument("--quorum-timeout-s", type=float, default=120.0)
-    r.add_argument("--hard-deadline", type=float, default=0.0)
-    r.add_argument("--threads", type=int, default=1)
-    r.set_defaults(func=replica_main)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    code = args.func(args)
-    # Everything is written and flushed; skip interpreter teardown, which spends seconds
-    # (measured 2-3 s on a loaded machine) tearing down torch, gloo and torchft's Rust runtime.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -87,8 +87,8 @@ def read_curve(run_dir: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diloco.bench import plots
-    from diloco.bench import report as rp
+    from diloco.report import bench as rp
+    from diloco.report import plots
 
     try:
         budget = mx.Budget(

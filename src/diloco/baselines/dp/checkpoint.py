@@ -5,7 +5,7 @@ holds the model, the optimizer and its data position; every other rank's holds o
 position (the model and the optimizer are the same on every rank). Rank 0 writes
 ``latest.json`` (``{"step": S}``) only after every rank has written its file, so a group killed
 in the middle of a save restarts from the previous complete checkpoint. Files are written to a
-temporary name, fsynced and renamed (``diloco.checkpoint_writer``); they are read with
+temporary name, fsynced and renamed (``diloco.runtime.checkpoint_writer``); they are read with
 ``torch.load(weights_only=True)``.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.checkpoint_writer import write_atomic
+from diloco.runtime.checkpoint_writer import write_atomic
 
 FORMAT = 1
 

@@ -55,16 +55,16 @@ class SnapshotEvaluator:
         return self.recipe.evaluate(self.model)
 
 
-def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
+def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
     """Run the data-parallel baseline; returns the process exit code (0 clean)."""
     import sys
 
     import torch.distributed as dist
 
-    from diloco.launch.procs import diloco_command
-    from diloco.launch.run import spare_count
-    from diloco.launch.summary import format_summary
     from diloco.launch.supervisor import Supervisor
+    from diloco.report.summary import format_summary
+    from diloco.runtime.procs import diloco_command
+    from diloco.runtime.spare import spare_count
 
     stop = threading.Event()
     interrupts = []
@@ -84,14 +84,14 @@ def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
         clock=lambda: time.time() - started,
         chaos=chaos,
         group=names,
-        spares=spare_count(args.spares, chaos, restart_together=len(names), learners=len(names)),
+        spares=spare_count(config.spares, chaos, restart_together=len(names), learners=len(names)),
     )
     snapshot = run_dir / "dp" / "global.safetensors"
-    budget_s = args.minutes * 60 if args.minutes else 0.0
+    budget_s = config.minutes * 60 if config.minutes else 0.0
     try:
-        model0 = recipe.build_model(args.seed)
+        model0 = recipe.build_model(config.recipe.seed)
         num_params = sum(p.numel() for p in model0.parameters())
-        evaluator = SnapshotEvaluator(recipe, snapshot, seed=args.seed)
+        evaluator = SnapshotEvaluator(recipe, snapshot, seed=config.recipe.seed)
         val_initial = recipe.evaluate(model0)
         for plan in plans:
             sup.add(
@@ -102,32 +102,32 @@ def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
                     "--generation=0",
                     f"--rank={plan.index}",
                     f"--world={len(plans)}",
-                    f"--recipe={args.recipe}",
-                    *([f"--data={args.data}"] if args.data else []),
-                    f"--seed={args.seed}",
+                    f"--recipe={config.recipe.recipe}",
+                    *([f"--data={config.recipe.data}"] if config.recipe.data else []),
+                    f"--seed={config.recipe.seed}",
                     f"--batch-size={plan.batch_size}",
                     f"--slow={plan.slow}",
-                    f"--total-steps={args.steps}",
+                    f"--total-steps={config.steps}",
                     f"--schedule-seconds={budget_s}",
                     f"--run-started={started}",
                     f"--checkpoint-dir={run_dir / 'dp'}",
-                    f"--checkpoint-every={args.checkpoint_every}",
+                    f"--checkpoint-every={config.checkpoint_every}",
                     f"--workdir={run_dir / 'learners' / plan.id}",
                     *([f"--snapshot={snapshot}"] if plan.index == 0 else []),
-                    f"--snapshot-every={args.eval_every or 5.0}",
+                    f"--snapshot-every={config.eval_every or 5.0}",
                     "--exit-with-parent",
                 ),
                 run_dir / "logs" / f"{plan.id}.log",
             )
-        stopped_by = supervise_group(args, stop, started, sup, plans, evaluator, run_dir)
+        stopped_by = supervise_group(config, stop, started, sup, plans, evaluator, run_dir)
         if interrupts:
             stopped_by = "interrupt"
         train_end = time.time()
-        codes = sup.stop(names, timeout=args.stop_timeout)
+        codes = sup.stop(names, timeout=config.stop_timeout)
         val_final = evaluator.evaluate()
         append_metric(run_dir, started, evaluator, val_final)
         summary = summarize_dp(
-            args,
+            config,
             run_dir,
             plans,
             sup,
@@ -143,7 +143,7 @@ def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
             },
         )
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
+        print(json.dumps(summary, indent=1) if config.json else format_summary(summary))
         return 0 if all(c in (0, None) for c in codes.values()) else 1
     except (RuntimeError, TimeoutError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
@@ -159,12 +159,12 @@ def run_dp(args, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
             signal.signal(s, h)
 
 
-def supervise_group(args, stop, started, sup, plans, evaluator, run_dir) -> str:
+def supervise_group(config, stop, started, sup, plans, evaluator, run_dir) -> str:
     """The supervisor loop for the group: failures, view, evaluation, stop conditions."""
-    from diloco.launch.run import MAX_UNPLANNED_RESTARTS
+    from diloco.launch.supervisor import MAX_UNPLANNED_RESTARTS
     from diloco.launch.view import LiveView
 
-    view = LiveView(enabled=not args.json and not args.no_view)
+    view = LiveView(enabled=not config.json and not config.no_view)
     tails = {p.id: ProgressTail(run_dir / "learners" / p.id / "progress.jsonl") for p in plans}
     last_eval, last_loss = 0.0, None
     while True:
@@ -178,12 +178,12 @@ def supervise_group(args, stop, started, sup, plans, evaluator, run_dir) -> str:
                 raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
         latest = {name: tail.latest() for name, tail in tails.items()}
         now = time.time()
-        if args.eval_every and now - last_eval >= args.eval_every:
+        if config.eval_every and now - last_eval >= config.eval_every:
             last_eval = now
             last_loss = evaluator.evaluate()
             append_metric(run_dir, started, evaluator, last_loss)
         training = all(r is not None and "event" not in r for r in latest.values())
-        if training or now - started > args.start_timeout:
+        if training or now - started > config.start_timeout:
             sup.start_chaos()
         tokens = sum(r.get("tokens", 0) for r in latest.values() if r)
         view.update(
@@ -196,9 +196,9 @@ def supervise_group(args, stop, started, sup, plans, evaluator, run_dir) -> str:
                 "learners": [row(p.id, sup.slots[p.id], latest[p.id]) for p in plans],
             }
         )
-        if args.minutes and now - started >= args.minutes * 60:
+        if config.minutes and now - started >= config.minutes * 60:
             return "time"
-        if args.tokens and tokens >= args.tokens:
+        if config.tokens and tokens >= config.tokens:
             return "tokens"
         if all(s.finished for s in sup.learners()):
             return "learners finished"
@@ -262,11 +262,11 @@ def append_metric(run_dir: Path, started: float, evaluator: SnapshotEvaluator, l
         f.write(json.dumps(rec) + "\n")
 
 
-def summarize_dp(args, run_dir: Path, plans, sup, facts: dict) -> dict:
+def summarize_dp(config, run_dir: Path, plans, sup, facts: dict) -> dict:
     """``summary.json`` of a data-parallel run: the same fields as the DiLoCo modes'."""
-    from diloco.dp.metrics import dp_metrics
-    from diloco.launch.results import learner_row, read_progress
-    from diloco.launch.summary import build_summary
+    from diloco.report.dp_metrics import dp_metrics
+    from diloco.report.results import learner_row, read_progress
+    from diloco.report.summary import build_summary
     from diloco.syncer.store import read_tape
 
     records = read_tape(run_dir / "syncer" / "events.jsonl")

@@ -9,14 +9,14 @@ from pathlib import Path
 from diloco.launch.syncers import is_syncer
 
 
-def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
+def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
     """``summary.json`` from the event tape and the learners' progress files.
 
     ``facts`` holds ``started``, ``train_end``, ``val_initial``, ``val_final``, ``num_params``,
     ``seq_len``, ``stopped_by`` and ``codes`` (last exit code per learner).
     """
-    from diloco.launch.goodput import busy_rate, learner_speed, tape_metrics
-    from diloco.launch.summary import build_summary, contributors_per_round
+    from diloco.report.goodput import busy_rate, learner_speed, tape_metrics
+    from diloco.report.summary import build_summary, contributors_per_round
     from diloco.syncer.store import read_tape
 
     records = read_tape(run_dir / "syncer" / "events.jsonl")
@@ -31,7 +31,7 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
         contributions = sum(1 for r in rounds if plan.id in r["participants"])
         per_learner.append(learner_row(plan, progress, sup.slots[plan.id], facts, contributions))
     summary = build_summary(
-        mode=args.mode,
+        mode=config.mode,
         run_dir=str(run_dir),
         wall_s=time.time() - facts["started"],
         val_initial=facts["val_initial"],
@@ -47,7 +47,7 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
     summary.update(
         tape_metrics(
             records,
-            fragments=args.fragments,
+            fragments=config.protocol.fragments,
             end=facts["train_end"],
             speeds=speeds,
             finished=finished,
@@ -57,7 +57,7 @@ def summarize(args, run_dir, plans, sup, facts: dict) -> dict:
     summary["syncer_restarts"] = sum(
         slot.restarts for name, slot in sup.slots.items() if is_syncer(name)
     )
-    summary["shards"] = args.shards
+    summary["shards"] = config.shards
     return summary
 
 

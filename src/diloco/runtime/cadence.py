@@ -10,7 +10,7 @@ the measured cost of the saves: it spends at most ``budget`` of the wall time sa
 
 with ``save_s`` a running estimate (EMA) of one save's cost on the training thread. Learners
 and data-parallel ranks write their checkpoints in the background
-(``diloco.checkpoint_writer``): the training thread pays only the copy of the state, ~2 ms
+(``diloco.runtime.checkpoint_writer``): the training thread pays only the copy of the state, ~2 ms
 for the default recipe's 10 MB against ~17 ms for a synchronous save with fsync (quiet
 machine, median of 30), so ``auto`` saves at the floor, every second, or as soon as the
 previous write is done if that is later; a model whose copy takes 3 s saves every 300 s (the

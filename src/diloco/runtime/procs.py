@@ -63,14 +63,14 @@ class Child:
 
     @classmethod
     def spare(cls, log_path: Path, *, threads: int = 1, cwd: str | None = None) -> Child:
-        """A warm spare (:mod:`diloco.launch.spare`) importing torch, waiting for :meth:`assign`."""
-        argv = [sys.executable, "-m", "diloco.launch.spare"]
+        """A warm spare (:mod:`diloco.runtime.spare`) importing torch, waiting for :meth:`assign`."""
+        argv = [sys.executable, "-m", "diloco.cli.spare"]
         return cls("spare", argv, log_path, threads=threads, cwd=cwd, stdin=subprocess.PIPE)
 
     def assign(self, name: str, argv: list[str], log_path: Path) -> None:
         """Make this spare run ``argv`` (a :func:`diloco_command`) as ``name``, its output
         appended to ``log_path``. ``RuntimeError`` if the spare cannot take it (it died)."""
-        from diloco.launch.spare import assignment
+        from diloco.runtime.spare import assignment
 
         prefix = diloco_command()
         if self.proc.stdin is None or argv[: len(prefix)] != prefix:

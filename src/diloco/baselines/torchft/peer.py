@@ -1,7 +1,7 @@
 """torchft's DiLoCo as an external peer: the same recipe, model and data as ``diloco run``.
 
 :func:`run_torchft` starts a torchft lighthouse and M replica groups as separate processes
-(:mod:`diloco.peers.torchft_replica`: one process per group, gloo on CPU, each group hosting its
+(:mod:`diloco.baselines.torchft.replica`: one process per group, gloo on CPU, each group hosting its
 own ``TCPStore``), lets them train with ``torchft.local_sgd.DiLoCo`` until a wall-time, token or
 round budget is spent, evaluates the final global model on the recipe's held-out windows and
 returns a summary with the core fields of ``diloco run``'s ``summary.json``.
@@ -16,14 +16,14 @@ What is measured, and how (nothing is quoted):
   (the last committed value of every fragment, written by replica 0; ``replicas_max_diff``
   checks that every replica holds the same one).
 * ``bytes``: TCP payload bytes counted by the kernel on every socket of every replica process
-  (:mod:`diloco.peers.netbytes`): gloo all-reduces, quorum and heartbeat RPCs, stores.
+  (:mod:`diloco.baselines.torchft.netbytes`): gloo all-reduces, quorum and heartbeat RPCs, stores.
   ``up`` = sent, ``down`` = received by the replicas. Between replicas every byte is sent by one
   and received by another, so the bytes that cross the network are ``up``; ``per_token`` is
   ``up / tokens`` (our learners' ``up + down`` counts each byte once too, because the syncer
   is not a learner).
 * ``goodput`` = useful / provisioned tokens: a replica's tokens are useful when the sync that
   carries them commits (per fragment, averaged over fragments, as in
-  :mod:`diloco.launch.goodput`); provisioned = the replica's compute-only speed (tokens per
+  :mod:`diloco.report.goodput`); provisioned = the replica's compute-only speed (tokens per
   second spent in forward, backward and AdamW, ``--slow`` included, sync waits excluded) ×
   its training time. Time a fast replica spends waiting for a slow one is therefore not good.
 
@@ -33,7 +33,6 @@ wait is bounded; the replicas also exit on their own at a hard deadline or if th
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -42,6 +41,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from diloco.config.common import ProtocolConfig
 
 TORCHFT_PACKAGE = "torchft-nightly"
 TORCHFT_PIN = "2026.10.26"
@@ -73,7 +74,7 @@ def run_torchft(
     minutes: float = 1.0,
     tokens: int = 0,
     rounds: int = 0,
-    sync_every: int = 24,
+    sync_every: int = ProtocolConfig.sync_every,
     fragments: int = 1,
     sync_delay: int = 0,
     outer_lr: float = 1.0,
@@ -183,7 +184,7 @@ def run_torchft(
         val_final, max_diff = _evaluate_final(rec, root, learners, model0)
         wall_s = time.time() - started
     finally:
-        from diloco.launch.procs import stop_all
+        from diloco.runtime.procs import stop_all
 
         stop_all(children, timeout=10.0)
         if temporary:
@@ -245,11 +246,11 @@ def _check_arguments(learners, minutes, tokens, rounds, sync_every, fragments, s
 
 
 def _replica_command(role: str, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.peers.torchft_replica", role, *flags]
+    return [sys.executable, "-m", "diloco.cli.torchft_replica", role, *flags]
 
 
 def _start_lighthouse(root: Path, min_replicas, join_ms, tick_ms, heartbeat_ms, children: list):
-    from diloco.launch.procs import Child
+    from diloco.runtime.procs import Child
 
     child = Child(
         "lighthouse",
@@ -268,7 +269,7 @@ def _start_lighthouse(root: Path, min_replicas, join_ms, tick_ms, heartbeat_ms, 
 
 
 def _start_replica(root: Path, index: int, **o):
-    from diloco.launch.procs import Child
+    from diloco.runtime.procs import Child
 
     flags = [
         f"--index={index}",
@@ -306,7 +307,7 @@ def _supervise(root, lighthouse, replicas, started, budget_s, minutes, tokens, s
     """Watch the processes and the budget; when it is spent, write the stop step. Returns why
     the run stops. Raises RuntimeError if a process fails, TimeoutError if a replica has not
     completed its first sync within ``start_timeout``."""
-    from diloco.peers.torchft_replica import STOP_FILE
+    from diloco.baselines.torchft.replica import STOP_FILE
 
     while True:
         time.sleep(0.2)
@@ -412,8 +413,8 @@ def _summarize(
     run_dir,
     fragments,
 ):
-    from diloco.launch.goodput import commit_gaps, uptime
-    from diloco.launch.summary import build_summary, data_parallel_bytes_per_token
+    from diloco.report.goodput import commit_gaps, uptime
+    from diloco.report.summary import build_summary, data_parallel_bytes_per_token
 
     per_learner, useful, provisioned, starts, ends = [], {}, {}, [], []
     for i in range(learners):
@@ -498,7 +499,7 @@ def _summarize(
 
 def format_torchft(summary: dict) -> str:
     """Human lines: ``diloco run``'s summary lines plus speed and goodput."""
-    from diloco.launch.summary import format_summary
+    from diloco.report.summary import format_summary
 
     peer = summary["peer"]
     if summary["val_loss"]["final"] is None:  # no replica wrote a final model
@@ -525,57 +526,3 @@ def parse_slow(values: list[str]) -> dict[int, float]:
             raise ValueError(f"--slow wants I=F, got {v!r}")
         out[int(index)] = float(factor)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m diloco.peers.torchft_peer",
-        description="Train a recipe with torchft's DiLoCo (the external peer of diloco bench).",
-    )
-    p.add_argument("--learners", "-m", type=int, default=2)
-    p.add_argument("--minutes", type=float, default=1.0, help="wall-clock budget (0: none)")
-    p.add_argument("--tokens", type=int, default=0, help="token budget over all replicas")
-    p.add_argument("--rounds", type=int, default=0, help="stop after this many committed syncs")
-    p.add_argument("--recipe", default="tiny")
-    p.add_argument("--data", help="UTF-8 text file instead of Shakespeare")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=0)
-    p.add_argument("--sync-every", type=int, default=24, help="H in inner steps (default 24)")
-    p.add_argument("--fragments", type=int, default=1, help="streaming fragments (default 1)")
-    p.add_argument("--sync-delay", type=int, default=0, help="τ: steps the all-reduce overlaps")
-    p.add_argument("--outer-lr", type=float, default=1.0)
-    p.add_argument("--outer-momentum", type=float, default=0.0)
-    p.add_argument("--slow", action="append", default=[], metavar="I=F")
-    p.add_argument("--run-dir", help="keep logs, progress and final models here")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = p.parse_args(argv)
-    try:
-        summary = run_torchft(
-            learners=args.learners,
-            recipe=args.recipe,
-            data=args.data,
-            seed=args.seed,
-            minutes=args.minutes,
-            tokens=args.tokens,
-            rounds=args.rounds,
-            sync_every=args.sync_every,
-            fragments=args.fragments,
-            sync_delay=args.sync_delay,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            slow=parse_slow(args.slow),
-            batch_size=args.batch_size,
-            run_dir=args.run_dir,
-        )
-    except (PeerUnavailable, ValueError) as exc:
-        print(f"torchft peer: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"torchft peer: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(summary, indent=1) if args.json else format_torchft(summary))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

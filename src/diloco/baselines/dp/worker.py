@@ -6,10 +6,10 @@ control values: how many tokens the step trained, whether any rank was asked to 
 0's decisions (lr schedule length, checkpoint now) and how many ranks have finished writing
 their part of the checkpoint in progress. So every rank applies the same averaged gradient
 with the same lr and stops or checkpoints at the same step. Each rank copies its part at that
-step and a background thread writes it (:mod:`diloco.checkpoint_writer`); once every rank's
+step and a background thread writes it (:mod:`diloco.runtime.checkpoint_writer`); once every rank's
 part is on disk, rank 0 commits the checkpoint, and only then may the next one start. The
 group is static: if a rank dies the others fail too, and the supervisor restarts the whole
-group from the last committed checkpoint (:mod:`diloco.dp.checkpoint`), as ``torchrun``
+group from the last committed checkpoint (:mod:`diloco.baselines.dp.checkpoint`), as ``torchrun``
 does.
 
 Rendezvous: the supervisor hosts a ``TCPStore``; the ranks of generation G meet under the
@@ -23,7 +23,6 @@ parameters, safetensors, for the evaluator) fresh every ``--snapshot-every`` sec
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -33,8 +32,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from diloco.cadence import AUTO, CheckpointCadence, parse_every
-from diloco.checkpoint_writer import CheckpointWriter
+from diloco.config.dp_worker import DpWorkerConfig
+from diloco.runtime.cadence import CheckpointCadence
+from diloco.runtime.checkpoint_writer import CheckpointWriter
 
 
 def ring_bytes_per_step(num_params: int, world: int) -> int:
@@ -44,60 +44,63 @@ def ring_bytes_per_step(num_params: int, world: int) -> int:
     return 0 if world <= 1 else 2 * (world - 1) * 4 * num_params // world
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: DpWorkerConfig) -> int:
+    """Train this rank until the budget or SIGTERM; returns the exit status."""
     import torch
     import torch.distributed as dist
 
-    from diloco.dp import checkpoint as ckpt
+    from diloco.baselines.dp import checkpoint as ckpt
     from diloco.learner.worker import schedule_length
     from diloco.recipes import get_recipe
 
-    torch.set_num_threads(args.threads)
-    if not 0 <= args.rank < args.world:
-        print(f"diloco dp-worker: --rank must be in [0, {args.world})", file=sys.stderr)
+    torch.set_num_threads(config.threads)
+    if not 0 <= config.rank < config.world:
+        print(f"diloco dp-worker: --rank must be in [0, {config.world})", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    if args.exit_with_parent:
-        from diloco.launch.procs import exit_with_parent
+    if config.exit_with_parent:
+        from diloco.runtime.procs import exit_with_parent
 
         exit_with_parent(stop)
 
-    recipe = get_recipe(args.recipe, data_path=args.data)
-    model = recipe.build_model(args.seed)
+    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    model = recipe.build_model(config.recipe.seed)
     optimizer = recipe.build_optimizer(model)
-    stream = recipe.stream(learner_id=args.rank, seed=args.seed, batch_size=args.batch_size)
+    stream = recipe.stream(
+        learner_id=config.rank, seed=config.recipe.seed, batch_size=config.batch_size
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     num_params = sum(p.numel() for p in params)
-    leader = args.rank == 0
-    ckdir = Path(args.checkpoint_dir)
+    leader = config.rank == 0
+    ckdir = Path(config.checkpoint_dir)
     step, tokens, group_tokens = 0, 0, 0
     try:
-        saved_step = ckpt.latest_step(ckdir, args.world)
+        saved_step = ckpt.latest_step(ckdir, config.world)
     except ValueError as exc:
         print(f"diloco dp-worker: {exc}", file=sys.stderr)
         return 2
     if saved_step is not None:
-        mine = ckpt.read_rank_state(ckdir, saved_step, args.rank)
+        mine = ckpt.read_rank_state(ckdir, saved_step, config.rank)
         shared = mine if leader else ckpt.read_rank_state(ckdir, saved_step, 0)
         model.load_state_dict(shared["model"])
         optimizer.load_state_dict(shared["optimizer"])
         stream.load_state_dict(mine["stream"])
         step, tokens, group_tokens = saved_step, mine["tokens"], shared["group_tokens"]
 
-    host, port = args.store.rsplit(":", 1)
+    host, port = config.store.rsplit(":", 1)
     store = dist.TCPStore(
-        host, int(port), is_master=False, timeout=timedelta(seconds=args.rendezvous_timeout)
+        host, int(port), is_master=False, timeout=timedelta(seconds=config.rendezvous_timeout)
     )
     dist.init_process_group(
         "gloo",
-        store=dist.PrefixStore(f"generation-{args.generation}", store),
-        rank=args.rank,
-        world_size=args.world,
-        timeout=timedelta(seconds=args.collective_timeout),
+        store=dist.PrefixStore(f"generation-{config.generation}", store),
+        rank=config.rank,
+        world_size=config.world,
+        timeout=timedelta(seconds=config.collective_timeout),
     )
-    workdir = Path(args.workdir)
+    workdir = Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     progress = (workdir / "progress.jsonl").open("a")
 
@@ -105,29 +108,29 @@ def run(args: argparse.Namespace) -> int:
         progress.write(json.dumps({"t": time.time(), **fields}) + "\n")
         progress.flush()
 
-    report(event="start", step=step, tokens=tokens, generation=args.generation)
-    print(f"dp rank {args.rank}/{args.world}: generation {args.generation} from step {step}")
-    per_step_bytes = ring_bytes_per_step(num_params, args.world)
+    report(event="start", step=step, tokens=tokens, generation=config.generation)
+    print(f"dp rank {config.rank}/{config.world}: generation {config.generation} from step {step}")
+    per_step_bytes = ring_bytes_per_step(num_params, config.world)
     first_step, started = step, time.time()
-    run_started = args.run_started or started
+    run_started = config.run_started or started
     last_report = last_snapshot = 0.0
-    cadence = CheckpointCadence(every=args.checkpoint_every, start=started)
+    cadence = CheckpointCadence(every=config.checkpoint_every, start=started)
     writer = CheckpointWriter()
     pending: int | None = None  # the step of the checkpoint being written, not yet committed
     ckdir.mkdir(parents=True, exist_ok=True)
     loss_value = float("nan")
     busy_s = 0.0  # seconds in steps (the all-reduce included) in this incarnation
-    while not args.total_steps or step < args.total_steps:
+    while not config.total_steps or step < config.total_steps:
         now = time.time()
-        length = schedule_length(args, step, now - run_started)
+        length = schedule_length(config, step, now - run_started)
         # rank 0 decides (the all-reduce tells the others), once the previous one is committed
         save = leader and pending is None and cadence.due(now)
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         _, loss = model(x, y)
         loss.backward()
-        if args.slow > 1.0:  # emulate slower hardware: the whole group waits for this rank
-            time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
+        if config.slow > 1.0:  # emulate slower hardware: the whole group waits for this rank
+            time.sleep((config.slow - 1.0) * (time.perf_counter() - t0))
         n = x.numel()
         written = pending is not None and not writer.busy  # my part is on disk (or failed)
         control = torch.tensor(
@@ -144,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
         flat = torch.cat([p.grad.reshape(-1) * n for p in params] + [control])
         dist.all_reduce(flat)
         total, stopping, length, save, done, ok = flat[-len(control) :].tolist()
-        if pending is not None and done == args.world:
-            if leader and ok == args.world:
-                ckpt.commit(ckdir, pending, args.world)
+        if pending is not None and done == config.world:
+            if leader and ok == config.world:
+                ckpt.commit(ckdir, pending, config.world)
             pending = None  # committed, or a part failed and the previous checkpoint stays
         offset = 0
         for p in params:
@@ -163,14 +166,14 @@ def run(args: argparse.Namespace) -> int:
         now = time.time()
         if save:  # this rank pays the copy of its part; the writer thread writes it
             saving = time.perf_counter()
-            part = rank_part(args, step, model, optimizer, stream, tokens, group_tokens)
-            writer.submit(ckpt.rank_file(ckdir, step, args.rank), part)
+            part = rank_part(config, step, model, optimizer, stream, tokens, group_tokens)
+            writer.submit(ckpt.rank_file(ckdir, step, config.rank), part)
             pending = step
             cadence.saved(time.time(), time.perf_counter() - saving)
-        if leader and args.snapshot and now - last_snapshot >= args.snapshot_every:
+        if leader and config.snapshot and now - last_snapshot >= config.snapshot_every:
             last_snapshot = now
-            write_snapshot(Path(args.snapshot), model, step, group_tokens)
-        if now - last_report >= args.report_every:
+            write_snapshot(Path(config.snapshot), model, step, group_tokens)
+        if now - last_report >= config.report_every:
             last_report = now
             sent = (step - first_step) * per_step_bytes
             sps = (step - first_step) / max(now - started, 1e-9)
@@ -186,9 +189,9 @@ def run(args: argparse.Namespace) -> int:
         if stopping:
             break
     writer.wait()  # the final checkpoint supersedes the one in progress
-    save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens)
-    if leader and args.snapshot:
-        write_snapshot(Path(args.snapshot), model, step, group_tokens)
+    save_group_checkpoint(ckdir, config, step, model, optimizer, stream, tokens, group_tokens)
+    if leader and config.snapshot:
+        write_snapshot(Path(config.snapshot), model, step, group_tokens)
     dist.destroy_process_group()
     sent = (step - first_step) * per_step_bytes
     report(
@@ -203,12 +206,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def rank_part(args, step, model, optimizer, stream, tokens, group_tokens) -> dict:
+def rank_part(config, step, model, optimizer, stream, tokens, group_tokens) -> dict:
     """This rank's part of the group checkpoint of ``step`` (references to live tensors)."""
-    from diloco.dp import checkpoint as ckpt
+    from diloco.baselines.dp import checkpoint as ckpt
 
     state = {"stream": stream.state_dict(), "tokens": tokens}
-    if args.rank == 0:
+    if config.rank == 0:
         state |= {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -217,18 +220,18 @@ def rank_part(args, step, model, optimizer, stream, tokens, group_tokens) -> dic
     return ckpt.rank_part(step, state)
 
 
-def save_group_checkpoint(ckdir, args, step, model, optimizer, stream, tokens, group_tokens):
+def save_group_checkpoint(ckdir, config, step, model, optimizer, stream, tokens, group_tokens):
     """Every rank writes its part now, then (after a barrier) rank 0 commits the checkpoint."""
     import torch.distributed as dist
 
-    from diloco.dp import checkpoint as ckpt
+    from diloco.baselines.dp import checkpoint as ckpt
 
-    part = rank_part(args, step, model, optimizer, stream, tokens, group_tokens)
-    ckpt.write_rank_part(ckdir, step, args.rank, part)
+    part = rank_part(config, step, model, optimizer, stream, tokens, group_tokens)
+    ckpt.write_rank_part(ckdir, step, config.rank, part)
     if dist.is_initialized():
         dist.barrier()
-    if args.rank == 0:
-        ckpt.commit(ckdir, step, args.world)
+    if config.rank == 0:
+        ckpt.commit(ckdir, step, config.world)
 
 
 def write_snapshot(path: Path, model, step: int, group_tokens: int) -> None:
@@ -240,43 +243,3 @@ def write_snapshot(path: Path, model, step: int, group_tokens: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"step": str(step), "tokens": str(group_tokens)})
     os.replace(tmp, path)
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "dp-worker", help="one rank of the data-parallel baseline (started by diloco run)"
-    )
-    p.add_argument("--store", required=True, help="the supervisor's TCPStore, host:port")
-    p.add_argument("--generation", type=int, default=0, help="rendezvous generation")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--recipe", default="shakespeare")
-    p.add_argument("--data", help="UTF-8 text file instead of Shakespeare")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--slow", type=float, default=1.0, help="emulated slowdown factor")
-    p.add_argument("--total-steps", type=int, default=0, help="stop after N steps (0: SIGTERM)")
-    p.add_argument("--schedule-steps", type=int, default=0)
-    p.add_argument("--schedule-seconds", type=float, default=0.0)
-    p.add_argument("--run-started", type=float, default=0.0)
-    p.add_argument("--checkpoint-dir", required=True, help="the group's checkpoint directory")
-    p.add_argument(
-        "--checkpoint-every",
-        type=parse_every,
-        default=AUTO,
-        help="seconds between group checkpoints, or 'auto' (default; diloco.cadence)",
-    )
-    p.add_argument("--workdir", required=True, help="this rank's progress file goes here")
-    p.add_argument("--snapshot", help="rank 0 keeps the current parameters in this file")
-    p.add_argument("--snapshot-every", type=float, default=5.0)
-    p.add_argument("--report-every", type=float, default=1.0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rendezvous-timeout", type=float, default=120.0)
-    p.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a collective may wait for a hung rank before the group fails",
-    )
-    p.add_argument("--exit-with-parent", action="store_true")
-    p.set_defaults(func=run)

@@ -13,9 +13,9 @@ optimizer's moments, the learner's anchors: 10 MB for the default recipe), and t
 thread's time. What it buys: the training thread pays only the copy (~2 ms for the default
 recipe against ~17 ms for a synchronous save with fsync, quiet 2-core machine, median of 30;
 the synchronous save grows to tens of ms when the cores are shared), so ``--checkpoint-every
-auto`` saves about every second and a SIGKILL loses less work (``diloco.cadence``). Used by
+auto`` saves about every second and a SIGKILL loses less work (``diloco.runtime.cadence``). Used by
 learners (one file) and by the data-parallel baseline's ranks (one part of a group checkpoint
-each, committed by rank 0 when every part is written, ``diloco.dp.worker``).
+each, committed by rank 0 when every part is written, ``diloco.baselines.dp.worker``).
 
 Crash safety is the synchronous save's: the file is written under a temporary name, fsynced,
 then renamed over the previous checkpoint, so a process killed mid-write leaves the previous

@@ -1,0 +1,68 @@
+"""Settings every process of a run must agree on: the recipe, and P and H."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco.config.schema import option
+
+
+@dataclass(kw_only=True, frozen=True)
+class RecipeConfig:
+    """What is trained: the same on the syncer, every learner and the evaluator."""
+
+    recipe: str = option("shakespeare")
+    """Model recipe (``shakespeare``: the 0.82M-parameter byte-level GPT; ``tiny``: a 2-layer
+    one for tests); it gives the model, its layout and its initial parameters."""
+    data: str | None = option(None, metavar="FILE")
+    """Train on this UTF-8 text file instead of Shakespeare's plays."""
+    seed: int = option(0)
+    """Seed of the initial model and of the data streams."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProtocolConfig:
+    """How the model is cut and how often each piece is synchronised."""
+
+    fragments: int = option(24, metavar="P")
+    """P: fragments the model is cut into (the syncer and every learner must agree)."""
+    sync_every: int = option(24, metavar="H")
+    """H: inner steps between two synchronisations of one fragment (the syncer's clock opens
+    each fragment's round once per H fleet steps)."""
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1 or self.sync_every < 1:
+            raise ValueError(
+                f"fragments and sync_every must be >= 1 (got {self.fragments}, {self.sync_every})"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClientSecurityConfig:
+    """How a process reaches the syncer: the shared token and TLS (docs/security.md)."""
+
+    token_file: str | None = option(None, metavar="FILE")
+    """File holding the shared secret token (default: ``$DILOCO_TOKEN`` if set)."""
+    tls_ca: str | None = option(None, metavar="PEM")
+    """CA bundle to verify the syncer with; enables TLS."""
+    tls_cert: str | None = option(None, metavar="PEM")
+    """Client certificate for mutual TLS."""
+    tls_key: str | None = option(None, metavar="PEM")
+    """Private key of ``--tls-cert``."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerSecurityConfig:
+    """Who may reach the syncer: the shared token, TLS and an allow-list (docs/security.md)."""
+
+    token_file: str | None = option(None, metavar="FILE")
+    """File holding the shared secret token (default: ``$DILOCO_TOKEN`` if set); required to
+    bind a non-loopback address."""
+    tls_cert: str | None = option(None, metavar="PEM")
+    """Certificate (chain) the syncer presents; enables TLS."""
+    tls_key: str | None = option(None, metavar="PEM")
+    """Private key of ``--tls-cert``."""
+    tls_client_ca: str | None = option(None, metavar="PEM")
+    """CA bundle: require client certificates signed by it (mutual TLS)."""
+    allow_learners: str | None = option(None, metavar="ID,ID,...")
+    """Only these learner ids (and observer ids) may join."""

@@ -1,0 +1,140 @@
+"""The configuration of a whole run (``diloco run``), composed of its components' ones.
+
+``RunConfig`` is the one schema of a run: ``diloco run`` builds it from its flags, writes it to
+``runs/<name>/config.json``, derives each child's configuration from it (the syncer's
+``ServiceConfig``, each learner's ``WorkerConfig``, written beside them) and the simulator's
+twin reads it back (``diloco.sim.twin``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco.config.common import ProtocolConfig, RecipeConfig
+from diloco.config.schema import option
+from diloco.runtime.cadence import AUTO, parse_every
+from diloco.syncer.config import SyncerConfig
+
+MODES = ("decoupled", "sync", "dp")
+"""``diloco run --mode``: decoupled rounds, synchronous DiLoCo, or the data-parallel baseline."""
+BACKENDS = ("local", "ray")
+"""Where ``diloco run`` starts its processes: on this machine, or as Ray actors."""
+
+
+@dataclass(kw_only=True)
+class RayConfig:
+    """The Ray backend (``--backend ray``); the local backend refuses the ``ray`` options."""
+
+    backend: str = option("local", choices=BACKENDS)
+    """local: processes on this machine; ray: actors on a Ray cluster."""
+    address: str | None = option(None)
+    """Ray cluster to join, e.g. auto (default: start a local Ray instance for the run)."""
+    ray_learner_cpus: float | None = option(None, type=float)
+    """CPUs Ray reserves per learner (default 1)."""
+    ray_learner_gpus: float | None = option(None, type=float)
+    """GPUs Ray reserves per learner (default 0)."""
+    ray_syncer_cpus: float | None = option(None, type=float)
+    """CPUs Ray reserves for the syncer (default 1)."""
+    ray_max_restarts: int | None = option(None, type=int)
+    """Times Ray restarts a failed learner (default -1: always); the syncer: always."""
+    ray_syncer_host: str | None = option(None)
+    """Host the syncer binds on its node (default 127.0.0.1 for a local Ray instance, the
+    node's IP with ``--address``; a non-loopback bind needs ``--token-file``)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A syncer, M learners and an evaluator (``diloco run``); see docs/cli.md."""
+
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    syncer: SyncerConfig = field(default_factory=SyncerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    learners: int = option(2, short="-m", metavar="M")
+    """M: learner processes."""
+    minutes: float = option(3.0)
+    """Wall-clock budget (0: none)."""
+    tokens: int = option(0)
+    """Stop after this many tokens in total (0: no limit)."""
+    steps: int = option(0)
+    """Each learner stops after this many steps (0: no limit)."""
+    mode: str = option("decoupled", choices=MODES)
+    """decoupled: asynchronous rounds (quorum + grace); sync: every round waits for all M; dp:
+    data-parallel baseline (all-reduce every step, group restarts on failure)."""
+    batch_size: int | None = option(None, type=int)
+    """Batch size of every learner (default: the recipe's)."""
+    batch: list[str] = option(default_factory=list, metavar="I=N")
+    """Batch size of learner I (repeatable)."""
+    slow: list[str] = option(default_factory=list, metavar="I=F")
+    """Learner I takes F times as long per step (repeatable), e.g. ``--slow 1=3``."""
+    jitter: float = option(0.0, metavar="J")
+    """Every learner's step time varies by up to +-J of its (slowed) cost, seeded per learner
+    (e.g. 0.2 with ``--slow`` for a mixed fleet)."""
+    overwrite_own: bool = option(False)
+    """Learners apply a merge holding their own delta by the paper's overwrite, dropping the
+    steps trained while it was in flight (default: keep them)."""
+    eval_every: float = option(5.0)
+    """Seconds between evaluations (0: only at the start and the end)."""
+    chaos: str = option("", metavar="SPEC")
+    """Inject failures, e.g. ``kill:mtbf=60s,down=5-15s;syncer-kill:at=120s`` (docs/cli.md)."""
+    spares: int = option(-1, metavar="N")
+    """Warm spare processes (torch imported) that restarted learners run in, for fast
+    restarts; local backend (-1: two when ``--chaos`` kills learners, or the whole group with
+    ``--mode dp``; else none)."""
+    checkpoint_every: float | str = option(AUTO, type=parse_every, metavar="SECONDS|auto")
+    """Seconds between the learners' (or the data-parallel group's) checkpoints, or ``auto``:
+    as often as keeps saving under 1% of the time (``diloco.runtime.cadence``)."""
+    name: str | None = option(None)
+    """Run name (default: the start time)."""
+    runs_dir: str = option("runs", metavar="DIR")
+    """Where run directories go."""
+    json: bool = option(False)
+    """Print the summary as JSON."""
+    no_view: bool = option(False)
+    """No live view."""
+    shards: int = option(1, metavar="S")
+    """Start S syncer processes, each owning the fragments p mod S == i."""
+    token_file: str | None = option(None, metavar="FILE")
+    """Shared token file passed to the syncer, learners and evaluator (loopback needs none)."""
+    start_timeout: float = option(60.0, hidden=True)
+    """Seconds a process may take to start (and the syncer to answer) before the run fails."""
+    stop_timeout: float = option(30.0, hidden=True)
+    """Seconds learners get to flush and exit at the end before they are killed."""
+
+
+def load_run_config(path) -> RunConfig:
+    """A run directory's ``config.json`` as a ``RunConfig``.
+
+    Runs made before the configuration had sections (2026-11-25) wrote the command's flat flag
+    values; their keys are placed in their sections (``seed`` -> ``recipe.seed``, ``quorum`` ->
+    ``syncer.quorum``, ...) and the keys that no longer exist are ignored.
+    """
+    import json
+    from pathlib import Path
+
+    from diloco.config.schema import from_dict, options
+
+    data = json.loads(Path(path).read_text())
+    if any(isinstance(v, dict) for v in data.values()):
+        return from_dict(RunConfig, data)
+    nested: dict = {"recipe": {}, "protocol": {}, "syncer": {}, "ray": {}}
+    homes = {
+        "recipe": RecipeConfig,
+        "protocol": ProtocolConfig,
+        "syncer": SyncerConfig,
+        "ray": RayConfig,
+    }
+    own = {f.name for f in options(RunConfig)}
+    for key, value in data.items():
+        home = next((s for s, cls in homes.items() if key in {f.name for f in options(cls)}), None)
+        if home is not None:
+            nested[home][key] = value
+        elif key in own:
+            nested[key] = value
+    if "lease" in data:  # the flag's old destination
+        nested["syncer"]["lease_s"] = data["lease"]
+    if "norm_guard" in data:
+        nested["syncer"]["norm_guard_k"] = data["norm_guard"]
+    if nested.get("batch_size") == 0:
+        nested["batch_size"] = None
+    return from_dict(RunConfig, nested)

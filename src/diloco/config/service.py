@@ -1,0 +1,45 @@
+"""The configuration of one syncer process (``diloco syncer``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from diloco.config.common import ProtocolConfig, RecipeConfig, ServerSecurityConfig
+from diloco.config.schema import option
+from diloco.syncer.config import SyncerConfig
+
+
+@dataclass(kw_only=True)
+class ServiceConfig:
+    """One syncer (or syncer shard) process: the model it serves, the protocol, where it
+    listens and keeps its state.
+
+    ``diloco run`` writes one (``syncer.json``) and starts ``diloco syncer --config FILE``
+    with each shard's own ``--shard``, ``--state-dir`` and ``--port-file``.
+    """
+
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    syncer: SyncerConfig = field(default_factory=SyncerConfig)
+    security: ServerSecurityConfig = field(default_factory=ServerSecurityConfig)
+    bind: str = option("127.0.0.1:7000", metavar="HOST:PORT")
+    """Address to listen on (port 0 picks a free port)."""
+    port_file: str | None = option(None, metavar="FILE")
+    """Write the bound ``host:port`` here once serving."""
+    state_dir: str | None = option(None, metavar="DIR")
+    """Durable state directory (restored on restart)."""
+    tape: str | None = option(None, metavar="FILE")
+    """Event tape path (default ``STATE_DIR/events.jsonl``)."""
+    shard: str = option("0/1", metavar="I/S")
+    """Serve only shard I of S: the fragments p with p mod S == I (0/1: all); start S syncers
+    with 0/S .. S-1/S and give learners every address (docs/deploy.md)."""
+    threads: int = option(1)
+    """Torch CPU threads."""
+    exit_with_parent: bool = option(False)
+    """Stop (cleanly) if the parent process dies."""
+
+    def __post_init__(self) -> None:
+        # H is the protocol's: the syncer's clock paces its rounds with it.
+        if self.syncer.sync_every != self.protocol.sync_every:
+            self.syncer = dataclasses.replace(self.syncer, sync_every=self.protocol.sync_every)

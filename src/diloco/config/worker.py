@@ -1,0 +1,76 @@
+"""The configuration of one learner process (``diloco learner``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco.chaos import CORRUPT_HOWS
+from diloco.config.common import ClientSecurityConfig, ProtocolConfig, RecipeConfig
+from diloco.config.schema import option
+from diloco.runtime.cadence import AUTO, parse_every
+
+
+@dataclass(kw_only=True)
+class WorkerConfig:
+    """One learner process: what it trains, which syncer it joins, when and how it stops.
+
+    ``diloco run`` writes one per learner (``learners/<id>/config.json``) and starts
+    ``diloco learner --config FILE``; by hand, every field is also a flag.
+    """
+
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    security: ClientSecurityConfig = field(default_factory=ClientSecurityConfig)
+    syncer: str | None = option(None, metavar="HOST:PORT[,...]")
+    """Syncer address ``HOST:PORT``, or every shard's address comma-separated for a sharded
+    syncer; required unless ``--no-sync``."""
+    no_sync: bool = option(False)
+    """Train alone without a syncer (a baseline)."""
+    id: str = option(metavar="ID")
+    """Learner id (keep it across restarts: the syncer and the checkpoint know it by it)."""
+    index: int = option(0)
+    """Learner index: selects this learner's data stream."""
+    batch_size: int | None = option(None, type=int)
+    """Sequences per step (default: the recipe's)."""
+    slow: float = option(1.0, metavar="F")
+    """Emulated slowdown factor (3: each step takes 3x as long)."""
+    jitter: float = option(0.0, metavar="J")
+    """Each step takes up to +-J of its (slowed) cost more or less (seeded)."""
+    total_steps: int = option(0)
+    """Stop after this many steps (0: until SIGTERM)."""
+    schedule_steps: int = option(0)
+    """Length of the lr schedule (0: ``--total-steps``)."""
+    schedule_seconds: float = option(0.0)
+    """Fit the lr schedule to this time budget when the step count is unknown."""
+    run_started: float = option(0.0)
+    """Epoch seconds the run started (``--schedule-seconds`` counts from it; 0: now)."""
+    deadline: float = option(0.0)
+    """Epoch seconds: stop (cleanly, as on SIGTERM) at the first step boundary after it (0:
+    none); for launchers whose signals may not reach the learner."""
+    checkpoint_every: float | str = option(AUTO, type=parse_every, metavar="SECONDS|auto")
+    """Seconds between local checkpoints in ``--workdir`` (0: only at exit), or ``auto``: as
+    often as keeps saving under 1% of the time, 1-300 s (``diloco.runtime.cadence``)."""
+    wait_for_merge: int = option(-1, metavar="LAG")
+    """Synchronous DiLoCo: before each step, wait until every fragment sent LAG or more steps
+    ago came back merged (-1: never wait, the decoupled default)."""
+    merge_timeout: float = option(120.0)
+    """With ``--wait-for-merge``: the longest wait before training on regardless."""
+    overwrite_own: bool = option(False)
+    """Apply a merge that holds this learner's delta by the paper's overwrite, dropping the
+    steps trained while the delta was in flight (default: keep them)."""
+    workdir: str | None = option(None, metavar="DIR")
+    """Directory for progress and checkpoints."""
+    threads: int = option(1)
+    """Torch CPU threads (two 1-thread processes run steadier than one 2-thread one)."""
+    join_timeout: float = option(60.0)
+    """Seconds to keep trying to join the syncer before giving up."""
+    report_every: float = option(1.0)
+    """Seconds between progress lines."""
+    exit_with_parent: bool = option(False)
+    """Stop (cleanly) if the parent process dies."""
+    corrupt: str | None = option(None, choices=CORRUPT_HOWS)
+    """Chaos: damage every uploaded delta (emulated silent data corruption)."""
+    corrupt_start: float = option(0.0)
+    """Epoch seconds the corruption starts."""
+    corrupt_end: float = option(0.0)
+    """Epoch seconds it ends (0: never)."""

@@ -1,0 +1,126 @@
+"""The supervisor loop of ``diloco run``: failures and restarts, the view, evaluation, when to stop."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from diloco.launch.supervisor import MAX_UNPLANNED_RESTARTS
+from diloco.launch.syncers import syncer_names
+
+
+def append_metric(run_dir: Path, started: float, status, loss: float, versions: list[int]):
+    """One line of ``metrics.jsonl``: the global model's held-out loss now."""
+    rec = {
+        "t": round(time.time() - started, 3),
+        "val_loss": loss,
+        "versions": sum(max(v, 0) for v in versions),
+        "tokens": sum(ls.tokens for ls in status.learners) if status is not None else None,
+        "rounds": status.rounds if status is not None else None,
+    }
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def check_crashes(sup) -> None:
+    """``RuntimeError`` if a process exited on its own more than ``MAX_UNPLANNED_RESTARTS``."""
+    for slot in sup.slots.values():
+        crashes = sum(1 for c in slot.exit_codes if c != 0) - slot.planned_deaths
+        if crashes > MAX_UNPLANNED_RESTARTS:
+            tail = slot.child.tail() if slot.child else ""
+            raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
+
+
+def learner_state(slot, status, elapsed: float) -> str:
+    """What the view says a learner is doing."""
+    if slot.finished:
+        return "finished"
+    if slot.resume_at is not None:
+        return "hung (chaos)"
+    if slot.restart_at is not None:
+        return f"down, restart in {max(0.0, slot.restart_at - elapsed):.0f}s"
+    if status is None:
+        return "starting"
+    return status.state if status.live else "not live"
+
+
+class Rates:
+    """Tokens per second per learner, over windows of at least 2 s."""
+
+    def __init__(self) -> None:
+        self.prev: dict[str, tuple[float, int]] = {}
+        self.rate: dict[str, float] = {}
+
+    def update(self, learner: str, now: float, tokens: int) -> float:
+        t0, tok0 = self.prev.setdefault(learner, (now, tokens))
+        if now - t0 >= 2.0:
+            self.rate[learner] = max(0.0, (tokens - tok0) / (now - t0))
+            self.prev[learner] = (now, tokens)
+        return self.rate.get(learner, 0.0)
+
+
+def view_rows(plans, sup, by_id: dict, rates: Rates, now: float, elapsed: float) -> list[dict]:
+    rows = []
+    for plan in plans:
+        st = by_id.get(plan.id)
+        step, tok = (int(st.step), int(st.tokens)) if st else (0, 0)
+        rows.append(
+            {
+                "id": plan.id,
+                "step": step,
+                "tokens": tok,
+                "tokens_per_s": rates.update(plan.id, now, tok),
+                "state": learner_state(sup.slots[plan.id], st, elapsed),
+            }
+        )
+    return rows
+
+
+def supervise(
+    config, stop, started, sup, plans, evaluator, status_client, run_dir, out=None
+) -> str:
+    """Poll the processes, draw the view, evaluate every ``eval_every`` seconds, start the
+    chaos schedule once every learner trains; return why the run stops (``"time"``,
+    ``"tokens"``, ``"learners finished"``, ``"interrupt"``). Raises RuntimeError if a process
+    keeps crashing on its own."""
+    from diloco.launch.view import LiveView
+
+    view = LiveView(enabled=not config.json and not config.no_view, stream=out)
+    last_eval, last_loss, last_status, rates = 0.0, None, None, Rates()
+    while True:
+        if stop.wait(0.25):
+            return "interrupt"
+        sup.poll()
+        check_crashes(sup)
+        now = time.time()
+        elapsed = now - started
+        up = all(sup.running(name) for name in syncer_names(config.shards))
+        status = status_client.fetch() if up else None
+        last_status = status or last_status
+        learners = list(last_status.learners) if last_status else []
+        tokens = sum(ls.tokens for ls in learners)
+        if config.eval_every and now - last_eval >= config.eval_every:
+            last_eval = now
+            last_loss, versions = evaluator.evaluate()
+            append_metric(run_dir, started, status, last_loss, versions)
+        by_id = {ls.learner_id: ls for ls in learners}
+        everyone_trains = all(by_id.get(p.id) and by_id[p.id].step > 0 for p in plans)
+        if everyone_trains or elapsed > config.start_timeout:
+            sup.start_chaos()
+        view.update(
+            {
+                "elapsed": elapsed,
+                "val_loss": last_loss,
+                "rounds": last_status.rounds if last_status else 0,
+                "bytes_up": sum(ls.bytes_up for ls in learners),
+                "bytes_down": sum(ls.bytes_down for ls in learners),
+                "learners": view_rows(plans, sup, by_id, rates, now, elapsed),
+            }
+        )
+        if config.minutes and elapsed >= config.minutes * 60:
+            return "time"
+        if config.tokens and tokens >= config.tokens:
+            return "tokens"
+        if all(s.finished for s in sup.learners()):
+            return "learners finished"

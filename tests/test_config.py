@@ -1,0 +1,269 @@
+"""One house: configuration dataclasses are the one place a default lives; the import graph has
+no cycle and nothing below the CLI imports it."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from diloco.cli import build_parser
+from diloco.cli.common import load_config_file
+from diloco.config import (
+    ConfigError,
+    ProtocolConfig,
+    add_options,
+    field_docs,
+    flat_values,
+    from_dict,
+    from_namespace,
+    options,
+    to_dict,
+)
+from diloco.config.dp_worker import DpWorkerConfig
+from diloco.config.run import RunConfig
+from diloco.config.schema import default_of, sections
+from diloco.config.service import ServiceConfig
+from diloco.config.worker import WorkerConfig
+from diloco.launch.children import LearnerPlan, service_config, worker_config
+
+pytestmark = pytest.mark.timeout(60)
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "diloco"
+
+#: sub-command -> the configuration dataclass its flags come from
+COMMAND_CONFIGS = {
+    "run": RunConfig,
+    "learner": WorkerConfig,
+    "syncer": ServiceConfig,
+    "dp-worker": DpWorkerConfig,
+}
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def all_options(cls) -> dict[str, dataclasses.Field]:
+    out = {}
+    for sub in sections(cls).values():
+        out.update(all_options(sub))
+    out.update({f.name: f for f in options(cls)})
+    return out
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_CONFIGS))
+def test_help_defaults_are_the_dataclass_defaults(command):
+    """Every flag of a configured command is one of its dataclass's options, and --help shows
+    the dataclass default (the parser's own default, when it keeps one, is that default)."""
+    cls = COMMAND_CONFIGS[command]
+    fields = all_options(cls)
+    parser = subparsers()[command]
+    seen = set()
+    for action in parser._actions:
+        if action.dest in ("help", "config") or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.dest in fields, f"{command}: --{action.dest} is not a {cls.__name__} option"
+        seen.add(action.dest)
+        default = default_of(fields[action.dest])
+        if action.default is not argparse.SUPPRESS:
+            assert action.default == default, (command, action.dest)
+        shown = default not in (None, False, "", []) and action.help != argparse.SUPPRESS
+        if shown:
+            assert f"(default: {default})" in action.help, (command, action.dest, action.help)
+    assert seen == set(fields), f"{command}: options without a flag: {set(fields) - seen}"
+
+
+def test_every_option_has_a_docstring():
+    for cls in COMMAND_CONFIGS.values():
+        for name, f in all_options(cls).items():
+            owner = next(c for c in [cls, *_all_sections(cls)] if f in dataclasses.fields(c))
+            assert field_docs(owner).get(name), f"{owner.__name__}.{name} has no docstring"
+
+
+def _all_sections(cls):
+    for sub in sections(cls).values():
+        yield sub
+        yield from _all_sections(sub)
+
+
+def test_the_protocol_defaults_are_written_once():
+    """P and H (24) are written in ProtocolConfig only; everything else refers to it."""
+    pattern = re.compile(r"\b(fragments|sync_every)\b[^\n=]*(=|:)\s*(int\s*=\s*)?24\b")
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        if path.name.startswith("diloco_pb2") or path == SRC / "config" / "common.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if (
+                pattern.search(line)
+                and "default=" in line
+                or re.search(r"^\s*(fragments|sync_every)\s*:\s*int\s*=\s*24\b", line)
+            ):
+                offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
+    assert offenders == []
+    assert ProtocolConfig().fragments == 24 and ProtocolConfig().sync_every == 24
+
+
+def test_a_run_configuration_round_trips_through_json():
+    config = RunConfig(learners=3, slow=["1=2"], chaos="kill:mtbf=60s", checkpoint_every=7.5)
+    data = json.loads(json.dumps(to_dict(config)))
+    assert from_dict(RunConfig, data) == config
+    assert data["syncer"]["quorum"] == 1 and data["protocol"]["fragments"] == 24
+
+
+def test_bad_configuration_data_names_the_key():
+    with pytest.raises(ConfigError, match="unknown key.*quorom"):
+        from_dict(RunConfig, {"syncer": {"quorom": 2}})
+    with pytest.raises(ConfigError, match="learners: expected int"):
+        from_dict(RunConfig, {"learners": "4"})
+    with pytest.raises(ConfigError, match="quorum must be >= 1"):
+        from_dict(RunConfig, {"syncer": {"quorum": 0}})
+    with pytest.raises(ConfigError, match="--id is required"):
+        from_namespace(WorkerConfig, argparse.Namespace())
+
+
+def test_a_config_file_gives_defaults_that_flags_override(tmp_path):
+    run = RunConfig(learners=2, steps=50, token_file=None)
+    plan = LearnerPlan("learner-1", 1, 8, 1.5)
+    worker = worker_config(
+        run, plan, syncer="127.0.0.1:1", started=100.0, workdir=tmp_path, corrupt={}
+    )
+    path = tmp_path / "learner.json"
+    path.write_text(json.dumps(to_dict(worker)))
+    args = build_parser().parse_args(["learner", f"--config={path}", "--slow=3", "--seed=5"])
+    config = from_namespace(WorkerConfig, args, base=load_config_file(args.config, WorkerConfig))
+    assert config.slow == 3.0 and config.recipe.seed == 5  # the flags
+    assert config.id == "learner-1" and config.total_steps == 50  # the file
+    assert config.syncer == "127.0.0.1:1" and config.workdir == str(tmp_path)
+
+
+def test_service_config_follows_the_mode():
+    sync = service_config(RunConfig(mode="sync", learners=3))
+    assert (sync.syncer.schedule, sync.syncer.wait_for_all, sync.syncer.gamma) == (
+        "learner",
+        3,
+        0.0,
+    )
+    plain = service_config(RunConfig(learners=3, protocol=ProtocolConfig(sync_every=48)))
+    assert plain.syncer.wait_for_all == 0 and plain.syncer.sync_every == 48
+
+
+def test_flat_values_are_the_parser_destinations():
+    parser = argparse.ArgumentParser()
+    add_options(parser, RunConfig)
+    dests = {a.dest for a in parser._actions} - {"help"}
+    assert set(flat_values(RunConfig())) == dests
+
+
+# ------------------------------------------------------------------------- import graph
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the diloco modules it imports (anywhere in its body, also inside functions)."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names]
+            for t in targets:
+                if t.startswith("diloco"):
+                    r = resolve(t)
+                    if r and r != mod:
+                        graph[mod].add(r)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_can_fail():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+
+
+def test_nothing_below_the_cli_imports_it():
+    graph = import_graph()
+    below = {m: d for m, d in graph.items() if not m.startswith("diloco.cli")}
+    offenders = {m: sorted(t for t in d if t.startswith("diloco.cli")) for m, d in below.items()}
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_argparse_only_at_the_edge():
+    """Only the CLI room parses flags; config.schema builds them, cadence gives a flag type."""
+    allowed = {SRC / "config" / "schema.py", SRC / "runtime" / "cadence.py"}
+    users = [
+        p.relative_to(SRC).as_posix()
+        for p in SRC.rglob("*.py")
+        if "cli" not in p.relative_to(SRC).parts[:1]
+        and p not in allowed
+        and re.search(r"^\s*import argparse", p.read_text(), re.M)
+    ]
+    assert users == []
+
+
+def test_no_module_over_600_lines():
+    long = {
+        p.relative_to(SRC).as_posix(): n
+        for p in SRC.rglob("*.py")
+        if not p.name.startswith("diloco_pb2") and (n := len(p.read_text().splitlines())) > 600
+    }
+    assert long == {}
