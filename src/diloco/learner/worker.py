@@ -9,49 +9,41 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 from diloco.config.worker import WorkerConfig
 from diloco.runtime.cadence import CheckpointCadence
 from diloco.runtime.checkpoint_writer import CheckpointWriter
+from diloco.runtime.training import (
+    ProgressLog,
+    SlowHardware,
+    inner_step,
+    schedule_length,
+    set_lr,
+    stop_on_signals,
+)
 
 
 def run(config: WorkerConfig) -> int:
-    """Train until the budget, SIGTERM or the deadline; returns the exit status."""
+    """Train until the budget, SIGTERM or the deadline; returns the exit status (2: bad input,
+    said on stderr)."""
     import torch
 
-    if not config.syncer and not config.no_sync:
-        print("diloco learner: --syncer HOST:PORT is required (or --no-sync)", file=sys.stderr)
-        return 2
-
-    from diloco.learner.learner import Learner, LearnerConfig
-    from diloco.learner.shards import parse_syncer_addresses
     from diloco.recipes import get_recipe
 
-    if config.syncer and not config.no_sync:
-        try:
-            parse_syncer_addresses(config.syncer)
-        except ValueError as exc:
-            print(f"diloco learner: --syncer: {exc}", file=sys.stderr)
-            return 2
-
+    problem = check(config)
+    if problem:
+        print(f"diloco learner: {problem}", file=sys.stderr)
+        return 2
     torch.set_num_threads(config.threads)
     rank, world = island_rank()
-    if world > 1 and config.wait_for_merge >= 0:
+    if world > 1 and config.wait_for_merge >= 0:  # (0, 1) unless torchrun started several
         print("diloco learner: --wait-for-merge is not supported in an island", file=sys.stderr)
-        return 2  # (0, 1) unless started by torchrun with several ranks
+        return 2
     recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
     model = recipe.build_model(config.recipe.seed)
-    train_model = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        train_model = DistributedDataParallel(model)
     optimizer = recipe.build_optimizer(model)
     # Every rank of every island reads its own stream of the data.
     stream = recipe.stream(
@@ -62,173 +54,210 @@ def run(config: WorkerConfig) -> int:
     workdir = Path(config.workdir) if config.workdir else None
     if workdir:
         workdir.mkdir(parents=True, exist_ok=True)
-    leader = rank == 0  # the rank that reports progress and writes the learner's files
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    if config.exit_with_parent:
-        from diloco.runtime.procs import exit_with_parent
-
-        exit_with_parent(stop)
-
-    from diloco.wire.auth import AuthConfigError, load_token
+    stop = stop_on_signals(exit_with_parent=config.exit_with_parent)
+    from diloco.wire.auth import AuthConfigError
 
     try:
-        token = None if config.no_sync else load_token(config.security.token_file)
+        proc = LearnerProcess(config, recipe, model, optimizer, stream, workdir, rank, world)
     except AuthConfigError as exc:
         print(f"diloco learner: {exc}", file=sys.stderr)
         return 2
-    learner_config = LearnerConfig(
-        fragments=config.protocol.fragments,
-        sync_every=config.protocol.sync_every,
-        rebase_own=not config.overwrite_own,
-        learner_id=config.id,
-        # what one step of this island holds: the syncer refuses claims above it
-        tokens_per_step=(config.batch_size or recipe.batch_size) * recipe.model.seq_len * world,
-        cpu_threads=config.threads,
-        token=token,
-        tls_ca=config.security.tls_ca,
-        tls_cert=config.security.tls_cert,
-        tls_key=config.security.tls_key,
-        # beside the checkpoint: what was delivered after it is not sent again on restore
-        delivery_file=str(workdir / DELIVERY_LOG)
-        if workdir and leader and not config.no_sync
-        else None,
-    )
-    link_options = {}
-    if config.corrupt:
-        from diloco.learner.corrupt import Corruptor
+    proc.train(stop)
+    proc.finish()
+    return 0
 
-        end = config.corrupt_end if config.corrupt_end > 0 else float("inf")
-        link_options["corruptor"] = Corruptor(config.corrupt, config.corrupt_start, end)
-        print(f"learner {config.id}: chaos: corrupting uploads ({config.corrupt})", flush=True)
-    name = CHECKPOINT if leader else f"checkpoint.rank{rank}.pt"
-    checkpoint = workdir / name if workdir and not config.no_sync else None
-    saved = load_checkpoint(checkpoint) if checkpoint else None
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        stream.load_state_dict(saved["stream"])
-        if leader:
-            step = saved["learner"]["local_step"]
-            print(f"learner {config.id}: resumed from {checkpoint} at step {step}")
+
+def check(config: WorkerConfig) -> str | None:
+    """What is wrong with the syncer address, if anything (None: nothing)."""
+    from diloco.learner.shards import parse_syncer_addresses
+
     if config.no_sync:
-        learner = LocalOnly()
-    elif world > 1:
-        from diloco.learner.island import IslandLearner
+        return None
+    if not config.syncer:
+        return "--syncer HOST:PORT is required (or --no-sync)"
+    try:
+        parse_syncer_addresses(config.syncer)
+    except ValueError as exc:
+        return f"--syncer: {exc}"
+    return None
 
-        learner = IslandLearner(
-            train_model,
-            optimizer,
-            syncer=config.syncer,
-            config=learner_config,
-            state=saved["learner"] if saved and leader else None,
-            link_options=link_options,
+
+class LearnerProcess:
+    """One learner process: the model, its ``Learner`` (or ``LocalOnly``), its checkpoint and
+    progress file; ``train`` is the training loop, ``finish`` what happens at exit."""
+
+    def __init__(self, config, recipe, model, optimizer, stream, workdir, rank, world) -> None:
+        self.config, self.recipe, self.model = config, recipe, model
+        self.optimizer, self.stream, self.workdir = optimizer, stream, workdir
+        self.rank, self.world = rank, world
+        self.leader = rank == 0  # the rank that reports progress and writes the learner's files
+        self.train_model = model
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.train_model = DistributedDataParallel(model)
+        name = CHECKPOINT if self.leader else f"checkpoint.rank{rank}.pt"
+        self.checkpoint = workdir / name if workdir and not config.no_sync else None
+        saved = self.restore()
+        self.learner = self.make_learner(saved)
+        dropped = getattr(self.learner, "dropped_on_restore", [])  # (none without a syncer)
+        if dropped:
+            print(
+                f"learner {config.id}: {len(dropped)} fragments' checkpointed progress was "
+                "delivered after the checkpoint; not sending it again"
+            )
+
+    def restore(self) -> dict | None:
+        """Load the local checkpoint into the model, optimizer and stream, if there is one."""
+        saved = load_checkpoint(self.checkpoint) if self.checkpoint else None
+        if saved is not None:
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.stream.load_state_dict(saved["stream"])
+            if self.leader:
+                step = saved["learner"]["local_step"]
+                print(f"learner {self.config.id}: resumed from {self.checkpoint} at step {step}")
+        return saved
+
+    def learner_config(self):
+        """The ``Learner`` library's configuration for this process."""
+        from diloco.learner.learner import LearnerConfig
+        from diloco.wire.auth import load_token
+
+        config, recipe, workdir = self.config, self.recipe, self.workdir
+        return LearnerConfig(
+            fragments=config.protocol.fragments,
+            sync_every=config.protocol.sync_every,
+            rebase_own=not config.overwrite_own,
+            learner_id=config.id,
+            # what one step of this island holds: the syncer refuses claims above it
+            tokens_per_step=(config.batch_size or recipe.batch_size)
+            * recipe.model.seq_len
+            * self.world,
+            cpu_threads=config.threads,
+            token=load_token(config.security.token_file),
+            tls_ca=config.security.tls_ca,
+            tls_cert=config.security.tls_cert,
+            tls_key=config.security.tls_key,
+            # beside the checkpoint: what was delivered after it is not sent again on restore
+            delivery_file=str(workdir / DELIVERY_LOG) if workdir and self.leader else None,
         )
-    else:
-        learner = Learner(
-            model,
-            optimizer,
+
+    def make_learner(self, saved: dict | None):
+        config = self.config
+        if config.no_sync:
+            return LocalOnly()
+        link_options = {}
+        if config.corrupt:
+            from diloco.learner.corrupt import Corruptor
+
+            end = config.corrupt_end if config.corrupt_end > 0 else float("inf")
+            link_options["corruptor"] = Corruptor(config.corrupt, config.corrupt_start, end)
+            print(f"learner {config.id}: chaos: corrupting uploads ({config.corrupt})", flush=True)
+        if self.world > 1:
+            from diloco.learner.island import IslandLearner
+
+            return IslandLearner(
+                self.train_model,
+                self.optimizer,
+                syncer=config.syncer,
+                config=self.learner_config(),
+                state=saved["learner"] if saved and self.leader else None,
+                link_options=link_options,
+            )
+        from diloco.learner.learner import Learner
+
+        return Learner(
+            self.model,
+            self.optimizer,
             syncer=config.syncer,
-            config=learner_config,
+            config=self.learner_config(),
             state=saved["learner"] if saved else None,
             link_options=link_options,
         )
-    dropped = getattr(learner, "dropped_on_restore", [])  # (none without a syncer)
-    if dropped:
-        print(
-            f"learner {config.id}: {len(dropped)} fragments' checkpointed progress was delivered "
-            "after the checkpoint; not sending it again"
-        )
-    if not learner.wait_for_global(timeout=config.join_timeout):
-        print(
-            f"learner {config.id}: no global model from {config.syncer} within {config.join_timeout}s; training from the local init"
-        )
-    progress = (workdir / "progress.jsonl").open("a") if workdir and leader else None
-    last_report = time.time()
-    started = time.time()
-    cadence = CheckpointCadence(every=config.checkpoint_every, start=started)
-    writer = CheckpointWriter() if checkpoint else None
-    run_started = config.run_started or started
-    first_step = learner.local_step  # > 0 when resumed from a checkpoint
-    busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
-    jitter = random.Random(f"{config.recipe.seed}/{config.index}/{learner.local_step}")
-    while not config.total_steps or learner.local_step < config.total_steps:
-        step = learner.local_step
-        now = time.time()
-        length = schedule_length(config, step, now - run_started)
-        # a save is due when the cadence says so and the previous one has reached the disk
-        save = writer is not None and cadence.due(now) and not writer.busy
-        should_stop = stop.is_set() or bool(config.deadline and now >= config.deadline)
-        if world > 1:  # the ranks of an island agree on stopping, the lr and checkpoints
-            should_stop, length, save = island_agree(should_stop, length, save, writer)
-        if save and writer:  # the training thread pays the copy; a background thread writes it
-            saving = time.perf_counter()
-            writer.submit(checkpoint, checkpoint_state(model, optimizer, learner, stream))
-            cadence.saved(time.time(), time.perf_counter() - saving)
-        if should_stop:
-            break
-        waited = config.wait_for_merge < 0 or learner.wait_for_merges(
-            config.wait_for_merge, config.merge_timeout, stop
-        )
+
+    def train(self, stop) -> None:
+        """The training loop: until the step budget, ``stop`` or the deadline."""
+        config, learner = self.config, self.learner
+        if not learner.wait_for_global(timeout=config.join_timeout):
+            print(
+                f"learner {config.id}: no global model from {config.syncer} within "
+                f"{config.join_timeout}s; training from the local init"
+            )
+        progress = self.workdir / "progress.jsonl" if self.workdir and self.leader else None
+        self.log = ProgressLog(progress, config.report_every, first_step=learner.local_step)
+        started = self.log.started
+        cadence = CheckpointCadence(every=config.checkpoint_every, start=started)
+        self.writer = CheckpointWriter() if self.checkpoint else None
+        run_started = config.run_started or started
+        self.busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
+        seed = f"{config.recipe.seed}/{config.index}/{learner.local_step}"
+        slow = SlowHardware(config.slow, config.jitter, seed)
+        while not config.total_steps or learner.local_step < config.total_steps:
+            step, now = learner.local_step, time.time()
+            length = schedule_length(config, step, now - run_started)
+            # a save is due when the cadence says so and the previous one has reached the disk
+            save = self.writer is not None and cadence.due(now) and not self.writer.busy
+            should_stop = stop.is_set() or bool(config.deadline and now >= config.deadline)
+            if self.world > 1:  # the ranks of an island agree on stopping, lr and checkpoints
+                should_stop, length, save = island_agree(should_stop, length, save, self.writer)
+            if save:  # the training thread pays the copy; a background thread writes it
+                saving = time.perf_counter()
+                self.writer.submit(self.checkpoint, self.state())
+                cadence.saved(time.time(), time.perf_counter() - saving)
+            if should_stop:
+                break
+            self.wait_for_merges(stop)
+            set_lr(self.optimizer, self.recipe.lr_at(step, length))
+            t0 = time.perf_counter()
+            batch = self.stream.next_batch()
+            loss = inner_step(
+                self.train_model, self.optimizer, batch, params=self.model.parameters()
+            )
+            slow.stretch(t0)
+            learner.step(tokens=batch[0].numel())
+            self.busy_s += time.perf_counter() - t0
+            self.log.step(
+                learner.local_step,
+                tokens=learner.total_tokens,
+                loss=loss,
+                busy_s=round(self.busy_s, 4),
+                bytes_up=learner.stats.get("bytes_up", 0),
+                bytes_down=learner.stats.get("bytes_down", 0),
+            )
+        self.train_s = time.time() - started
+
+    def wait_for_merges(self, stop) -> None:
+        """Synchronous mode: wait for the merges of the fragments sent LAG steps ago."""
+        config = self.config
+        if config.wait_for_merge < 0:
+            return
+        waited = self.learner.wait_for_merges(config.wait_for_merge, config.merge_timeout, stop)
         if not waited and not stop.is_set():
             print(f"learner {config.id}: no merge within {config.merge_timeout}s; going on")
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.lr_at(step, length)
-        t0 = time.perf_counter()
-        x, y = stream.next_batch()
-        _, loss = train_model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        # emulate slower (and uneven) hardware: stretch this step to `stretch` times its cost
-        stretch = config.slow * (1.0 + config.jitter * jitter.uniform(-1.0, 1.0))
-        if stretch > 1.0:
-            time.sleep((stretch - 1.0) * (time.perf_counter() - t0))
-        learner.step(tokens=x.numel())
-        busy_s += time.perf_counter() - t0
-        now = time.time()
-        if progress and now - last_report >= config.report_every:
-            last_report = now
-            sps = (learner.local_step - first_step) / max(now - started, 1e-9)
-            progress.write(
-                json.dumps(
-                    {
-                        "t": now,
-                        "step": learner.local_step,
-                        "tokens": learner.total_tokens,
-                        "loss": loss.item(),
-                        "steps_per_s": sps,
-                        "busy_s": round(busy_s, 4),
-                        "bytes_up": learner.stats.get("bytes_up", 0),
-                        "bytes_down": learner.stats.get("bytes_down", 0),
-                    }
-                )
-                + "\n"
-            )
-            progress.flush()
-    train_s = time.time() - started
-    learner.close(flush=True)
-    if writer:
-        writer.save_now(checkpoint, checkpoint_state(model, optimizer, learner, stream))
-    if workdir and not config.no_sync and leader:
-        write_final_state(workdir, learner)
-    if world > 1:
-        if workdir:  # what every replica holds at exit, to check that they agree
-            from safetensors.torch import save_file
 
-            params = {n: t.detach().contiguous() for n, t in model.named_parameters()}
-            save_file(params, str(workdir / f"replica.rank{rank}.safetensors"))
-        import torch.distributed as dist
+    def state(self) -> dict:
+        return checkpoint_state(self.model, self.optimizer, self.learner, self.stream)
 
-        dist.destroy_process_group()
-    if progress:
-        final = {"t": time.time(), "event": "exit", **learner.stats}
-        final["steps_per_s"] = (learner.local_step - first_step) / max(train_s, 1e-9)
-        progress.write(json.dumps(final) + "\n")
-        progress.close()
-    return 0
+    def finish(self) -> None:
+        """Flush the progress to the syncer, save the last checkpoint and the final state."""
+        learner, workdir = self.learner, self.workdir
+        learner.close(flush=True)
+        if self.writer:
+            self.writer.save_now(self.checkpoint, self.state())
+        if workdir and not self.config.no_sync and self.leader:
+            write_final_state(workdir, learner)
+        if self.world > 1:
+            if workdir:  # what every replica holds at exit, to check that they agree
+                from safetensors.torch import save_file
+
+                params = {n: t.detach().contiguous() for n, t in self.model.named_parameters()}
+                save_file(params, str(workdir / f"replica.rank{self.rank}.safetensors"))
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        steps = learner.local_step - self.log.first_step
+        self.log.exit(**learner.stats, steps_per_s=steps / max(self.train_s, 1e-9))
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -336,19 +365,6 @@ class LocalOnly:
     @property
     def stats(self) -> dict:
         return {"step": self.local_step, "tokens": self.total_tokens}
-
-
-def schedule_length(config, step: int, elapsed: float) -> int:
-    """Length of the lr schedule in steps: given, or estimated from a time budget.
-
-    With ``--schedule-seconds`` the schedule ends when the time budget does: the length is
-    re-estimated every step as ``step × budget / elapsed`` (0 = unknown, constant lr).
-    """
-    if config.schedule_steps or config.total_steps:
-        return config.schedule_steps or config.total_steps
-    if config.schedule_seconds and step > 0 and elapsed > 0:
-        return max(step + 1, int(step * config.schedule_seconds / elapsed))
-    return 0
 
 
 def write_final_state(workdir: Path, learner) -> None:

@@ -23,11 +23,8 @@ parameters, safetensors, for the evaluator) fresh every ``--snapshot-every`` sec
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +32,14 @@ from pathlib import Path
 from diloco.config.dp_worker import DpWorkerConfig
 from diloco.runtime.cadence import CheckpointCadence
 from diloco.runtime.checkpoint_writer import CheckpointWriter
+from diloco.runtime.training import (
+    ProgressLog,
+    SlowHardware,
+    inner_step,
+    schedule_length,
+    set_lr,
+    stop_on_signals,
+)
 
 
 def ring_bytes_per_step(num_params: int, world: int) -> int:
@@ -47,163 +52,211 @@ def ring_bytes_per_step(num_params: int, world: int) -> int:
 def run(config: DpWorkerConfig) -> int:
     """Train this rank until the budget or SIGTERM; returns the exit status."""
     import torch
-    import torch.distributed as dist
 
     from diloco.baselines.dp import checkpoint as ckpt
-    from diloco.learner.worker import schedule_length
     from diloco.recipes import get_recipe
 
     torch.set_num_threads(config.threads)
     if not 0 <= config.rank < config.world:
         print(f"diloco dp-worker: --rank must be in [0, {config.world})", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    if config.exit_with_parent:
-        from diloco.runtime.procs import exit_with_parent
-
-        exit_with_parent(stop)
-
+    stop = stop_on_signals(exit_with_parent=config.exit_with_parent)
     recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
     model = recipe.build_model(config.recipe.seed)
     optimizer = recipe.build_optimizer(model)
     stream = recipe.stream(
         learner_id=config.rank, seed=config.recipe.seed, batch_size=config.batch_size
     )
-    params = [p for p in model.parameters() if p.requires_grad]
-    num_params = sum(p.numel() for p in params)
-    leader = config.rank == 0
-    ckdir = Path(config.checkpoint_dir)
-    step, tokens, group_tokens = 0, 0, 0
+    rank = Rank(config, recipe, model, optimizer, stream)
     try:
-        saved_step = ckpt.latest_step(ckdir, config.world)
+        rank.restore(ckpt.latest_step(rank.ckdir, config.world))
     except ValueError as exc:
         print(f"diloco dp-worker: {exc}", file=sys.stderr)
         return 2
-    if saved_step is not None:
-        mine = ckpt.read_rank_state(ckdir, saved_step, config.rank)
-        shared = mine if leader else ckpt.read_rank_state(ckdir, saved_step, 0)
-        model.load_state_dict(shared["model"])
-        optimizer.load_state_dict(shared["optimizer"])
-        stream.load_state_dict(mine["stream"])
-        step, tokens, group_tokens = saved_step, mine["tokens"], shared["group_tokens"]
+    rank.join_group()
+    rank.train(stop)
+    rank.finish()
+    return 0
 
-    host, port = config.store.rsplit(":", 1)
-    store = dist.TCPStore(
-        host, int(port), is_master=False, timeout=timedelta(seconds=config.rendezvous_timeout)
-    )
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"generation-{config.generation}", store),
-        rank=config.rank,
-        world_size=config.world,
-        timeout=timedelta(seconds=config.collective_timeout),
-    )
-    workdir = Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    progress = (workdir / "progress.jsonl").open("a")
 
-    def report(**fields) -> None:
-        progress.write(json.dumps({"t": time.time(), **fields}) + "\n")
-        progress.flush()
+class Rank:
+    """One rank of the group: its model, checkpoint parts, all-reduce and progress file."""
 
-    report(event="start", step=step, tokens=tokens, generation=config.generation)
-    print(f"dp rank {config.rank}/{config.world}: generation {config.generation} from step {step}")
-    per_step_bytes = ring_bytes_per_step(num_params, config.world)
-    first_step, started = step, time.time()
-    run_started = config.run_started or started
-    last_report = last_snapshot = 0.0
-    cadence = CheckpointCadence(every=config.checkpoint_every, start=started)
-    writer = CheckpointWriter()
-    pending: int | None = None  # the step of the checkpoint being written, not yet committed
-    ckdir.mkdir(parents=True, exist_ok=True)
-    loss_value = float("nan")
-    busy_s = 0.0  # seconds in steps (the all-reduce included) in this incarnation
-    while not config.total_steps or step < config.total_steps:
-        now = time.time()
-        length = schedule_length(config, step, now - run_started)
-        # rank 0 decides (the all-reduce tells the others), once the previous one is committed
-        save = leader and pending is None and cadence.due(now)
-        t0 = time.perf_counter()
-        x, y = stream.next_batch()
-        _, loss = model(x, y)
-        loss.backward()
-        if config.slow > 1.0:  # emulate slower hardware: the whole group waits for this rank
-            time.sleep((config.slow - 1.0) * (time.perf_counter() - t0))
-        n = x.numel()
-        written = pending is not None and not writer.busy  # my part is on disk (or failed)
-        control = torch.tensor(
-            [
-                n,
-                float(stop.is_set()),
-                length if leader else 0,
-                float(save),
-                float(written),
-                float(written and bool(writer.last_ok)),
-            ],
-            dtype=torch.float32,
+    def __init__(self, config: DpWorkerConfig, recipe, model, optimizer, stream) -> None:
+        self.config, self.recipe, self.model = config, recipe, model
+        self.optimizer, self.stream = optimizer, stream
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.leader = config.rank == 0
+        self.ckdir = Path(config.checkpoint_dir)
+        self.step, self.tokens, self.group_tokens = 0, 0, 0
+
+    def restore(self, saved_step: int | None) -> None:
+        """Continue from the group's last committed checkpoint, if any."""
+        from diloco.baselines.dp import checkpoint as ckpt
+
+        if saved_step is None:
+            return
+        config = self.config
+        mine = ckpt.read_rank_state(self.ckdir, saved_step, config.rank)
+        shared = mine if self.leader else ckpt.read_rank_state(self.ckdir, saved_step, 0)
+        self.model.load_state_dict(shared["model"])
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self.stream.load_state_dict(mine["stream"])
+        self.step, self.tokens = saved_step, mine["tokens"]
+        self.group_tokens = shared["group_tokens"]
+
+    def join_group(self) -> None:
+        """Rendezvous with the other ranks of this generation (gloo)."""
+        import torch.distributed as dist
+
+        config = self.config
+        host, port = config.store.rsplit(":", 1)
+        store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=config.rendezvous_timeout)
         )
-        flat = torch.cat([p.grad.reshape(-1) * n for p in params] + [control])
-        dist.all_reduce(flat)
-        total, stopping, length, save, done, ok = flat[-len(control) :].tolist()
-        if pending is not None and done == config.world:
-            if leader and ok == config.world:
-                ckpt.commit(ckdir, pending, config.world)
-            pending = None  # committed, or a part failed and the previous checkpoint stays
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p) / total)
-            offset += p.numel()
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.lr_at(step, int(length))
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, tokens, group_tokens = step + 1, tokens + n, group_tokens + int(total)
-        loss_value = loss.item()
-        busy_s += time.perf_counter() - t0
-        now = time.time()
-        if save:  # this rank pays the copy of its part; the writer thread writes it
-            saving = time.perf_counter()
-            part = rank_part(config, step, model, optimizer, stream, tokens, group_tokens)
-            writer.submit(ckpt.rank_file(ckdir, step, config.rank), part)
-            pending = step
-            cadence.saved(time.time(), time.perf_counter() - saving)
-        if leader and config.snapshot and now - last_snapshot >= config.snapshot_every:
-            last_snapshot = now
-            write_snapshot(Path(config.snapshot), model, step, group_tokens)
-        if now - last_report >= config.report_every:
-            last_report = now
-            sent = (step - first_step) * per_step_bytes
-            sps = (step - first_step) / max(now - started, 1e-9)
-            report(
-                step=step,
-                tokens=tokens,
-                loss=loss_value,
-                steps_per_s=sps,
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"generation-{config.generation}", store),
+            rank=config.rank,
+            world_size=config.world,
+            timeout=timedelta(seconds=config.collective_timeout),
+        )
+        workdir = Path(config.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = ProgressLog(
+            workdir / "progress.jsonl", config.report_every, first_step=self.step, at_once=True
+        )
+        self.log.write(
+            {
+                "event": "start",
+                "step": self.step,
+                "tokens": self.tokens,
+                "generation": config.generation,
+            }
+        )
+        print(
+            f"dp rank {config.rank}/{config.world}: generation {config.generation} "
+            f"from step {self.step}"
+        )
+
+    def train(self, stop) -> None:
+        """The training loop: every step all-reduces the gradients and a few control values
+        (tokens, stop, rank 0's lr schedule and checkpoint decisions)."""
+        config = self.config
+        num_params = sum(p.numel() for p in self.params)
+        self.per_step_bytes = ring_bytes_per_step(num_params, config.world)
+        run_started = config.run_started or self.log.started
+        cadence = CheckpointCadence(every=config.checkpoint_every, start=self.log.started)
+        self.writer = CheckpointWriter()
+        self.pending: int | None = None  # the step of the checkpoint being written
+        self.ckdir.mkdir(parents=True, exist_ok=True)
+        last_snapshot, busy_s = 0.0, 0.0  # busy: seconds in steps (all-reduce included)
+        slow = SlowHardware(config.slow)
+        while not config.total_steps or self.step < config.total_steps:
+            now = time.time()
+            self.length = schedule_length(config, self.step, now - run_started)
+            # rank 0 decides (the all-reduce tells the others), once the previous is committed
+            self.save = self.leader and self.pending is None and cadence.due(now)
+            t0 = time.perf_counter()
+            batch = self.stream.next_batch()
+            n = batch[0].numel()
+
+            def reduce(tokens: int, t0: float = t0) -> None:
+                slow.stretch(t0)  # emulated slower hardware: the whole group waits for it
+                self.all_reduce(tokens, stop)
+
+            loss = inner_step(self.model, self.optimizer, batch, params=self.params, reduce=reduce)
+            self.step, self.tokens = self.step + 1, self.tokens + n
+            busy_s += time.perf_counter() - t0
+            now = time.time()
+            if self.save:  # this rank pays the copy of its part; the writer thread writes it
+                saving = time.perf_counter()
+                self.write_part()
+                cadence.saved(time.time(), time.perf_counter() - saving)
+            if self.leader and config.snapshot and now - last_snapshot >= config.snapshot_every:
+                last_snapshot = now
+                write_snapshot(Path(config.snapshot), self.model, self.step, self.group_tokens)
+            self.log.step(
+                self.step,
+                tokens=self.tokens,
+                loss=loss,
                 busy_s=round(busy_s, 4),
-                bytes_up=sent,
+                bytes_up=(self.step - self.log.first_step) * self.per_step_bytes,
                 bytes_down=0,  # every byte on the wire is counted once, by its sender
             )
-        if stopping:
-            break
-    writer.wait()  # the final checkpoint supersedes the one in progress
-    save_group_checkpoint(ckdir, config, step, model, optimizer, stream, tokens, group_tokens)
-    if leader and config.snapshot:
-        write_snapshot(Path(config.snapshot), model, step, group_tokens)
-    dist.destroy_process_group()
-    sent = (step - first_step) * per_step_bytes
-    report(
-        event="exit",
-        step=step,
-        tokens=tokens,
-        steps_per_s=(step - first_step) / max(time.time() - started, 1e-9),
-        bytes_up=sent,
-        bytes_down=0,
-    )
-    progress.close()
-    return 0
+            if self.stopping:
+                break
+
+    def all_reduce(self, n: int, stop) -> None:
+        """Average the gradients over the group (weighted by tokens) and agree on the control
+        values; commit a checkpoint every part of which is on disk. Sets the lr."""
+        import torch
+        import torch.distributed as dist
+
+        from diloco.baselines.dp import checkpoint as ckpt
+
+        world, writer, pending = self.config.world, self.writer, self.pending
+        written = pending is not None and not writer.busy  # my part is on disk (or failed)
+        control = [n, float(stop.is_set()), self.length if self.leader else 0, float(self.save)]
+        control += [float(written), float(written and bool(writer.last_ok))]
+        control = torch.tensor(control, dtype=torch.float32)
+        flat = torch.cat([p.grad.reshape(-1) * n for p in self.params] + [control])
+        dist.all_reduce(flat)
+        total, stopping, length, save, done, ok = flat[-len(control) :].tolist()
+        if pending is not None and done == world:
+            if self.leader and ok == world:
+                ckpt.commit(self.ckdir, pending, world)
+            self.pending = None  # committed, or a part failed and the previous one stays
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p) / total)
+            offset += p.numel()
+        set_lr(self.optimizer, self.recipe.lr_at(self.step, int(length)))
+        self.stopping, self.save = bool(stopping), bool(save)
+        self.group_tokens += int(total)
+
+    def write_part(self) -> None:
+        from diloco.baselines.dp import checkpoint as ckpt
+
+        part = rank_part(
+            self.config,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.stream,
+            self.tokens,
+            self.group_tokens,
+        )
+        self.writer.submit(ckpt.rank_file(self.ckdir, self.step, self.config.rank), part)
+        self.pending = self.step
+
+    def finish(self) -> None:
+        """The final checkpoint (it supersedes the one in progress), snapshot and exit record."""
+        import torch.distributed as dist
+
+        config = self.config
+        self.writer.wait()
+        save_group_checkpoint(
+            self.ckdir,
+            config,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.stream,
+            self.tokens,
+            self.group_tokens,
+        )
+        if self.leader and config.snapshot:
+            write_snapshot(Path(config.snapshot), self.model, self.step, self.group_tokens)
+        dist.destroy_process_group()
+        steps = self.step - self.log.first_step
+        self.log.exit(
+            step=self.step,
+            tokens=self.tokens,
+            steps_per_s=steps / max(time.time() - self.log.started, 1e-9),
+            bytes_up=steps * self.per_step_bytes,
+            bytes_down=0,
+        )
 
 
 def rank_part(config, step, model, optimizer, stream, tokens, group_tokens) -> dict:

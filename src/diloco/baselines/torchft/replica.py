@@ -99,15 +99,13 @@ def replica_main(args) -> int:
     import torch
     from torch.distributed import TCPStore
 
-    from diloco.learner.worker import schedule_length
     from diloco.recipes import get_recipe
+    from diloco.runtime.training import schedule_length, set_lr, stop_on_signals
 
     torch.set_num_threads(args.threads)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     _watchdog(stop, args.hard_deadline)
 
     from torchft import Manager, ProcessGroupGloo
@@ -190,8 +188,7 @@ def replica_main(args) -> int:
                     reason = "budget"
                     break
                 length = schedule_length(_ScheduleArgs(args), run.steps, time.time() - run_started)
-                for group in inner.param_groups:
-                    group["lr"] = recipe.lr_at(run.steps, length)
+                set_lr(inner, recipe.lr_at(run.steps, length))
                 outer_before = manager.current_step()
                 timing["t0"] = time.perf_counter()
                 x, y = stream.next_batch()

@@ -1,0 +1,127 @@
+"""The training-loop skeleton shared by the learner process, the data-parallel rank and the
+torchft replica: stopping on signals, the lr schedule, one inner step, emulated slow hardware
+and the progress file. Each of them adds only what makes it different (the ``Learner`` lines,
+the all-reduce, torchft's DiLoCo)."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def stop_on_signals(*, exit_with_parent: bool = False) -> threading.Event:
+    """An event set by SIGTERM or SIGINT (a preemption notice: stop at the next step
+    boundary) and, with ``exit_with_parent``, when the parent process dies."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if exit_with_parent:
+        from diloco.runtime.procs import exit_with_parent as watch_parent
+
+        watch_parent(stop)
+    return stop
+
+
+def schedule_length(config, step: int, elapsed: float) -> int:
+    """Length of the lr schedule in steps: given, or estimated from a time budget.
+
+    ``config`` has ``schedule_steps``, ``total_steps`` and ``schedule_seconds``. With
+    ``schedule_seconds`` the schedule ends when the time budget does: the length is
+    re-estimated every step as ``step × budget / elapsed`` (0 = unknown, constant lr).
+    """
+    if config.schedule_steps or config.total_steps:
+        return config.schedule_steps or config.total_steps
+    if config.schedule_seconds and step > 0 and elapsed > 0:
+        return max(step + 1, int(step * config.schedule_seconds / elapsed))
+    return 0
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def inner_step(
+    model,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    *,
+    params=None,
+    reduce: Callable[[int], None] | None = None,
+) -> float:
+    """One inner step on ``batch``: forward, backward, ``reduce(tokens)`` (the data-parallel
+    all-reduce of the gradients, if any), clip the gradient norm to 1, AdamW, zero the
+    gradients. ``model`` may be a wrapper (DDP) of the module whose ``params`` are clipped
+    (default: ``model.parameters()``). Returns the loss."""
+    x, y = batch
+    _, loss = model(x, y)
+    loss.backward()
+    if reduce is not None:
+        reduce(x.numel())
+    torch.nn.utils.clip_grad_norm_(params if params is not None else model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+class SlowHardware:
+    """Emulated slower (and uneven) hardware: a step stretched to ``slow × (1 ± jitter)``
+    times what it cost, the jitter drawn from a generator seeded by ``seed``."""
+
+    def __init__(self, slow: float = 1.0, jitter: float = 0.0, seed: str = "") -> None:
+        self.slow, self.jitter = slow, jitter
+        self.rng = random.Random(seed)
+
+    def stretch(self, started: float) -> None:
+        """Sleep so that the step begun at ``started`` (``time.perf_counter``) takes its
+        stretched time."""
+        factor = self.slow
+        if self.jitter:
+            factor *= 1.0 + self.jitter * self.rng.uniform(-1.0, 1.0)
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * (time.perf_counter() - started))
+
+
+class ProgressLog:
+    """``progress.jsonl``: a record at most every ``every_s`` seconds and one at exit, each
+    with ``t`` (epoch seconds) and ``steps_per_s`` over this incarnation (since
+    ``first_step``). ``path=None`` writes nothing (a rank that does not report). The first
+    record comes after the first step (``at_once``) or ``every_s`` after the start."""
+
+    def __init__(
+        self, path: Path | None, every_s: float, *, first_step: int = 0, at_once: bool = False
+    ) -> None:
+        self.file = path.open("a") if path is not None else None
+        self.every_s = every_s
+        self.first_step = first_step
+        self.started = time.time()
+        self.last = 0.0 if at_once else self.started
+
+    def rate(self, step: int, now: float) -> float:
+        return (step - self.first_step) / max(now - self.started, 1e-9)
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"t": time.time(), **record}) + "\n")
+            self.file.flush()
+
+    def step(self, step: int, **fields) -> None:
+        """A progress record if one is due (``fields``: tokens, loss, bytes, ...)."""
+        now = time.time()
+        if self.file is not None and now - self.last >= self.every_s:
+            self.last = now
+            self.write({"step": step, **fields, "steps_per_s": self.rate(step, now)})
+
+    def exit(self, **fields) -> None:
+        """The exit record (``event: exit`` and ``fields``), and close the file."""
+        if self.file is not None:
+            self.write({"event": "exit", **fields})
+            self.file.close()
+            self.file = None
