@@ -37,6 +37,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from diloco.report.units import parse_duration
+
 KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill", "syncer-hang", "corrupt")
 SYNCER_KINDS = ("syncer-kill", "syncer-hang")
 #: Kinds carried out on a learner's network through its relay (see diloco.launch.relay).
@@ -71,21 +73,6 @@ class ChaosEvent:
     target: str
     down_s: float
     latency_s: float = 0.0
-
-
-def parse_duration(text: str) -> float:
-    text = text.strip()
-    scale = 1.0
-    if text.endswith("ms"):
-        scale, text = 0.001, text[:-2]
-    elif text.endswith("m"):
-        scale, text = 60.0, text[:-1]
-    elif text.endswith("s"):
-        text = text[:-1]
-    value = float(text) * scale
-    if value < 0:
-        raise ValueError("negative duration")
-    return value
 
 
 def parse_range(text: str) -> tuple[float, float]:

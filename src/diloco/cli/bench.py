@@ -73,17 +73,12 @@ def run_one(spec: mx.RunSpec, runs_dir: Path, budget: mx.Budget, log) -> dict | 
 
 
 def read_curve(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        out.append({k: rec.get(k) for k in ("t", "tokens", "val_loss")})
-    return out
+    from diloco.report.jsonl import read_jsonl
+
+    return [
+        {k: rec.get(k) for k in ("t", "tokens", "val_loss")}
+        for rec in read_jsonl(run_dir / "metrics.jsonl")
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import json
 import sys
 import time
 
+from diloco.report.units import parse_duration
 from diloco.sim.defaults import (
     ASSUMED_RECOVERY_KIND,
     ASSUMED_SLICE_CHIPS,
@@ -31,24 +32,13 @@ from diloco.sim.defaults import (
     YEAR_S,
 )
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "y": YEAR_S}
-
 
 def parse_seconds(text: str) -> float:
-    """``90``, ``90s``, ``15m``, ``2h``, ``7d``, ``1y`` → seconds (≥ 0)."""
-    t = text.strip().lower()
-    scale = 1.0
-    if t and t[-1] in _UNITS:
-        scale, t = _UNITS[t[-1]], t[:-1]
+    """A duration flag (``diloco.report.units``: 90s, 15m, 2h, 7d, 1y) in seconds."""
     try:
-        value = float(t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a duration (e.g. 90s, 15m, 2h, 7d, 1y)"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: durations must be >= 0")
-    return value
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_chips(text: str) -> int:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from diloco.launch.syncers import is_syncer
+from diloco.report.jsonl import read_jsonl
 
 
 def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
@@ -62,17 +62,8 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
 
 
 def read_progress(path: Path) -> list[dict]:
-    records = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return records
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-    return records
+    """A learner's progress records (``[]`` if it wrote none)."""
+    return read_jsonl(path)
 
 
 def transport_total(progress: list[dict], key: str) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 from diloco.chaos import parse_spec, schedule
 from diloco.config.run import RunConfig, load_run_config
 from diloco.report.goodput import learner_speed
+from diloco.report.jsonl import read_jsonl
 from diloco.sim.failures import merge_outages
 from diloco.sim.grid import mean_ci
 from diloco.sim.modes import elastic_accounting
@@ -74,7 +75,7 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, list[dict], dict | None]:
             f"{run}: not a diloco run directory (need config.json and syncer/events.jsonl)"
         )
     config = load_run_config(config_path)
-    records = [json.loads(line) for line in tape_path.read_text().splitlines() if line.strip()]
+    records = read_jsonl(tape_path, missing_ok=False)
     summary_path = run / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     return config, records, summary
@@ -106,7 +107,7 @@ def measure_constants(run_dir: str | Path) -> MachineConstants:
     trained, at_median = 0.0, 0.0
     for learner in joins:
         path = Path(run_dir) / "learners" / learner / "progress.jsonl"
-        progress = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        progress = read_jsonl(path, missing_ok=False)
         steps = [p for p in progress if "event" not in p]
         rates += [p["steps_per_s"] for p in steps if p.get("steps_per_s")]
         median = learner_speed(progress)

@@ -233,15 +233,11 @@ class EventTape:
 
 
 def read_tape(path: str | os.PathLike) -> list[dict]:
-    """All complete records of a tape (a torn last line from a crash is skipped)."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    return records
+    """All complete records of a tape (a torn last line from a crash is skipped); raises
+    ``OSError`` if there is no tape."""
+    from diloco.report.jsonl import read_jsonl
+
+    return read_jsonl(path, missing_ok=False)
 
 
 def taped_versions(records: list[dict]) -> dict[int, int]:

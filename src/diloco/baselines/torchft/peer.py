@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import shutil
 import sys
 import tempfile
@@ -357,17 +356,9 @@ def _wait_replicas(replicas, timeout: float) -> dict[int, int | None]:
 
 
 def _read_progress(path: Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-    return out
+    from diloco.report.jsonl import read_jsonl
+
+    return read_jsonl(path)
 
 
 def _last_record(path: Path) -> dict | None:

@@ -1,0 +1,43 @@
+"""The report room's one JSONL reader and one duration grammar."""
+
+import pytest
+
+from diloco.report.jsonl import read_jsonl
+from diloco.report.units import YEAR_S, parse_duration
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_read_jsonl_skips_a_torn_line_and_non_objects(tmp_path):
+    path = tmp_path / "tape.jsonl"
+    path.write_text('{"a": 1}\n[1, 2]\n{"b": 2}\n{"c": ')  # killed mid-write
+    assert read_jsonl(path) == [{"a": 1}, {"b": 2}]
+
+
+def test_read_jsonl_of_a_missing_file(tmp_path):
+    assert read_jsonl(tmp_path / "none.jsonl") == []
+    with pytest.raises(OSError):
+        read_jsonl(tmp_path / "none.jsonl", missing_ok=False)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90", 90.0),
+        ("250ms", 0.25),
+        ("90s", 90.0),
+        ("15m", 900.0),
+        ("2h", 7200.0),
+        ("7d", 604800.0),
+        ("1y", YEAR_S),
+        (" 1.5M ", 90.0),
+    ],
+)
+def test_durations(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "s", "-1s", "nan", "5 minutes", "1w"])
+def test_bad_durations_name_the_text(text):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
