@@ -3,6 +3,7 @@ the clock's requests and commits (plain records; the decisions are in ``state.py
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -191,3 +192,31 @@ def check_id(learner_id: str) -> None:
             "INVALID_ARGUMENT",
             "learner id must be 1-64 characters of letters, digits, '-', '_', '.', ':'",
         )
+
+
+def state_digest(state) -> str:
+    """A ``SyncerState``'s digest: SHA-256 over everything that shapes the global model:
+    versions, Θ_p, the outer optimizer's state, every open round's contributions, the norm
+    guard's history and the learner table (ids, sessions, membership). Liveness times, byte and refusal counters
+    are left out: they change on every heartbeat. Equal digests mean a request changed
+    nothing that matters (the fuzz tests compare them around refused requests)."""
+    h = hashlib.sha256(repr(state.versions).encode())
+    for t in state.params:
+        h.update(t.contiguous().numpy().tobytes())
+    outer = state.outer.state_dict()
+    for p in sorted(outer["buffers"]):
+        h.update(f"momentum{p}".encode())
+        h.update(outer["buffers"][p].contiguous().numpy().tobytes())
+    for p in sorted(state.rounds):
+        r = state.rounds[p]
+        h.update(repr((p, r.opened_at, r.quorum_at, sorted(r.asked or ()))).encode())
+        for lid in sorted(r.contributions):
+            c = r.contributions[lid]
+            h.update(repr((lid, c.base_version, c.steps, c.tokens, c.discount)).encode())
+            h.update(c.delta.contiguous().numpy().tobytes())
+    for p in range(state.layout.num_fragments):
+        h.update(repr(state.norms.of(p)).encode())
+    for lid in sorted(state.learners):
+        i = state.learners[lid]
+        h.update(repr((lid, i.session, i.observer, i.connected)).encode())
+    return h.hexdigest()

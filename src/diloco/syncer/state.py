@@ -18,7 +18,6 @@ that arrives while its fragment has no open round waits in the fragment's next r
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -50,6 +49,7 @@ from diloco.syncer.records import (
     RoundRequest,
     check_counters,
     check_id,
+    state_digest,
     update_rate,
 )
 
@@ -276,46 +276,22 @@ class SyncerState:
         others and no extra round is made for them.
         """
         info = self.session_of(learner_id, session)
-        if info.observer:
-            raise Refused("PERMISSION_DENIED", "observers cannot contribute")
-        self.check_owned(fragment)
-        check_counters(
+        norm = self._check_contribution(
             info,
-            self.config,
-            numel=self.layout.fragments[fragment].numel,
-            fragment=fragment,
+            fragment,
+            base_version,
             steps=steps,
             tokens=tokens,
             delta=delta,
             step_time_s=step_time_s,
         )
-        current = self.versions[fragment]
-        if not 0 <= base_version <= current:
-            raise Refused(
-                "INVALID_ARGUMENT",
-                f"base version {base_version} is outside [0, {current}]: negative, or ahead of the syncer's",
-            )
-        norm = float(delta.norm())
-        verdict = check_norm(
-            norm,
-            steps,
-            self.norms.of(fragment),
-            float(self.params[fragment].norm()),
-            k=self.config.norm_guard_k,
-            param_ratio=self.config.norm_guard_param_ratio,
-            min_history=self.config.norm_guard_min_history,
-            sync_every=self.config.sync_every if self.config.schedule == "syncer" else 0,
-        )
-        if not verdict.accept:
-            raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
         admission = admit_contribution(
             base_version=base_version,
-            current_version=current,
+            current_version=self.versions[fragment],
             max_staleness=self.config.max_staleness,
         )
         info.last_seen = now
-        if info.connected:
-            info.live = True
+        info.live = info.live or info.connected
         info.bytes_up += nbytes
         self.bytes_up += nbytes
         if step_time_s > 0:
@@ -358,6 +334,36 @@ class SyncerState:
         self._note_quorum(round_, now)
         return admission
 
+    def _check_contribution(self, info, fragment, base_version, **counters) -> float:
+        """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,
+        a fragment another shard owns, bad counters, a base version that is not committed, a
+        norm the guard refuses. Returns the delta's norm."""
+        if info.observer:
+            raise Refused("PERMISSION_DENIED", "observers cannot contribute")
+        self.check_owned(fragment)
+        numel = self.layout.fragments[fragment].numel
+        check_counters(info, self.config, numel=numel, fragment=fragment, **counters)
+        current = self.versions[fragment]
+        if not 0 <= base_version <= current:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"base version {base_version} is outside [0, {current}]: negative, or ahead of the syncer's",
+            )
+        norm = float(counters["delta"].norm())
+        verdict = check_norm(
+            norm,
+            counters["steps"],
+            self.norms.of(fragment),
+            float(self.params[fragment].norm()),
+            k=self.config.norm_guard_k,
+            param_ratio=self.config.norm_guard_param_ratio,
+            min_history=self.config.norm_guard_min_history,
+            sync_every=self.config.sync_every if self.config.schedule == "syncer" else 0,
+        )
+        if not verdict.accept:
+            raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
+        return norm
+
     def _note_quorum(self, round_: FragmentRound, now: float) -> None:
         if round_.opened_at is None or round_.quorum_at is not None:
             return
@@ -392,31 +398,8 @@ class SyncerState:
         )
 
     def digest(self) -> str:
-        """SHA-256 over everything that shapes the global model: versions, Θ_p, the outer
-        optimizer's state, every open round's contributions, the norm guard's history and the
-        learner table (ids, sessions, membership). Liveness times, byte and refusal counters
-        are left out: they change on every heartbeat. Equal digests mean a request changed
-        nothing that matters (the fuzz tests compare them around refused requests)."""
-        h = hashlib.sha256(repr(self.versions).encode())
-        for t in self.params:
-            h.update(t.contiguous().numpy().tobytes())
-        outer = self.outer.state_dict()
-        for p in sorted(outer["buffers"]):
-            h.update(f"momentum{p}".encode())
-            h.update(outer["buffers"][p].contiguous().numpy().tobytes())
-        for p in sorted(self.rounds):
-            r = self.rounds[p]
-            h.update(repr((p, r.opened_at, r.quorum_at, sorted(r.asked or ()))).encode())
-            for lid in sorted(r.contributions):
-                c = r.contributions[lid]
-                h.update(repr((lid, c.base_version, c.steps, c.tokens, c.discount)).encode())
-                h.update(c.delta.contiguous().numpy().tobytes())
-        for p in range(self.layout.num_fragments):
-            h.update(repr(self.norms.of(p)).encode())
-        for lid in sorted(self.learners):
-            i = self.learners[lid]
-            h.update(repr((lid, i.session, i.observer, i.connected)).encode())
-        return h.hexdigest()
+        """SHA-256 over everything that shapes the global model (``records.state_digest``)."""
+        return state_digest(self)
 
     # -------------------------------------------------------------------- rounds
     def estimates(self) -> Estimates:

@@ -18,6 +18,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from diloco.config.dp_worker import DpWorkerConfig
+
 #: Chaos kinds that mean something for a static group without a syncer.
 DP_CHAOS_KINDS = ("kill", "hang")
 
@@ -62,8 +64,6 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
     import torch.distributed as dist
 
     from diloco.launch.supervisor import Supervisor
-    from diloco.report.summary import format_summary
-    from diloco.runtime.procs import diloco_command
     from diloco.runtime.spare import spare_count
 
     stop = threading.Event()
@@ -87,64 +87,19 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
         spares=spare_count(config.spares, chaos, restart_together=len(names), learners=len(names)),
     )
     snapshot = run_dir / "dp" / "global.safetensors"
-    budget_s = config.minutes * 60 if config.minutes else 0.0
     try:
         model0 = recipe.build_model(config.recipe.seed)
-        num_params = sum(p.numel() for p in model0.parameters())
+        facts = {
+            "started": started,
+            "num_params": sum(p.numel() for p in model0.parameters()),
+            "val_initial": recipe.evaluate(model0),
+            "seq_len": recipe.model.seq_len,
+        }
         evaluator = SnapshotEvaluator(recipe, snapshot, seed=config.recipe.seed)
-        val_initial = recipe.evaluate(model0)
-        for plan in plans:
-            sup.add(
-                plan.id,
-                diloco_command(
-                    "dp-worker",
-                    f"--store=127.0.0.1:{store.port}",
-                    "--generation=0",
-                    f"--rank={plan.index}",
-                    f"--world={len(plans)}",
-                    f"--recipe={config.recipe.recipe}",
-                    *([f"--data={config.recipe.data}"] if config.recipe.data else []),
-                    f"--seed={config.recipe.seed}",
-                    f"--batch-size={plan.batch_size}",
-                    f"--slow={plan.slow}",
-                    f"--total-steps={config.steps}",
-                    f"--schedule-seconds={budget_s}",
-                    f"--run-started={started}",
-                    f"--checkpoint-dir={run_dir / 'dp'}",
-                    f"--checkpoint-every={config.checkpoint_every}",
-                    f"--workdir={run_dir / 'learners' / plan.id}",
-                    *([f"--snapshot={snapshot}"] if plan.index == 0 else []),
-                    f"--snapshot-every={config.eval_every or 5.0}",
-                    "--exit-with-parent",
-                ),
-                run_dir / "logs" / f"{plan.id}.log",
-            )
+        start_ranks(config, sup, plans, run_dir, store=f"127.0.0.1:{store.port}", started=started)
         stopped_by = supervise_group(config, stop, started, sup, plans, evaluator, run_dir)
-        if interrupts:
-            stopped_by = "interrupt"
-        train_end = time.time()
-        codes = sup.stop(names, timeout=config.stop_timeout)
-        val_final = evaluator.evaluate()
-        append_metric(run_dir, started, evaluator, val_final)
-        summary = summarize_dp(
-            config,
-            run_dir,
-            plans,
-            sup,
-            {
-                "started": started,
-                "train_end": train_end,
-                "val_initial": val_initial,
-                "val_final": val_final,
-                "num_params": num_params,
-                "seq_len": recipe.model.seq_len,
-                "stopped_by": stopped_by,
-                "codes": codes,
-            },
-        )
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(json.dumps(summary, indent=1) if config.json else format_summary(summary))
-        return 0 if all(c in (0, None) for c in codes.values()) else 1
+        facts["stopped_by"] = "interrupt" if interrupts else stopped_by
+        return finish(config, sup, plans, evaluator, run_dir, facts)
     except (RuntimeError, TimeoutError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 1
@@ -157,6 +112,55 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
         del store
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def rank_config(config, plan, run_dir: Path, *, store: str, started: float) -> DpWorkerConfig:
+    """One rank's configuration (``diloco dp-worker --config``); rank 0 keeps the snapshot
+    the evaluator reads."""
+    return DpWorkerConfig(
+        recipe=config.recipe,
+        store=store,
+        rank=plan.index,
+        world=config.learners,
+        batch_size=plan.batch_size,
+        slow=plan.slow,
+        total_steps=config.steps,
+        schedule_seconds=config.minutes * 60 if config.minutes else 0.0,
+        run_started=started,
+        checkpoint_dir=str(run_dir / "dp"),
+        checkpoint_every=config.checkpoint_every,
+        workdir=str(run_dir / "learners" / plan.id),
+        snapshot=str(run_dir / "dp" / "global.safetensors") if plan.index == 0 else None,
+        snapshot_every=config.eval_every or 5.0,
+        exit_with_parent=True,
+    )
+
+
+def start_ranks(config, sup, plans, run_dir: Path, *, store: str, started: float) -> None:
+    """Write each rank's configuration and start it at generation 0 (the supervisor bumps
+    ``--generation`` when it restarts the group)."""
+    from diloco.launch.children import write_config
+    from diloco.runtime.procs import diloco_command
+
+    for plan in plans:
+        rank = rank_config(config, plan, run_dir, store=store, started=started)
+        path = write_config(run_dir / "config" / f"{plan.id}.json", rank)
+        argv = diloco_command("dp-worker", f"--config={path}", "--generation=0")
+        sup.add(plan.id, argv, run_dir / "logs" / f"{plan.id}.log")
+
+
+def finish(config, sup, plans, evaluator, run_dir: Path, facts: dict) -> int:
+    """Stop the group, score the last snapshot, write and print the summary."""
+    from diloco.report.summary import format_summary
+
+    facts["train_end"] = time.time()
+    facts["codes"] = codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout)
+    facts["val_final"] = evaluator.evaluate()
+    append_metric(run_dir, facts["started"], evaluator, facts["val_final"])
+    summary = summarize_dp(config, run_dir, plans, sup, facts)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1) if config.json else format_summary(summary))
+    return 0 if all(c in (0, None) for c in codes.values()) else 1
 
 
 def supervise_group(config, stop, started, sup, plans, evaluator, run_dir) -> str:
