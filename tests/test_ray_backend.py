@@ -102,7 +102,7 @@ def ray_run(tmp_path_factory):
             proc,
             "learner-1 to train and checkpoint",
         )
-        [victim] = pids_mentioning("learner", "--id=learner-1", str(run_dir))
+        [victim] = pids_mentioning("learner", f"{run_dir}/config/learner-1.json")
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
         out, err = proc.communicate(timeout=240)
@@ -177,28 +177,32 @@ def test_a_learner_killed_with_sigkill_is_restarted_by_ray_and_reintegrated(ray_
     assert summary["per_learner"]["learner-1"]["steps"] == STEPS
 
 
-def run_args(*argv: str):
+def run_config(*argv: str):
+    """The ``RunConfig`` of ``diloco run ARGV``."""
     from diloco.cli import build_parser
+    from diloco.config import from_namespace
+    from diloco.config.run import RunConfig
 
-    return build_parser().parse_args(["run", *argv])
+    return from_namespace(RunConfig, build_parser().parse_args(["run", *argv]))
 
 
 def test_what_the_ray_backend_cannot_do_is_refused_up_front(monkeypatch):
-    from diloco.launch.ray_backend import check_args
+    from diloco.launch.ray_backend import check_config
 
     with pytest.raises(ValueError, match="not supported with --backend ray"):
-        check_args(run_args("--backend=ray"), {"kill", "partition"})
+        check_config(run_config("--backend=ray"), {"kill", "partition"})
     with pytest.raises(ValueError, match="--mode dp"):
-        check_args(run_args("--backend=ray", "--mode=dp"), set())
+        check_config(run_config("--backend=ray", "--mode=dp"), set())
     with pytest.raises(ValueError, match="only with --backend ray"):
-        check_args(run_args("--ray-learner-gpus=1"), set())
+        check_config(run_config("--ray-learner-gpus=1"), set())
     with pytest.raises(ValueError, match="--spares: local backend only"):
-        check_args(run_args("--backend=ray", "--spares=1"), set())
+        check_config(run_config("--backend=ray", "--spares=1"), set())
     with pytest.raises(ValueError, match="--address auto"):
-        check_args(run_args("--backend=ray", "--address=ray://head:10001"), set())
-    args = run_args("--backend=ray", "--ray-learner-cpus=2")
-    check_args(args, {"kill", "hang", "syncer-kill", "corrupt"})
-    assert (args.ray_learner_cpus, args.ray_learner_gpus, args.ray_max_restarts) == (2, 0, -1)
+        check_config(run_config("--backend=ray", "--address=ray://head:10001"), set())
+    config = run_config("--backend=ray", "--ray-learner-cpus=2")
+    check_config(config, {"kill", "hang", "syncer-kill", "corrupt"})
+    ray = config.ray
+    assert (ray.ray_learner_cpus, ray.ray_learner_gpus, ray.ray_max_restarts) == (2, 0, -1)
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     with pytest.raises(ValueError, match=r"pip install 'diloco\[ray\]'"):
-        check_args(run_args("--backend=ray"), set())
+        check_config(run_config("--backend=ray"), set())

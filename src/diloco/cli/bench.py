@@ -83,7 +83,6 @@ def read_curve(run_dir: Path) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     from diloco.report import bench as rp
-    from diloco.report import plots
 
     try:
         budget = mx.Budget(
@@ -128,40 +127,8 @@ def run(args: argparse.Namespace) -> int:
         meta = {"name": spec.name, "mode": spec.mode, "condition": spec.condition}
         meta |= {"seed": spec.seed, **spec.sweep}
         results.append(rp.result_of(meta, summary, read_curve(runs_dir / spec.name)))
-    main = [r for r in results if "H" not in r]
-    swept = [r for r in results if "H" in r]
-    rows = rp.cells(main)
-    sweep_rows = rp.cells(swept, keys=mx.SWEEP_KEYS) if swept else []
-    dp_bpt = next((r["dp_bytes_per_token"] for r in results if r.get("dp_bytes_per_token")), None)
-    goals = rp.targets(rows)
-    band = rp.bandwidth_target(sweep_rows, dp_bpt)
-    if band:
-        goals.append(band)
-    (out / "results.json").write_text(
-        json.dumps({"budget": vars(budget), "results": results, "targets": goals}, indent=1)
-    )
-    figures = plots.loss_curves(main, out) + plots.bars(rows, out)
-    figures.append(plots.contributors(main, out))
-    if sweep_rows:
-        figures.append(plots.sweep_tradeoff(sweep_rows, out))
-    text = [
-        f"# diloco bench ({time.strftime('%Y-%m-%d %H:%M')})",
-        "",
-        f"Budget: {json.dumps(vars(budget))}",
-        "",
-        rp.markdown_table(rows),
-        "",
-    ]
-    if sweep_rows:
-        text += ["Sweep (clean):", "", rp.markdown_table(sweep_rows, mx.SWEEP_KEYS)]
-        text += ["", f"data-parallel bytes/token (fp32 ring all-reduce): {dp_bpt:,.0f}", ""]
-    text += ["Targets:", ""] + [
-        f"- {'met' if g['met'] else 'MISSED'}: {g['target']} ({g['measured']})" for g in goals
-    ]
-    if failed:
-        text += ["", f"Failed runs: {', '.join(failed)}"]
-    (out / "table.md").write_text("\n".join(text) + "\n")
-    print("\n".join(text))
+    text, figures = rp.write_report(out, budget, results, failed)
+    print(text)
     log(f"figures: {', '.join(str(f) for f in figures if f)}")
     return 1 if failed else 0
 

@@ -7,8 +7,11 @@ curve from ``metrics.jsonl`` (``t`` in seconds, ``tokens``, ``val_loss``).
 
 from __future__ import annotations
 
+import json
 import statistics
+import time
 from collections import defaultdict
+from pathlib import Path
 
 from diloco.bench.matrix import DEFAULT_SETTING
 
@@ -166,3 +169,45 @@ def bandwidth_target(
         "met": True,
         "measured": f"{ratio:.0f}x at {label(r)} (loss {gap:+.1%})",
     }
+
+
+def write_report(out: Path, budget, results: list[dict], failed: list[str]):
+    """Write ``results.json``, ``table.md`` and the figures of a ``diloco bench`` into
+    ``out``; returns the table's text and the figures' paths."""
+    from diloco.bench import matrix as mx
+    from diloco.report import plots
+
+    main = [r for r in results if "H" not in r]
+    swept = [r for r in results if "H" in r]
+    rows = cells(main)
+    sweep_rows = cells(swept, keys=mx.SWEEP_KEYS) if swept else []
+    dp_bpt = next((r["dp_bytes_per_token"] for r in results if r.get("dp_bytes_per_token")), None)
+    goals = targets(rows)
+    band = bandwidth_target(sweep_rows, dp_bpt)
+    if band:
+        goals.append(band)
+    (out / "results.json").write_text(
+        json.dumps({"budget": vars(budget), "results": results, "targets": goals}, indent=1)
+    )
+    figures = plots.loss_curves(main, out) + plots.bars(rows, out)
+    figures.append(plots.contributors(main, out))
+    if sweep_rows:
+        figures.append(plots.sweep_tradeoff(sweep_rows, out))
+    text = [
+        f"# diloco bench ({time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        f"Budget: {json.dumps(vars(budget))}",
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    if sweep_rows:
+        text += ["Sweep (clean):", "", markdown_table(sweep_rows, mx.SWEEP_KEYS)]
+        text += ["", f"data-parallel bytes/token (fp32 ring all-reduce): {dp_bpt:,.0f}", ""]
+    text += ["Targets:", ""] + [
+        f"- {'met' if g['met'] else 'MISSED'}: {g['target']} ({g['measured']})" for g in goals
+    ]
+    if failed:
+        text += ["", f"Failed runs: {', '.join(failed)}"]
+    (out / "table.md").write_text("\n".join(text) + "\n")
+    return "\n".join(text), figures

@@ -146,31 +146,28 @@ def run_torchft(
             heartbeat_timeout_ms,
             children,
         )
-        for i in range(learners):
-            children.append(
-                _start_replica(
-                    root,
-                    i,
-                    recipe=recipe,
-                    data=data,
-                    seed=seed,
-                    batch=batch,
-                    slow=slow.get(i, 1.0),
-                    sync_every=sync_every,
-                    fragments=fragments,
-                    sync_delay=sync_delay,
-                    outer_lr=outer_lr,
-                    outer_momentum=outer_momentum,
-                    rounds=rounds,
-                    schedule_s=minutes * 60,
-                    schedule_steps=rounds * (sync_every // fragments),
-                    started=started,
-                    min_replica_size=min_replicas or learners,
-                    replicas=learners,
-                    hard_deadline=hard_deadline,
-                    threads=threads,
-                )
-            )
+        replica = dict(
+            recipe=recipe,
+            data=data,
+            seed=seed,
+            batch=batch,
+            sync_every=sync_every,
+            fragments=fragments,
+            sync_delay=sync_delay,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            rounds=rounds,
+            schedule_s=minutes * 60,
+            schedule_steps=rounds * (sync_every // fragments),
+            started=started,
+            min_replica_size=min_replicas or learners,
+            replicas=learners,
+            hard_deadline=hard_deadline,
+            threads=threads,
+        )
+        children += [
+            _start_replica(root, i, slow=slow.get(i, 1.0), **replica) for i in range(learners)
+        ]
         replicas = children[1:]
         stopped_by = _supervise(
             root, lighthouse, replicas, started, budget_s, minutes, tokens, start_timeout
@@ -205,7 +202,37 @@ def run_torchft(
         run_dir="" if temporary else str(root),
         fragments=fragments,
     )
-    summary["peer"] = {
+    summary["peer"] = _peer_info(
+        version,
+        recipe=recipe,
+        sync_every=sync_every,
+        fragments=fragments,
+        sync_delay=sync_delay,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        lighthouse={
+            "min_replicas": min_replicas or learners,
+            "join_timeout_ms": join_timeout_ms,
+            "quorum_tick_ms": quorum_tick_ms,
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+        },
+    )
+    return summary
+
+
+def _peer_info(
+    version: str,
+    *,
+    recipe,
+    sync_every,
+    fragments,
+    sync_delay,
+    outer_lr,
+    outer_momentum,
+    lighthouse: dict,
+) -> dict:
+    """What the summary says about the peer: package, algorithm and its settings."""
+    return {
         "name": "torchft",
         "package": TORCHFT_PACKAGE,
         "version": version,
@@ -220,14 +247,8 @@ def run_torchft(
             "momentum": outer_momentum,
             "nesterov": outer_momentum > 0,
         },
-        "lighthouse": {
-            "min_replicas": min_replicas or learners,
-            "join_timeout_ms": join_timeout_ms,
-            "quorum_tick_ms": quorum_tick_ms,
-            "heartbeat_timeout_ms": heartbeat_timeout_ms,
-        },
+        "lighthouse": lighthouse,
     }
-    return summary
 
 
 def _check_arguments(learners, minutes, tokens, rounds, sync_every, fragments, slow) -> None:
