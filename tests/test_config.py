@@ -267,3 +267,18 @@ def test_no_module_over_600_lines():
         if not p.name.startswith("diloco_pb2") and (n := len(p.read_text().splitlines())) > 600
     }
     assert long == {}
+
+
+def test_a_runs_config_json_repeats_it_with_flags_on_top(tmp_path, capsys):
+    from diloco.cli import main
+    from diloco.config.run import load_run_config
+    from diloco.launch.children import write_config
+
+    path = write_config(tmp_path / "config.json", RunConfig(learners=3, chaos="kill:at=5s"))
+    args = build_parser().parse_args(["run", f"--config={path}", "--learners=4", "--quorum=2"])
+    config = from_namespace(RunConfig, args, base=load_run_config(args.config))
+    assert (config.learners, config.syncer.quorum, config.chaos) == (4, 2, "kill:at=5s")
+    (tmp_path / "bad.json").write_text('{"learners": 2, "sycner": {}}')
+    assert main(["run", f"--config={tmp_path / 'bad.json'}"]) == 2
+    assert "unknown key(s) sycner" in capsys.readouterr().err
+    assert main(["run", f"--config={tmp_path / 'missing.json'}"]) == 2
