@@ -1,11 +1,13 @@
-"""What several commands share at the edge: configuration files and security flags."""
+"""What several commands share at the edge: configured sub-commands and configuration files."""
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from diloco.config import ConfigError, from_dict
+from diloco.config import ConfigError, add_options, from_dict, from_namespace
 
 
 def load_config_file(path: str, cls: type):
@@ -17,3 +19,39 @@ def load_config_file(path: str, cls: type):
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--config {path}: not JSON ({exc})") from None
     return from_dict(cls, data)
+
+
+def configured_command(
+    subparsers,
+    name: str,
+    cls: type,
+    runner: Callable[[], Callable],
+    *,
+    help: str,  # noqa: A002 - argparse's own name
+    description: str | None = None,
+    load: Callable[[str], object] | None = None,
+) -> None:
+    """A sub-command whose settings are the configuration dataclass ``cls``: every option a
+    flag, and ``--config FILE`` for a JSON file that the flags given beside it override.
+
+    ``runner()`` returns the function that runs the command with the configuration (imported
+    when the command runs, so ``diloco --help`` stays light); ``load`` reads the file
+    (default :func:`load_config_file`). A bad file or flag value exits 2 with a message.
+    """
+    p = subparsers.add_parser(name, help=help, description=description or help)
+    p.add_argument(
+        "--config", metavar="FILE", help="read the settings from this JSON file (flags override)"
+    )
+    add_options(p, cls, sparse=True)
+
+    def main(args) -> int:
+        try:
+            read = load or (lambda path: load_config_file(path, cls))
+            base = read(args.config) if args.config else None
+            config = from_namespace(cls, args, base=base)
+        except (ConfigError, OSError, ValueError) as exc:
+            print(f"diloco {name}: {exc}", file=sys.stderr)
+            return 2
+        return runner()(config)
+
+    p.set_defaults(func=main)

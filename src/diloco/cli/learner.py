@@ -7,32 +7,22 @@ it override the file.
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-from diloco.cli.common import load_config_file
-from diloco.config import ConfigError, add_options, from_namespace
+from diloco.cli.common import configured_command
 from diloco.config.worker import WorkerConfig
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "learner", help="run one learner process", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument(
-        "--config", metavar="FILE", help="read the settings from this JSON file (flags override)"
-    )
-    add_options(p, WorkerConfig, sparse=True)
-    p.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
+def _runner():
     from diloco.learner.worker import run
 
-    try:
-        base = load_config_file(args.config, WorkerConfig) if args.config else None
-        config = from_namespace(WorkerConfig, args, base=base)
-    except ConfigError as exc:
-        print(f"diloco learner: {exc}", file=sys.stderr)
-        return 2
-    return run(config)
+    return run
+
+
+def register(subparsers) -> None:
+    configured_command(
+        subparsers,
+        "learner",
+        WorkerConfig,
+        _runner,
+        help="run one learner process",
+        description=__doc__.split("\n\n")[0],
+    )

@@ -8,35 +8,23 @@ given beside it override the file.
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-from diloco.config import ConfigError, add_options, from_namespace
+from diloco.cli.common import configured_command
 from diloco.config.run import RunConfig, load_run_config
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "run",
-        help="run a syncer, M learners and an evaluator on this machine (the embedded default)",
-        description=__doc__.split("\n\n")[0],
-    )
-    p.add_argument(
-        "--config",
-        metavar="FILE",
-        help="read the settings from this JSON file, e.g. a run's config.json (flags override)",
-    )
-    add_options(p, RunConfig, sparse=True)
-    p.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
+def _runner():
     from diloco.launch.run import run
 
-    try:
-        base = load_run_config(args.config) if args.config else None
-        config = from_namespace(RunConfig, args, base=base)
-    except (ConfigError, OSError, ValueError) as exc:
-        print(f"diloco run: {exc}", file=sys.stderr)
-        return 2
-    return run(config)
+    return run
+
+
+def register(subparsers) -> None:
+    configured_command(
+        subparsers,
+        "run",
+        RunConfig,
+        _runner,
+        help="run a syncer, M learners and an evaluator on this machine (the embedded default)",
+        description=__doc__.split("\n\n")[0],
+        load=load_run_config,
+    )
