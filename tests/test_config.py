@@ -282,3 +282,53 @@ def test_a_runs_config_json_repeats_it_with_flags_on_top(tmp_path, capsys):
     assert main(["run", f"--config={tmp_path / 'bad.json'}"]) == 2
     assert "unknown key(s) sycner" in capsys.readouterr().err
     assert main(["run", f"--config={tmp_path / 'missing.json'}"]) == 2
+
+
+# The commands whose settings are not a configuration dataclass of their own still take every
+# default from one: flag destination -> (dataclass, field).
+OTHER_DEFAULTS = {
+    "simulate": {
+        "slice_chips": ("diloco.sim.grid:SimConfig", "slice_chips"),
+        "mtbi": ("diloco.sim.grid:SimConfig", "mtbi_s"),
+        "restart": ("diloco.sim.grid:SimConfig", "restart_s"),
+        "checkpoint_every": ("diloco.sim.grid:SimConfig", "checkpoint_s"),
+        "reconfig": ("diloco.sim.grid:SimConfig", "reconfig_s"),
+        "readd": ("diloco.sim.grid:SimConfig", "readd_s"),
+        "speed_sigma": ("diloco.sim.grid:SimConfig", "speed_sigma"),
+        "quorum": ("diloco.sim.grid:SimConfig", "quorum"),
+        "duration": ("diloco.sim.grid:SimConfig", "horizon_s"),
+    },
+    "bench": {
+        "learners": ("diloco.bench.matrix:Budget", "learners"),
+        "steps": ("diloco.bench.matrix:Budget", "steps"),
+        "minutes": ("diloco.bench.matrix:Budget", "minutes"),
+        "recipe": ("diloco.bench.matrix:Budget", "recipe"),
+        "eval_every": ("diloco.bench.matrix:Budget", "eval_every"),
+    },
+    "plan": {
+        name: ("diloco.plan:PlanInputs", field)
+        for name, field in [
+            ("sites", "sites"),
+            ("dp_bits", "dp_bits"),
+            ("bits", "up_bits"),
+            ("down_bits", "down_bits"),
+            ("fragments", "fragments"),
+            ("sync_every", "sync_every"),
+            ("tau", "tau"),
+            ("utilization", "utilization"),
+            ("dp_overlap", "dp_overlap"),
+        ]
+    },
+}
+
+
+@pytest.mark.parametrize("command", sorted(OTHER_DEFAULTS))
+def test_other_commands_take_their_defaults_from_a_dataclass(command):
+    import importlib
+
+    actions = {a.dest: a for a in subparsers()[command]._actions}
+    for dest, (where, name) in OTHER_DEFAULTS[command].items():
+        module, cls_name = where.split(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        field = {f.name: f for f in dataclasses.fields(cls)}[name]
+        assert actions[dest].default == default_of(field), (command, dest)
