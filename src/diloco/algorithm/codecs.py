@@ -59,13 +59,6 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
 _BF16_REL = 2.0**-8  # half an ulp of bfloat16's 8-bit significand, relative
 
-# Decode tables: payload byte -> float32 quantized value(s); the never-produced code is NaN so
-# one finiteness check catches it. int4 tables give (low nibble, high nibble) per byte.
-_NIB = np.array([v if v < 8 else v - 16 for v in range(16)], dtype=np.float32)
-_NIB[8] = np.nan
-_INT4_LUT = np.stack([np.tile(_NIB, 16), np.repeat(_NIB, 16)], axis=1)  # (256, 2)
-_INT8_LUT = np.arange(256, dtype=np.int64).astype(np.uint8).view(np.int8).astype(np.float32)
-_INT8_LUT[128] = np.nan  # byte 0x80 == -128
 
 
 class CodecError(ValueError):
@@ -230,18 +223,20 @@ def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
         raise _non_finite_error(scale, codec, "payload scales")
     if bool((scale < 0).any()) or bool((scale > _F32_MAX / levels).any()):
         raise CodecError(f"{codec}: payload has a scale outside [0, float32 max / {levels}]")
-    codes = np.frombuffer(mv, dtype=np.uint8, offset=4 * nb)
-    if codec == "int4":
-        vals = np.take(_INT4_LUT, codes, axis=0).reshape(-1)[:n]
-    else:
-        vals = np.take(_INT8_LUT, codes)
-    out = torch.from_numpy(vals)
+    # a private copy of the codes (the payload's bytes are read-only)
+    codes = torch.from_numpy(np.frombuffer(mv, dtype=np.int8, offset=4 * nb).copy())
+    if codec == "int4":  # two's-complement nibbles, the low one first: sign-extend each
+        q = torch.empty((codes.numel(), 2), dtype=torch.int8)
+        torch.bitwise_right_shift(torch.bitwise_left_shift(codes, 4), 4, out=q[:, 0])
+        torch.bitwise_right_shift(codes, 4, out=q[:, 1])
+        codes = q.view(-1)[:n]
+    if n and int(codes.min()) == -(levels + 1):
+        raise CodecError(f"{codec}: payload holds the code -{levels + 1}, never produced")
+    out = codes.to(torch.float32)  # |code| <= levels and scale <= max / levels: all finite
     full = (n // BLOCK_SIZE) * BLOCK_SIZE
     out[:full].view(-1, BLOCK_SIZE).mul_(scale[: full // BLOCK_SIZE, None])
     if full < n:
         out[full:].mul_(scale[-1])
-    if not _all_finite(out):  # only the never-produced code can be NaN here
-        raise CodecError(f"{codec}: payload holds the code -{levels + 1}, never produced")
     return out
 
 
