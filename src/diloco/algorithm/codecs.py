@@ -60,7 +60,6 @@ _F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
 _BF16_REL = 2.0**-8  # half an ulp of bfloat16's 8-bit significand, relative
 
 
-
 class CodecError(ValueError):
     """Bad codec name, wrong payload length, bad shape or a payload this codec never produces."""
 
