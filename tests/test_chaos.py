@@ -31,7 +31,7 @@ def test_spec_parses_all_kinds():
     [
         ("explode:mtbf=1", "unknown kind"),
         ("kill:down=1", "mtbf"),
-        ("kill:mtbf=x", "could not convert"),
+        ("kill:mtbf=x", "is not a duration"),
         ("kill:mtbf=5,down=9-3", "reversed"),
         ("kill:mtbf=5,colour=red", "unknown key"),
         ("kill:mtbf", "key=value"),
