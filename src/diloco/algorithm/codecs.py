@@ -97,7 +97,7 @@ def _non_finite_error(x: torch.Tensor, codec: str, what: str) -> NonFiniteError:
     )
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """True if ``t`` has no NaN/Inf. min/max propagate NaN; far faster than ``isfinite().all()``."""
     if t.numel() == 0:
         return True
@@ -134,11 +134,11 @@ def encode(tensor: torch.Tensor, codec: str) -> bytes:
         return _encode_int(tensor, codec)
     x = _flat_f32(tensor, codec)
     if codec == "fp32":
-        if not _all_finite(x):
+        if not all_finite(x):
             raise _non_finite_error(x, codec, "tensor")
         return _le(x, "<f4").tobytes()
     y = x.to(torch.bfloat16)  # round to nearest even
-    if not _all_finite(y):
+    if not all_finite(y):
         raise _non_finite_error(y, codec, "tensor (after rounding to bfloat16)")
     return _le(y.view(torch.int16), "<i2").tobytes()
 
@@ -154,7 +154,7 @@ def _encode_int(tensor: torch.Tensor, codec: str) -> bytes:
     buf[n:].zero_()
     blocks = buf.view(nb, BLOCK_SIZE)
     absmax = _block_absmax(blocks)
-    if not _all_finite(absmax):
+    if not all_finite(absmax):
         raise _non_finite_error(buf[:n], codec, "tensor")
     levels = _LEVELS[codec]
     scale = absmax / levels
@@ -209,7 +209,7 @@ def decode(
             wide = np.zeros(2 * n, dtype=np.uint16)
             wide[1 if sys.byteorder == "little" else 0 :: 2] = np.frombuffer(mv, dtype="<u2")
             out = torch.from_numpy(wide.view(np.float32))
-        if not _all_finite(out):
+        if not all_finite(out):
             raise _non_finite_error(out, codec, "payload")
     return out.view(dims)
 
@@ -218,7 +218,7 @@ def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
     levels = _LEVELS[codec]
     nb = -(-n // BLOCK_SIZE)
     scale = torch.from_numpy(np.frombuffer(mv, dtype="<f4", count=nb).astype(np.float32))
-    if not _all_finite(scale):
+    if not all_finite(scale):
         raise _non_finite_error(scale, codec, "payload scales")
     if bool((scale < 0).any()) or bool((scale > _F32_MAX / levels).any()):
         raise CodecError(f"{codec}: payload has a scale outside [0, float32 max / {levels}]")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import token_weight
 
 
@@ -177,7 +178,7 @@ def check_counters(
         )
     if not (step_time_s >= 0 and step_time_s < 3600):
         raise Refused("INVALID_ARGUMENT", f"step_time_s must be in [0, 3600), got {step_time_s}")
-    if not bool(torch.isfinite(delta).all()):
+    if not all_finite(delta):
         raise Refused("INVALID_ARGUMENT", "delta has non-finite values")
 
 

@@ -373,6 +373,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.store.save(p, commit.version, commit.params, commit.momentum, wire=wire)
         keyframe = codecs.encode(wire, KEYFRAME_CODEC)
         record = dict(commit.record)
+        record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
         record["sync_s"] = round(time.time() - t0, 6)
         record["bytes_delta"] = len(delta)
         self._emit(record, sync=True)

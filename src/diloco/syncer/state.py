@@ -84,6 +84,7 @@ class SyncerState:
         self.layout = layout
         self.config = config
         self.params = [t.detach().to(torch.float32).clone().reshape(-1) for t in params]
+        self._param_norms: dict[int, float] = {}  # ‖Θ_p‖ of the current versions
         self.versions = list(versions) if versions is not None else [0] * layout.num_fragments
         self.shard = shard
         """``(i, S)``: this syncer is shard i of S (``diloco.algorithm.shards``); (0, 1) unsharded."""
@@ -354,7 +355,7 @@ class SyncerState:
             norm,
             counters["steps"],
             self.norms.of(fragment),
-            float(self.params[fragment].norm()),
+            self._param_norm(fragment),
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
             min_history=self.config.norm_guard_min_history,
@@ -363,6 +364,12 @@ class SyncerState:
         if not verdict.accept:
             raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
         return norm
+
+    def _param_norm(self, fragment: int) -> float:
+        """‖Θ_p‖ for the norm guard, computed once per version (every upload asks for it)."""
+        if fragment not in self._param_norms:
+            self._param_norms[fragment] = float(self.params[fragment].norm())
+        return self._param_norms[fragment]
 
     def _note_quorum(self, round_: FragmentRound, now: float) -> None:
         if round_.opened_at is None or round_.quorum_at is not None:
@@ -540,6 +547,7 @@ class SyncerState:
         if share != 1.0:
             merged = merged * share
         self.outer.step(fragment, self.params[fragment], merged)
+        self._param_norms.pop(fragment, None)
         self.versions[fragment] += 1
         self.rounds_committed += 1
         record = {
@@ -561,7 +569,6 @@ class SyncerState:
             "reason": reason,
             "share": round(share, 6),
             "delta_norm": float(merged.norm()),
-            "digest": fragment_digest(self.params[fragment]),
         }
         return Commit(
             fragment,
