@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+import types
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -267,7 +268,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, where=key)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         errors = []

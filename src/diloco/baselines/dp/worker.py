@@ -215,20 +215,38 @@ class Rank:
         self.stopping, self.save = bool(stopping), bool(save)
         self.group_tokens += int(total)
 
-    def write_part(self) -> None:
+    def part(self) -> dict:
+        """This rank's part of the group checkpoint of the current step (references to the
+        live tensors; rank 0's part holds the model and the optimizer)."""
         from diloco.baselines.dp import checkpoint as ckpt
 
-        part = rank_part(
-            self.config,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.stream,
-            self.tokens,
-            self.group_tokens,
-        )
-        self.writer.submit(ckpt.rank_file(self.ckdir, self.step, self.config.rank), part)
+        state = {"stream": self.stream.state_dict(), "tokens": self.tokens}
+        if self.leader:
+            state |= {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "group_tokens": self.group_tokens,
+            }
+        return ckpt.rank_part(self.step, state)
+
+    def write_part(self) -> None:
+        """Hand this rank's part to the background writer (committed once all are on disk)."""
+        from diloco.baselines.dp import checkpoint as ckpt
+
+        self.writer.submit(ckpt.rank_file(self.ckdir, self.step, self.config.rank), self.part())
         self.pending = self.step
+
+    def save_group_checkpoint(self) -> None:
+        """Every rank writes its part now, then (after a barrier) rank 0 commits it."""
+        import torch.distributed as dist
+
+        from diloco.baselines.dp import checkpoint as ckpt
+
+        ckpt.write_rank_part(self.ckdir, self.step, self.config.rank, self.part())
+        if dist.is_initialized():
+            dist.barrier()
+        if self.leader:
+            ckpt.commit(self.ckdir, self.step, self.config.world)
 
     def finish(self) -> None:
         """The final checkpoint (it supersedes the one in progress), snapshot and exit record."""
@@ -236,16 +254,7 @@ class Rank:
 
         config = self.config
         self.writer.wait()
-        save_group_checkpoint(
-            self.ckdir,
-            config,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.stream,
-            self.tokens,
-            self.group_tokens,
-        )
+        self.save_group_checkpoint()
         if self.leader and config.snapshot:
             write_snapshot(Path(config.snapshot), self.model, self.step, self.group_tokens)
         dist.destroy_process_group()
@@ -257,34 +266,6 @@ class Rank:
             bytes_up=steps * self.per_step_bytes,
             bytes_down=0,
         )
-
-
-def rank_part(config, step, model, optimizer, stream, tokens, group_tokens) -> dict:
-    """This rank's part of the group checkpoint of ``step`` (references to live tensors)."""
-    from diloco.baselines.dp import checkpoint as ckpt
-
-    state = {"stream": stream.state_dict(), "tokens": tokens}
-    if config.rank == 0:
-        state |= {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "group_tokens": group_tokens,
-        }
-    return ckpt.rank_part(step, state)
-
-
-def save_group_checkpoint(ckdir, config, step, model, optimizer, stream, tokens, group_tokens):
-    """Every rank writes its part now, then (after a barrier) rank 0 commits the checkpoint."""
-    import torch.distributed as dist
-
-    from diloco.baselines.dp import checkpoint as ckpt
-
-    part = rank_part(config, step, model, optimizer, stream, tokens, group_tokens)
-    ckpt.write_rank_part(ckdir, step, config.rank, part)
-    if dist.is_initialized():
-        dist.barrier()
-    if config.rank == 0:
-        ckpt.commit(ckdir, step, config.world)
 
 
 def write_snapshot(path: Path, model, step: int, group_tokens: int) -> None:
