@@ -39,7 +39,9 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from diloco.config.common import ProtocolConfig
 
@@ -64,33 +66,64 @@ def torchft_version() -> str | None:
     return "unknown"
 
 
-def run_torchft(
-    *,
-    learners: int = 2,
-    recipe: str = "tiny",
-    data: str | None = None,
-    seed: int = 0,
-    minutes: float = 1.0,
-    tokens: int = 0,
-    rounds: int = 0,
-    sync_every: int = ProtocolConfig.sync_every,
-    fragments: int = 1,
-    sync_delay: int = 0,
-    outer_lr: float = 1.0,
-    outer_momentum: float = 0.0,
-    slow: dict[int, float] | None = None,
-    batch_size: int = 0,
-    run_dir: str | Path | None = None,
-    threads: int = 1,
-    min_replicas: int = 0,
-    join_timeout_ms: int = 60000,
-    quorum_tick_ms: int = 100,
-    heartbeat_timeout_ms: int = 5000,
-    start_timeout: float = 120.0,
-    stop_timeout: float = 30.0,
-    max_minutes: float = 60.0,
-) -> dict:
+@dataclass(kw_only=True, frozen=True)
+class PeerSettings:
+    """The arguments of :func:`run_torchft` (its docstring says what each means)."""
+
+    learners: int = 2
+    recipe: str = "tiny"
+    data: str | None = None
+    seed: int = 0
+    minutes: float = 1.0
+    tokens: int = 0
+    rounds: int = 0
+    sync_every: int = ProtocolConfig.sync_every
+    fragments: int = 1
+    sync_delay: int = 0
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    slow: dict[int, float] = field(default_factory=dict)
+    batch_size: int = 0
+    run_dir: str | Path | None = None
+    threads: int = 1
+    min_replicas: int = 0
+    join_timeout_ms: int = 60000
+    quorum_tick_ms: int = 100
+    heartbeat_timeout_ms: int = 5000
+    start_timeout: float = 120.0
+    stop_timeout: float = 30.0
+    max_minutes: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.learners < 1:
+            raise ValueError(f"learners must be >= 1 (got {self.learners})")
+        if not (self.minutes > 0 or self.tokens > 0 or self.rounds > 0):
+            raise ValueError("give a budget: minutes, tokens or rounds")
+        frags, every = self.fragments, self.sync_every
+        if frags < 1 or every < frags or every % frags:
+            raise ValueError(
+                f"torchft needs sync_every ({every}) to be a multiple of fragments ({frags})"
+            )
+        for i, factor in self.slow.items():
+            if not 0 <= i < self.learners or not factor >= 1.0:
+                raise ValueError(
+                    f"slow: learner {i} factor {factor} (index < {self.learners}, factor >= 1)"
+                )
+
+    @property
+    def quorum(self) -> int:
+        """Replica groups a quorum needs (``min_replicas``, 0: all of them)."""
+        return self.min_replicas or self.learners
+
+    @property
+    def budget_s(self) -> float:
+        return self.minutes * 60 if self.minutes else self.max_minutes * 60
+
+
+def run_torchft(**settings) -> dict:
     """Train ``recipe`` with torchft's DiLoCo on ``learners`` replica groups; return a summary.
+
+    Keyword arguments (:class:`PeerSettings`):
 
     Budget: stop when ``minutes`` of wall time (0: none) or ``tokens`` in total (0: none) are
     spent, or after ``rounds`` committed syncs (0: none); at least one is required, and
@@ -117,120 +150,106 @@ def run_torchft(
             f"torchft is not installed: make setup-peers (pip install -e '.[torchft]', "
             f"i.e. {TORCHFT_PACKAGE}=={TORCHFT_PIN}; it keeps the installed torch)"
         )
-    slow = dict(slow or {})
-    _check_arguments(learners, minutes, tokens, rounds, sync_every, fragments, slow)
+    s = PeerSettings(**{**settings, "slow": dict(settings.get("slow") or {})})
     from diloco.recipes import get_recipe
 
-    rec = get_recipe(recipe, data_path=data)
+    rec = get_recipe(s.recipe, data_path=s.data)
     rec.load_data()
-    batch = batch_size or rec.batch_size
-    model0 = rec.build_model(seed)
-    num_params = sum(p.numel() for p in model0.parameters())
+    model0 = rec.build_model(s.seed)
     val_initial = rec.evaluate(model0)
-
-    temporary = run_dir is None
-    root = Path(tempfile.mkdtemp(prefix="torchft-peer-")) if temporary else Path(run_dir)
+    temporary = s.run_dir is None
+    root = Path(tempfile.mkdtemp(prefix="torchft-peer-")) if temporary else Path(s.run_dir)
     if root.exists() and any(root.iterdir()):
         raise ValueError(f"run_dir {root} is not empty; pick a new one")
     root.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    budget_s = minutes * 60 if minutes else max_minutes * 60
-    hard_deadline = started + budget_s + start_timeout + stop_timeout + 30.0
-    children: list = []
     try:
-        lighthouse = _start_lighthouse(
-            root,
-            min_replicas or learners,
-            join_timeout_ms,
-            quorum_tick_ms,
-            heartbeat_timeout_ms,
-            children,
-        )
-        replica = dict(
-            recipe=recipe,
-            data=data,
-            seed=seed,
-            batch=batch,
-            sync_every=sync_every,
-            fragments=fragments,
-            sync_delay=sync_delay,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            rounds=rounds,
-            schedule_s=minutes * 60,
-            schedule_steps=rounds * (sync_every // fragments),
-            started=started,
-            min_replica_size=min_replicas or learners,
-            replicas=learners,
-            hard_deadline=hard_deadline,
-            threads=threads,
-        )
-        children += [
-            _start_replica(root, i, slow=slow.get(i, 1.0), **replica) for i in range(learners)
-        ]
-        replicas = children[1:]
-        stopped_by = _supervise(
-            root, lighthouse, replicas, started, budget_s, minutes, tokens, start_timeout
-        )
-        # Replicas stop at their next sync: allow for one more sync period on top.
-        codes = _wait_replicas(replicas, stop_timeout + 2 * _longest_gap(root, learners))
-        records = {
-            i: _read_progress(root / f"replica-{i}" / "progress.jsonl") for i in range(learners)
-        }
-        val_final, max_diff = _evaluate_final(rec, root, learners, model0)
+        outcome = _train(s, root, started, batch=s.batch_size or rec.batch_size)
+        val_final, max_diff = _evaluate_final(rec, root, s.learners, model0)
         wall_s = time.time() - started
     finally:
-        from diloco.runtime.procs import stop_all
-
-        stop_all(children, timeout=10.0)
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
     summary = _summarize(
-        records=records,
-        codes=codes,
-        learners=learners,
-        batch=batch,
-        slow=slow,
+        s,
+        outcome,
+        batch=s.batch_size or rec.batch_size,
         seq_len=rec.model.seq_len,
-        num_params=num_params,
-        val_initial=val_initial,
-        val_final=val_final,
+        num_params=sum(p.numel() for p in model0.parameters()),
+        val_loss=(val_initial, val_final),
         max_diff=max_diff,
         started=started,
         wall_s=wall_s,
-        stopped_by=stopped_by,
         run_dir="" if temporary else str(root),
-        fragments=fragments,
     )
-    summary["peer"] = _peer_info(
-        version,
-        recipe=recipe,
-        sync_every=sync_every,
-        fragments=fragments,
-        sync_delay=sync_delay,
-        outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
-        lighthouse={
-            "min_replicas": min_replicas or learners,
-            "join_timeout_ms": join_timeout_ms,
-            "quorum_tick_ms": quorum_tick_ms,
-            "heartbeat_timeout_ms": heartbeat_timeout_ms,
-        },
-    )
+    summary["peer"] = _peer_info(version, s)
     return summary
 
 
-def _peer_info(
-    version: str,
-    *,
-    recipe,
-    sync_every,
-    fragments,
-    sync_delay,
-    outer_lr,
-    outer_momentum,
-    lighthouse: dict,
-) -> dict:
+@dataclass
+class _Outcome:
+    """What the processes left: progress lines and exit codes by replica, and why they stopped."""
+
+    records: dict[int, list[dict]]
+    codes: dict[int, int | None]
+    stopped_by: str
+
+
+def _train(s: PeerSettings, root: Path, started: float, *, batch: int) -> _Outcome:
+    """Start the lighthouse and the replicas, watch the budget, wait for them; every process
+    is stopped on the way out whatever happens."""
+    from diloco.launch.children import write_config
+    from diloco.runtime.procs import stop_all
+
+    hard_deadline = started + s.budget_s + s.start_timeout + s.stop_timeout + 30.0
+    children = [_start_lighthouse(root, s)]
+    try:
+        for i in range(s.learners):
+            config = _replica_config(s, root, i, batch, started, hard_deadline)
+            path = write_config(root / "config" / f"replica-{i}.json", config)
+            children.append(_start_replica(root, i, path, s.threads))
+        replicas = children[1:]
+        stopped_by = _supervise(root, children[0], replicas, started, s)
+        # Replicas stop at their next sync: allow for one more sync period on top.
+        codes = _wait_replicas(replicas, s.stop_timeout + 2 * _longest_gap(root, s.learners))
+        records = {
+            i: _read_progress(root / f"replica-{i}" / "progress.jsonl") for i in range(s.learners)
+        }
+        return _Outcome(records, codes, stopped_by)
+    finally:
+        stop_all(children, timeout=10.0)
+
+
+def _replica_config(
+    s: PeerSettings, root: Path, index: int, batch: int, started: float, hard_deadline: float
+):
+    from diloco.config.common import RecipeConfig
+    from diloco.config.torchft import ReplicaConfig
+
+    return ReplicaConfig(
+        recipe=RecipeConfig(recipe=s.recipe, data=s.data, seed=s.seed),
+        index=index,
+        replicas=s.learners,
+        lighthouse_file=str(root / "lighthouse.addr"),
+        workdir=str(root / f"replica-{index}"),
+        batch_size=batch,
+        slow=s.slow.get(index, 1.0),
+        sync_every=s.sync_every,
+        fragments=s.fragments,
+        sync_delay=s.sync_delay,
+        outer_lr=s.outer_lr,
+        outer_momentum=s.outer_momentum,
+        rounds=s.rounds,
+        schedule_seconds=s.minutes * 60,
+        schedule_steps=s.rounds * (s.sync_every // s.fragments),
+        run_started=started,
+        min_replica_size=s.quorum,
+        hard_deadline=hard_deadline,
+        threads=s.threads,
+    )
+
+
+def _peer_info(version: str, s: PeerSettings) -> dict:
     """What the summary says about the peer: package, algorithm and its settings."""
     return {
         "name": "torchft",
@@ -238,92 +257,57 @@ def _peer_info(
         "version": version,
         "algorithm": "torchft.local_sgd.DiLoCo",
         "backend": "gloo (torchft.ProcessGroupGloo), one replica group process per learner",
-        "recipe": recipe,
-        "sync_every": sync_every,
-        "fragments": fragments,
-        "sync_delay": sync_delay,
+        "recipe": s.recipe,
+        "sync_every": s.sync_every,
+        "fragments": s.fragments,
+        "sync_delay": s.sync_delay,
         "outer_optimizer": {
-            "lr": outer_lr,
-            "momentum": outer_momentum,
-            "nesterov": outer_momentum > 0,
+            "lr": s.outer_lr,
+            "momentum": s.outer_momentum,
+            "nesterov": s.outer_momentum > 0,
         },
-        "lighthouse": lighthouse,
+        "lighthouse": {
+            "min_replicas": s.quorum,
+            "join_timeout_ms": s.join_timeout_ms,
+            "quorum_tick_ms": s.quorum_tick_ms,
+            "heartbeat_timeout_ms": s.heartbeat_timeout_ms,
+        },
     }
-
-
-def _check_arguments(learners, minutes, tokens, rounds, sync_every, fragments, slow) -> None:
-    if learners < 1:
-        raise ValueError(f"learners must be >= 1 (got {learners})")
-    if not (minutes > 0 or tokens > 0 or rounds > 0):
-        raise ValueError("give a budget: minutes, tokens or rounds")
-    if fragments < 1 or sync_every < fragments or sync_every % fragments:
-        raise ValueError(
-            f"torchft needs sync_every ({sync_every}) to be a multiple of fragments ({fragments})"
-        )
-    for i, factor in slow.items():
-        if not 0 <= i < learners or not factor >= 1.0:
-            raise ValueError(f"slow: learner {i} factor {factor} (index < {learners}, factor >= 1)")
 
 
 def _replica_command(role: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "diloco.cli.torchft_replica", role, *flags]
 
 
-def _start_lighthouse(root: Path, min_replicas, join_ms, tick_ms, heartbeat_ms, children: list):
+def _start_lighthouse(root: Path, s: PeerSettings):
     from diloco.runtime.procs import Child
 
-    child = Child(
+    return Child(
         "lighthouse",
         _replica_command(
             "lighthouse",
             f"--port-file={root / 'lighthouse.addr'}",
-            f"--min-replicas={min_replicas}",
-            f"--join-timeout-ms={join_ms}",
-            f"--quorum-tick-ms={tick_ms}",
-            f"--heartbeat-timeout-ms={heartbeat_ms}",
+            f"--min-replicas={s.quorum}",
+            f"--join-timeout-ms={s.join_timeout_ms}",
+            f"--quorum-tick-ms={s.quorum_tick_ms}",
+            f"--heartbeat-timeout-ms={s.heartbeat_timeout_ms}",
         ),
         root / "logs" / "lighthouse.log",
     )
-    children.append(child)
-    return child
 
 
-def _start_replica(root: Path, index: int, **o):
+def _start_replica(root: Path, index: int, config: Path, threads: int):
     from diloco.runtime.procs import Child
 
-    flags = [
-        f"--index={index}",
-        f"--replicas={o['replicas']}",
-        f"--lighthouse-file={root / 'lighthouse.addr'}",
-        f"--workdir={root / f'replica-{index}'}",
-        f"--recipe={o['recipe']}",
-        f"--seed={o['seed']}",
-        f"--batch-size={o['batch']}",
-        f"--slow={o['slow']}",
-        f"--sync-every={o['sync_every']}",
-        f"--fragments={o['fragments']}",
-        f"--sync-delay={o['sync_delay']}",
-        f"--outer-lr={o['outer_lr']}",
-        f"--outer-momentum={o['outer_momentum']}",
-        f"--rounds={o['rounds']}",
-        f"--schedule-seconds={o['schedule_s']}",
-        f"--schedule-steps={o['schedule_steps']}",
-        f"--run-started={o['started']}",
-        f"--min-replica-size={o['min_replica_size']}",
-        f"--hard-deadline={o['hard_deadline']}",
-        f"--threads={o['threads']}",
-    ]
-    if o["data"]:
-        flags.append(f"--data={o['data']}")
     return Child(
         f"replica-{index}",
-        _replica_command("replica", *flags),
+        _replica_command("replica", f"--config={config}"),
         root / "logs" / f"replica-{index}.log",
-        threads=o["threads"],
+        threads=threads,
     )
 
 
-def _supervise(root, lighthouse, replicas, started, budget_s, minutes, tokens, start_timeout):
+def _supervise(root: Path, lighthouse, replicas, started: float, s: PeerSettings) -> str:
     """Watch the processes and the budget; when it is spent, write the stop step. Returns why
     the run stops. Raises RuntimeError if a process fails, TimeoutError if a replica has not
     completed its first sync within ``start_timeout``."""
@@ -341,19 +325,25 @@ def _supervise(root, lighthouse, replicas, started, budget_s, minutes, tokens, s
             return "rounds"
         lasts = [_last_record(root / r.name / "progress.jsonl") for r in replicas]
         elapsed = time.time() - started
-        if any(rec is None for rec in lasts) and elapsed > start_timeout:
-            raise TimeoutError(f"a replica did not complete its first sync in {start_timeout:.0f}s")
-        total = sum(rec["tokens"] for rec in lasts if rec)
-        reason = None
-        if minutes and elapsed >= minutes * 60:
-            reason = "time"
-        elif tokens and total >= tokens:
-            reason = "tokens"
-        elif elapsed >= budget_s:
-            reason = "max_minutes"
+        if any(rec is None for rec in lasts) and elapsed > s.start_timeout:
+            raise TimeoutError(
+                f"a replica did not complete its first sync in {s.start_timeout:.0f}s"
+            )
+        reason = _budget_spent(s, elapsed, sum(rec["tokens"] for rec in lasts if rec))
         if reason:
             (root / STOP_FILE).write_text(reason)
             return reason
+
+
+def _budget_spent(s: PeerSettings, elapsed: float, tokens: int) -> str | None:
+    """Which budget is spent after ``elapsed`` s and ``tokens`` trained (None: none). Pure."""
+    if s.minutes and elapsed >= s.minutes * 60:
+        return "time"
+    if s.tokens and tokens >= s.tokens:
+        return "tokens"
+    if elapsed >= s.budget_s:
+        return "max_minutes"
+    return None
 
 
 def _longest_gap(root: Path, learners: int) -> float:
@@ -408,105 +398,122 @@ def _evaluate_final(rec, root: Path, learners: int, model) -> tuple[float | None
 
 
 def _summarize(
+    s: PeerSettings,
+    outcome: _Outcome,
     *,
-    records,
-    codes,
-    learners,
-    batch,
-    slow,
-    seq_len,
-    num_params,
-    val_initial,
-    val_final,
-    max_diff,
-    started,
-    wall_s,
-    stopped_by,
-    run_dir,
-    fragments,
-):
-    from diloco.report.goodput import commit_gaps, uptime
-    from diloco.report.summary import build_summary, data_parallel_bytes_per_token
+    batch: int,
+    seq_len: int,
+    num_params: int,
+    val_loss: tuple[float, float | None],
+    max_diff: float | None,
+    started: float,
+    wall_s: float,
+    run_dir: str,
+) -> dict:
+    """``diloco run``'s summary fields, from the replicas' progress lines."""
+    from diloco.report.summary import build_summary
 
-    per_learner, useful, provisioned, starts, ends = [], {}, {}, [], []
-    for i in range(learners):
-        recs = records.get(i, [])
-        last = recs[-1] if recs else {}
-        train_s = last.get("train_s") or (last["t"] - started if last else 0.0)
-        compute_s = last.get("compute_s", 0.0)
-        toks = int(last.get("tokens", 0))
-        name = f"learner-{i}"
-        useful[name] = float(last.get("useful_tokens", 0.0))
-        provisioned[name] = toks / compute_s * train_s if compute_s else 0.0
-        if last:
-            starts.append(last["t"] - train_s)
-            ends.append(last["t"])
-        per_learner.append(
-            {
-                "id": name,
-                "steps": int(last.get("step", 0)),
-                "tokens": toks,
-                "steps_per_s": last.get("step", 0) / train_s if train_s else 0.0,
-                "batch_size": batch,
-                "slow": slow.get(i, 1.0),
-                "exit_code": codes.get(i),
-                "restarts": 0,
-                "contributions": sum(1 for r in recs if r.get("committed")),
-                "bytes_up": int(last.get("bytes_sent", 0)),
-                "bytes_down": int(last.get("bytes_received", 0)),
-                "useful_tokens": round(useful[name]),
-                "compute_s": round(compute_s, 3),
-                "sync_s": round(last.get("sync_s", 0.0), 3),
-                "train_s": round(train_s, 3),
-                "commit_failures": int(last.get("commit_failures", 0)),
-            }
-        )
+    tallies = [
+        _tally(i, outcome.records.get(i, []), outcome.codes.get(i), started, batch, s)
+        for i in range(s.learners)
+    ]
     rounds = max(
-        (int(r.get("outer_step", 0)) for recs in records.values() for r in recs), default=0
+        (int(r.get("outer_step", 0)) for recs in outcome.records.values() for r in recs),
+        default=0,
     )
     summary = build_summary(
         mode="torchft",
         run_dir=run_dir,
         wall_s=wall_s,
-        val_initial=val_initial,
-        val_final=val_final,
+        val_initial=val_loss[0],
+        val_final=val_loss[1],
         rounds=rounds,
-        learners=per_learner,
+        learners=[t.row for t in tallies],
         num_params=num_params,
         seq_len=seq_len,
-        stopped_by=stopped_by,
+        stopped_by=outcome.stopped_by,
     )
-    tokens = summary["tokens"]
-    up = summary["bytes"]["up"]
-    per_token = up / tokens if tokens else None
-    dp = data_parallel_bytes_per_token(num_params, learners, learners * batch * seq_len)
-    summary["bytes"].update(
-        {
-            "per_token": per_token,
-            "reduction_vs_data_parallel": (dp / per_token) if per_token and dp else None,
-            "counted": "TCP payload bytes from the kernel (TCP_INFO) on every socket of every "
-            "replica process; per_token = bytes sent / tokens",
-        }
-    )
-    train_s = (max(ends) - min(starts)) if starts else 0.0
-    commits = [r["t"] for r in records.get(0, []) if r.get("committed")]
-    gaps = commit_gaps(commits)
-    total_provisioned = sum(provisioned.values())
-    summary.update(
-        {
-            "tokens_per_s": tokens / wall_s if wall_s else 0.0,
-            "train_s": round(train_s, 2),
-            "train_tokens_per_s": tokens / train_s if train_s else 0.0,
-            "goodput": sum(useful.values()) / total_provisioned if total_provisioned else None,
-            "useful_tokens": {k: round(v) for k, v in useful.items()},
-            "provisioned_tokens": {k: round(v) for k, v in provisioned.items()},
-            "uptime": uptime(commits, min(starts), max(ends)) if starts else 0.0,
-            "max_commit_gap_s": max(gaps) if gaps else None,
-            "replicas_max_diff": max_diff,
-            "fragments": fragments,
-        }
-    )
+    summary["bytes"].update(_bytes_fields(summary, num_params, s.learners * batch * seq_len))
+    summary.update(_speed_fields(summary["tokens"], tallies, outcome.records.get(0, []), wall_s))
+    summary.update(replicas_max_diff=max_diff, fragments=s.fragments)
     return summary
+
+
+class _Tally(NamedTuple):
+    """One replica's summary line and what goodput and speed need from it."""
+
+    row: dict
+    useful: float
+    provisioned: float
+    span: tuple[float, float] | None  # (first training, last progress) epoch s
+
+
+def _tally(i: int, recs: list[dict], code, started: float, batch: int, s: PeerSettings) -> _Tally:
+    """Replica ``i``'s tally from its progress lines. Provisioned tokens = its compute-only
+    speed × its training time (see the module docstring)."""
+    last = recs[-1] if recs else {}
+    train_s = last.get("train_s") or (last["t"] - started if last else 0.0)
+    compute_s = last.get("compute_s", 0.0)
+    toks = int(last.get("tokens", 0))
+    useful = float(last.get("useful_tokens", 0.0))
+    row = {
+        "id": f"learner-{i}",
+        "steps": int(last.get("step", 0)),
+        "tokens": toks,
+        "steps_per_s": last.get("step", 0) / train_s if train_s else 0.0,
+        "batch_size": batch,
+        "slow": s.slow.get(i, 1.0),
+        "exit_code": code,
+        "restarts": 0,
+        "contributions": sum(1 for r in recs if r.get("committed")),
+        "bytes_up": int(last.get("bytes_sent", 0)),
+        "bytes_down": int(last.get("bytes_received", 0)),
+        "useful_tokens": round(useful),
+        "compute_s": round(compute_s, 3),
+        "sync_s": round(last.get("sync_s", 0.0), 3),
+        "train_s": round(train_s, 3),
+        "commit_failures": int(last.get("commit_failures", 0)),
+    }
+    provisioned = toks / compute_s * train_s if compute_s else 0.0
+    span = (last["t"] - train_s, last["t"]) if last else None
+    return _Tally(row, useful, provisioned, span)
+
+
+def _bytes_fields(summary: dict, num_params: int, tokens_per_step: int) -> dict:
+    from diloco.report.summary import data_parallel_bytes_per_token
+
+    tokens = summary["tokens"]
+    per_token = summary["bytes"]["up"] / tokens if tokens else None
+    dp = data_parallel_bytes_per_token(num_params, summary["learners"], tokens_per_step)
+    return {
+        "per_token": per_token,
+        "reduction_vs_data_parallel": (dp / per_token) if per_token and dp else None,
+        "counted": "TCP payload bytes from the kernel (TCP_INFO) on every socket of every "
+        "replica process; per_token = bytes sent / tokens",
+    }
+
+
+def _speed_fields(tokens: int, tallies: list[_Tally], first: list[dict], wall_s: float) -> dict:
+    """Speed, goodput and uptime: ``first`` is replica 0's progress (its commits)."""
+    from diloco.report.goodput import commit_gaps, uptime
+
+    spans = [t.span for t in tallies if t.span]
+    begin = min((a for a, _ in spans), default=0.0)
+    end = max((b for _, b in spans), default=0.0)
+    train_s = end - begin if spans else 0.0
+    commits = [r["t"] for r in first if r.get("committed")]
+    gaps = commit_gaps(commits)
+    total = sum(t.provisioned for t in tallies)
+    return {
+        "tokens_per_s": tokens / wall_s if wall_s else 0.0,
+        "train_s": round(train_s, 2),
+        "train_tokens_per_s": tokens / train_s if train_s else 0.0,
+        "goodput": sum(t.useful for t in tallies) / total if total else None,
+        "useful_tokens": {t.row["id"]: round(t.useful) for t in tallies},
+        "provisioned_tokens": {t.row["id"]: round(t.provisioned) for t in tallies},
+        "uptime": uptime(commits, begin, end) if spans else 0.0,
+        "max_commit_gap_s": max(gaps) if gaps else None,
+    }
 
 
 def format_torchft(summary: dict) -> str:

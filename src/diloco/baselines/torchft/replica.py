@@ -3,8 +3,8 @@
 ``python -m diloco.cli.torchft_replica lighthouse --port-file F --min-replicas M``
     runs torchft's in-wheel ``LighthouseServer`` on a free port and writes its address to F.
 
-``python -m diloco.cli.torchft_replica replica --index I --lighthouse-file F --workdir D ...``
-    runs one replica group (one process, world size 1, gloo on CPU). It hosts its own
+``python -m diloco.cli.torchft_replica replica --config FILE``
+    (a :class:`diloco.config.torchft.ReplicaConfig`: ``index``, ``workdir``, ...) runs one replica group (one process, world size 1, gloo on CPU). It hosts its own
     ``TCPStore`` on a free port, builds torchft's ``Manager`` (synchronous quorum, as DiLoCo
     requires) and trains the recipe exactly like our learner (:mod:`diloco.learner.worker`:
     same model init, AdamW, lr schedule, gradient clipping, per-learner data stream, ``--slow``
@@ -42,11 +42,13 @@ import time
 from pathlib import Path
 
 from diloco.baselines.torchft.netbytes import SocketBytes
+from diloco.config.torchft import LighthouseConfig, ReplicaConfig
+from diloco.runtime.training import inner_step, schedule_length, set_lr, stop_on_signals
 
 STOP_FILE = "stop"
 
 
-def lighthouse_main(args) -> int:
+def lighthouse_main(config: LighthouseConfig) -> int:
     """Serve a torchft lighthouse until SIGTERM or parent death."""
     from torchft._torchft import LighthouseServer
 
@@ -57,15 +59,13 @@ def lighthouse_main(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     exit_with_parent(stop)
     server = LighthouseServer(
-        bind=args.bind,
-        min_replicas=args.min_replicas,
-        join_timeout_ms=args.join_timeout_ms,
-        quorum_tick_ms=args.quorum_tick_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        bind=config.bind,
+        min_replicas=config.min_replicas,
+        join_timeout_ms=config.join_timeout_ms,
+        quorum_tick_ms=config.quorum_tick_ms,
+        heartbeat_timeout_ms=config.heartbeat_timeout_ms,
     )
-    tmp = Path(args.port_file + ".tmp")
-    tmp.write_text(server.address())
-    os.replace(tmp, args.port_file)
+    _atomic_write(Path(config.port_file), server.address())
     while not stop.wait(0.5):
         pass
     server.shutdown()
@@ -95,37 +95,37 @@ def split_fragments(model, count: int) -> list:
     return holders
 
 
-def replica_main(args) -> int:
+def replica_main(config: ReplicaConfig) -> int:
+    """Run one replica group until its budget is spent, a peer stops, or a signal (the
+    module docstring gives the contract)."""
     import torch
-    from torch.distributed import TCPStore
 
     from diloco.recipes import get_recipe
-    from diloco.runtime.training import schedule_length, set_lr, stop_on_signals
 
-    torch.set_num_threads(args.threads)
-    workdir = Path(args.workdir)
+    torch.set_num_threads(config.threads)
+    workdir = Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     stop = stop_on_signals()
-    _watchdog(stop, args.hard_deadline)
-
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo
-
-    recipe = get_recipe(args.recipe, data_path=args.data)
-    lighthouse = _lighthouse_address(args, stop)
-    model = recipe.build_model(args.seed)  # same init in every replica, as in our learners
+    _watchdog(stop, config.hard_deadline)
+    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    lighthouse = _lighthouse_address(config, stop)
+    model = recipe.build_model(config.recipe.seed)  # same init in every replica, as ours
     inner = recipe.build_optimizer(model)
-    stream = recipe.stream(learner_id=args.index, seed=args.seed, batch_size=args.batch_size)
-    fragments = split_fragments(model, args.fragments)
-    outer = [
-        torch.optim.SGD(
-            f.parameters(),
-            lr=args.outer_lr,
-            momentum=args.outer_momentum,
-            nesterov=args.outer_momentum > 0,  # torch refuses Nesterov without momentum
-        )
-        for f in fragments
-    ]
+    fragments = split_fragments(model, config.fragments)
+    manager = _manager(config, model, inner, lighthouse)
+    run = _ReplicaRun(config, workdir, model, fragments)
+    try:
+        _train(config, recipe, run, manager, inner, stop)
+    finally:
+        run.close()
+        manager.shutdown(wait=False)
+    return 0
+
+
+def _manager(config: ReplicaConfig, model, inner, lighthouse: str):
+    """torchft's ``Manager`` for this replica group, on a ``TCPStore`` it hosts itself."""
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
 
     def state_dict() -> dict:
         return {"model": model.state_dict(), "inner": inner.state_dict()}
@@ -134,85 +134,96 @@ def replica_main(args) -> int:
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
 
-    # Each replica group hosts its own store (torchft's Manager connects to it as a client).
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=_td(args.timeout_s)),
+    return Manager(
+        pg=ProcessGroupGloo(timeout=_td(config.timeout_s)),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        min_replica_size=args.min_replica_size,
+        min_replica_size=config.min_replica_size,
         use_async_quorum=False,
-        timeout=_td(args.timeout_s),
-        quorum_timeout=_td(args.quorum_timeout_s),
-        connect_timeout=_td(args.timeout_s),
+        timeout=_td(config.timeout_s),
+        quorum_timeout=_td(config.quorum_timeout_s),
+        connect_timeout=_td(config.timeout_s),
         rank=0,
         world_size=1,
         store_addr="127.0.0.1",
         store_port=store.port,
         lighthouse_addr=lighthouse,
-        replica_id=f"replica_{args.index}",
+        replica_id=f"replica_{config.index}",
         init_sync=False,  # every replica builds the same initial model from the seed
     )
 
-    run = _ReplicaRun(args, workdir, model, fragments)
+
+def _outer_optimizers(config: ReplicaConfig, fragments: list) -> list:
+    """One outer SGD per fragment (Nesterov when the momentum is > 0; torch refuses Nesterov
+    without momentum)."""
+    import torch
+
+    nesterov = config.outer_momentum > 0
+    return [
+        torch.optim.SGD(
+            f.parameters(), lr=config.outer_lr, momentum=config.outer_momentum, nesterov=nesterov
+        )
+        for f in fragments
+    ]
+
+
+def _train(config: ReplicaConfig, recipe, run: _ReplicaRun, manager, inner, stop) -> None:
+    """The training loop under torchft's DiLoCo (which syncs inside ``inner.step()`` every
+    ``sync_every / fragments`` steps); ends with :meth:`_ReplicaRun.finish`."""
+    from torchft.local_sgd import DiLoCo
+
+    stream = recipe.stream(
+        learner_id=config.index, seed=config.recipe.seed, batch_size=config.batch_size
+    )
     timing = {"t0": 0.0, "compute_end": 0.0}
 
     def after_inner_step(*_args) -> None:
         # Registered before DiLoCo's own hook, so it runs after AdamW and before the sync.
         now = time.perf_counter()
-        if args.slow > 1.0:
-            time.sleep((args.slow - 1.0) * (now - timing["t0"]))
+        if config.slow > 1.0:
+            time.sleep((config.slow - 1.0) * (now - timing["t0"]))
         timing["compute_end"] = time.perf_counter()
 
     hook = inner.register_step_post_hook(after_inner_step)
-    steps_per_sync = args.sync_every // args.fragments
-    run_started = args.run_started or run.started
+    steps_per_sync = config.sync_every // config.fragments
+    run_started = config.run_started or run.started
     since_sync = 0
-    try:
-        with DiLoCo(
-            manager,
-            fragments,
-            inner,
-            outer,
-            sync_every=args.sync_every,
-            fragment_sync_delay=args.sync_delay,
-        ) as diloco:
-            run.diloco = diloco
-            _finisher(run, manager, stop)
-            reason = "signal"
-            while not stop.is_set():
-                if run.peer_stopped():
-                    reason = "peer stopped"  # no full quorum can form again: stop right here
-                    break
-                if since_sync == 0 and run.should_stop(manager.current_step()):
-                    reason = "budget"
-                    break
-                length = schedule_length(_ScheduleArgs(args), run.steps, time.time() - run_started)
-                set_lr(inner, recipe.lr_at(run.steps, length))
-                outer_before = manager.current_step()
-                timing["t0"] = time.perf_counter()
-                x, y = stream.next_batch()
-                _, loss = model(x, y)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                run.in_step = time.monotonic()
-                inner.step()  # DiLoCo's hook syncs inside this call every steps_per_sync
-                run.in_step = None
-                done = time.perf_counter()
-                inner.zero_grad(set_to_none=True)
-                run.count(
-                    x.numel(), timing["compute_end"] - timing["t0"], done - timing["compute_end"]
-                )
-                since_sync += 1
-                if since_sync == steps_per_sync:
-                    since_sync = 0
-                    run.synced(outer_before, manager.current_step(), loss.item())
-            run.finish(manager.current_step(), reason)
-        hook.remove()
-    finally:
-        run.close()
-        manager.shutdown(wait=False)
-    return 0
+    outer = _outer_optimizers(config, run.fragments)
+    with DiLoCo(
+        manager,
+        run.fragments,
+        inner,
+        outer,
+        sync_every=config.sync_every,
+        fragment_sync_delay=config.sync_delay,
+    ) as diloco:
+        run.diloco = diloco
+        _finisher(run, manager, stop)
+        reason = "signal"
+        while not stop.is_set():
+            if run.peer_stopped():
+                reason = "peer stopped"  # no full quorum can form again: stop right here
+                break
+            if since_sync == 0 and run.should_stop(manager.current_step()):
+                reason = "budget"
+                break
+            length = schedule_length(config, run.steps, time.time() - run_started)
+            set_lr(inner, recipe.lr_at(run.steps, length))
+            outer_before = manager.current_step()
+            timing["t0"] = time.perf_counter()
+            batch = stream.next_batch()
+            run.in_step = time.monotonic()
+            loss = inner_step(run.model, inner, batch)  # DiLoCo syncs inside inner.step()
+            run.in_step = None
+            compute_s = timing["compute_end"] - timing["t0"]
+            run.count(batch[0].numel(), compute_s, time.perf_counter() - timing["compute_end"])
+            since_sync += 1
+            if since_sync == steps_per_sync:
+                since_sync = 0
+                run.synced(outer_before, manager.current_step(), loss)
+        run.finish(manager.current_step(), reason)
+    hook.remove()
 
 
 class _ReplicaRun:
@@ -227,8 +238,8 @@ class _ReplicaRun:
     blocked in a quorum that can no longer form.
     """
 
-    def __init__(self, args, workdir: Path, model, fragments: list) -> None:
-        self.args = args
+    def __init__(self, config: ReplicaConfig, workdir: Path, model, fragments: list) -> None:
+        self.config = config
         self.workdir = workdir
         self.model = model
         self.fragments = fragments
@@ -236,8 +247,8 @@ class _ReplicaRun:
         self.stop_file = workdir.parent / STOP_FILE
         self.peers = [
             workdir.parent / f"replica-{j}" / "stopped"
-            for j in range(args.replicas)
-            if j != args.index
+            for j in range(config.replicas)
+            if j != config.index
         ]
         self.progress = (workdir / "progress.jsonl").open("a")
         self.netbytes = SocketBytes()
@@ -247,14 +258,16 @@ class _ReplicaRun:
         self.steps = self.tokens = self.failures = 0
         self.useful = self.compute_s = self.sync_s = 0.0
         self.loss = float("nan")
-        self.marks = [0] * args.fragments  # tokens at the last sync of each fragment
+        self.marks = [0] * config.fragments  # tokens at the last sync of each fragment
         self.started = time.time()
 
     def peer_stopped(self) -> bool:
         return any(p.exists() for p in self.peers)
 
     def should_stop(self, outer_step: int) -> bool:
-        return bool(self.args.rounds and outer_step >= self.args.rounds) or self.stop_file.exists()
+        return (
+            bool(self.config.rounds and outer_step >= self.config.rounds) or self.stop_file.exists()
+        )
 
     def count(self, tokens: int, compute_s: float, sync_s: float) -> None:
         self.steps += 1
@@ -265,9 +278,9 @@ class _ReplicaRun:
     def synced(self, outer_before: int, outer_after: int, loss: float) -> None:
         """Account for the fragment sync that ended the last inner step; log a progress line."""
         committed = outer_after > outer_before
-        frag = outer_before % self.args.fragments
+        frag = outer_before % self.config.fragments
         if committed:
-            self.useful += (self.tokens - self.marks[frag]) / self.args.fragments
+            self.useful += (self.tokens - self.marks[frag]) / self.config.fragments
         else:
             self.failures += 1  # torchft restored this fragment: its local progress is lost
         self.marks[frag] = self.tokens
@@ -349,21 +362,12 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class _ScheduleArgs:
-    """The fields :func:`diloco.learner.worker.schedule_length` reads, from our arguments."""
-
-    def __init__(self, args) -> None:
-        self.schedule_steps = args.schedule_steps
-        self.total_steps = 0
-        self.schedule_seconds = args.schedule_seconds
-
-
-def _lighthouse_address(args, stop: threading.Event) -> str:
+def _lighthouse_address(config: ReplicaConfig, stop: threading.Event) -> str:
     """``--lighthouse``, or the address the lighthouse writes to ``--lighthouse-file`` (waited
     for, so that replicas start in parallel with the lighthouse, bounded by the deadline)."""
-    if args.lighthouse:
-        return args.lighthouse
-    path = Path(args.lighthouse_file)
+    if config.lighthouse:
+        return config.lighthouse
+    path = Path(config.lighthouse_file)
     while not stop.is_set():
         if path.exists():
             return path.read_text().strip()
