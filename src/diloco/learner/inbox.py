@@ -4,7 +4,7 @@ The link's threads only put things here (arrived versions, the clock's requests,
 answers, rejoins); the training thread takes them at a step boundary. Arrived versions are
 kept per fragment in stream order, as a chain: a keyframe (``base`` -1, the value itself)
 replaces whatever was pending, a delta is appended to be added on top of the version before
-it, exactly as the syncer added it (``diloco.syncer.server``).
+it, exactly as the syncer added it (``diloco.syncer.service``).
 """
 
 from __future__ import annotations

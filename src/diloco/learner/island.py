@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco.algorithm.fragments import balanced_fragments
-from diloco.learner.learner import Learner, LearnerConfig
+from diloco.learner.config import LearnerConfig
+from diloco.learner.learner import Learner
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

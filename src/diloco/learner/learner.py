@@ -28,7 +28,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,7 +38,7 @@ from diloco.algorithm.fragments import (
     due_fragments,
     fragment_digest,
 )
-from diloco.config.common import ProtocolConfig
+from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Inbox, Rejoin
 from diloco.learner.ledger import Ledger, Outgoing
@@ -50,68 +49,6 @@ from diloco.learner.stopping import Stopping
 from diloco.wire.auth import client_link_options
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class LearnerConfig:
-    fragments: int = ProtocolConfig.fragments
-    """P: number of fragments the model is cut into (must match the syncer)."""
-    sync_every: int = ProtocolConfig.sync_every
-    """H on the learners' schedule (a syncer started with ``schedule="learner"``): each
-    fragment is sent every H local steps. On the syncer's schedule (the default) the syncer
-    asks for each fragment and paces the rounds with its own H."""
-    rebase_foreign: bool = True
-    """When a merged fragment arrives that holds none of this learner's deltas, keep the
-    undelivered progress on top of it (``θ ← θ + (G' − G)``, counters kept) instead of
-    discarding it."""
-    rebase_own: bool = True
-    """When the merge that holds this learner's delta δ arrives, keep the progress made
-    since δ was queued (``θ ← θ + (G' − G) + δ``) instead of overwriting it: the steps trained
-    while δ travelled and was merged are not thrown away. False applies ``alpha``: the
-    paper's rule."""
-    alpha: float = 0.0
-    """Mixing on receive: θ_p ← αθ_p + (1−α)Θ_p; 0 overwrites (the paper's rule)."""
-    tokens_per_step: int = 0
-    """The most tokens one step may hold (batch × sequence), declared to the syncer at join:
-    it refuses contributions claiming more (0: not declared)."""
-    delivery_file: str | None = None
-    """Where to keep the delivery log (``diloco.learner.delivery``): per fragment, the step of
-    the newest upload the syncer accepted. With it, a learner restored from a checkpoint drops
-    the checkpointed progress it had delivered after that checkpoint instead of sending it
-    twice. Keep it beside the checkpoint; None: no log (a restore may resend some progress)."""
-    learner_id: str | None = None
-    """Identity at the syncer; default ``<hostname>-<pid>``. Keep it across restarts to rejoin."""
-    cpu_threads: int | None = 1
-    """``torch.set_num_threads`` applied when the model is on CPU (None: leave as is)."""
-    flush_timeout_s: float = 10.0
-    """How long ``close`` waits for queued uploads to go out."""
-    drain_timeout_s: float = 3.0
-    """After the final flush, how long ``close`` waits for the merged fragments to come back,
-    so a learner that stops cleanly ends holding the global values (0: do not wait). On the
-    syncer's clock the flushed progress is merged at each fragment's next tick, so the wait
-    is at least 1.5 cycles of the clock (H of this learner's steps), at most 30 s."""
-    step_time_decay: float = 0.9
-    """EMA decay of the measured step time reported to the syncer."""
-    token: str | None = field(default=None, repr=False)
-    """Shared secret the syncer requires (``diloco.wire.auth.load_token`` reads it from a file
-    or ``$DILOCO_TOKEN``); sent as ``authorization: Bearer …`` on every call."""
-    tls_ca: str | None = None
-    """PEM CA bundle to verify the syncer's certificate; setting it (or ``tls_cert``) turns
-    TLS on."""
-    tls_cert: str | None = None
-    """PEM client certificate for mutual TLS (with ``tls_key``)."""
-    tls_key: str | None = None
-    """PEM private key of ``tls_cert``."""
-
-    def __post_init__(self) -> None:
-        if self.fragments < 1 or self.sync_every < 1:
-            raise ValueError(
-                f"fragments and sync_every must be >= 1 (got {self.fragments}, {self.sync_every})"
-            )
-        if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(
-                f"alpha must be in [0, 1) (got {self.alpha}); 0 overwrites with the global value"
-            )
 
 
 class Learner(Stopping, Restoring):
@@ -159,8 +96,18 @@ class Learner(Stopping, Restoring):
             raise ValueError(
                 f"layout has {self.layout.num_fragments} fragments, config says {cfg.fragments}"
             )
-        P = self.layout.num_fragments
         self.learner_id = cfg.learner_id or _default_id()
+        self._init_progress(self.layout.num_fragments)
+        if state is not None:
+            self.load_state_dict(state)
+            if self.delivery is not None:
+                self._drop_delivered(self.delivery.read())
+        elif self.delivery is not None:
+            self.delivery.clear()
+        self.link = self._open_link(syncer, link_options)
+
+    def _init_progress(self, P: int) -> None:
+        """The per-fragment progress state (nothing trained, nothing held yet)."""
         self.local_step = 0
         self.total_tokens = 0
         self.anchors: list[torch.Tensor | None] = [None] * P
@@ -196,20 +143,20 @@ class Learner(Stopping, Restoring):
         self.close_report: dict = {}
         """What ``close`` did: fragments flushed, whether the uploads went out and the merges
         holding them came back in time (``drained``), and the fragments that did not."""
-        self.delivery = DeliveryLog(cfg.delivery_file) if cfg.delivery_file else None
+        self.delivery = (
+            DeliveryLog(self.config.delivery_file) if self.config.delivery_file else None
+        )
         self.dropped_on_restore: list[int] = []
         """Fragments whose checkpointed progress was found delivered already at restore."""
-        if state is not None:
-            self.load_state_dict(state)
-            if self.delivery is not None:
-                self._drop_delivered(self.delivery.read())
-        elif self.delivery is not None:
-            self.delivery.clear()
+
+    def _open_link(self, syncer: str | Sequence[str], link_options: dict | None):
+        """The link to the syncer(s), its callbacks this learner's methods."""
+        cfg = self.config
         options = client_link_options(
             token=cfg.token, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )
         options.update(link_options or {})
-        self.link = open_link(
+        return open_link(
             syncer,
             self.learner_id,
             self.layout,

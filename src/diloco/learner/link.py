@@ -158,6 +158,17 @@ class SyncerLink:
         # (seen as a segfault in a test's close()): both happen under this lock.
         self._channel_lock = threading.Lock()
         self._closing = threading.Event()
+        self._init_queue()
+        self._threads = [
+            threading.Thread(target=self._link_loop, name=f"link-{learner_id}", daemon=True),
+            threading.Thread(target=self._send_loop, name=f"sender-{learner_id}", daemon=True),
+            threading.Thread(
+                target=self._heartbeat_loop, name=f"heartbeat-{learner_id}", daemon=True
+            ),
+        ]
+
+    def _init_queue(self) -> None:
+        """The upload queue: jobs by fragment, their turns, the sender's condition."""
         self._jobs: dict[int, UploadJob] = {}
         # When each fragment first queued a job not yet sent: a job withdrawn and queued again
         # keeps its turn (oldest waiting fragment first), so a fragment asked again and again
@@ -166,13 +177,6 @@ class SyncerLink:
         self._queued_count = 0
         self._jobs_cond = threading.Condition()
         self._in_flight = 0
-        self._threads = [
-            threading.Thread(target=self._link_loop, name=f"link-{learner_id}", daemon=True),
-            threading.Thread(target=self._send_loop, name=f"sender-{learner_id}", daemon=True),
-            threading.Thread(
-                target=self._heartbeat_loop, name=f"heartbeat-{learner_id}", daemon=True
-            ),
-        ]
 
     # ------------------------------------------------------------------ public
     def start(self) -> SyncerLink:
@@ -300,19 +304,45 @@ class SyncerLink:
             self._stub = None
 
     def _connect_and_listen(self) -> None:
+        """Open a channel, join, subscribe, then hand every arrival to the callbacks until
+        the stream ends (or this link closes)."""
+        stub = self._open_channel()
+        if stub is None:
+            return
+        reply = self._join(stub)
+        stream = stub.Subscribe(
+            pb.SubscribeRequest(
+                learner_id=self.learner_id,
+                session=reply.session,
+                have_versions=self.have_versions(),
+                have_digests=self.have_digests() if self.have_digests is not None else [],
+            ),
+            metadata=self.metadata,
+        )
+        self.connected.set()
+        with self._jobs_cond:
+            self._jobs_cond.notify_all()
+        self._listen(stream)
+
+    def _open_channel(self) -> pb_grpc.SyncerStub | None:
+        """A fresh channel to the syncer and its stub (None when the link is closing)."""
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
         with self._channel_lock:
             if self._closing.is_set():
-                return
+                return None
             if self.credentials is not None:
                 channel = grpc.secure_channel(self.address, self.credentials, options=options)
             else:
                 channel = grpc.insecure_channel(self.address, options=options)
             self._channel = channel
-            stub = pb_grpc.SyncerStub(channel)
+            return pb_grpc.SyncerStub(channel)
+
+    def _join(self, stub: pb_grpc.SyncerStub) -> pb.JoinReply:
+        """Join and take in what the syncer said (session, owned fragments, codec, clock);
+        ``on_join`` may refuse the syncer (``ShardError``: fatal)."""
         tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in self.layout.tensors]
         reply = stub.Join(
             pb.JoinRequest(
@@ -336,28 +366,16 @@ class SyncerLink:
         self._on_join(self, info)  # may raise ShardError: fatal
         self.shard_info, self._owned = info, frozenset(info.fragments)
         self.joined_versions = list(reply.versions)
-        self._session, self._heartbeat_s, self.up_codec = (
-            reply.session,
-            max(0.05, reply.heartbeat_s),
-            reply.up_codec,
-        )
+        self._heartbeat_s, self.up_codec = max(0.05, reply.heartbeat_s), reply.up_codec
         self.schedule = reply.schedule or "learner"
         self.sync_every = reply.sync_every
         self.stats.connects += 1
         if self.on_rejoin is not None:
             self.on_rejoin(self.address, reply.syncer_id, list(reply.versions), info.fragments)
-        stream = stub.Subscribe(
-            pb.SubscribeRequest(
-                learner_id=self.learner_id,
-                session=reply.session,
-                have_versions=self.have_versions(),
-                have_digests=self.have_digests() if self.have_digests is not None else [],
-            ),
-            metadata=self.metadata,
-        )
-        self.connected.set()
-        with self._jobs_cond:
-            self._jobs_cond.notify_all()
+        return reply
+
+    def _listen(self, stream) -> None:
+        """Requests, unchanged notes and chunked fragments from the subscription, in order."""
         parts: list[bytes] = []
         contributors: frozenset[str] = frozenset()
         for chunk in stream:
@@ -381,14 +399,17 @@ class SyncerLink:
                 contributors = frozenset(chunk.contributors)
             parts.append(chunk.data)
             if chunk.chunk_index + 1 == chunk.num_chunks:
-                payload = b"".join(parts)
-                self.stats.bytes_down += len(payload)
-                numel = self.layout.fragments[chunk.fragment].numel
-                value = codecs.decode(payload, numel, chunk.codec)
-                self.stats.fragments_received += 1
-                base = chunk.base_version if chunk.is_delta else -1
-                self.stats.keyframes += base < 0
-                self.on_fragment(chunk.fragment, chunk.version, value, contributors, base)
+                self._arrived(chunk, b"".join(parts), contributors)
+
+    def _arrived(self, last_chunk, payload: bytes, contributors: frozenset[str]) -> None:
+        """A whole fragment (keyframe or delta) arrived: decode it and hand it on."""
+        self.stats.bytes_down += len(payload)
+        numel = self.layout.fragments[last_chunk.fragment].numel
+        value = codecs.decode(payload, numel, last_chunk.codec)
+        self.stats.fragments_received += 1
+        base = last_chunk.base_version if last_chunk.is_delta else -1
+        self.stats.keyframes += base < 0
+        self.on_fragment(last_chunk.fragment, last_chunk.version, value, contributors, base)
 
     def _send_loop(self) -> None:
         while not self._closing.is_set():

@@ -121,7 +121,7 @@ class LearnerProcess:
 
     def learner_config(self):
         """The ``Learner`` library's configuration for this process."""
-        from diloco.learner.learner import LearnerConfig
+        from diloco.learner.config import LearnerConfig
         from diloco.wire.auth import load_token
 
         config, recipe, workdir = self.config, self.recipe, self.workdir

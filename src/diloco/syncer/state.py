@@ -309,10 +309,6 @@ class SyncerState:
                 }
             )
             return admission
-        round_ = self.rounds.get(fragment)
-        if round_ is None:
-            on_clock = self.config.schedule == "syncer"
-            round_ = self.rounds[fragment] = FragmentRound(opened_at=None if on_clock else now)
         contribution = Contribution(
             learner_id,
             delta,
@@ -324,16 +320,26 @@ class SyncerState:
             nbytes,
             final=final,
         )
-        earlier = round_.contributions.get(learner_id)
-        if earlier is None:
-            round_.contributions[learner_id] = contribution
-        else:
-            earlier.add(contribution)
+        self._into_round(fragment, contribution, now)
         info.contributions += 1
         info.last_tokens = tokens
         self.norms.record(fragment, norm, steps)
-        self._note_quorum(round_, now)
         return admission
+
+    def _into_round(self, fragment: int, contribution: Contribution, now: float) -> None:
+        """Add an admitted contribution to ``fragment``'s round (made if none is open; on
+        the syncer's clock it waits for the next tick). A learner's second contribution to
+        one round is summed with its first (deltas and counters)."""
+        round_ = self.rounds.get(fragment)
+        if round_ is None:
+            on_clock = self.config.schedule == "syncer"
+            round_ = self.rounds[fragment] = FragmentRound(opened_at=None if on_clock else now)
+        earlier = round_.contributions.get(contribution.learner_id)
+        if earlier is None:
+            round_.contributions[contribution.learner_id] = contribution
+        else:
+            earlier.add(contribution)
+        self._note_quorum(round_, now)
 
     def _check_contribution(self, info, fragment, base_version, **counters) -> float:
         """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,

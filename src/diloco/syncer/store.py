@@ -142,7 +142,7 @@ class FragmentStore:
     ) -> None:
         """Atomically write fragment ``fragment`` at ``version`` (returns once it is on disk).
 
-        ``wire``: the value learners holding ``version`` hold (``diloco.syncer.server``)."""
+        ``wire``: the value learners holding ``version`` hold (``diloco.syncer.service``)."""
         tensors = {"params": params.detach().contiguous()}
         if "momentum" in momentum:
             tensors["momentum"] = momentum["momentum"].detach().contiguous()

@@ -1,0 +1,405 @@
+"""The syncer's gRPC service: decode, validate, call the state machine, persist, broadcast.
+
+Threads: gRPC's pool runs the RPC handlers (each ``Subscribe`` stream holds one thread for
+its lifetime, so the pool is sized from ``max_learners``); one **committer** thread runs the
+syncer's clock (opens rounds and queues their requests), closes rounds, writes each commit
+to disk, appends it to the tape and only then hands the new fragment to every subscriber.
+All state changes happen under one lock, and nothing slow (decoding, encoding, disk,
+network) happens while it is held, except the merge itself.
+
+**What learners hold.** For every fragment the committer keeps the wire image ``W_p``: the
+value every learner holding version v holds, bit for bit. A commit sends ``d = Θ_p − W_p``
+in the down codec and moves ``W_p`` by the decoded ``d̂`` (the rounding stays in ``Θ_p − W_p``
+and goes out with the next delta); a learner applies the same ``W + d̂``. ``W_p`` is persisted
+with the commit, so a restarted syncer goes on sending deltas its learners can apply.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from diloco.algorithm import codecs
+from diloco.syncer.broadcast import (
+    CHUNK_BYTES,
+    KEYFRAME_CODEC,
+    RECENT_VERSIONS,
+    Subscriber,
+    chunk_payload,
+)
+from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
+from diloco.syncer.store import (
+    EventTape,
+    FragmentStore,
+    state_hash,
+)
+from diloco.syncer.upload import receive_upload
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
+"""gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
+MAX_REASON_CHARS = 500
+"""Refusal messages are cut to this length (they may quote what a client sent)."""
+
+
+class SyncerService(pb_grpc.SyncerServicer):
+    """The RPC handlers plus the committer thread. Use ``SyncerServer`` to run it."""
+
+    def __init__(
+        self,
+        state: SyncerState,
+        *,
+        store: FragmentStore | None,
+        tape: EventTape | None,
+        allowed_learners: frozenset[str] | None = None,
+        wire: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        """``wire``: the restored wire image of each fragment (default: Θ_p)."""
+        self.state = state
+        self.allowed_learners = allowed_learners
+        self.store = store
+        self.tape = tape
+        self.lock = threading.Lock()
+        self.started_at = time.time()
+        self._subscribers: set[Subscriber] = set()
+        # Latest keyframe (W_p in fp32) of each fragment, who its version merged, its digest.
+        self._payloads: dict[int, tuple[int, bytes, frozenset[str], str]] = {}
+        self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
+        # Contributors of each fragment's last few versions: a learner catching up after a
+        # reconnect must know whether any version it missed merged its own contribution.
+        self._recent: dict[int, list[tuple[int, frozenset[str]]]] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        for p in state.served:
+            keyframe = codecs.encode(self._wire[p], KEYFRAME_CODEC)
+            digest = fragment_digest(self._wire[p])
+            self._payloads[p] = (state.versions[p], keyframe, frozenset(), digest)
+        self._committer = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._committer.start()
+
+    def stop(self) -> None:
+        """Stop the committer; first commit what waits for learners that are all gone (the
+        rounds ``poll`` closes now), so progress flushed by the last learners is kept."""
+        self._stopping.set()
+        self._wake.set()
+        for sub in list(self._subscribers):
+            sub.close()
+        self._committer.join(timeout=10)
+        now = time.time()
+        with self.lock:
+            commits, _ = self.state.poll(now)
+        for commit in commits:
+            self._publish(commit, now)
+
+    def _emit(self, record: dict, sync: bool = False) -> None:
+        if self.tape is not None:
+            self.tape.append(record, sync=sync)
+
+    # ------------------------------------------------------------------ helpers
+    def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused, rpc: str):
+        """Tape the refusal (``refused`` record) and answer with its status; never returns."""
+        with self.lock:
+            self.state.note_refusal(learner_id, err.code, err.message, time.time(), rpc=rpc)
+        context.abort(getattr(grpc.StatusCode, err.code), err.message[:MAX_REASON_CHARS])
+
+    def refuse_unauthenticated(self, method: str, reason: str) -> None:
+        """Called by the token interceptor for a call it turned away (no state is touched)."""
+        with self.lock:
+            self.state.note_refusal("", "UNAUTHENTICATED", reason, time.time(), rpc=method)
+
+    # --------------------------------------------------------------------- RPCs
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        tensors = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
+        try:
+            if (
+                self.allowed_learners is not None
+                and request.learner_id not in self.allowed_learners
+            ):
+                raise Refused(
+                    "PERMISSION_DENIED",
+                    f"learner id {request.learner_id[:64]!r} is not on the syncer's allow-list",
+                )
+            with self.lock:
+                info = self.state.join(
+                    request.learner_id,
+                    tensors=tensors,
+                    layout_hash=request.layout_hash,
+                    num_fragments=request.num_fragments,
+                    observer=request.observer,
+                    now=time.time(),
+                    tokens_per_step=request.tokens_per_step,
+                )
+                versions = list(self.state.versions)
+        except Refused as err:
+            return self._refuse(context, request.learner_id, err, "Join")
+        cfg = self.state.config
+        return pb.JoinReply(
+            session=info.session,
+            versions=versions,
+            lease_s=cfg.lease_s,
+            heartbeat_s=cfg.heartbeat_interval_s,
+            up_codec=cfg.up_codec,
+            down_codec=cfg.down_codec,
+            fragments=self.state.served,
+            syncer_id=self.state.syncer_id,
+            shard=self.state.shard[0],
+            num_shards=self.state.shard[1],
+            schedule=cfg.schedule,
+            sync_every=cfg.sync_every,
+        )
+
+    def Subscribe(
+        self, request: pb.SubscribeRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FragmentChunk]:
+        have = list(request.have_versions)
+        digests = list(request.have_digests)
+        try:
+            P = self.state.layout.num_fragments
+            if len(have) > P or len(digests) > P:
+                raise Refused(
+                    "INVALID_ARGUMENT",
+                    f"have_versions lists {len(have)} and have_digests {len(digests)} "
+                    f"fragments, the model has {P}",
+                )
+            if any(len(d) > 64 for d in digests):
+                raise Refused("INVALID_ARGUMENT", "a have_digests entry is over 64 characters")
+            with self.lock:
+                info = self.state.session_of(request.learner_id, request.session)
+        except Refused as err:
+            return self._refuse(context, request.learner_id, err, "Subscribe")
+        sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
+        with self.lock:
+            self._subscribers.add(sub)
+            for p, (version, keyframe, _, digest) in self._payloads.items():
+                since = have[p] if p < len(have) else -1
+                if since == version:
+                    continue
+                if since < 0 and p < len(digests) and digests[p] == digest:
+                    sub.confirm(p, version)  # it holds exactly this value already
+                    continue
+                contributors = self._contributors_since(p, since)
+                sub.offer(p, version, keyframe=keyframe, contributors=contributors)
+        context.add_callback(sub.close)
+        try:
+            while context.is_active() and not self._stopping.is_set() and not sub.closed:
+                requests, items = sub.take(timeout=0.5)
+                for p, version in requests:
+                    yield pb.FragmentChunk(
+                        fragment=p, version=version, request=True, chunk_index=0, num_chunks=1
+                    )
+                for item in items:
+                    pieces = chunk_payload(item.payload)
+                    numel = self.state.layout.fragments[item.fragment].numel
+                    for i, piece in enumerate(pieces):
+                        yield pb.FragmentChunk(
+                            fragment=item.fragment,
+                            version=item.version,
+                            codec=item.codec,
+                            numel=numel,
+                            chunk_index=i,
+                            num_chunks=len(pieces),
+                            data=bytes(piece),
+                            contributors=sorted(item.contributors) if i == 0 else (),
+                            is_delta=item.is_delta,
+                            base_version=max(item.base_version, 0),
+                            unchanged=item.unchanged,
+                        )
+                    with self.lock:
+                        info.bytes_down += len(item.payload)
+                        self.state.bytes_down += len(item.payload)
+        finally:
+            with self.lock:
+                self._subscribers.discard(sub)
+                self.state.leave(
+                    sub.learner_id, sub.session, now=time.time(), reason="stream closed"
+                )
+            self._wake.set()
+
+    def Upload(
+        self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext
+    ) -> pb.UploadReply:
+        who: dict[str, str] = {}
+        try:
+            header, payload = receive_upload(request_iterator, self.state, self.lock, who)
+            numel = self.state.layout.fragments[header.fragment].numel
+            try:
+                delta = codecs.decode(payload, numel, header.codec)
+            except codecs.CodecError as exc:
+                raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
+            with self.lock:
+                admission = self.state.submit(
+                    header.learner_id,
+                    header.session,
+                    fragment=header.fragment,
+                    base_version=header.base_version,
+                    steps=header.steps,
+                    tokens=header.tokens,
+                    delta=delta,
+                    step_time_s=header.step_time_s,
+                    nbytes=len(payload),
+                    now=time.time(),
+                    final=header.final,
+                )
+                current = self.state.versions[header.fragment]
+        except Refused as err:
+            return self._refuse(context, who.get("learner_id", ""), err, "Upload")
+        self._wake.set()
+        return pb.UploadReply(
+            accepted=admission.accept,
+            reason=admission.reason,
+            resync=admission.resync,
+            current_version=current,
+        )
+
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatReply:
+        sps = request.steps_per_s
+        with self.lock:
+            try:
+                self.state.heartbeat(
+                    request.learner_id,
+                    request.session,
+                    now=time.time(),
+                    step=max(0, request.step),
+                    tokens=max(0, request.tokens),
+                    steps_per_s=sps if 0 <= sps < 1e9 else 0.0,  # NaN and Inf report as 0
+                    state="".join(c for c in request.state[:64] if c.isprintable()),
+                )
+            except Refused:
+                return pb.HeartbeatReply(known=False, versions=self.state.versions)
+            return pb.HeartbeatReply(known=True, versions=self.state.versions)
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        with self.lock:
+            self.state.leave(request.learner_id, request.session, now=time.time(), reason="left")
+        self._wake.set()
+        return pb.LeaveReply()
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        with self.lock:
+            s = self.state
+            live = s.live(time.time())
+            learners = [
+                pb.LearnerStatus(
+                    learner_id=i.learner_id,
+                    live=i.learner_id in live,
+                    step=i.step,
+                    tokens=i.tokens,
+                    steps_per_s=i.steps_per_s,
+                    state=i.state,
+                    contributions=i.contributions,
+                    bytes_up=i.bytes_up,
+                    bytes_down=i.bytes_down,
+                )
+                for i in s.learners.values()
+                if not i.observer
+            ]
+            return pb.StatusReply(
+                syncer_id=s.syncer_id,
+                versions=s.versions,
+                rounds=s.rounds_committed,
+                bytes_up=s.bytes_up,
+                bytes_down=s.bytes_down,
+                learners=learners,
+                uptime_s=time.time() - self.started_at,
+                refused=s.refused,
+                fragments=s.served,
+                shard=s.shard[0],
+                num_shards=s.shard[1],
+            )
+
+    # ---------------------------------------------------------------- committer
+    def _commit_loop(self) -> None:
+        wake_at: float | None = None
+        while not self._stopping.is_set():
+            timeout = 0.25 if wake_at is None else min(0.25, max(0.0, wake_at - time.time()))
+            self._wake.wait(timeout)
+            self._wake.clear()
+            t0 = time.time()
+            with self.lock:
+                request, tick_at = self.state.tick(t0)
+                if request is not None:
+                    self._ask(request)
+                commits, wake_at = self.state.poll(t0)
+            if tick_at is not None:
+                wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
+            for commit in commits:
+                self._publish(commit, t0)
+
+    def _ask(self, request) -> None:
+        """Queue the clock's request on the streams of the learners it asks (lock held)."""
+        for sub in self._subscribers:
+            if not sub.observer and sub.learner_id in request.asked:
+                sub.request(request.fragment, request.version)
+        self._emit(
+            {
+                "event": "tick",
+                "t": time.time(),
+                "fragment": request.fragment,
+                "version": request.version,
+                "asked": len(request.asked),
+            }
+        )
+
+    def _publish(self, commit: Commit, t0: float) -> None:
+        """Persist, then record, then broadcast one commit (in that order).
+
+        The broadcast is the delta from the wire image (see the module docstring); the
+        committer is the only thread that moves ``W_p``, one commit at a time."""
+        p = commit.fragment
+        codec = self.state.config.down_codec
+        delta = codecs.encode(commit.params - self._wire[p], codec)
+        wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
+        if self.store is not None:
+            self.store.save(p, commit.version, commit.params, commit.momentum, wire=wire)
+        keyframe = codecs.encode(wire, KEYFRAME_CODEC)
+        record = dict(commit.record)
+        record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
+        record["sync_s"] = round(time.time() - t0, 6)
+        record["bytes_delta"] = len(delta)
+        self._emit(record, sync=True)
+        with self.lock:
+            self._wire[p] = wire
+            contributors = frozenset(commit.record["participants"])
+            self._payloads[p] = (commit.version, keyframe, contributors, fragment_digest(wire))
+            recent = self._recent.setdefault(p, [])
+            recent.append((commit.version, contributors))
+            del recent[:-RECENT_VERSIONS]
+            for sub in self._subscribers:
+                sub.offer(
+                    p,
+                    commit.version,
+                    keyframe=keyframe,
+                    delta=delta,
+                    delta_codec=codec,
+                    contributors=contributors,
+                )
+            self.state.record_sync_time(time.time() - t0)
+
+    def _contributors_since(self, fragment: int, version: int) -> frozenset[str]:
+        """Everyone merged into ``fragment`` after ``version`` (as far as the recent history
+        goes; empty after a restart)."""
+        return frozenset().union(*(c for v, c in self._recent.get(fragment, ()) if v > version))
+
+    def wire(self, fragment: int) -> torch.Tensor:
+        """A copy of ``W_p``: the value every learner holding the current version holds."""
+        with self.lock:
+            return self._wire[fragment].clone()
+
+    def committed_hash(self) -> str:
+        with self.lock:
+            return state_hash(self.state.versions, self.state.params)
+
+    def state_digest(self) -> str:
+        """``SyncerState.digest`` under the lock: equal before and after a refused request."""
+        with self.lock:
+            return self.state.digest()
