@@ -50,6 +50,8 @@ class Budget:
     chaos: str = DEFAULT_CHAOS
     slow_factor: float = 3.0
     eval_every: float = 10.0
+    wan: tuple[str, ...] = ()
+    """``diloco run --wan`` specs every run gets (every learner on a shaped link)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ def common_flags(budget: Budget, seed: int) -> tuple[str, ...]:
         f"--learners={budget.learners}",
         f"--seed={seed}",
         f"--eval-every={budget.eval_every}",
+        *(f"--wan={spec}" for spec in budget.wan),
     )
 
 
@@ -97,6 +100,8 @@ def matrix(
             raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
     if budget.learners < 2 and "slow" in conditions:
         raise ValueError("the slow condition needs at least 2 learners")
+    if budget.wan and peers:
+        raise ValueError("--wan with --peer: the torchft peer does not run on shaped links yet")
     runs = []
     for seed in seeds:
         for condition in conditions:

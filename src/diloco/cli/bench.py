@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             recipe=args.recipe,
             chaos=args.chaos,
             eval_every=args.eval_every,
+            wan=tuple(args.wan),
         )
         seeds = parse_list(args.seeds, int)
         specs = mx.matrix(
@@ -162,4 +163,11 @@ def register(subparsers) -> None:
     p.add_argument("--recipe", default=mx.Budget.recipe)
     p.add_argument("--chaos", default=mx.DEFAULT_CHAOS, help="the chaos condition's spec")
     p.add_argument("--eval-every", type=float, default=mx.Budget.eval_every)
+    p.add_argument(
+        "--wan",
+        action="append",
+        default=list(mx.Budget.wan),
+        metavar="SPEC",
+        help="every run on shaped links, as diloco run --wan (repeatable; root only)",
+    )
     p.set_defaults(func=run)

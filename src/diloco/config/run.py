@@ -96,6 +96,10 @@ class RunConfig:
     """Start S syncer processes, each owning the fragments p mod S == i."""
     token_file: str | None = option(None, metavar="FILE")
     """Shared token file passed to the syncer, learners and evaluator (loopback needs none)."""
+    wan: list[str] = option(default_factory=list, metavar="SPEC")
+    """Put each learner on its own shaped wide-area link (root only; repeatable; docs/wan.md):
+    ``rate=50mbit,rtt=40ms`` for every learner, ``2,3:rate=5mbit,rtt=80ms`` for learners 2
+    and 3."""
     start_timeout: float = option(60.0, hidden=True)
     """Seconds a process may take to start (and the syncer to answer) before the run fails."""
     stop_timeout: float = option(30.0, hidden=True)

@@ -37,6 +37,7 @@ from diloco.launch.children import (
 )
 from diloco.launch.loop import append_metric, supervise
 from diloco.launch.syncers import StatusClient, syncer_commands, syncer_names
+from diloco.launch.wan import WAN_BIND_HOST, check_wan, on_link, wan_section
 
 __all__ = ["StatusClient", "run"]
 
@@ -75,6 +76,7 @@ def prepare(config: RunConfig) -> Prepared:
 
         check_chaos(clauses)
     ray_backend.check_config(config, {c.kind for c in clauses})
+    check_wan(config, clauses)
     return Prepared(recipe, plans, clauses, chaos, corrupt, token)
 
 
@@ -99,28 +101,48 @@ def run(config: RunConfig) -> int:
         print(f"diloco run: {run_dir} already exists; pick another --name", file=sys.stderr)
         return 2
     (run_dir / "logs").mkdir(parents=True)
+    fabric = None
+    if config.wan:
+        from diloco.launch.wan import open_fabric, with_token
+        from diloco.wan.fabric import WanUnavailable
+        from diloco.wire.auth import load_token
+
+        config = with_token(config, run_dir)
+        prep.token = load_token(config.token_file)
+        try:
+            fabric = open_fabric(config)
+        except WanUnavailable as exc:
+            print(f"diloco run: {exc}", file=sys.stderr)
+            return 2
     write_config(run_dir / "config.json", config)
     tape = EventTape(run_dir / "syncer" / "events.jsonl")
-    if config.mode == "dp":
-        from diloco.baselines.dp.run import run_dp
+    try:
+        if config.mode == "dp":
+            from diloco.baselines.dp.run import run_dp
 
-        return run_dp(
-            config,
-            recipe=prep.recipe,
-            plans=prep.plans,
-            chaos=prep.chaos,
-            run_dir=run_dir,
-            tape=tape,
-        )
-    return Launch(config, prep, run_dir, tape).run()
+            return run_dp(
+                config,
+                recipe=prep.recipe,
+                plans=prep.plans,
+                chaos=prep.chaos,
+                run_dir=run_dir,
+                tape=tape,
+                fabric=fabric,
+            )
+        return Launch(config, prep, run_dir, tape, fabric).run()
+    finally:
+        if fabric is not None:
+            fabric.close()
 
 
 class Launch:
     """One decoupled or synchronous run: start the syncer(s), the evaluator and the learners,
     supervise, then stop in order and write the summary."""
 
-    def __init__(self, config: RunConfig, prep: Prepared, run_dir: Path, tape) -> None:
+    def __init__(self, config: RunConfig, prep: Prepared, run_dir: Path, tape, fabric=None) -> None:
         self.config, self.prep, self.run_dir, self.tape = config, prep, run_dir, tape
+        self.fabric = fabric
+        """The wide-area links (``--wan``), or None: everything on this host's loopback."""
         self.out = sys.stdout  # the view and the summary (a launcher may divert sys.stdout)
         self.stop = threading.Event()
         self.interrupts: list[int] = []
@@ -144,7 +166,9 @@ class Launch:
                 tape=self.tape.append,
                 clock=lambda: time.time() - self.started,
                 chaos=self.prep.chaos,
-                spares=spare_count(
+                spares=0  # a spare waits in the hub namespace, not on a learner's link
+                if self.fabric
+                else spare_count(
                     self.config.spares,
                     self.prep.chaos,
                     restart_together=1,
@@ -188,7 +212,7 @@ class Launch:
         from diloco.wire.auth import check_bind
 
         config, sup, run_dir = self.config, self.sup, self.run_dir
-        host = getattr(sup, "syncer_host", "127.0.0.1")
+        host = WAN_BIND_HOST if self.fabric else getattr(sup, "syncer_host", "127.0.0.1")
         check_bind(f"{host}:0", self.prep.token)
         path = write_config(run_dir / "config" / "syncer.json", service_config(config))
         addresses = []
@@ -200,6 +224,9 @@ class Launch:
             bind0 = f"--bind={host}:0"
             slot.argv = [f"--bind={addresses[-1]}" if a == bind0 else a for a in slot.argv]
         address = ",".join(addresses)  # one address, or every shard's
+        if self.fabric:  # the supervisor's own clients use the hub's loopback
+            address = on_link(address, "127.0.0.1")
+            addresses = address.split(",")
         self.status_client = StatusClient(addresses, self.prep.token)
         if any(c.kind in NETWORK_KINDS for c in self.prep.clauses):  # learners go via relays
             sup.relays.update({p.id: Relay(address, name=f"relay-{p.id}") for p in self.prep.plans})
@@ -230,10 +257,15 @@ class Launch:
         sup, run_dir = self.sup, self.run_dir
         for plan in self.prep.plans:
             corrupt = corrupt_settings(self.prep.corrupt.get(plan.index), self.started, self.tape)
+            syncer = sup.relays[plan.id].address if plan.id in sup.relays else address
+            prefix: list[str] = []
+            if self.fabric:  # on its own link, in its own namespace
+                syncer = on_link(address, self.fabric.hub_address(plan.index))
+                prefix = self.fabric.exec_prefix(plan.index)
             worker = worker_config(
                 self.config,
                 plan,
-                syncer=sup.relays[plan.id].address if plan.id in sup.relays else address,
+                syncer=syncer,
                 started=self.started,
                 workdir=run_dir / "learners" / plan.id,
                 corrupt=corrupt,
@@ -241,7 +273,7 @@ class Launch:
             path = write_config(run_dir / "config" / f"{plan.id}.json", worker)
             sup.add(
                 plan.id,
-                diloco_command("learner", f"--config={path}"),
+                [*prefix, *diloco_command("learner", f"--config={path}")],
                 run_dir / "logs" / f"{plan.id}.log",
             )
 
@@ -254,6 +286,7 @@ class Launch:
         config, sup, plans = self.config, self.sup, self.prep.plans
         train_end = time.time()
         codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout)
+        counters = self.fabric.counters() if self.fabric else None
         names = syncer_names(config.shards)
         for name in names:
             if not sup.running(name):  # it may be down for a chaos restart: bring it back
@@ -279,6 +312,8 @@ class Launch:
             "codes": codes,
         }
         summary = summarize(config, self.run_dir, plans, sup, facts)
+        if self.fabric:
+            summary["wan"] = wan_section(self.fabric, counters, summary, plans)
         summary["syncer_exit_code"] = syncer_code
         summary["backend"] = config.ray.backend
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

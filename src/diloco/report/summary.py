@@ -97,9 +97,25 @@ def format_summary(s: dict) -> str:
             f"  bytes up {b['up']:,} down {b['down']:,} = {b['per_token']:.2f} B/token"
             + (f" ({ratio:.0f}x less than data-parallel)" if ratio and s["mode"] != "dp" else "")
         )
+    if s.get("wan"):
+        lines.append(_wan_line(s["wan"]))
     for name, ln in s["per_learner"].items():
         lines.append(
             f"  {name}: {ln['steps']} steps, {ln['tokens']:,} tokens, "
             f"{ln['steps_per_s']:.2f} steps/s, exit {ln['exit_code']}"
+            + (f", link {s['wan']['links'][name]['link']}" if s.get("wan") else "")
         )
     return "\n".join(lines)
+
+
+def _wan_line(wan: dict) -> str:
+    """``--wan``: the bytes the learners' interfaces counted, beside the transport's."""
+    ratios = [
+        f"{d} {wan[f'{d}_ratio']:.2f}x" for d in ("up", "down") if wan.get(f"{d}_ratio") is not None
+    ]
+    per_token = wan.get("iface_bytes_per_token")
+    return (
+        f"  at the interfaces: up {wan['iface_up']:,} down {wan['iface_down']:,}"
+        + (f" = {per_token:.2f} B/token" if per_token else "")
+        + (f" (vs the transport's count: {', '.join(ratios)})" if ratios else "")
+    )

@@ -57,8 +57,10 @@ class SnapshotEvaluator:
         return self.recipe.evaluate(self.model)
 
 
-def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
-    """Run the data-parallel baseline; returns the process exit code (0 clean)."""
+def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None) -> int:
+    """Run the data-parallel baseline; returns the process exit code (0 clean). With
+    ``fabric`` (``--wan``) rank i runs in learner i's namespace and all-reduces over its link
+    (every pair of ranks meets through the hub, over both their links)."""
     import sys
 
     import torch.distributed as dist
@@ -84,7 +86,9 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
         clock=lambda: time.time() - started,
         chaos=chaos,
         group=names,
-        spares=spare_count(config.spares, chaos, restart_together=len(names), learners=len(names)),
+        spares=0  # a spare waits in the hub namespace, not on a rank's link
+        if fabric
+        else spare_count(config.spares, chaos, restart_together=len(names), learners=len(names)),
     )
     snapshot = run_dir / "dp" / "global.safetensors"
     try:
@@ -96,10 +100,10 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape) -> int:
             "seq_len": recipe.model.seq_len,
         }
         evaluator = SnapshotEvaluator(recipe, snapshot, seed=config.recipe.seed)
-        start_ranks(config, sup, plans, run_dir, store=f"127.0.0.1:{store.port}", started=started)
+        start_ranks(config, sup, plans, run_dir, store=store.port, started=started, fabric=fabric)
         stopped_by = supervise_group(config, stop, started, sup, plans, evaluator, run_dir)
         facts["stopped_by"] = "interrupt" if interrupts else stopped_by
-        return finish(config, sup, plans, evaluator, run_dir, facts)
+        return finish(config, sup, plans, evaluator, run_dir, facts, fabric)
     except (RuntimeError, TimeoutError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 1
@@ -136,28 +140,42 @@ def rank_config(config, plan, run_dir: Path, *, store: str, started: float) -> D
     )
 
 
-def start_ranks(config, sup, plans, run_dir: Path, *, store: str, started: float) -> None:
+def start_ranks(
+    config, sup, plans, run_dir: Path, *, store: int, started: float, fabric=None
+) -> None:
     """Write each rank's configuration and start it at generation 0 (the supervisor bumps
-    ``--generation`` when it restarts the group)."""
+    ``--generation`` when it restarts the group). ``store``: the store's port on this host,
+    or on the hub's address of each rank's link with ``fabric``."""
     from diloco.launch.children import write_config
     from diloco.runtime.procs import diloco_command
 
     for plan in plans:
-        rank = rank_config(config, plan, run_dir, store=store, started=started)
+        host, prefix = "127.0.0.1", []
+        if fabric is not None:  # gloo must use the rank's link, not a name that resolves
+            from diloco.wan.fabric import LEARNER_IFACE
+
+            host = fabric.hub_address(plan.index)
+            prefix = [*fabric.exec_prefix(plan.index), "env", f"GLOO_SOCKET_IFNAME={LEARNER_IFACE}"]
+        rank = rank_config(config, plan, run_dir, store=f"{host}:{store}", started=started)
         path = write_config(run_dir / "config" / f"{plan.id}.json", rank)
         argv = diloco_command("dp-worker", f"--config={path}", "--generation=0")
-        sup.add(plan.id, argv, run_dir / "logs" / f"{plan.id}.log")
+        sup.add(plan.id, [*prefix, *argv], run_dir / "logs" / f"{plan.id}.log")
 
 
-def finish(config, sup, plans, evaluator, run_dir: Path, facts: dict) -> int:
+def finish(config, sup, plans, evaluator, run_dir: Path, facts: dict, fabric=None) -> int:
     """Stop the group, score the last snapshot, write and print the summary."""
     from diloco.report.summary import format_summary
 
     facts["train_end"] = time.time()
     facts["codes"] = codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout)
+    counters = fabric.counters() if fabric is not None else None
     facts["val_final"] = evaluator.evaluate()
     append_metric(run_dir, facts["started"], evaluator, facts["val_final"])
     summary = summarize_dp(config, run_dir, plans, sup, facts)
+    if fabric is not None:
+        from diloco.launch.wan import wan_section
+
+        summary["wan"] = wan_section(fabric, counters, summary, plans)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1) if config.json else format_summary(summary))
     return 0 if all(c in (0, None) for c in codes.values()) else 1
