@@ -7,7 +7,9 @@
 **What runs.** For every (mode, rate, seed): ``diloco run --mode MODE -m M --minutes T
 --wan rate=RATE,rtt=RTT`` (every learner, or data-parallel rank, in its own network
 namespace; the kernel's ``tbf`` shapes each link in both directions; ``diloco.wan``), with
-the default recipe and settings of each mode. Fixed wall time, so every mode spends the same
+the default recipe and settings of each mode; ``torchft``: ``python -m
+diloco.cli.torchft_peer`` with the same flags (torchft's DiLoCo, H = 24, one fragment,
+every replica group on its link). Fixed wall time, so every mode spends the same
 seconds; ``rate=none`` is the harness unshaped (the same namespaces and routing).
 
 **Measures** (from each run's ``summary.json``): tokens/s over the training time; held-out
@@ -32,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("dp", "sync", "decoupled")
+MODES = ("dp", "sync", "decoupled", "torchft")
 RATES = ("none", "1gbit", "300mbit", "100mbit", "30mbit", "10mbit", "3mbit", "1mbit", "300kbit")
 KNEE_SHARE = 0.9
 
@@ -47,25 +49,26 @@ def run_cell(out: Path, mode: str, rate: str, rtt: str, seed: int, args) -> dict
     run_dir = out / "runs" / name
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
-        command = [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "run",
-            f"--mode={mode}",
+        common = [
             f"--learners={args.learners}",
             f"--minutes={args.minutes}",
             f"--seed={seed}",
             f"--recipe={args.recipe}",
             f"--wan=rate={rate},rtt={rtt}",
-            f"--runs-dir={out / 'runs'}",
-            f"--name={name}",
-            "--no-view",
         ]
+        if mode == "torchft":  # the external peer: its summary is printed as JSON
+            command = [sys.executable, "-m", "diloco.cli.torchft_peer", *common]
+            command += [f"--run-dir={run_dir}", "--json"]
+        else:
+            command = [sys.executable, "-m", "diloco.cli", "run", f"--mode={mode}", *common]
+            command += [f"--runs-dir={out / 'runs'}", f"--name={name}", "--no-view"]
         t0 = time.time()
-        with (out / "logs" / f"{name}.log").open("w") as log:
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        log_path = out / "logs" / f"{name}.log"
+        with log_path.open("w") as log, (out / "logs" / f"{name}.out").open("w") as stdout:
+            code = subprocess.run(command, stdout=stdout, stderr=log).returncode
         print(f"{name}: exit {code} in {time.time() - t0:.0f}s", flush=True)
+        if mode == "torchft" and code == 0:
+            summary_path.write_text((out / "logs" / f"{name}.out").read_text())
         if not summary_path.exists():
             return None
     return row(json.loads(summary_path.read_text()), mode, rate, rtt, seed, run_dir)

@@ -100,8 +100,6 @@ def matrix(
             raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
     if budget.learners < 2 and "slow" in conditions:
         raise ValueError("the slow condition needs at least 2 learners")
-    if budget.wan and peers:
-        raise ValueError("--wan with --peer: the torchft peer does not run on shaped links yet")
     runs = []
     for seed in seeds:
         for condition in conditions:

@@ -31,6 +31,7 @@ def peer_kwargs(spec, budget) -> dict:
         "sync_every": ProtocolConfig.sync_every,
         "outer_lr": PEER_OUTER_LR,
         "outer_momentum": 0.0,
+        "wan": tuple(budget.wan),
     }
     if spec.condition == "clean":
         tokens = budget.learners * budget.steps * recipe.batch_size * recipe.model.seq_len

@@ -44,6 +44,11 @@ class ReplicaConfig:
     """The lighthouse's address (or give ``--lighthouse-file``)."""
     lighthouse_file: str | None = option(None, metavar="FILE")
     """File the lighthouse writes its address to (waited for)."""
+    lighthouse_host: str | None = option(None)
+    """Reach the lighthouse at this host, on the port it wrote (a replica on a wide-area link
+    reaches it at its link's hub address, ``--wan``)."""
+    host: str = option("127.0.0.1")
+    """The address other replica groups reach this one at (its store and manager)."""
     workdir: str = option(metavar="DIR")
     """Progress, ``stopped`` and the final model go here."""
     batch_size: int | None = option(None, type=int)

@@ -33,6 +33,7 @@ wait is bounded; the replicas also exit on their own at a hard deadline or if th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import shutil
@@ -93,6 +94,7 @@ class PeerSettings:
     start_timeout: float = 120.0
     stop_timeout: float = 30.0
     max_minutes: float = 60.0
+    wan: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.learners < 1:
@@ -140,6 +142,10 @@ def run_torchft(**settings) -> dict:
     synchronous DiLoCo as torchft runs it without failures), ``join_timeout_ms``,
     ``quorum_tick_ms``, ``heartbeat_timeout_ms`` as torchft's lighthouse flags.
 
+    ``wan``: ``diloco run --wan`` specs; each replica group then runs in its own network
+    namespace on a shaped link to the lighthouse's (``diloco.wan``; root only), and the summary
+    gets the bytes at every replica's interface.
+
     ``run_dir`` keeps logs, progress and final models (default: a temporary directory that is
     removed). Raises :class:`PeerUnavailable` without torchft, ``ValueError`` on bad arguments,
     ``RuntimeError`` if a process fails, ``TimeoutError`` if start-up exceeds ``start_timeout``.
@@ -162,12 +168,15 @@ def run_torchft(**settings) -> dict:
     if root.exists() and any(root.iterdir()):
         raise ValueError(f"run_dir {root} is not empty; pick a new one")
     root.mkdir(parents=True, exist_ok=True)
+    fabric = _open_fabric(s)
     started = time.time()
     try:
-        outcome = _train(s, root, started, batch=s.batch_size or rec.batch_size)
+        outcome = _train(s, root, started, batch=s.batch_size or rec.batch_size, fabric=fabric)
         val_final, max_diff = _evaluate_final(rec, root, s.learners, model0)
         wall_s = time.time() - started
     finally:
+        if fabric is not None:
+            fabric.close()
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
     summary = _summarize(
@@ -183,7 +192,34 @@ def run_torchft(**settings) -> dict:
         run_dir="" if temporary else str(root),
     )
     summary["peer"] = _peer_info(version, s)
+    if fabric is not None:
+        from diloco.launch.wan import wan_section
+
+        plans = [_Site(i, f"learner-{i}") for i in range(s.learners)]
+        summary["wan"] = wan_section(fabric, outcome.counters, summary, plans)
     return summary
+
+
+class _Site(NamedTuple):
+    index: int
+    id: str
+
+
+def _open_fabric(s: PeerSettings):
+    """With ``wan``: the links (``diloco.wan``), this process in the hub namespace (where the
+    lighthouse then starts), replica i to run in learner i's namespace. Else None."""
+    if not s.wan:
+        return None
+    from diloco.wan.fabric import Fabric
+    from diloco.wan.spec import plan_links
+
+    fabric = Fabric(plan_links(list(s.wan), s.learners))
+    try:
+        fabric.enter_hub()
+    except BaseException:
+        fabric.close()
+        raise
+    return fabric
 
 
 @dataclass
@@ -193,9 +229,11 @@ class _Outcome:
     records: dict[int, list[dict]]
     codes: dict[int, int | None]
     stopped_by: str
+    counters: list | None = None
+    """Bytes at each replica's interface (``--wan``), read before the links go."""
 
 
-def _train(s: PeerSettings, root: Path, started: float, *, batch: int) -> _Outcome:
+def _train(s: PeerSettings, root: Path, started: float, *, batch: int, fabric=None) -> _Outcome:
     """Start the lighthouse and the replicas, watch the budget, wait for them; every process
     is stopped on the way out whatever happens."""
     from diloco.launch.children import write_config
@@ -206,8 +244,18 @@ def _train(s: PeerSettings, root: Path, started: float, *, batch: int) -> _Outco
     try:
         for i in range(s.learners):
             config = _replica_config(s, root, i, batch, started, hard_deadline)
+            prefix: list[str] = []
+            if fabric is not None:  # on its own link; gloo and the store use it
+                from diloco.wan.fabric import LEARNER_IFACE
+
+                config = dataclasses.replace(
+                    config,
+                    host=fabric.learner_address(i),
+                    lighthouse_host=fabric.hub_address(i),
+                )
+                prefix = [*fabric.exec_prefix(i), "env", f"GLOO_SOCKET_IFNAME={LEARNER_IFACE}"]
             path = write_config(root / "config" / f"replica-{i}.json", config)
-            children.append(_start_replica(root, i, path, s.threads))
+            children.append(_start_replica(root, i, path, s.threads, prefix))
         replicas = children[1:]
         stopped_by = _supervise(root, children[0], replicas, started, s)
         # Replicas stop at their next sync: allow for one more sync period on top.
@@ -215,7 +263,8 @@ def _train(s: PeerSettings, root: Path, started: float, *, batch: int) -> _Outco
         records = {
             i: _read_progress(root / f"replica-{i}" / "progress.jsonl") for i in range(s.learners)
         }
-        return _Outcome(records, codes, stopped_by)
+        counters = fabric.counters() if fabric is not None else None
+        return _Outcome(records, codes, stopped_by, counters)
     finally:
         stop_all(children, timeout=10.0)
 
@@ -296,12 +345,12 @@ def _start_lighthouse(root: Path, s: PeerSettings):
     )
 
 
-def _start_replica(root: Path, index: int, config: Path, threads: int):
+def _start_replica(root: Path, index: int, config: Path, threads: int, prefix: list[str]):
     from diloco.runtime.procs import Child
 
     return Child(
         f"replica-{index}",
-        _replica_command("replica", f"--config={config}"),
+        [*prefix, *_replica_command("replica", f"--config={config}")],
         root / "logs" / f"replica-{index}.log",
         threads=threads,
     )

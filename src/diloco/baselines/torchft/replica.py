@@ -103,6 +103,7 @@ def replica_main(config: ReplicaConfig) -> int:
     from diloco.recipes import get_recipe
 
     torch.set_num_threads(config.threads)
+    _advertise_as(config.host)
     workdir = Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     stop = stop_on_signals()
@@ -122,6 +123,18 @@ def replica_main(config: ReplicaConfig) -> int:
     return 0
 
 
+def _advertise_as(host: str) -> None:
+    """Make this process's host name ``host`` for torchft. Its process group advertises
+    ``socket.gethostname()`` to the other replica groups (the store in its reconfigure handle,
+    ``torchft/process_group.py``); on a wide-area link (``--wan``) that name must be the
+    replica's link address, not a name that resolves to the loopback. Only this child process
+    is affected."""
+    if host != "127.0.0.1":
+        import socket
+
+        socket.gethostname = lambda: host
+
+
 def _manager(config: ReplicaConfig, model, inner, lighthouse: str):
     """torchft's ``Manager`` for this replica group, on a ``TCPStore`` it hosts itself."""
     from torch.distributed import TCPStore
@@ -134,7 +147,7 @@ def _manager(config: ReplicaConfig, model, inner, lighthouse: str):
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore(config.host, 0, is_master=True, wait_for_workers=False)
     return Manager(
         pg=ProcessGroupGloo(timeout=_td(config.timeout_s)),
         load_state_dict=load_state_dict,
@@ -146,8 +159,9 @@ def _manager(config: ReplicaConfig, model, inner, lighthouse: str):
         connect_timeout=_td(config.timeout_s),
         rank=0,
         world_size=1,
-        store_addr="127.0.0.1",
+        store_addr=config.host,
         store_port=store.port,
+        hostname=config.host,
         lighthouse_addr=lighthouse,
         replica_id=f"replica_{config.index}",
         init_sync=False,  # every replica builds the same initial model from the seed
@@ -370,7 +384,12 @@ def _lighthouse_address(config: ReplicaConfig, stop: threading.Event) -> str:
     path = Path(config.lighthouse_file)
     while not stop.is_set():
         if path.exists():
-            return path.read_text().strip()
+            address = path.read_text().strip()
+            if config.lighthouse_host:  # http://name:port -> http://host:port
+                scheme, _, rest = address.rpartition("://")
+                port = rest.rsplit(":", 1)[1]
+                address = f"{scheme + '://' if scheme else ''}{config.lighthouse_host}:{port}"
+            return address
         time.sleep(0.05)
     raise SystemExit("torchft replica: stopped before the lighthouse was up")
 
