@@ -67,7 +67,7 @@ def start_syncer(tmp_path, **cfg) -> SyncerServer:
     model = make_model(0)
     layout = balanced_fragments(model.named_parameters(), P)
     named = dict(model.named_parameters())
-    config = SyncerConfig(sync_every=4, lease_s=5.0, heartbeat_s=0.2, **cfg)
+    config = SyncerConfig(**{"sync_every": 4, "lease_s": 5.0, "heartbeat_s": 0.2, **cfg})
     return SyncerServer(
         layout,
         [layout.gather(p, named) for p in range(P)],

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from diloco.config.common import ProtocolConfig, RecipeConfig
 from diloco.config.schema import option
+from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
 from diloco.syncer.config import SyncerConfig
 
@@ -70,6 +71,9 @@ class RunConfig:
     jitter: float = option(0.0, metavar="J")
     """Every learner's step time varies by up to +-J of its (slowed) cost, seeded per learner
     (e.g. 0.2 with ``--slow`` for a mixed fleet)."""
+    max_stretch: int = option(DEFAULT_MAX_STRETCH, metavar="K")
+    """Learners on a slow link defer requests while their upload backlog is long, at most K-1
+    times in a row per fragment (1: never; ``diloco.learner.pacing``)."""
     overwrite_own: bool = option(False)
     """Learners apply a merge holding their own delta by the paper's overwrite, dropping the
     steps trained while it was in flight (default: keep them)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from diloco.chaos import CORRUPT_HOWS
 from diloco.config.common import ClientSecurityConfig, ProtocolConfig, RecipeConfig
 from diloco.config.schema import option
+from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
 
 
@@ -58,6 +59,9 @@ class WorkerConfig:
     overwrite_own: bool = option(False)
     """Apply a merge that holds this learner's delta by the paper's overwrite, dropping the
     steps trained while the delta was in flight (default: keep them)."""
+    max_stretch: int = option(DEFAULT_MAX_STRETCH, metavar="K")
+    """Upload pacing: while the upload backlog is long, defer the syncer's requests, at most
+    K-1 times in a row per fragment (1: never defer; ``diloco.learner.pacing``)."""
     workdir: str | None = option(None, metavar="DIR")
     """Directory for progress and checkpoints."""
     threads: int = option(1)

@@ -150,6 +150,7 @@ def worker_config(
         join_timeout=config.start_timeout,
         wait_for_merge=sync_lag(config),
         overwrite_own=config.overwrite_own,
+        max_stretch=config.max_stretch,
         exit_with_parent=True,
         **corrupt,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.config.common import ProtocolConfig
+from diloco.learner.pacing import DEFAULT_LAG_STEPS, DEFAULT_MAX_STRETCH
 
 
 @dataclass(kw_only=True)
@@ -46,6 +47,13 @@ class LearnerConfig:
     so a learner that stops cleanly ends holding the global values (0: do not wait). On the
     syncer's clock the flushed progress is merged at each fragment's next tick, so the wait
     is at least 1.5 cycles of the clock (H of this learner's steps), at most 30 s."""
+    max_stretch: int = DEFAULT_MAX_STRETCH
+    """Upload pacing (``diloco.learner.pacing``): while this learner's upload backlog would
+    take longer than ``pace_lag_steps`` of its steps to drain, it defers the syncer's requests,
+    at most ``max_stretch - 1`` times in a row per fragment (its period stays within
+    ``max_stretch × H``); 1 turns pacing off."""
+    pace_lag_steps: float = DEFAULT_LAG_STEPS
+    """The upload backlog, in this learner's steps, above which it defers requests."""
     step_time_decay: float = 0.9
     """EMA decay of the measured step time reported to the syncer."""
     token: str | None = field(default=None, repr=False)

@@ -43,6 +43,7 @@ from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Inbox, Rejoin
 from diloco.learner.ledger import Ledger, Outgoing
 from diloco.learner.link import UploadJob, UploadResult
+from diloco.learner.pacing import Pace
 from diloco.learner.restoring import Restoring
 from diloco.learner.shards import open_link
 from diloco.learner.stopping import Stopping
@@ -131,10 +132,14 @@ class Learner(Stopping, Restoring):
         self._awaited: dict[int, tuple[int, int]] = {}
         self.guard_resets = 0
         """Fragments reset to the global value after a norm-guard refusal (``_reset``)."""
-        self.counters = {"withdrawn": 0, "returned": 0, "merged": 0, "resyncs": 0}
+        self.counters = {"withdrawn": 0, "returned": 0, "merged": 0, "resyncs": 0, "deferred": 0}
         """Ledger events: deltas withdrawn before sending (sent again, bigger), returned to
         the undelivered progress (refused, failed, lost with a restarted syncer), merged
-        back; fragments resynced because an arrival did not fit what this learner holds."""
+        back; fragments resynced because an arrival did not fit what this learner holds;
+        requests deferred while the link was behind (``diloco.learner.pacing``)."""
+        self._pace = Pace(self.config.max_stretch, self.config.pace_lag_steps)
+        self._deferred_in_row = [0] * P
+        self._behind = False
         self._step_time: float | None = None
         self._last_step_at: float | None = None
         self._state = "starting"
@@ -198,9 +203,21 @@ class Learner(Stopping, Restoring):
             asked |= set(
                 due_fragments(self.local_step, self.config.sync_every, self.config.fragments)
             )
-        queued = [p for p in sorted(asked) if self._queue(p)]
+        queued = [p for p in sorted(asked) if self._answer_request(p)]
         self.apply_arrived()
         return queued
+
+    def _answer_request(self, p: int) -> bool:
+        """Answer a request for ``p`` (queue its progress), or defer it while the link is
+        behind (``diloco.learner.pacing``: the progress stays and goes out next time)."""
+        if self._pace.defer(self.link.backlog_s(p), self._step_time, self._deferred_in_row[p]):
+            self._deferred_in_row[p] += 1
+            self.counters["deferred"] += 1
+            self._behind = True
+            return False
+        self._deferred_in_row[p] = 0
+        self._behind = False
+        return self._queue(p)
 
     def apply_arrived(self) -> int:
         """Settle the syncer's answers and apply every fragment that has arrived since the
@@ -464,6 +481,7 @@ class Learner(Stopping, Restoring):
             "uploads_failed": s.uploads_failed,
             "requests": s.requests,
             "keyframes": s.keyframes,
+            "up_rate_Bps": self.link.up_rate_Bps,
             **self.counters,
             **({"close": self.close_report} if self.close_report else {}),
         }
@@ -527,7 +545,7 @@ class Learner(Stopping, Restoring):
             "step": self.local_step,
             "tokens": self.total_tokens,
             "steps_per_s": sps,
-            "state": self._state,
+            "state": f"{self._state}, link behind" if self._behind else self._state,
         }
 
 

@@ -27,6 +27,7 @@ from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.corrupt import Corruptor
+from diloco.learner.pacing import UploadMeter, backlog_seconds
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
@@ -141,6 +142,8 @@ class SyncerLink:
         self.corruptor = corruptor
         """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
+        self.meter = UploadMeter()
+        """This learner's upload rate, measured on its own uploads (``diloco.learner.pacing``)."""
         self.error: BaseException | None = None
         self.connected = threading.Event()
         self.joined_versions: list[int] | None = None
@@ -177,6 +180,7 @@ class SyncerLink:
         self._queued_count = 0
         self._jobs_cond = threading.Condition()
         self._in_flight = 0
+        self._in_flight_bytes = 0
 
     # ------------------------------------------------------------------ public
     def start(self) -> SyncerLink:
@@ -201,6 +205,24 @@ class SyncerLink:
         was sent or is being sent, and will be answered)."""
         with self._jobs_cond:
             return self._jobs.pop(fragment, None)
+
+    def backlog_s(self, fragment: int) -> float:
+        """How long this link's waiting uploads take at its measured rate (``fragment``: for
+        the sharded link's signature; one link has one queue)."""
+        return backlog_seconds(self.backlog_bytes(), self.meter.rate_Bps)
+
+    @property
+    def up_rate_Bps(self) -> float | None:  # noqa: N802 - bytes, not bits
+        return self.meter.rate_Bps
+
+    def backlog_bytes(self) -> int:
+        """Payload bytes of the uploads waiting to be sent or being sent."""
+        with self._jobs_cond:
+            queued = sum(self._encoded_size(job) for job in self._jobs.values())
+            return queued + self._in_flight_bytes
+
+    def _encoded_size(self, job: UploadJob) -> int:
+        return codecs.encoded_nbytes(job.delta.numel(), self.up_codec)
 
     def queued_jobs(self) -> set[int]:
         """Ids of the jobs waiting to be sent (not yet on the wire)."""
@@ -429,6 +451,8 @@ class SyncerLink:
                 job = self._jobs.pop(fragment)
                 self._waiting_since.pop(fragment, None)
                 self._in_flight += 1
+                size = self._encoded_size(job)
+                self._in_flight_bytes += size
             try:
                 result = self._upload(job)
             except ValueError:
@@ -445,6 +469,7 @@ class SyncerLink:
             finally:
                 with self._jobs_cond:
                     self._in_flight -= 1
+                    self._in_flight_bytes -= size
                     self._jobs_cond.notify_all()
 
     def _upload(self, job: UploadJob) -> UploadResult:
@@ -481,9 +506,11 @@ class SyncerLink:
                     final=job.final,
                 )
 
+        self.meter.began(len(payload))
         try:
             reply = stub.Upload(chunks(), timeout=self.rpc_timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
+            self.meter.ended(delivered=False)
             code = exc.code() if hasattr(exc, "code") else None
             if code in (
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -497,6 +524,7 @@ class SyncerLink:
                 return UploadResult("guard" if code == grpc.StatusCode.OUT_OF_RANGE else "refused")
             self.stats.uploads_failed += 1
             return UploadResult("failed")
+        self.meter.ended(delivered=True)
         self.stats.bytes_up += len(payload)
         self.stats.uploads_sent += 1
         if not reply.accepted:

@@ -171,6 +171,17 @@ class ShardedLink:
         link = self.owner(fragment)
         return link.withdraw(fragment) if link is not None else None
 
+    def backlog_s(self, fragment: int) -> float:
+        """``SyncerLink.backlog_s`` of the owner shard's link (0 if it is not known)."""
+        link = self.owner(fragment)
+        return link.backlog_s(fragment) if link is not None else 0.0
+
+    @property
+    def up_rate_Bps(self) -> float | None:  # noqa: N802 - bytes, not bits
+        """Measured upload rate summed over the shards' links (None before any upload)."""
+        rates = [r for r in (link.up_rate_Bps for link in self.links) if r]
+        return sum(rates) if rates else None
+
     def queued_jobs(self) -> set[int]:
         """``SyncerLink.queued_jobs`` of every shard."""
         return set().union(*(link.queued_jobs() for link in self.links))

@@ -129,6 +129,7 @@ class LearnerProcess:
             fragments=config.protocol.fragments,
             sync_every=config.protocol.sync_every,
             rebase_own=not config.overwrite_own,
+            max_stretch=config.max_stretch,
             learner_id=config.id,
             # what one step of this island holds: the syncer refuses claims above it
             tokens_per_step=(config.batch_size or recipe.batch_size)
@@ -224,6 +225,7 @@ class LearnerProcess:
                 busy_s=round(self.busy_s, 4),
                 bytes_up=learner.stats.get("bytes_up", 0),
                 bytes_down=learner.stats.get("bytes_down", 0),
+                deferred=learner.stats.get("deferred", 0),
             )
         self.train_s = time.time() - started
 

@@ -1,0 +1,106 @@
+"""Upload pacing: a learner on a slow link sends less, and only it slows down.
+
+The learner measures its own link: every upload's payload bytes over the time its Upload
+call took (request sent to reply received), averaged (:class:`UploadMeter`). What is waiting
+to go out (the queued and in-flight uploads) divided by that rate is its **backlog** in
+seconds. When the syncer asks for a fragment while the backlog would take longer than
+``lag_budget_s`` to drain, answering now would only queue a delta that reaches the syncer
+rounds late; the learner **defers** instead: it keeps that fragment's progress (nothing is
+lost: the next answer carries it, together with the steps trained meanwhile) and answers a
+later request. That is a longer period for that fragment on that learner, and bytes spent
+on fresh rather than stale deltas. A fragment is deferred at most ``max_stretch - 1`` times
+in a row, so its period never exceeds ``max_stretch × H`` (the user's bound); with
+``max_stretch = 1`` pacing is off.
+
+Deferral is said where a user looks: the learner's heartbeat state (``training, link
+behind``: the live view and the syncer's status) and its progress file (``deferred`` in
+every record, ``up_rate_Bps`` in the exit record). Pure but for the meter's state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+DEFAULT_MAX_STRETCH = 4
+"""A fragment's period on a slow link is at most this many times H."""
+DEFAULT_LAG_STEPS = 8.0
+"""Defer while the upload backlog would take longer than this many of the learner's steps."""
+
+
+class UploadMeter:
+    """The learner's upload rate (payload bytes per second), measured on its own uploads:
+    an exponential average of bytes and of seconds per upload (so tiny uploads, mostly round
+    trip, barely move it), counting the upload in flight for as long as it has been in flight
+    (so a link that delivers nothing shows a falling rate, not an unknown one)."""
+
+    def __init__(self, decay: float = 0.7, clock=time.monotonic) -> None:
+        self.decay = decay
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._bytes = 0.0
+        self._seconds = 0.0
+        self._in_flight: tuple[int, float] | None = None  # (bytes, since)
+
+    def began(self, nbytes: int) -> None:
+        """An upload of ``nbytes`` went on the wire."""
+        with self._lock:
+            self._in_flight = (nbytes, self.clock())
+
+    def ended(self, delivered: bool) -> None:
+        """The upload in flight was answered (``delivered``) or failed (not counted)."""
+        with self._lock:
+            if self._in_flight is not None and delivered:
+                nbytes, since = self._in_flight
+                seconds = self.clock() - since
+                if nbytes > 0 and seconds > 0:
+                    self._bytes = self.decay * self._bytes + nbytes
+                    self._seconds = self.decay * self._seconds + seconds
+            self._in_flight = None
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        """One delivered upload of ``nbytes`` that took ``seconds``."""
+        if nbytes > 0 and seconds > 0:
+            with self._lock:
+                self._bytes = self.decay * self._bytes + nbytes
+                self._seconds = self.decay * self._seconds + seconds
+
+    @property
+    def rate_Bps(self) -> float | None:  # noqa: N802 - bytes, not bits
+        with self._lock:
+            b, s = self._bytes, self._seconds
+            if self._in_flight is not None:
+                b, s = b + self._in_flight[0], s + self.clock() - self._in_flight[1]
+            return b / s if s > 0 and b > 0 else None
+
+
+def backlog_seconds(backlog_bytes: int, rate_Bps: float | None) -> float:  # noqa: N803
+    """How long the queued uploads take to drain at the measured rate (0 before any upload:
+    nothing is known yet, nothing is deferred). Pure."""
+    if not rate_Bps or backlog_bytes <= 0:
+        return 0.0
+    return backlog_bytes / rate_Bps
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The user's bounds: ``max_stretch`` (1: off) and the lag budget in learner steps."""
+
+    max_stretch: int = DEFAULT_MAX_STRETCH
+    lag_steps: float = DEFAULT_LAG_STEPS
+
+    def __post_init__(self) -> None:
+        if self.max_stretch < 1 or not self.lag_steps > 0:
+            raise ValueError(
+                f"pacing needs max_stretch >= 1 and lag_steps > 0 "
+                f"(got {self.max_stretch}, {self.lag_steps})"
+            )
+
+    def defer(self, backlog_s: float, step_s: float | None, deferred_in_row: int) -> bool:
+        """Whether to defer a request: the backlog exceeds ``lag_steps`` of this learner's
+        steps, and the fragment has been deferred fewer than ``max_stretch - 1`` times in a
+        row. Pure."""
+        if self.max_stretch <= 1 or not step_s:
+            return False
+        return backlog_s > self.lag_steps * step_s and deferred_in_row < self.max_stretch - 1
