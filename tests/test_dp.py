@@ -39,6 +39,14 @@ def test_a_checkpoint_counts_only_once_every_rank_wrote_it(tmp_path):
         "step-20.rank-1.pt",
     ]
     assert ckpt.read_rank_state(tmp_path, 20, 1)["tokens"] == 9
+    # a commit never removes a newer step's parts: ranks write their final part while rank 0
+    # may still be committing the previous checkpoint (seen as "lacks ranks" at the end)
+    ckpt.write_rank_state(tmp_path, 30, 1, {"stream": {}, "tokens": 11})
+    for r in (0, 1):
+        ckpt.write_rank_state(tmp_path, 25, r, {"stream": {}, "tokens": 10})
+    ckpt.commit(tmp_path, 25, 2)
+    assert ckpt.rank_file(tmp_path, 30, 1).exists()
+    assert not ckpt.rank_file(tmp_path, 20, 1).exists()
     with pytest.raises(ValueError, match="2-rank group"):
         ckpt.latest_step(tmp_path, 3)
 

@@ -44,7 +44,8 @@ def write_rank_state(directory: Path, step: int, rank: int, state: dict) -> None
 
 
 def commit(directory: Path, step: int, world: int) -> None:
-    """Rank 0, after every rank wrote ``step``: point ``latest.json`` at it, drop older steps."""
+    """Rank 0, after every rank wrote ``step``: point ``latest.json`` at it, drop older steps
+    (only older: the other ranks may already be writing a newer one, e.g. the final one)."""
     directory = Path(directory)
     missing = [r for r in range(world) if not rank_file(directory, step, r).exists()]
     if missing:
@@ -53,7 +54,8 @@ def commit(directory: Path, step: int, world: int) -> None:
     tmp.write_text(json.dumps({"step": step, "world": world}))
     os.replace(tmp, directory / "latest.json")
     for old in directory.glob("step-*.rank-*.pt"):
-        if _step_of(old) not in (None, step):
+        older = _step_of(old)
+        if older is not None and older < step:
             old.unlink(missing_ok=True)
 
 
