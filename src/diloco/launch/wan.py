@@ -55,15 +55,8 @@ def with_token(config: RunConfig, run_dir: Path) -> RunConfig:
 def open_fabric(config: RunConfig):
     """Make the links of ``config.wan`` and move this process into the hub namespace."""
     from diloco.wan.fabric import Fabric
-    from diloco.wan.spec import plan_links
 
-    fabric = Fabric(plan_links(config.wan, config.learners))
-    try:
-        fabric.enter_hub()
-    except BaseException:
-        fabric.close()
-        raise
-    return fabric
+    return Fabric.in_hub(config.wan, config.learners)
 
 
 def on_link(addresses: str, host: str) -> str:

@@ -260,6 +260,20 @@ class Fabric:
         return out
 
     # ----------------------------------------------------------- enter/leave
+    @classmethod
+    def in_hub(cls, specs: list[str], learners: int) -> Fabric:
+        """The links of ``--wan`` ``specs`` for ``learners``, with this process moved into the
+        hub namespace (what a launcher does first); everything is removed if that fails."""
+        from diloco.wan.spec import plan_links
+
+        fabric = cls(plan_links(specs, learners))
+        try:
+            fabric.enter_hub()
+        except BaseException:
+            fabric.close()
+            raise
+        return fabric
+
     def enter_hub(self) -> None:
         """Move this thread (and every thread and process it starts afterwards) into the hub
         namespace. Call it before any thread that uses the network starts."""

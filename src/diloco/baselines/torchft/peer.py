@@ -211,15 +211,8 @@ def _open_fabric(s: PeerSettings):
     if not s.wan:
         return None
     from diloco.wan.fabric import Fabric
-    from diloco.wan.spec import plan_links
 
-    fabric = Fabric(plan_links(list(s.wan), s.learners))
-    try:
-        fabric.enter_hub()
-    except BaseException:
-        fabric.close()
-        raise
-    return fabric
+    return Fabric.in_hub(list(s.wan), s.learners)
 
 
 @dataclass
