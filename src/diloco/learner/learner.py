@@ -208,9 +208,12 @@ class Learner(Stopping, Restoring):
         return queued
 
     def _answer_request(self, p: int) -> bool:
-        """Answer a request for ``p`` (queue its progress), or defer it while the link is
-        behind (``diloco.learner.pacing``: the progress stays and goes out next time)."""
-        if self._pace.defer(self.link.backlog_s(p), self._step_time, self._deferred_in_row[p]):
+        """Answer a request for ``p`` (queue its progress), or, on the syncer's clock, defer it
+        while the link is behind (``diloco.learner.pacing``: the progress stays and goes out
+        next time). On the learners' own schedule (synchronous DiLoCo's lockstep) a due
+        fragment is always sent."""
+        backlog = self.link.backlog_s(p) if self.link.schedule == "syncer" else 0.0
+        if self._pace.defer(backlog, self._step_time, self._deferred_in_row[p]):
             self._deferred_in_row[p] += 1
             self.counters["deferred"] += 1
             self._behind = True

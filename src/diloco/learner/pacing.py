@@ -1,10 +1,12 @@
 """Upload pacing: a learner on a slow link sends less, and only it slows down.
 
-The learner measures its own link: every upload's payload bytes over the time its Upload
-call took (request sent to reply received), averaged (:class:`UploadMeter`). What is waiting
-to go out (the queued and in-flight uploads) divided by that rate is its **backlog** in
-seconds. When the syncer asks for a fragment while the backlog would take longer than
-``lag_budget_s`` to drain, answering now would only queue a delta that reaches the syncer
+On the syncer's clock (the default; on the learners' own schedule, which synchronous
+DiLoCo's lockstep uses, every due fragment is sent) the learner measures its own link:
+every upload's payload bytes over the time its Upload call took (request sent to reply
+received), averaged (:class:`UploadMeter`). What is waiting to go out (the queued and
+in-flight uploads) divided by that rate is its **backlog** in seconds. When the syncer asks
+for a fragment while the backlog would take longer than ``lag_steps`` of the learner's own
+steps to drain, answering now would only queue a delta that reaches the syncer
 rounds late; the learner **defers** instead: it keeps that fragment's progress (nothing is
 lost: the next answer carries it, together with the steps trained meanwhile) and answers a
 later request. That is a longer period for that fragment on that learner, and bytes spent
