@@ -153,6 +153,28 @@ def test_a_final_answer_answers_the_next_round_and_nothing_waits_forever_without
     assert [c.fragment for c in state.poll(1.4)[0]] == [1]
 
 
+def test_a_stopping_learner_is_not_asked_so_its_late_answer_is_not_held():
+    # seen in a two-shard run: b's answer to fragment 0 came just after the round closed
+    # (late: it waits for the next round, where it does not answer), then b stopped and
+    # flushed fragment 1 as final; the clock kept asking b for fragment 0, b answered nothing
+    # more, and its late answer waited until b left (its close could not drain in time)
+    state, layout, _ = make_state(P=2, sync_every=4, gamma=0.0)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    state.tick(1.0)  # fragment 0
+    answer(state, "a", sa, 0, now=1.05)
+    assert [c.fragment for c in state.poll(1.05)[0]] == [0]
+    answer(state, "b", sb, 0, now=1.06)  # late
+    answer(state, "b", sb, 1, now=1.07, final=True)  # b is stopping
+    assert state.live(1.07) == {"a"}  # b will answer no more requests: not asked
+    state.leave("a", sa, now=1.08)
+    request, _ = state.tick(1.2)  # fragment 1's turn: nobody live to ask ...
+    assert request is None
+    merged = sorted(c.fragment for c in state.poll(1.2)[0])
+    assert merged == [0, 1]  # ... so b's late and final answers are merged at once
+    sb2 = join(state, "b", layout, now=2.0)  # a learner that comes back is asked again
+    assert sb2 and state.live(2.0) == {"b"}
+
+
 def test_an_absent_learner_counts_in_the_share_by_its_measured_throughput():
     state, layout, _ = make_state(P=2, sync_every=4, gamma=0.0)
     sa, sb = join(state, "a", layout), join(state, "b", layout)

@@ -34,6 +34,10 @@ class LearnerInfo:
     tokens: int = 0
     steps_per_s: float = 0.0
     state: str = "joined"
+    stopping: bool = False
+    """It sent a *final* contribution: it is flushing before it stops and answers no more
+    requests, so the clock neither asks it nor waits for it (a late answer of its own then
+    merges with the others' answers, or alone when nobody else is live)."""
     contributions: int = 0
     last_tokens: int | None = None
     """Tokens of this learner's last accepted contribution (the round share's fallback)."""

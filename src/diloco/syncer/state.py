@@ -244,11 +244,15 @@ class SyncerState:
                 )
 
     def live(self, now: float) -> set[str]:
-        """Ids of live, non-observer learners at ``now``."""
+        """Ids of live, non-observer learners at ``now`` that still answer requests (not
+        ``stopping``)."""
         return {
             i.learner_id
             for i in self.learners.values()
-            if i.live and not i.observer and now - i.last_seen <= self.config.lease_s
+            if i.live
+            and not i.observer
+            and not i.stopping
+            and now - i.last_seen <= self.config.lease_s
         }
 
     # ------------------------------------------------------------ contributions
@@ -293,6 +297,7 @@ class SyncerState:
         )
         info.last_seen = now
         info.live = info.live or info.connected
+        info.stopping = info.stopping or final
         info.bytes_up += nbytes
         self.bytes_up += nbytes
         if step_time_s > 0:
