@@ -244,15 +244,12 @@ class SyncerState:
                 )
 
     def live(self, now: float) -> set[str]:
-        """Ids of live, non-observer learners at ``now`` that still answer requests (not
-        ``stopping``)."""
+        """Ids of live learners at ``now`` that answer requests (not observers, not stopping)."""
+        lease = self.config.lease_s
         return {
             i.learner_id
             for i in self.learners.values()
-            if i.live
-            and not i.observer
-            and not i.stopping
-            and now - i.last_seen <= self.config.lease_s
+            if i.live and not (i.observer or i.stopping) and now - i.last_seen <= lease
         }
 
     # ------------------------------------------------------------ contributions
