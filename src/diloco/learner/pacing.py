@@ -53,13 +53,9 @@ class UploadMeter:
     def ended(self, delivered: bool) -> None:
         """The upload in flight was answered (``delivered``) or failed (not counted)."""
         with self._lock:
-            if self._in_flight is not None and delivered:
-                nbytes, since = self._in_flight
-                seconds = self.clock() - since
-                if nbytes > 0 and seconds > 0:
-                    self._bytes = self.decay * self._bytes + nbytes
-                    self._seconds = self.decay * self._seconds + seconds
-            self._in_flight = None
+            flown, self._in_flight = self._in_flight, None
+        if flown is not None and delivered:
+            self.record(flown[0], self.clock() - flown[1])
 
     def record(self, nbytes: int, seconds: float) -> None:
         """One delivered upload of ``nbytes`` that took ``seconds``."""
