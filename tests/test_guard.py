@@ -13,40 +13,56 @@ from diloco.syncer.state import Refused, SyncerState
 
 
 def test_without_history_only_the_fragments_own_norm_bounds_a_delta():
-    assert check_norm(9.9, 1, [], 1.0, k=20, param_ratio=10).accept
-    v = check_norm(10.1, 24, [], 1.0, k=20, param_ratio=10)
+    assert check_norm(9.9, 1, None, 1.0, k=20, param_ratio=10).accept
+    v = check_norm(10.1, 24, None, 1.0, k=20, param_ratio=10)
     assert not v.accept and "own norm" in v.reason
     # An all-zero fragment without history: nothing to compare with.
-    assert check_norm(1e6, 1, [], 0.0).accept
+    assert check_norm(1e6, 1, None, 0.0).accept
 
 
-def test_per_step_norm_is_compared_with_the_median_of_history():
-    history = [0.1] * 5 + [100.0]  # one earlier outlier cannot move a median
-    assert check_norm(0.1 * 24 * 19, 24, history, 1e6, k=20).accept  # 19x per step
-    v = check_norm(0.1 * 24 * 21, 24, history, 1e6, k=20)
+def test_per_step_norm_is_compared_with_the_reference():
+    assert check_norm(0.1 * 24 * 19, 24, 0.1, 1e6, k=20).accept  # 19x per step
+    v = check_norm(0.1 * 24 * 21, 24, 0.1, 1e6, k=20)
     assert not v.accept and "median 0.1" in v.reason and "over 24 steps" in v.reason
     # The same norm over more steps is an ordinary contribution of a longer absence.
-    assert check_norm(0.1 * 24 * 21, 48, history, 1e6, k=20).accept
-    # Below min_history only the own-norm check applies.
-    assert check_norm(1000.0, 1, history[:2], 1e6, k=20, min_history=3).accept
+    assert check_norm(0.1 * 24 * 21, 48, 0.1, 1e6, k=20).accept
+    # Without a reference (too little history) only the own-norm check applies.
+    assert check_norm(1000.0, 1, None, 1e6, k=20).accept
+
+
+def test_the_reference_is_over_learners_not_uploads():
+    h = NormHistory(1, window=32)
+    for _ in range(5):
+        h.record(0, 0.1, steps=1, learner="honest")
+    assert h.reference(0, min_history=6) is None and h.reference(0, min_history=5) == 0.1
+    # One learner floods the fragment with tiny deltas and with zeros: it has one vote (its
+    # own median), the upper median keeps the honest value, and zeros are not remembered.
+    for _ in range(100):
+        h.record(0, 1e-9, steps=1, learner="flood")
+        h.record(0, 0.0, steps=1, learner="zeros")
+    assert h.reference(0) == 0.1 and "zeros" not in h.of(0)
+    h.record(0, 0.2, steps=1, learner="second")
+    assert h.reference(0) == 0.1  # the middle of the three learners' medians (1e-9, 0.1, 0.2)
 
 
 def test_own_norm_check_also_caps_a_learner_that_inflates_its_step_count():
-    assert not check_norm(50.0, 10**6, [1.0] * 10, 1.0, param_ratio=10).accept
+    assert not check_norm(50.0, 10**6, 1.0, 1.0, param_ratio=10).accept
 
 
 def test_non_finite_norms_are_refused_even_when_disabled_and_k0_disables():
     for bad in (float("nan"), float("inf"), -1.0):
-        assert not check_norm(bad, 1, [], 1.0, k=0).accept
-    assert check_norm(1e30, 1, [1.0] * 10, 1.0, k=0).accept
+        assert not check_norm(bad, 1, None, 1.0, k=0).accept
+    assert check_norm(1e30, 1, 1.0, 1.0, k=0).accept
     assert (DEFAULT_K, DEFAULT_PARAM_RATIO) == (20.0, 10.0)
 
 
-def test_history_keeps_a_window_of_per_step_norms_per_fragment():
+def test_history_keeps_a_window_of_per_step_norms_per_fragment_and_learner():
     h = NormHistory(2, window=3)
     for x in (1, 2, 3, 4):
-        h.record(0, 2 * x, steps=2)
-    assert h.of(0) == (2.0, 3.0, 4.0) and h.of(1) == ()
+        h.record(0, 2 * x, steps=2, learner="a")
+    assert h.of(0) == {"a": (2.0, 3.0, 4.0)} and h.of(1) == {}
+    h.forget("a")
+    assert h.of(0) == {} and h.reference(0, min_history=1) is None
 
 
 def make_state(**cfg):
@@ -115,10 +131,10 @@ def test_the_fragment_bound_follows_the_steps_a_delta_covers():
     from diloco.algorithm.guard import check_norm
 
     # 10 x ||theta|| at H steps, in proportion to the steps a delta covers, at least 1/4 of it
-    assert check_norm(9.0, 24, [], 1.0, sync_every=24).accept
-    assert not check_norm(9.0, 6, [], 1.0, sync_every=24).accept
-    assert check_norm(90.0, 240, [], 1.0, sync_every=24).accept  # many steps, a larger bound
-    assert not check_norm(101.0, 240, [], 1.0, sync_every=24).accept
-    assert check_norm(2.4, 6, [], 1.0, sync_every=24).accept
-    assert check_norm(2.4, 1, [], 1.0, sync_every=24).accept  # the floor: 1/4 of the bound
-    assert check_norm(9.0, 6, [], 1.0).accept  # without H: the plain bound
+    assert check_norm(9.0, 24, None, 1.0, sync_every=24).accept
+    assert not check_norm(9.0, 6, None, 1.0, sync_every=24).accept
+    assert check_norm(90.0, 240, None, 1.0, sync_every=24).accept  # many steps, a larger bound
+    assert not check_norm(101.0, 240, None, 1.0, sync_every=24).accept
+    assert check_norm(2.4, 6, None, 1.0, sync_every=24).accept
+    assert check_norm(2.4, 1, None, 1.0, sync_every=24).accept  # the floor: 1/4 of the bound
+    assert check_norm(9.0, 6, None, 1.0).accept  # without H: the plain bound

@@ -273,7 +273,9 @@ def test_syncer_security_flags(tmp_path, monkeypatch):
 
     (tmp_path / "token").write_text(TOKEN)
     got = security([f"--token-file={tmp_path / 'token'}", "--allow-learners=a, b,"])
-    assert got == {"token": TOKEN, "allowed_learners": ["a", "b"]}
+    assert got == {"token": TOKEN, "learner_tokens": False, "allowed_learners": ["a", "b"]}
+    got = security([f"--token-file={tmp_path / 'token'}", "--learner-tokens"])
+    assert got == {"token": TOKEN, "learner_tokens": True}
     with pytest.raises(auth.AuthConfigError, match="both --tls-cert and --tls-key"):
         security(["--tls-cert=x.pem"])
     with pytest.raises(auth.AuthConfigError, match="--tls-client-ca needs"):

@@ -100,10 +100,10 @@ def test_token_weights_summed_increments_and_the_weight_cap():
     # a: 40²/5 = 320, capped at 3 x the lower median weight (b's 100); b: 10²/1 = 100
     assert record["weights"] == [300.0, token_weight(10, 1)]
     # parallel deltas 101 and 2 with weights 300 and 100: RDA = (300*101 + 100*2)/400;
-    # "c" is live but not in the round and has not contributed yet: it counts as the mean
-    # contribution (25 tokens), so the round holds 50 of 75 tokens and is scaled by 2/3
-    assert record["share"] == pytest.approx(2 / 3, abs=1e-6)
-    assert torch.allclose(state.params[0], before - (300 * 101 + 100 * 2) / 400 * 2 / 3)
+    # "c" is live but not in the round and has never contributed: it does not count in the
+    # round's share (an id that only joins dilutes nothing), so the share is 1
+    assert record["share"] == 1.0
+    assert torch.allclose(state.params[0], before - (300 * 101 + 100 * 2) / 400)
 
 
 def test_a_claim_above_the_declared_tokens_per_step_is_refused():
@@ -266,8 +266,16 @@ def test_synchronous_mode_stops_waiting_for_a_learner_that_finished():
     state, layout, _ = make_state(wait_for_all=2)
     n = layout.fragments[0].numel
     sa, sb = join(state, "a", layout), join(state, "b", layout)
+    submit(state, "a", sa, 0, torch.ones(n), now=0.5)
+    submit(state, "b", sb, 0, torch.ones(n), now=0.5)
+    assert [c.fragment for c in state.poll(0.5)[0]] == [0]
     submit(state, "a", sa, 1, torch.ones(n), now=1.0)
     assert state.poll(50.0)[0] == []
+    # Ids that join and leave without ever contributing did not finish anything: they do
+    # not lower the number of contributions the round waits for.
+    for i in range(5):
+        state.leave(f"x{i}", join(state, f"x{i}", layout, now=51.0), now=52.0)
+    assert state.poll(52.0)[0] == []
     state.leave("b", sb, now=60.0)  # a clean leave: b did all its steps
     assert [c.fragment for c in state.poll(60.0)[0]] == [1]
 

@@ -6,11 +6,17 @@ contribution moves the global fragment by hundreds of times a normal step and wr
 for everyone. The guard compares each contribution with two references and refuses outliers
 before they enter a round (a pure function, :func:`check_norm`):
 
-1. **Against its fragment's recent contributions.** A delta's size grows with the inner steps
-   it covers (a fragment's first send after a join may cover 1 step, the next 24), so the
-   guard compares the *per-step norm* ``‖Δ‖ / steps`` with the median of the last ``window``
-   accepted per-step norms of the fragment, once there are ``min_history`` of them: refused if
-   above ``k ×`` that median. A median: a minority of bad learners cannot move it.
+1. **Against its fragment's recent contributions, learner by learner.** A delta's size grows
+   with the inner steps it covers (a fragment's first send after a join may cover 1 step, the
+   next 24), so the guard compares the *per-step norm* ``‖Δ‖ / steps`` with a reference: each
+   learner's median of its last ``window`` accepted per-step norms of the fragment, and the
+   upper median of those over the learners (``NormHistory.reference``), once the fragment has
+   ``min_history`` accepted norms: refused if above ``k ×`` the reference. One value per
+   learner, not per upload: a learner that floods the syncer with tiny deltas moves only its
+   own value, so it cannot make honest uploads look like outliers; the *upper* median, so one
+   learner of two cannot pull the reference below the honest one's. Zero norms (a learning
+   rate warming up from 0, or a flood of empty deltas) say nothing about scale and are not
+   recorded, so they cannot switch the check off.
 2. **Against the fragment itself**, always: refused if ``‖Δ‖ > param_ratio · ‖Θ_p‖``. No
    honest outer gradient moves a fragment by many times its own size; this is the only check
    while a fragment has no history yet (the first contributions, or after a syncer restart,
@@ -37,7 +43,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_K = 20.0
@@ -48,6 +53,8 @@ DEFAULT_WINDOW = 32
 """Accepted per-step norms remembered per fragment."""
 DEFAULT_MIN_HISTORY = 3
 """Accepted norms a fragment needs before check 1 applies."""
+MAX_SPEEDUP = 4.0
+"""``plausible_steps``: a learner may be this many times faster than the fleet's step time."""
 
 
 @dataclass(frozen=True)
@@ -59,19 +66,18 @@ class NormVerdict:
 def check_norm(
     norm: float,
     steps: int,
-    history: Sequence[float],
+    reference: float | None,
     param_norm: float,
     *,
     k: float = DEFAULT_K,
     param_ratio: float = DEFAULT_PARAM_RATIO,
-    min_history: int = DEFAULT_MIN_HISTORY,
     sync_every: int = 0,
 ) -> NormVerdict:
     """Decide whether a contribution of L2 norm ``norm`` covering ``steps`` inner steps may
     enter its fragment's round.
 
-    ``history`` holds the fragment's recent accepted per-step norms (oldest first),
-    ``param_norm`` is ``‖Θ_p‖`` of the current global fragment. With ``sync_every`` (H) the
+    ``reference`` is the fragment's reference per-step norm (``NormHistory.reference``;
+    ``None`` while it has too little history), ``param_norm`` is ``‖Θ_p‖`` of the current global fragment. With ``sync_every`` (H) the
     bound of check 2 follows the steps a delta covers: ``param_ratio · max(steps / H, 1/4) ·
     ‖Θ_p‖``. On the syncer's clock a delta covers however many steps the learner did since
     it last sent the fragment: a learner whose delta was refused answers the next round with
@@ -94,27 +100,66 @@ def check_norm(
             f"own norm {param_norm:.4g}",
         )
     per_step = norm / max(steps, 1)
-    if len(history) >= max(min_history, 1):
-        median = statistics.median(history)
-        if median > 0 and per_step > k * median:
-            return NormVerdict(
-                False,
-                f"delta norm per step {per_step:.4g} ({norm:.4g} over {steps} steps) exceeds "
-                f"{k:g} x the median {median:.4g} of the last {len(history)} accepted",
-            )
+    if reference is not None and reference > 0 and per_step > k * reference:
+        return NormVerdict(
+            False,
+            f"delta norm per step {per_step:.4g} ({norm:.4g} over {steps} steps) exceeds "
+            f"{k:g} x the median {reference:.4g} of the learners' recent accepted ones",
+        )
     return NormVerdict(True, f"delta norm {norm:.4g} within bounds")
 
 
+def plausible_steps(steps: int, elapsed_s: float, fleet_step_s: float | None, *, slack: int) -> int:
+    """The steps the guard takes a delta to cover: the claimed ``steps``, at most what the
+    time since the learner's previous accepted delta of the fragment allows.
+
+    A learner's step count is its own claim, and a larger one makes a larger delta look
+    ordinary (a smaller per-step norm, a larger fragment bound). Time is the syncer's: in
+    ``elapsed_s`` a learner ``MAX_SPEEDUP`` times faster than the fleet (``fleet_step_s``)
+    does ``MAX_SPEEDUP · elapsed_s / fleet_step_s`` steps, plus ``slack`` (H: steps it may
+    have trained before the previous delta was accepted). Only the guard uses the bound; the
+    merge weights and the accounting keep the claim. Without a fleet estimate: the claim.
+
+    >>> plausible_steps(10**6, elapsed_s=1.0, fleet_step_s=0.1, slack=24)
+    64
+    >>> plausible_steps(30, elapsed_s=1.0, fleet_step_s=0.1, slack=24)
+    30
+    """
+    if fleet_step_s is None or not fleet_step_s > 0:
+        return steps
+    bound = MAX_SPEEDUP * max(elapsed_s, 0.0) / fleet_step_s + slack
+    return max(1, min(steps, math.ceil(bound)))
+
+
 class NormHistory:
-    """The last ``window`` accepted per-step contribution norms of every fragment."""
+    """The last ``window`` accepted non-zero per-step norms of every fragment, per learner."""
 
     def __init__(self, num_fragments: int, window: int = DEFAULT_WINDOW) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 (got {window})")
-        self._norms = [deque(maxlen=window) for _ in range(num_fragments)]
+        self.window = window
+        self._norms: list[dict[str, deque[float]]] = [{} for _ in range(num_fragments)]
 
-    def of(self, fragment: int) -> tuple[float, ...]:
-        return tuple(self._norms[fragment])
+    def of(self, fragment: int) -> dict[str, tuple[float, ...]]:
+        """Each learner's remembered per-step norms of ``fragment`` (oldest first)."""
+        return {lid: tuple(q) for lid, q in sorted(self._norms[fragment].items())}
 
-    def record(self, fragment: int, norm: float, steps: int) -> None:
-        self._norms[fragment].append(float(norm) / max(steps, 1))
+    def record(self, fragment: int, norm: float, steps: int, learner: str = "") -> None:
+        """Remember an accepted norm; a zero one is not remembered (it says nothing of scale)."""
+        per_step = float(norm) / max(steps, 1)
+        if per_step > 0:
+            queue = self._norms[fragment].setdefault(learner, deque(maxlen=self.window))
+            queue.append(per_step)
+
+    def forget(self, learner: str) -> None:
+        """Drop a learner's norms (its id was forgotten by the syncer)."""
+        for by_learner in self._norms:
+            by_learner.pop(learner, None)
+
+    def reference(self, fragment: int, min_history: int = DEFAULT_MIN_HISTORY) -> float | None:
+        """The upper median over learners of each learner's median per-step norm, or ``None``
+        while the fragment has fewer than ``min_history`` remembered norms in all."""
+        by_learner = self._norms[fragment]
+        if sum(len(q) for q in by_learner.values()) < max(min_history, 1):
+            return None
+        return statistics.median_high(statistics.median(q) for q in by_learner.values() if q)

@@ -155,17 +155,22 @@ learners with requests nor stop the rounds for longer than a minute."""
 
 
 def fleet_step_time(step_times: Iterable[float | None]) -> float | None:
-    """The fleet's step time: the median of the live learners' measured step times (seconds).
+    """The fleet's step time: the lower median of the live learners' step times (seconds).
 
     A median so that neither one slow learner nor one that reports nonsense moves the pace;
+    the *lower* one because a learner's step time is its own claim: claiming to be slow
+    would stretch the tick period and the grace window (up to minutes: rounds stop closing),
+    so with two learners the faster one sets the pace, and only a majority can slow it.
     ``None`` (and non-positive values) are learners without a measurement yet. ``None`` when
     nobody has one.
 
     >>> fleet_step_time([0.2, 0.3, None, 9.0])
     0.3
+    >>> fleet_step_time([0.2, 3599.0])
+    0.2
     """
     known = [t for t in step_times if t is not None and t > 0]
-    return statistics.median(known) if known else None
+    return statistics.median_low(known) if known else None
 
 
 def tick_period(step_s: float | None, *, sync_every: int, fragments: int) -> float | None:

@@ -22,6 +22,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("bench", "diloco.cli.bench"),
     ("simulate", "diloco.cli.simulate"),
     ("plan", "diloco.cli.plan"),
+    ("learner-token", "diloco.cli.learner_token"),
 ]
 
 

@@ -66,3 +66,7 @@ class ServerSecurityConfig:
     """CA bundle: require client certificates signed by it (mutual TLS)."""
     allow_learners: str | None = option(None, metavar="ID,ID,...")
     """Only these learner ids (and observer ids) may join."""
+    learner_tokens: bool = option(False)
+    """Require each learner's own token (``diloco learner-token ID``, derived from the shared
+    secret): a call may then act only as the id its token was made for, and the shared
+    secret itself only asks for ``Status``."""

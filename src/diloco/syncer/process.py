@@ -13,10 +13,14 @@ from diloco.config.service import ServiceConfig
 
 
 def server_security(security: ServerSecurityConfig) -> dict:
-    """``SyncerServer`` keyword arguments (``token``, ``credentials``, ``allowed_learners``)."""
+    """``SyncerServer`` keyword arguments (``token``, ``learner_tokens``, ``credentials``,
+    ``allowed_learners``)."""
     from diloco.wire import auth
 
-    kwargs: dict = {"token": auth.load_token(security.token_file)}
+    kwargs: dict = {
+        "token": auth.load_token(security.token_file),
+        "learner_tokens": security.learner_tokens,
+    }
     if security.tls_cert or security.tls_key:
         if not (security.tls_cert and security.tls_key):
             raise auth.AuthConfigError("TLS needs both --tls-cert and --tls-key")

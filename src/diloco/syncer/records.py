@@ -11,6 +11,9 @@ import torch
 from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import token_weight
 
+MAX_STEP_TIME_S = 3600.0
+"""Upper bound (exclusive) of a step time a learner may report, in uploads and heartbeats."""
+
 
 class Refused(Exception):
     """A request that is invalid; ``code`` names the gRPC status the server answers with."""
@@ -49,6 +52,11 @@ class LearnerInfo:
     """This learner's measured step time (heartbeats, uploads): the syncer's clock's pace."""
     tokens_per_s: float | None = None
     """Its measured throughput (EMA over heartbeats): the round share of an absent learner."""
+    accepted_at: dict[int, float] = field(default_factory=dict)
+    """When the syncer last accepted a delta of each fragment from this id (kept across
+    rejoins; before the first: ``first_joined_at``): the guard's bound on claimed steps."""
+    first_joined_at: float | None = None
+    """When this id first joined this syncer (kept across rejoins)."""
     _rate_mark: tuple[float, int] | None = None
 
 
@@ -180,8 +188,11 @@ def check_counters(
             f"{tokens} tokens in {steps} steps is more than the {info.tokens_per_step} "
             "tokens per step this learner declared at join",
         )
-    if not (step_time_s >= 0 and step_time_s < 3600):
-        raise Refused("INVALID_ARGUMENT", f"step_time_s must be in [0, 3600), got {step_time_s}")
+    if not (step_time_s >= 0 and step_time_s < MAX_STEP_TIME_S):
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"step_time_s must be in [0, {MAX_STEP_TIME_S:g}), got {step_time_s}",
+        )
     if not all_finite(delta):
         raise Refused("INVALID_ARGUMENT", "delta has non-finite values")
 
@@ -220,7 +231,7 @@ def state_digest(state) -> str:
             h.update(repr((lid, c.base_version, c.steps, c.tokens, c.discount)).encode())
             h.update(c.delta.contiguous().numpy().tobytes())
     for p in range(state.layout.num_fragments):
-        h.update(repr(state.norms.of(p)).encode())
+        h.update(repr(state.norms.of(p)).encode())  # per learner
     for lid in sorted(state.learners):
         i = state.learners[lid]
         h.update(repr((lid, i.session, i.observer, i.connected)).encode())

@@ -52,15 +52,21 @@ class SyncerServer:
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
         token: str | None = None,
+        learner_tokens: bool = False,
         allowed_learners: Sequence[str] | None = None,
     ) -> None:
         """``token``: require ``authorization: Bearer <token>`` on every call (mandatory when
         ``bind`` is not a loopback address: ``auth.AuthConfigError`` otherwise).
         ``credentials``: TLS (``diloco.wire.auth.server_credentials``). ``allowed_learners``:
-        if given, only these ids may join (learners and observers alike). ``shard=(i, S)``:
+        if given, only these ids may join (learners and observers alike). ``learner_tokens``:
+        learners must present their own token (``diloco.wire.auth.learner_token`` of
+        ``token``); a call made with a learner's token may only act as that learner either
+        way. ``shard=(i, S)``:
         own only the fragments of shard i of S (``diloco.algorithm.shards``); ``fragments``
         overrides that list."""
         auth.check_bind(bind, token)
+        if learner_tokens and token is None:
+            raise auth.AuthConfigError("learner tokens are derived from a shared token: give one")
         self.config = config or SyncerConfig()
         self.layout = layout
         # Checked before anything is written: a bad shard must not leave a state directory or tape.
@@ -92,6 +98,8 @@ class SyncerServer:
             tape=self.tape,
             allowed_learners=frozenset(allowed_learners) if allowed_learners is not None else None,
             wire=wire,
+            secret=token,
+            learner_tokens=learner_tokens,
         )
         if token is not None:
             interceptors = [

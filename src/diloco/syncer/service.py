@@ -38,6 +38,7 @@ from diloco.syncer.store import (
     state_hash,
 )
 from diloco.syncer.upload import receive_upload
+from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
@@ -58,10 +59,16 @@ class SyncerService(pb_grpc.SyncerServicer):
         tape: EventTape | None,
         allowed_learners: frozenset[str] | None = None,
         wire: dict[int, torch.Tensor] | None = None,
+        secret: str | None = None,
+        learner_tokens: bool = False,
     ) -> None:
-        """``wire``: the restored wire image of each fragment (default: Θ_p)."""
+        """``wire``: the restored wire image of each fragment (default: Θ_p). ``secret``: the
+        shared token (the interceptor checks it; the handlers check whose id a call may use),
+        ``learner_tokens``: the shared token may not act as a learner (``diloco.wire.auth``)."""
         self.state = state
         self.allowed_learners = allowed_learners
+        self.secret = secret
+        self.learner_tokens = learner_tokens
         self.store = store
         self.tape = tape
         self.lock = threading.Lock()
@@ -115,10 +122,29 @@ class SyncerService(pb_grpc.SyncerServicer):
         with self.lock:
             self.state.note_refusal("", "UNAUTHENTICATED", reason, time.time(), rpc=method)
 
+    def check_caller(self, context: grpc.ServicerContext, learner_id: str) -> None:
+        """Raise ``Refused("PERMISSION_DENIED")`` unless the call's token may act as
+        ``learner_id``: a learner token only as its own id, the shared token as any id unless
+        the syncer requires learner tokens."""
+        who = auth.caller_identity(context.invocation_metadata(), self.secret)
+        if who == auth.SHARED and not self.learner_tokens:
+            return
+        if who == auth.SHARED:
+            raise Refused(
+                "PERMISSION_DENIED",
+                "this syncer requires each learner's own token (diloco learner-token ID)",
+            )
+        if who != learner_id:
+            raise Refused(
+                "PERMISSION_DENIED",
+                f"the token is learner {who!r}'s; it cannot act as {learner_id[:64]!r}",
+            )
+
     # --------------------------------------------------------------------- RPCs
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         tensors = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
         try:
+            self.check_caller(context, request.learner_id)
             if (
                 self.allowed_learners is not None
                 and request.learner_id not in self.allowed_learners
@@ -171,6 +197,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 )
             if any(len(d) > 64 for d in digests):
                 raise Refused("INVALID_ARGUMENT", "a have_digests entry is over 64 characters")
+            self.check_caller(context, request.learner_id)
             with self.lock:
                 info = self.state.session_of(request.learner_id, request.session)
         except Refused as err:
@@ -228,7 +255,13 @@ class SyncerService(pb_grpc.SyncerServicer):
     ) -> pb.UploadReply:
         who: dict[str, str] = {}
         try:
-            header, payload = receive_upload(request_iterator, self.state, self.lock, who)
+            header, payload = receive_upload(
+                request_iterator,
+                self.state,
+                self.lock,
+                who,
+                check_caller=lambda learner_id: self.check_caller(context, learner_id),
+            )
             numel = self.state.layout.fragments[header.fragment].numel
             try:
                 delta = codecs.decode(payload, numel, header.codec)

@@ -18,13 +18,14 @@ that arrives while its fragment has no open round waits in the fragment's next r
 
 from __future__ import annotations
 
+import statistics
 import uuid
 from collections.abc import Callable, Sequence
 
 import torch
 
 from diloco.algorithm.fragments import FragmentLayout, fragment_digest
-from diloco.algorithm.guard import NormHistory, check_norm
+from diloco.algorithm.guard import NormHistory, check_norm, plausible_steps
 from diloco.algorithm.merge import cap_weights, merge_contributions
 from diloco.algorithm.outer import NesterovOuter, round_share
 from diloco.algorithm.rounds import (
@@ -48,16 +49,15 @@ from diloco.syncer.records import (
     Refused,
     RoundRequest,
     check_counters,
-    check_id,
     state_digest,
-    update_rate,
 )
+from diloco.syncer.roster import LearnerRoster
 
 __all__ = ["Commit", "Contribution", "FragmentRound", "LearnerInfo", "Refused", "RoundRequest"]
 __all__ += ["SyncerState", "fragment_digest"]
 
 
-class SyncerState:
+class SyncerState(LearnerRoster):
     """All mutable state of one syncer. Not thread-safe: callers hold one lock."""
 
     def __init__(
@@ -107,150 +107,11 @@ class SyncerState:
         self.refused = 0
         self.bytes_up = 0
         self.bytes_down = 0
-        self._ema_step = Ema(config.ema_decay)
         self._ema_quorum = Ema(config.ema_decay)
         self._ema_sync = Ema(config.ema_decay)
         self._tick_due: float | None = None
         self._cursor = 0
         self.last_commit_at: dict[int, float] = {}
-
-    # ----------------------------------------------------------------- learners
-    def join(
-        self,
-        learner_id: str,
-        *,
-        tensors: Sequence[tuple[str, tuple[int, ...], str]],
-        layout_hash: str,
-        num_fragments: int,
-        observer: bool,
-        now: float,
-        tokens_per_step: int = 0,
-    ) -> LearnerInfo:
-        """Admit a learner (or observer) whose model matches the layout; returns its record.
-
-        Raises ``Refused("FAILED_PRECONDITION", ...)`` naming the first mismatching tensor.
-        A learner that joins again gets a new session; its previous one is forgotten.
-        ``tokens_per_step`` (0: not declared) bounds the tokens per step it may claim.
-        """
-        check_id(learner_id)
-        if not 0 <= tokens_per_step <= self.config.max_tokens_per_step:
-            raise Refused(
-                "INVALID_ARGUMENT",
-                f"tokens_per_step must be in [0, {self.config.max_tokens_per_step}], "
-                f"got {tokens_per_step}",
-            )
-        if num_fragments != self.layout.num_fragments:
-            raise Refused(
-                "FAILED_PRECONDITION",
-                f"the syncer uses {self.layout.num_fragments} fragments, learner asked for {num_fragments}",
-            )
-        try:
-            self.layout.check_compatible(tensors)
-        except ValueError as exc:
-            raise Refused(
-                "FAILED_PRECONDITION", f"model does not match the syncer's: {exc}"
-            ) from None
-        if layout_hash != self.layout.hash:
-            raise Refused(
-                "FAILED_PRECONDITION",
-                "layout hash differs although tensors match: different fragmentation",
-            )
-        old = self.learners.get(learner_id)
-        if old is None and len(self.learners) >= self.config.max_learner_ids:
-            raise Refused(
-                "RESOURCE_EXHAUSTED",
-                f"the syncer already knows {len(self.learners)} learner ids (max_learner_ids)",
-            )
-        info = LearnerInfo(
-            learner_id,
-            uuid.uuid4().hex,
-            joined_at=now,
-            last_seen=now,
-            observer=observer,
-            tokens_per_step=tokens_per_step,
-        )
-        if old is not None:
-            info.contributions, info.bytes_up, info.bytes_down = (
-                old.contributions,
-                old.bytes_up,
-                old.bytes_down,
-            )
-        self.learners[learner_id] = info
-        self.emit(
-            {
-                "event": "join",
-                "t": now,
-                "learner": learner_id,
-                "observer": observer,
-                "rejoin": old is not None,
-            }
-        )
-        return info
-
-    def session_of(self, learner_id: str, session: str) -> LearnerInfo:
-        info = self.learners.get(learner_id)
-        if info is None or info.session != session:
-            raise Refused(
-                "FAILED_PRECONDITION", f"unknown session for learner {learner_id!r}: join first"
-            )
-        return info
-
-    def heartbeat(
-        self,
-        learner_id: str,
-        session: str,
-        *,
-        now: float,
-        step: int = 0,
-        tokens: int = 0,
-        steps_per_s: float = 0.0,
-        state: str = "",
-    ) -> LearnerInfo:
-        info = self.session_of(learner_id, session)
-        info.last_seen = now
-        info.step, info.tokens, info.steps_per_s = step, tokens, steps_per_s
-        info.state = state[:64] or info.state
-        if steps_per_s > 0:
-            info.step_s = 1.0 / steps_per_s
-        update_rate(info, now, tokens, self.config.ema_decay)
-        if not info.live and info.connected:
-            info.live = True
-            self.emit({"event": "revive", "t": now, "learner": learner_id})
-        return info
-
-    def leave(self, learner_id: str, session: str, *, now: float, reason: str = "left") -> None:
-        """Mark a learner gone (clean leave or its stream closed). Unknown sessions are ignored."""
-        info = self.learners.get(learner_id)
-        if info is None or info.session != session or not info.connected:
-            return
-        info.connected = False
-        info.live = False
-        info.state = reason
-        self.emit({"event": "leave", "t": now, "learner": learner_id, "reason": reason})
-
-    def expire(self, now: float) -> None:
-        """Drop learners whose lease ran out from the live set (they may come back)."""
-        for info in self.learners.values():
-            if info.live and now - info.last_seen > self.config.lease_s:
-                info.live = False
-                info.state = "lease expired"
-                self.emit(
-                    {
-                        "event": "expire",
-                        "t": now,
-                        "learner": info.learner_id,
-                        "silent_s": round(now - info.last_seen, 3),
-                    }
-                )
-
-    def live(self, now: float) -> set[str]:
-        """Ids of live learners at ``now`` that answer requests (not observers, not stopping)."""
-        lease = self.config.lease_s
-        return {
-            i.learner_id
-            for i in self.learners.values()
-            if i.live and not (i.observer or i.stopping) and now - i.last_seen <= lease
-        }
 
     # ------------------------------------------------------------ contributions
     def submit(
@@ -286,6 +147,7 @@ class SyncerState:
             tokens=tokens,
             delta=delta,
             step_time_s=step_time_s,
+            now=now,
         )
         admission = admit_contribution(
             base_version=base_version,
@@ -298,7 +160,6 @@ class SyncerState:
         info.bytes_up += nbytes
         self.bytes_up += nbytes
         if step_time_s > 0:
-            self._ema_step.update(step_time_s)
             info.step_s = step_time_s
         if not admission.accept:
             self.emit(
@@ -325,7 +186,8 @@ class SyncerState:
         self._into_round(fragment, contribution, now)
         info.contributions += 1
         info.last_tokens = tokens
-        self.norms.record(fragment, norm, steps)
+        info.accepted_at[fragment] = now
+        self.norms.record(fragment, norm, steps, learner_id)
         return admission
 
     def _into_round(self, fragment: int, contribution: Contribution, now: float) -> None:
@@ -343,10 +205,11 @@ class SyncerState:
             earlier.add(contribution)
         self._note_quorum(round_, now)
 
-    def _check_contribution(self, info, fragment, base_version, **counters) -> float:
+    def _check_contribution(self, info, fragment, base_version, *, now, **counters) -> float:
         """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,
         a fragment another shard owns, bad counters, a base version that is not committed, a
-        norm the guard refuses. Returns the delta's norm."""
+        norm the guard refuses (judged over the steps the syncer's clock makes plausible,
+        ``plausible_steps``). Returns the delta's norm."""
         if info.observer:
             raise Refused("PERMISSION_DENIED", "observers cannot contribute")
         self.check_owned(fragment)
@@ -359,14 +222,17 @@ class SyncerState:
                 f"base version {base_version} is outside [0, {current}]: negative, or ahead of the syncer's",
             )
         norm = float(counters["delta"].norm())
+        since = info.accepted_at.get(fragment, info.first_joined_at or now)
+        steps = plausible_steps(
+            counters["steps"], now - since, self.fleet_step_s(), slack=self.config.sync_every
+        )
         verdict = check_norm(
             norm,
-            counters["steps"],
-            self.norms.of(fragment),
+            steps,
+            self.norms.reference(fragment, self.config.norm_guard_min_history),
             self._param_norm(fragment),
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
-            min_history=self.config.norm_guard_min_history,
             sync_every=self.config.sync_every if self.config.schedule == "syncer" else 0,
         )
         if not verdict.accept:
@@ -418,12 +284,9 @@ class SyncerState:
 
     # -------------------------------------------------------------------- rounds
     def estimates(self) -> Estimates:
-        """The grace window's inputs; with the syncer's schedule ξ_step is the fleet's step
-        time (the median over live learners), else the EMA of reported step times."""
-        step = self._ema_step.value
-        if self.config.schedule == "syncer":
-            step = self.fleet_step_s() or step
-        return Estimates(step, self._ema_quorum.value, self._ema_sync.value)
+        """The grace window's inputs: ξ_step is the fleet's step time (the lower median over
+        learners: ``fleet_step_time``), ξ_quorum and ξ_sync the syncer's own measurements."""
+        return Estimates(self.fleet_step_s(), self._ema_quorum.value, self._ema_sync.value)
 
     def fleet_step_s(self, now: float | None = None) -> float | None:
         """Median measured step time of the live learners (all known ones if ``now`` is None)."""
@@ -482,10 +345,13 @@ class SyncerState:
         if self.config.wait_for_all:  # synchronous DiLoCo: wait for everyone, no grace
             # ... who is still in the run: a dead learner is waited for (it comes back), one
             # that left cleanly has finished its work and will not contribute again.
-            finished = sum(
+            finished = sum(  # ... and had contributed: an id that only joined and left is not
                 1
                 for lid, i in self.learners.items()
-                if i.state == "left" and not i.observer and lid not in round_.contributions
+                if i.state == "left"
+                and i.contributions
+                and not i.observer
+                and lid not in round_.contributions
             )
             need = max(1, self.config.wait_for_all - finished)
             n = len(round_.contributions)
@@ -525,19 +391,25 @@ class SyncerState:
     def _share(self, fragment: int, round_: FragmentRound, live: set[str], now: float) -> float:
         """The factor this round's merged delta is scaled by (``SyncerConfig.outer_scale``).
 
-        An absent live learner is expected to bring what its measured throughput trained
-        since the fragment's previous commit (its last contribution's tokens before a
-        throughput is known)."""
+        An absent live learner that contributed recently (``recent_contributors``) is
+        expected to bring what its measured throughput trained since the fragment's previous
+        commit (its last contribution's tokens before a throughput is known), at most
+        ``weight_cap`` times the round's median contribution: an id that never contributes,
+        or one that claims a huge throughput, cannot shrink the others' step."""
         if self.config.outer_scale == "none" or self.config.wait_for_all:
             return 1.0  # a synchronous round holds everyone by construction
-        absent = sorted(live - set(round_.contributions))
+        counted = self.recent_contributors(now)
+        absent = sorted((live & counted) - set(round_.contributions))
         since = now - self.last_commit_at.get(fragment, now)
+        here = [c.tokens for c in round_.contributions.values()]
+        most = self.config.weight_cap * statistics.median(here) or float("inf")
         expected = []
         for lid in absent:
             info = self.learners[lid]
             rate = info.tokens_per_s
-            expected.append(rate * since if rate and since > 0 else info.last_tokens)
-        return round_share([c.tokens for c in round_.contributions.values()], expected)
+            guess = rate * since if rate and since > 0 else info.last_tokens
+            expected.append(None if guess is None else min(guess, most))
+        return round_share(here, expected)
 
     def _commit(self, fragment: int, reason: str, now: float, live: set[str]) -> Commit:
         round_ = self.rounds.pop(fragment)

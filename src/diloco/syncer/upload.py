@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from threading import Lock
 
 from diloco.algorithm import codecs
@@ -12,12 +12,18 @@ from diloco.wire import diloco_pb2 as pb
 
 
 def receive_upload(
-    chunks: Iterator[pb.UploadChunk], state: SyncerState, lock: Lock, who: dict[str, str]
+    chunks: Iterator[pb.UploadChunk],
+    state: SyncerState,
+    lock: Lock,
+    who: dict[str, str],
+    *,
+    check_caller: Callable[[str], None] = lambda learner_id: None,
 ) -> tuple[pb.UploadChunk, bytes]:
     """Reassemble one upload, checking chunk order, header consistency and sizes.
 
-    The first chunk's header is checked (session, fragment, codec, numel, chunk count)
-    before any more data is read, so a stranger or a bad header costs one chunk.
+    The first chunk's header is checked (the caller may act as its learner id: raises
+    ``Refused`` otherwise; session, fragment, codec, numel, chunk count) before any more data
+    is read, so a stranger or a bad header costs one chunk.
     """
     header = None
     parts: list[bytes] = []
@@ -27,6 +33,7 @@ def receive_upload(
         if header is None:
             header = chunk
             who["learner_id"] = chunk.learner_id
+            check_caller(chunk.learner_id)
             with lock:
                 info = state.session_of(chunk.learner_id, chunk.session)
             if info.observer:

@@ -12,10 +12,19 @@ that binds anything but a loopback address refuses to start without a token
 against a CA bundle (``--tls-ca``). With ``--tls-client-ca`` the server also demands a client
 certificate signed by that CA (mutual TLS); clients then pass ``--tls-cert`` / ``--tls-key``.
 Without TLS the token travels in clear text: use TLS whenever the network is not trusted.
+
+**Learner tokens.** A learner's own token is derived from the syncer's secret and its id
+(:func:`learner_token`: ``dl1.<id>.<HMAC-SHA256(secret, id)>``), so the syncer stores nothing
+per learner and an operator hands each site only its own token (``diloco learner-token ID``).
+The interceptor lets such a token in like the shared one; the handlers then check that every
+call names the id the token was made for (:func:`caller_identity`), and a syncer started with
+``--learner-tokens`` accepts the shared secret itself only for ``Status``: one leaked or
+hostile learner cannot act under another learner's id.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -29,6 +38,10 @@ TOKEN_ENV = "DILOCO_TOKEN"
 METADATA_KEY = "authorization"
 MIN_TOKEN_CHARS = 16
 """Shorter tokens are refused: they can be guessed."""
+LEARNER_TOKEN_PREFIX = "dl1."
+"""Marks a learner's own token (:func:`learner_token`)."""
+SHARED = ""
+"""``caller_identity`` of a call made with the shared secret (it may name any id)."""
 
 
 class AuthConfigError(ValueError):
@@ -157,28 +170,61 @@ def open_channel(address: str, options: Mapping, channel_options=()) -> grpc.Cha
     return grpc.insecure_channel(address, options=list(channel_options))
 
 
+def learner_token(secret: str, learner_id: str) -> str:
+    """Learner ``learner_id``'s own token for a syncer whose shared secret is ``secret``."""
+    mac = hmac.new(secret.encode(), f"diloco learner {learner_id}".encode(), hashlib.sha256)
+    return f"{LEARNER_TOKEN_PREFIX}{learner_id}.{mac.hexdigest()}"
+
+
+def identity_of(presented: str, secret: str) -> str | None:
+    """Who a presented token speaks for: ``SHARED`` for the shared secret, the learner id for
+    a valid learner token, ``None`` for anything else (compared in constant time)."""
+    if hmac.compare_digest(presented.encode(), secret.encode()):
+        return SHARED
+    if presented.startswith(LEARNER_TOKEN_PREFIX) and "." in presented[len(LEARNER_TOKEN_PREFIX) :]:
+        learner_id = presented[len(LEARNER_TOKEN_PREFIX) :].rsplit(".", 1)[0]
+        if learner_id and hmac.compare_digest(
+            presented.encode(), learner_token(secret, learner_id).encode()
+        ):
+            return learner_id
+    return None
+
+
+def presented_token(metadata) -> str:
+    """The bearer token in a call's metadata (empty when there is none)."""
+    for key, value in metadata or ():
+        if key == METADATA_KEY:
+            text = value if isinstance(value, str) else bytes(value).decode("latin-1")
+            return text[len("Bearer ") :] if text.startswith("Bearer ") else ""
+    return ""
+
+
+def caller_identity(metadata, secret: str | None) -> str | None:
+    """``identity_of`` the call's token; ``SHARED`` when the syncer has no secret at all."""
+    return SHARED if secret is None else identity_of(presented_token(metadata), secret)
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Lets a call through only if it carries ``authorization: Bearer <token>``.
+    """Lets a call through only if it carries ``authorization: Bearer <token>`` with the
+    shared token or a learner token derived from it (:func:`learner_token`).
 
     A refused call is answered ``UNAUTHENTICATED`` without deserializing its request or
     running any handler; ``on_refuse(method, reason)`` is called (to write the event tape).
     """
 
     def __init__(self, token: str, on_refuse: Callable[[str, str], None] = lambda m, r: None):
-        self._expected = f"Bearer {token}".encode()
+        self._secret = token
         self._on_refuse = on_refuse
 
     def intercept_service(self, continuation, handler_call_details):
-        presented = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == METADATA_KEY:
-                presented = value.encode() if isinstance(value, str) else bytes(value)
-        if hmac.compare_digest(presented, self._expected):
+        metadata = handler_call_details.invocation_metadata or ()
+        token = presented_token(metadata)
+        if token and identity_of(token, self._secret) is not None:
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
             return None
-        reason = "missing token" if not presented else "wrong token"
+        reason = "wrong token" if any(k == METADATA_KEY for k, _ in metadata) else "missing token"
         self._on_refuse(handler_call_details.method, reason)
         return _refusing_handler(handler, f"{reason}: pass the syncer's shared token")
 

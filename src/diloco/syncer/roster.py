@@ -1,0 +1,198 @@
+"""The syncer's learner table: who joined, with which session, who is live, who is gone.
+
+A mixin of :class:`diloco.syncer.state.SyncerState` (it uses the state's ``config``,
+``layout``, ``learners``, ``norms`` and ``emit``): the decisions about membership live here,
+the rounds in ``state.py``. Not thread-safe: callers hold the state's lock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from diloco.syncer.records import (
+    MAX_STEP_TIME_S,
+    LearnerInfo,
+    Refused,
+    check_id,
+    update_rate,
+)
+
+
+class LearnerRoster:
+    """Join, heartbeat, leave, lease expiry and the live set (see the module docstring)."""
+
+    def join(
+        self,
+        learner_id: str,
+        *,
+        tensors: Sequence[tuple[str, tuple[int, ...], str]],
+        layout_hash: str,
+        num_fragments: int,
+        observer: bool,
+        now: float,
+        tokens_per_step: int = 0,
+    ) -> LearnerInfo:
+        """Admit a learner (or observer) whose model matches the layout; returns its record.
+
+        Raises ``Refused("FAILED_PRECONDITION", ...)`` naming the first mismatching tensor.
+        A learner that joins again gets a new session; its previous one is forgotten. When
+        the table holds ``max_learner_ids`` ids, a new id takes the place of the one gone the
+        longest (``_longest_gone``); only a table of live ids refuses it.
+        ``tokens_per_step`` (0: not declared) bounds the tokens per step it may claim.
+        """
+        check_id(learner_id)
+        if not 0 <= tokens_per_step <= self.config.max_tokens_per_step:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"tokens_per_step must be in [0, {self.config.max_tokens_per_step}], "
+                f"got {tokens_per_step}",
+            )
+        if num_fragments != self.layout.num_fragments:
+            raise Refused(
+                "FAILED_PRECONDITION",
+                f"the syncer uses {self.layout.num_fragments} fragments, learner asked for {num_fragments}",
+            )
+        try:
+            self.layout.check_compatible(tensors)
+        except ValueError as exc:
+            raise Refused(
+                "FAILED_PRECONDITION", f"model does not match the syncer's: {exc}"
+            ) from None
+        if layout_hash != self.layout.hash:
+            raise Refused(
+                "FAILED_PRECONDITION",
+                "layout hash differs although tensors match: different fragmentation",
+            )
+        old = self.learners.get(learner_id)
+        if old is None and len(self.learners) >= self.config.max_learner_ids:
+            gone = self._longest_gone(now)
+            if gone is None:
+                raise Refused(
+                    "RESOURCE_EXHAUSTED",
+                    f"the syncer already knows {len(self.learners)} learner ids "
+                    "(max_learner_ids), all live",
+                )
+            self.forget(gone, now=now, reason="the learner table is full")
+        info = LearnerInfo(
+            learner_id,
+            uuid.uuid4().hex,
+            joined_at=now,
+            last_seen=now,
+            observer=observer,
+            tokens_per_step=tokens_per_step,
+        )
+        info.first_joined_at = now
+        if old is not None:
+            info.contributions, info.bytes_up, info.bytes_down = (
+                old.contributions,
+                old.bytes_up,
+                old.bytes_down,
+            )
+            info.accepted_at, info.first_joined_at = old.accepted_at, old.first_joined_at
+        self.learners[learner_id] = info
+        self.emit(
+            {
+                "event": "join",
+                "t": now,
+                "learner": learner_id,
+                "observer": observer,
+                "rejoin": old is not None,
+            }
+        )
+        return info
+
+    def session_of(self, learner_id: str, session: str) -> LearnerInfo:
+        info = self.learners.get(learner_id)
+        if info is None or info.session != session:
+            raise Refused(
+                "FAILED_PRECONDITION", f"unknown session for learner {learner_id!r}: join first"
+            )
+        return info
+
+    def heartbeat(
+        self,
+        learner_id: str,
+        session: str,
+        *,
+        now: float,
+        step: int = 0,
+        tokens: int = 0,
+        steps_per_s: float = 0.0,
+        state: str = "",
+    ) -> LearnerInfo:
+        info = self.session_of(learner_id, session)
+        info.last_seen = now
+        info.step, info.tokens, info.steps_per_s = step, tokens, steps_per_s
+        info.state = state[:64] or info.state
+        if steps_per_s > 0:
+            info.step_s = min(1.0 / steps_per_s, MAX_STEP_TIME_S)
+        update_rate(info, now, tokens, self.config.ema_decay)
+        if not info.live and info.connected:
+            info.live = True
+            self.emit({"event": "revive", "t": now, "learner": learner_id})
+        return info
+
+    def leave(self, learner_id: str, session: str, *, now: float, reason: str = "left") -> None:
+        """Mark a learner gone (clean leave or its stream closed). Unknown sessions are ignored."""
+        info = self.learners.get(learner_id)
+        if info is None or info.session != session or not info.connected:
+            return
+        info.connected = False
+        info.live = False
+        info.state = reason
+        self.emit({"event": "leave", "t": now, "learner": learner_id, "reason": reason})
+
+    def expire(self, now: float) -> None:
+        """Drop learners whose lease ran out from the live set (they may come back)."""
+        for info in self.learners.values():
+            if info.live and now - info.last_seen > self.config.lease_s:
+                info.live = False
+                info.state = "lease expired"
+                self.emit(
+                    {
+                        "event": "expire",
+                        "t": now,
+                        "learner": info.learner_id,
+                        "silent_s": round(now - info.last_seen, 3),
+                    }
+                )
+
+    def live(self, now: float) -> set[str]:
+        """Ids of live learners at ``now`` that answer requests (not observers, not stopping)."""
+        lease = self.config.lease_s
+        return {
+            i.learner_id
+            for i in self.learners.values()
+            if i.live and not (i.observer or i.stopping) and now - i.last_seen <= lease
+        }
+
+    def forget(self, learner_id: str, *, now: float, reason: str) -> None:
+        """Remove an id from the table (its guard history too; a ``forget`` record)."""
+        if self.learners.pop(learner_id, None) is not None:
+            self.norms.forget(learner_id)
+            self.emit({"event": "forget", "t": now, "learner": learner_id, "reason": reason})
+
+    def _longest_gone(self, now: float) -> str | None:
+        """The id whose holder is gone (left, stream closed or lease expired) the longest and
+        that has nothing waiting in an open round; ``None`` when there is none."""
+        waiting = {lid for r in self.rounds.values() for lid in r.contributions}
+        lease = self.config.lease_s
+        gone = [
+            (i.last_seen, lid)
+            for lid, i in self.learners.items()
+            if (not i.connected or now - i.last_seen > lease) and lid not in waiting
+        ]
+        return min(gone)[1] if gone else None
+
+    def recent_contributors(self, now: float) -> set[str]:
+        """Ids with an accepted delta within the last cycle of the syncer's clock, doubled
+        (``2 · H · ξ_step``, at least the lease): the learners a round's share counts. An id
+        that joins and heartbeats but never contributes dilutes nothing."""
+        step = self.fleet_step_s() or 0.0
+        window = max(2 * self.config.sync_every * step, self.config.lease_s)
+        return {
+            lid
+            for lid, i in self.learners.items()
+            if i.accepted_at and now - max(i.accepted_at.values()) <= window
+        }
