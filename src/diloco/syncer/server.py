@@ -5,6 +5,7 @@ with the gRPC service (:class:`diloco.syncer.service.SyncerService`) on an addre
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from concurrent import futures
@@ -18,7 +19,12 @@ from diloco.algorithm.shards import shard_fragments
 from diloco.config.common import ProtocolConfig
 from diloco.syncer.broadcast import CHUNK_BYTES
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.service import MAX_MESSAGE_BYTES, SyncerService
+from diloco.syncer.service import (
+    MAX_MESSAGE_BYTES,
+    SyncerService,
+    pool_threads,
+    stream_limits,
+)
 from diloco.syncer.state import SyncerState, fragment_digest
 from diloco.syncer.store import (
     EventTape,
@@ -100,13 +106,17 @@ class SyncerServer:
             wire=wire,
             secret=token,
             learner_tokens=learner_tokens,
+            limits=stream_limits(max_learners),
         )
         if token is not None:
             interceptors = [
                 auth.TokenInterceptor(token, self.service.refuse_unauthenticated),
                 *interceptors,
             ]
-        self._server, self.port = self._bind(bind, credentials, interceptors, max_learners)
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=pool_threads(self.service.limits), thread_name_prefix="syncer-rpc"
+        )
+        self._server, self.port = self._bind(bind, credentials, interceptors)
         self.host = bind.rsplit(":", 1)[0]
         self._started = False
         self._emit_start(restored, taped_versions(earlier))
@@ -128,13 +138,12 @@ class SyncerServer:
                     wire[p] = restored[p].pop("wire")
         return versions, restored, wire
 
-    def _bind(self, bind: str, credentials, interceptors, max_learners: int):
-        """The gRPC server serving :attr:`service` on ``bind`` (TLS with ``credentials``):
-        ``(server, port)``. Raises OSError when the address cannot be bound."""
+    def _bind(self, bind: str, credentials, interceptors):
+        """The gRPC server serving :attr:`service` on ``bind`` (TLS with ``credentials``) with
+        the pool's threads: ``(server, port)``. Raises OSError when the address cannot be
+        bound."""
         server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=2 * max_learners + 16, thread_name_prefix="syncer-rpc"
-            ),
+            self._pool,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -216,9 +225,15 @@ class SyncerServer:
         return self
 
     def stop(self, grace: float = 1.0) -> None:
-        """Stop serving (bounded by ``grace`` seconds) and close the tape."""
+        """Stop serving (bounded by ``grace`` seconds), end the pool's threads (waiting at most
+        5 s more for handlers still returning) and close the tape."""
         self.service.stop()
         self._server.stop(grace).wait(grace + 5)
+        ender = threading.Thread(
+            target=self._pool.shutdown, kwargs={"cancel_futures": True}, daemon=True
+        )
+        ender.start()
+        ender.join(timeout=5)
         if self.tape is not None:
             self.tape.append(
                 {"event": "stop", "t": time.time(), "versions": list(self.state.versions)},

@@ -31,6 +31,16 @@ from diloco.syncer.broadcast import (
     Subscriber,
     chunk_payload,
 )
+from diloco.syncer.limits import (
+    FIRST_CHUNK_S,
+    MIN_UPLOAD_BPS,
+    SHORT_CALL_THREADS,
+    SUBSCRIPTIONS_PER_LEARNER,
+    UPLOADS_PER_LEARNER,
+    LimitExceeded,
+    StreamLimits,
+    Watchdog,
+)
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import (
     EventTape,
@@ -48,6 +58,21 @@ MAX_REASON_CHARS = 500
 """Refusal messages are cut to this length (they may quote what a client sent)."""
 
 
+def stream_limits(max_learners: int) -> StreamLimits:
+    """The stream caps of a syncer sized for ``max_learners``: that many uploads and that
+    many subscriptions (+8 for observers) at once, and per learner ``UPLOADS_PER_LEARNER``
+    and ``SUBSCRIPTIONS_PER_LEARNER``."""
+    return StreamLimits(
+        {"upload": max_learners, "subscribe": max_learners + 8},
+        {"upload": UPLOADS_PER_LEARNER, "subscribe": SUBSCRIPTIONS_PER_LEARNER},
+    )
+
+
+def pool_threads(limits: StreamLimits) -> int:
+    """Threads the gRPC pool needs: every stream cap plus ``SHORT_CALL_THREADS``."""
+    return sum(limits.caps.values()) + SHORT_CALL_THREADS
+
+
 class SyncerService(pb_grpc.SyncerServicer):
     """The RPC handlers plus the committer thread. Use ``SyncerServer`` to run it."""
 
@@ -61,14 +86,20 @@ class SyncerService(pb_grpc.SyncerServicer):
         wire: dict[int, torch.Tensor] | None = None,
         secret: str | None = None,
         learner_tokens: bool = False,
+        limits: StreamLimits | None = None,
     ) -> None:
         """``wire``: the restored wire image of each fragment (default: Θ_p). ``secret``: the
         shared token (the interceptor checks it; the handlers check whose id a call may use),
-        ``learner_tokens``: the shared token may not act as a learner (``diloco.wire.auth``)."""
+        ``learner_tokens``: the shared token may not act as a learner (``diloco.wire.auth``).
+        ``limits``: caps on open streams (``diloco.syncer.limits``; default: 64 learners')."""
         self.state = state
         self.allowed_learners = allowed_learners
         self.secret = secret
         self.learner_tokens = learner_tokens
+        self.limits = limits or stream_limits(64)
+        self.watchdog = Watchdog()
+        self.first_chunk_s = FIRST_CHUNK_S
+        """Seconds an upload may wait for its first chunk (``limits.FIRST_CHUNK_S``)."""
         self.store = store
         self.tape = tape
         self.lock = threading.Lock()
@@ -100,6 +131,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         for sub in list(self._subscribers):
             sub.close()
         self._committer.join(timeout=10)
+        self.watchdog.close()
         now = time.time()
         with self.lock:
             commits, _ = self.state.poll(now)
@@ -139,6 +171,14 @@ class SyncerService(pb_grpc.SyncerServicer):
                 "PERMISSION_DENIED",
                 f"the token is learner {who!r}'s; it cannot act as {learner_id[:64]!r}",
             )
+
+    def _caller(self, context: grpc.ServicerContext) -> tuple[str, bool]:
+        """``(key, is_learner)`` the stream limits count a call under: the learner id of its
+        own token, else its network address (``ipv4:1.2.3.4:port`` without the port)."""
+        who = auth.caller_identity(context.invocation_metadata(), self.secret)
+        if who:
+            return who, True
+        return "address " + context.peer().rsplit(":", 1)[0], False
 
     # --------------------------------------------------------------------- RPCs
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
@@ -200,10 +240,22 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.check_caller(context, request.learner_id)
             with self.lock:
                 info = self.state.session_of(request.learner_id, request.session)
+            caller, is_learner = self._caller(context)
+            with self.limits.hold("subscribe", caller, learner=is_learner):
+                yield from self._stream(context, info, have, digests)
+        except LimitExceeded as exc:
+            err = Refused("RESOURCE_EXHAUSTED", str(exc))
+            return self._refuse(context, request.learner_id, err, "Subscribe")
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Subscribe")
+
+    def _stream(self, context, info, have: list[int], digests: list[str]):
+        """One subscription's life: what the learner lacks, then requests and new versions
+        until the stream ends. A newer stream of the same learner closes this one."""
         sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
         with self.lock:
+            for older in [s for s in self._subscribers if s.learner_id == info.learner_id]:
+                older.close()
             self._subscribers.add(sub)
             for p, (version, keyframe, _, digest) in self._payloads.items():
                 since = have[p] if p < len(have) else -1
@@ -245,9 +297,10 @@ class SyncerService(pb_grpc.SyncerServicer):
         finally:
             with self.lock:
                 self._subscribers.discard(sub)
-                self.state.leave(
-                    sub.learner_id, sub.session, now=time.time(), reason="stream closed"
-                )
+                if not any(s.session == sub.session for s in self._subscribers):
+                    self.state.leave(
+                        sub.learner_id, sub.session, now=time.time(), reason="stream closed"
+                    )
             self._wake.set()
 
     def Upload(
@@ -255,13 +308,9 @@ class SyncerService(pb_grpc.SyncerServicer):
     ) -> pb.UploadReply:
         who: dict[str, str] = {}
         try:
-            header, payload = receive_upload(
-                request_iterator,
-                self.state,
-                self.lock,
-                who,
-                check_caller=lambda learner_id: self.check_caller(context, learner_id),
-            )
+            caller, is_learner = self._caller(context)
+            with self.limits.hold("upload", caller, learner=is_learner):
+                header, payload = self._receive(request_iterator, context, who)
             numel = self.state.layout.fragments[header.fragment].numel
             try:
                 delta = codecs.decode(payload, numel, header.codec)
@@ -282,8 +331,21 @@ class SyncerService(pb_grpc.SyncerServicer):
                     final=header.final,
                 )
                 current = self.state.versions[header.fragment]
+        except LimitExceeded as exc:
+            err = Refused("RESOURCE_EXHAUSTED", str(exc))
+            return self._refuse(context, who.get("learner_id", ""), err, "Upload")
         except Refused as err:
             return self._refuse(context, who.get("learner_id", ""), err, "Upload")
+        except grpc.RpcError:  # cancelled: its deadline passed (or the client went away)
+            with self.lock:
+                self.state.note_refusal(
+                    who.get("learner_id", ""),
+                    "CANCELLED",
+                    "the upload did not arrive in time",
+                    time.time(),
+                    rpc="Upload",
+                )
+            return pb.UploadReply()
         self._wake.set()
         return pb.UploadReply(
             accepted=admission.accept,
@@ -291,6 +353,30 @@ class SyncerService(pb_grpc.SyncerServicer):
             resync=admission.resync,
             current_version=current,
         )
+
+    def _receive(self, chunks, context: grpc.ServicerContext, who: dict[str, str]):
+        """``receive_upload`` under the upload's deadlines: ``first_chunk_s`` for the first
+        chunk, then that plus the upload's size at ``MIN_UPLOAD_BPS``; past a deadline the
+        call is cancelled (its chunk iterator raises ``grpc.RpcError``)."""
+        started = time.monotonic()
+        handle = [self.watchdog.arm(started + self.first_chunk_s, context.cancel)]
+
+        def on_header(nbytes: int) -> None:
+            self.watchdog.disarm(handle[0])
+            deadline = started + self.first_chunk_s + nbytes / MIN_UPLOAD_BPS
+            handle[0] = self.watchdog.arm(deadline, context.cancel)
+
+        try:
+            return receive_upload(
+                chunks,
+                self.state,
+                self.lock,
+                who,
+                check_caller=lambda learner_id: self.check_caller(context, learner_id),
+                on_header=on_header,
+            )
+        finally:
+            self.watchdog.disarm(handle[0])
 
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext

@@ -110,6 +110,7 @@ class SyncerState(LearnerRoster):
         self._ema_quorum = Ema(config.ema_decay)
         self._ema_sync = Ema(config.ema_decay)
         self._tick_due: float | None = None
+        self._period: float | None = None  # the period the due tick was set with
         self._cursor = 0
         self.last_commit_at: dict[int, float] = {}
 
@@ -311,9 +312,13 @@ class SyncerState(LearnerRoster):
         # A round open with no answer when its turn comes again (its learners died or could
         # not answer) is asked again; one with answers closes within its grace window.
         busy = [p for p, r in self.rounds.items() if r.opened_at is not None and r.answered()]
+        due = self._tick_due
+        if due is not None and period is not None and period < (self._period or 0.0):
+            due -= self._period - period  # the pace rose: the next tick comes sooner too
+        self._period = period
         t = next_tick(
             now,
-            due_at=self._tick_due,
+            due_at=due,
             period=period,
             cursor=self._cursor,
             served=self.served,

@@ -18,12 +18,14 @@ def receive_upload(
     who: dict[str, str],
     *,
     check_caller: Callable[[str], None] = lambda learner_id: None,
+    on_header: Callable[[int], None] = lambda nbytes: None,
 ) -> tuple[pb.UploadChunk, bytes]:
     """Reassemble one upload, checking chunk order, header consistency and sizes.
 
     The first chunk's header is checked (the caller may act as its learner id: raises
     ``Refused`` otherwise; session, fragment, codec, numel, chunk count) before any more data
-    is read, so a stranger or a bad header costs one chunk.
+    is read, so a stranger or a bad header costs one chunk. ``on_header(nbytes)`` is told
+    the upload's size once its header passed.
     """
     header = None
     parts: list[bytes] = []
@@ -63,6 +65,7 @@ def receive_upload(
                     "INVALID_ARGUMENT",
                     f"num_chunks must be in [1, {max_chunks}], got {chunk.num_chunks}",
                 )
+            on_header(expected)
         elif _header_fields(chunk) != _header_fields(header):
             raise Refused("INVALID_ARGUMENT", f"chunk {i} header differs from chunk 0")
         if len(chunk.data) > CHUNK_BYTES:

@@ -1,0 +1,392 @@
+"""A hostile fleet: one participant with valid credentials attacks a real syncer over gRPC.
+
+One test per class of attack (docs/security.md "A hostile learner"): each runs honest
+clients beside the attacker and asserts that the honest ones keep being served, that their
+contributions keep landing, and (where the attack aims at the model) that the merged update
+keeps a positive cosine with the honest learners' mean.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from diloco.algorithm import balanced_fragments, codecs
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.server import SyncerServer
+from diloco.syncer.store import read_tape
+from diloco.wire import auth
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+P = 2
+SECRET = "hostile-fleet-secret-0123456789"
+
+
+def make_server(tmp_path, config: SyncerConfig, **kwargs) -> SyncerServer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8))
+    layout = balanced_fragments(model.named_parameters(), P)
+    named = dict(model.named_parameters())
+    params = [layout.gather(p, named) for p in range(P)]
+    return SyncerServer(
+        layout, params, config, tape_path=tmp_path / "events.jsonl", **kwargs
+    ).start()
+
+
+def config(**overrides) -> SyncerConfig:
+    base = {"up_codec": "fp32", "outer_lr": 1.0, "schedule": "learner", "quorum": 1}
+    return SyncerConfig(**{**base, **overrides})
+
+
+class Peer:
+    """A client of the wire protocol, honest or not: it says what it is told to say."""
+
+    def __init__(self, server: SyncerServer, learner_id: str, *, token: str | None = None):
+        self.server, self.learner_id = server, learner_id
+        self.channel = grpc.insecure_channel(server.address)
+        self.stub = pb_grpc.SyncerStub(self.channel)
+        self.metadata = auth.call_metadata(token)
+        self.session = ""
+
+    def join(self, tokens_per_step: int = 0, timeout: float = 5.0) -> pb.JoinReply:
+        layout = self.server.layout
+        reply = self.stub.Join(
+            pb.JoinRequest(
+                learner_id=self.learner_id,
+                layout_hash=layout.hash,
+                num_fragments=P,
+                tensors=[
+                    pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in layout.tensors
+                ],
+                tokens_per_step=tokens_per_step,
+            ),
+            timeout=timeout,
+            metadata=self.metadata,
+        )
+        self.session = reply.session
+        return reply
+
+    def heartbeat(self, *, steps_per_s: float = 10.0, tokens: int = 0) -> bool:
+        reply = self.stub.Heartbeat(
+            pb.HeartbeatRequest(
+                learner_id=self.learner_id,
+                session=self.session,
+                steps_per_s=steps_per_s,
+                tokens=tokens,
+                state="training",
+            ),
+            timeout=5,
+            metadata=self.metadata,
+        )
+        return reply.known
+
+    def leave(self) -> None:
+        self.stub.Leave(
+            pb.LeaveRequest(learner_id=self.learner_id, session=self.session),
+            timeout=5,
+            metadata=self.metadata,
+        )
+
+    def upload(
+        self, fragment: int, delta: torch.Tensor, *, steps=24, tokens=240, step_time_s=0.1
+    ) -> pb.UploadReply:
+        payload = codecs.encode(delta, "fp32")
+        chunk = pb.UploadChunk(
+            learner_id=self.learner_id,
+            session=self.session,
+            fragment=fragment,
+            base_version=self.server.state.versions[fragment],
+            steps=steps,
+            tokens=tokens,
+            codec="fp32",
+            numel=delta.numel(),
+            chunk_index=0,
+            num_chunks=1,
+            data=payload,
+            step_time_s=step_time_s,
+        )
+        return self.stub.Upload(iter([chunk]), timeout=10, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def numel(server: SyncerServer, fragment: int) -> int:
+    return server.layout.fragments[fragment].numel
+
+
+def rounds(tmp_path) -> list[dict]:
+    return [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "round"]
+
+
+def refusals(tmp_path) -> list[dict]:
+    return [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "refused"]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ 1. guard poisoning
+@pytest.mark.timeout(60)
+def test_a_flood_of_tiny_and_zero_deltas_does_not_poison_the_norm_guard(tmp_path):
+    server = make_server(tmp_path, config(gamma=0.0))
+    honest = [Peer(server, f"honest-{i}") for i in range(2)]
+    mallory = Peer(server, "mallory")
+    try:
+        for peer in (*honest, mallory):
+            peer.join()
+        gen = torch.Generator().manual_seed(1)
+
+        def honest_round():
+            replies = [
+                peer.upload(0, 0.01 * torch.randn(numel(server, 0), generator=gen))
+                for peer in honest
+            ]
+            return all(r.accepted for r in replies)
+
+        for _ in range(3):  # history of honest sizes
+            assert honest_round()
+        for _ in range(80):  # one learner floods the fragment with tiny deltas ...
+            assert mallory.upload(0, torch.full((numel(server, 0),), 1e-9)).accepted
+        for _ in range(3):  # ... honest uploads of ordinary size are still accepted
+            assert honest_round()
+        for _ in range(40):  # ... then with zeros (a median of zeros turned the check off)
+            assert mallory.upload(0, torch.zeros(numel(server, 0))).accepted
+        for _ in range(2):
+            assert honest_round()
+        # The guard is still on: 30x the honest size (within the fragment's own bound) is
+        # refused by the per-step check.
+        with pytest.raises(grpc.RpcError) as info:
+            mallory.upload(0, 0.3 * torch.randn(numel(server, 0), generator=gen))
+        assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "median" in info.value.details()
+        guarded = [r for r in refusals(tmp_path) if r["code"] == "OUT_OF_RANGE"]
+        assert len(guarded) == 1 and guarded[0]["learner"] == "mallory"
+        wait_until(lambda: not server.state.rounds, 10, "every round to close")
+        for lid in ("honest-0", "honest-1"):  # each of the 8 honest uploads was merged
+            merged = sum(
+                r["increments"][r["participants"].index(lid)]
+                for r in rounds(tmp_path)
+                if lid in r["participants"]
+            )
+            assert merged == 8, (lid, merged)
+    finally:
+        for peer in (*honest, mallory):
+            peer.close()
+        server.stop()
+
+
+# ------------------------------------------------------------ 2. stalling by timing claims
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["learner", "syncer"])
+def test_a_claimed_slow_step_time_does_not_stall_the_rounds(tmp_path, schedule):
+    server = make_server(tmp_path, config(schedule=schedule, sync_every=4))
+    alice, mallory = Peer(server, "alice"), Peer(server, "mallory")
+    try:
+        alice.join(), mallory.join()
+        mallory.heartbeat(steps_per_s=1 / 3599)
+        mallory.upload(1, torch.zeros(numel(server, 1)), step_time_s=3599.0)
+        started = time.monotonic()
+        while time.monotonic() - started < 4.0:  # alice answers whatever is asked, 10 steps/s
+            alice.heartbeat(steps_per_s=10.0)
+            mallory.heartbeat(steps_per_s=1 / 3599)
+            for p in range(P):
+                alice.upload(p, 1e-3 * torch.ones(numel(server, p)), steps=2, step_time_s=0.1)
+            time.sleep(0.1)
+        assert server.state.estimates().step_s == pytest.approx(0.1)
+        merged = [r for r in rounds(tmp_path) if "alice" in r["participants"]]
+        assert len(merged) >= 10, f"only {len(merged)} rounds merged alice's deltas in 4 s"
+        assert max(r["wait_s"] for r in merged) < 1.0
+    finally:
+        alice.close(), mallory.close()
+        server.stop()
+
+
+# ------------------------------------------------------------- 3. thread-pool exhaustion
+def silent_uploads(peer: Peer, n: int, release: threading.Event) -> list:
+    """``n`` upload streams that never send a chunk until ``release`` is set."""
+
+    def never():
+        release.wait(60)
+        return
+        yield
+
+    return [peer.stub.Upload.future(never(), timeout=60, metadata=peer.metadata) for _ in range(n)]
+
+
+@pytest.mark.timeout(60)
+def test_streams_without_a_first_chunk_cannot_fill_the_pool(tmp_path):
+    server = make_server(tmp_path, config(), token=SECRET, learner_tokens=True, max_learners=8)
+    server.service.first_chunk_s = 2.0
+    mallory = Peer(server, "mallory", token=auth.learner_token(SECRET, "mallory"))
+    alice = Peer(server, "alice", token=auth.learner_token(SECRET, "alice"))
+    release = threading.Event()
+    try:
+        mallory.join()
+        calls = silent_uploads(mallory, 150, release)
+        subs = [
+            mallory.stub.Subscribe(
+                pb.SubscribeRequest(learner_id="mallory", session=mallory.session),
+                timeout=30,
+                metadata=mallory.metadata,
+            )
+            for _ in range(30)
+        ]
+        time.sleep(0.5)
+        # An honest learner joins at once and its contribution lands.
+        t0 = time.monotonic()
+        alice.join(timeout=5)
+        assert time.monotonic() - t0 < 2.0
+        assert alice.upload(0, 1e-3 * torch.ones(numel(server, 0))).accepted
+        assert server.service.limits.open("upload") <= 4  # mallory's own cap
+        assert server.service.limits.open("subscribe") <= 2
+        # Past the first-chunk deadline mallory's held uploads are cancelled.
+        wait_until(lambda: all(c.done() for c in calls), 10, "the silent uploads to end")
+        codes = {c.exception().code() for c in calls if c.exception() is not None}
+        assert codes <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+        assert grpc.StatusCode.CANCELLED in codes
+        assert server.service.limits.open("upload") == 0
+        for s in subs:
+            s.cancel()
+    finally:
+        release.set()
+        alice.close(), mallory.close()
+        server.stop()
+    left = [t for t in threading.enumerate() if t.name.startswith("syncer-rpc")]
+    assert not left, f"{len(left)} pool threads outlived SyncerServer.stop()"
+
+
+@pytest.mark.timeout(60)
+def test_with_a_shared_token_silent_streams_still_leave_room_for_joins(tmp_path):
+    server = make_server(tmp_path, config(), token=SECRET, max_learners=8)
+    server.service.first_chunk_s = 1.5
+    mallory = Peer(server, "mallory", token=SECRET)
+    release = threading.Event()
+    try:
+        mallory.join()
+        calls = silent_uploads(mallory, 150, release)
+        time.sleep(0.5)
+        assert server.service.limits.open("upload") <= 8
+        for i in range(5):
+            t0 = time.monotonic()
+            Peer(server, f"newcomer-{i}", token=SECRET).join(timeout=5)
+            assert time.monotonic() - t0 < 2.0
+        wait_until(lambda: all(c.done() for c in calls), 10, "the silent uploads to end")
+        alice = Peer(server, "alice", token=SECRET)
+        alice.join()
+        assert alice.upload(0, 1e-3 * torch.ones(numel(server, 0))).accepted
+    finally:
+        release.set()
+        mallory.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- 4. identity
+@pytest.mark.timeout(60)
+def test_a_learner_token_cannot_take_over_another_learners_id(tmp_path):
+    server = make_server(tmp_path, config(), token=SECRET, learner_tokens=True)
+    alice = Peer(server, "alice", token=auth.learner_token(SECRET, "alice"))
+    try:
+        alice.join()
+        for token in (auth.learner_token(SECRET, "mallory"), SECRET):
+            thief = Peer(server, "alice", token=token)
+            with pytest.raises(grpc.RpcError) as info:
+                thief.join()
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            thief.close()
+        forged = Peer(
+            server, "alice", token=auth.learner_token("another-secret-0123456789", "alice")
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            forged.join()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        forged.close()
+        assert alice.heartbeat() and alice.upload(0, torch.ones(numel(server, 0))).accepted
+        # The shared secret still reads the status.
+        status = pb_grpc.SyncerStub(alice.channel).Status(
+            pb.StatusRequest(), timeout=5, metadata=auth.call_metadata(SECRET)
+        )
+        assert [x.learner_id for x in status.learners] == ["alice"]
+    finally:
+        alice.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_ids_that_joined_and_left_do_not_lock_out_new_learners(tmp_path):
+    server = make_server(tmp_path, config(max_learner_ids=16))
+    try:
+        for i in range(16):
+            sybil = Peer(server, f"sybil-{i}")
+            sybil.join()
+            sybil.leave()
+            sybil.close()
+        newcomer = Peer(server, "newcomer")
+        newcomer.join()
+        assert newcomer.upload(0, torch.ones(numel(server, 0))).accepted
+        assert len(server.state.learners) == 16 and "sybil-0" not in server.state.learners
+        newcomer.close()
+        # A table full of *live* ids still refuses a new one.
+        live = [Peer(server, f"live-{i}") for i in range(15)]
+        for peer in live:
+            peer.join()
+        with pytest.raises(grpc.RpcError) as info:
+            Peer(server, "one-too-many").join()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_idle_ids_do_not_dilute_the_honest_rounds(tmp_path):
+    server = make_server(tmp_path, config(quorum=2, gamma=0.0))
+    alice, bob = Peer(server, "alice"), Peer(server, "bob")
+    idle = [Peer(server, f"idle-{i}") for i in range(200)]
+    try:
+        alice.join(), bob.join()
+        for i, peer in enumerate(idle):
+            peer.join()
+            peer.heartbeat(tokens=10**6 * (i + 1))
+        for p in range(P):
+            for peer in (alice, bob):
+                assert peer.upload(p, torch.ones(numel(server, p))).accepted
+        wait_until(lambda: len(rounds(tmp_path)) >= P, 10, "the honest rounds")
+        shares = [r["share"] for r in rounds(tmp_path)]
+        assert shares == [1.0] * P, shares
+    finally:
+        for peer in (alice, bob, *idle):
+            peer.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_synchronous_rounds_are_not_closed_by_ids_that_only_joined_and_left(tmp_path):
+    server = make_server(tmp_path, config(wait_for_all=2, gamma=0.0))
+    alice, bob = Peer(server, "alice"), Peer(server, "bob")
+    try:
+        alice.join(), bob.join()
+        for i in range(5):
+            sybil = Peer(server, f"sybil-{i}")
+            sybil.join()
+            sybil.leave()
+            sybil.close()
+        assert alice.upload(0, torch.ones(numel(server, 0))).accepted
+        time.sleep(1.0)
+        assert rounds(tmp_path) == []  # still waiting for bob
+        assert bob.upload(0, torch.ones(numel(server, 0))).accepted
+        wait_until(lambda: len(rounds(tmp_path)) == 1, 10, "the synchronous round")
+        assert rounds(tmp_path)[0]["participants"] == ["alice", "bob"]
+    finally:
+        alice.close(), bob.close()
+        server.stop()
