@@ -1,7 +1,8 @@
 """The decoupled protocol's own mechanisms, switched on and off: quorum and grace window on a
 mixed fleet, RDA against the weighted mean, token weights against uniform ones.
 
-Run: ``.venv/bin/python benchmarks/bench_protocol.py mixed|ablation [--seeds 0] [--out DIR]``.
+Run: ``.venv/bin/python benchmarks/bench_protocol.py mixed|ablation|hostile [--seeds 0]
+[--out DIR]``.
 
 ``mixed`` (the paper's heterogeneous table): M = 4 learners, learners 2 and 3 take 1.5x as
 long per step, every step varies by up to +-20% (``--slow 2=1.5 --slow 3=1.5 --jitter 0.2``),
@@ -14,6 +15,15 @@ tokens, learners per round.
 M = 8 (``--learners``), default against ``--merge mean`` (weighted mean for every tensor
 instead of RDA) and against ``--weighting uniform`` (every contribution weighs 1 instead of
 tokens²/steps). Reported: held-out loss at equal tokens.
+
+``hostile`` (docs/security.md "A hostile learner"): a two-site run, M = 4, learners 0 and 1
+on one site's link (``--wan 0,1:rate=1gbit``), learners 2 and 3 on the other's
+(``2,3:rate=50mbit,rtt=20ms``; needs root), a fixed wall time. Learner 3 is hostile from the
+start (``--chaos corrupt:learners=3,how=hostile,start=0s``: every delta's sign flipped, 100x
+the tokens declared and claimed), against the same run with learner 3 absent (M = 3, learner
+2 alone on the second site) and, for scale, the hostile run without the direction check
+(``--direction-floor=-1``). Reported: held-out loss at equal wall time, and how many of the
+hostile learner's contributions the direction check left out.
 
 Every setting runs once per seed; the table gives each run and the median over seeds.
 """
@@ -33,6 +43,25 @@ MIXED = {
     "K=1 + grace": [],
 }
 MIXED_FLEET = ["--learners=4", "--slow", "2=1.5", "--slow", "3=1.5", "--jitter=0.2"]
+SITES = ["--wan=0,1:rate=1gbit", "--wan=2,3:rate=50mbit,rtt=20ms"]
+HOSTILE = {
+    "learner 3 absent (M = 3)": [
+        "--learners=3",
+        "--wan=0,1:rate=1gbit",
+        "--wan=2:rate=50mbit,rtt=20ms",
+    ],
+    "learner 3 hostile": [
+        "--learners=4",
+        *SITES,
+        "--chaos=corrupt:learners=3,how=hostile,start=0s",
+    ],
+    "learner 3 hostile, no direction check": [
+        "--learners=4",
+        *SITES,
+        "--chaos=corrupt:learners=3,how=hostile,start=0s",
+        "--direction-floor=-1",
+    ],
+}
 ABLATION = {
     "default (RDA, token weights)": [],
     "weighted mean, no RDA": ["--merge=mean"],
@@ -66,6 +95,18 @@ def row(label: str, seed: int, s: dict) -> dict:
     }
 
 
+def excluded(run_dir: Path) -> dict:
+    """Rounds the hostile learner (learner-3) was in, and how many left it out."""
+    rounds = [
+        r
+        for line in (run_dir / "syncer" / "events.jsonl").read_text().splitlines()
+        if (r := json.loads(line))["event"] == "round"
+    ]
+    merged = sum("learner-3" in r["participants"] for r in rounds)
+    left_out = sum("learner-3" in r.get("excluded", {}) for r in rounds)
+    return {"hostile_merged": merged, "hostile_excluded": left_out}
+
+
 def table(rows: list[dict]) -> str:
     cols = ["loss", "goodput", "tokens", "learners_per_round", "at_least_3", "bytes_per_token"]
     lines = ["| setting | seeds | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
@@ -82,7 +123,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["mixed", "ablation"])
+    ap.add_argument("what", choices=["mixed", "ablation", "hostile"])
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--out", default="/tmp/bench-protocol")
     ap.add_argument("--minutes", type=float, default=2.0, help="mixed: wall time per run")
@@ -96,6 +137,9 @@ def main() -> int:
         if args.what == "mixed":
             base = [*MIXED_FLEET, f"--minutes={args.minutes}", f"--seed={seed}", "--eval-every=10"]
             settings = MIXED
+        elif args.what == "hostile":
+            base = [f"--minutes={args.minutes}", f"--seed={seed}", "--eval-every=10"]
+            settings = HOSTILE
         else:
             # as `diloco bench`'s clean condition: the run ends when every learner did its steps
             base = [f"--learners={args.learners}", f"--steps={args.steps}", "--minutes=40"]
@@ -106,6 +150,8 @@ def main() -> int:
             name = f"{args.what}-m{args.learners}-{tag}-s{seed}"
             summary = run(out, name, [*base, *flags])
             rows.append(row(label, seed, summary))
+            if args.what == "hostile":
+                rows[-1].update(excluded(out / name))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     (out / f"{args.what}-m{args.learners}.json").write_text(json.dumps(rows, indent=1))

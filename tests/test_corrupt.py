@@ -15,7 +15,13 @@ from torch import nn
 
 from diloco.algorithm import balanced_fragments, codecs
 from diloco.chaos import ChaosSpecError, corruptions, parse_spec, schedule
-from diloco.learner.corrupt import HUGE_FACTOR, Corruptor, corrupt_delta, corrupt_payload
+from diloco.learner.corrupt import (
+    HOSTILE_CLAIM,
+    HUGE_FACTOR,
+    Corruptor,
+    corrupt_delta,
+    corrupt_payload,
+)
 from diloco.learner.learner import Learner
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
@@ -59,6 +65,10 @@ def test_corruption_modes():
             codecs.decode(damaged, 3, codec)
     window = Corruptor("flip", start=10.0, end=20.0)
     assert not window.active(9.9) and window.active(10.0) and not window.active(20.0)
+    assert (window.tokens(240), window.declared(10)) == (240, 10)
+    hostile = Corruptor("hostile")
+    assert torch.equal(hostile.delta(delta), -delta)
+    assert (hostile.tokens(240), hostile.declared(10)) == (240 * HOSTILE_CLAIM, 10 * HOSTILE_CLAIM)
 
 
 def _model() -> nn.Module:

@@ -390,3 +390,90 @@ def test_synchronous_rounds_are_not_closed_by_ids_that_only_joined_and_left(tmp_
     finally:
         alice.close(), bob.close()
         server.stop()
+
+
+# ------------------------------------------------------------------ 5. weight and step claims
+def honest_deltas(n: int, count: int, agreement: float, seed: int) -> list[torch.Tensor]:
+    """``count`` deltas of one size sharing a common direction: pairwise cosine ~``agreement``."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(n, generator=gen)
+    own = [torch.randn(n, generator=gen) for _ in range(count)]
+    a = agreement**0.5
+    return [0.01 * (a * common + (1 - agreement) ** 0.5 * x) for x in own]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("agreement", [0.1, 0.5])
+def test_inflated_tokens_and_a_reversed_delta_cannot_turn_the_merged_update(tmp_path, agreement):
+    server = make_server(tmp_path, config(quorum=4, gamma=0.0, outer_scale="none"))
+    honest = [Peer(server, f"honest-{i}") for i in range(3)]
+    mallory = Peer(server, "mallory")
+    try:
+        for peer in honest:
+            peer.join(tokens_per_step=10)
+        mallory.join(tokens_per_step=1 << 24)  # declares the most a step may hold
+        n = numel(server, 0)
+        for seed in range(3):
+            deltas = honest_deltas(n, 3, agreement, seed)
+            mean = torch.stack(deltas).mean(0)
+            before = server.state.params[0].clone()
+            for peer, d in zip(honest, deltas, strict=True):
+                assert peer.upload(0, d, steps=24, tokens=240).accepted
+            reversed_ = -mean / mean.norm() * deltas[0].norm()  # the honest size, turned
+            assert mallory.upload(0, reversed_, steps=24, tokens=24 << 24).accepted
+            wait_until(lambda s=seed: len(rounds(tmp_path)) == s + 1, 10, "the round")
+            record = rounds(tmp_path)[-1]
+            assert record["excluded"].keys() == {"mallory"}, record
+            update = before - server.state.params[0]  # outer lr 1, no momentum: the merge
+            cos = torch.nn.functional.cosine_similarity(update, mean, dim=0)
+            assert cos > 0.5, f"merged update against the honest mean: cosine {cos:.3f}"
+    finally:
+        for peer in (*honest, mallory):
+            peer.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_weight_claims_are_capped_when_the_direction_is_ordinary(tmp_path):
+    server = make_server(tmp_path, config(quorum=3, gamma=0.0, direction_floor=-1.0))
+    peers = [Peer(server, name) for name in ("honest-0", "honest-1", "mallory")]
+    try:
+        for peer in peers[:2]:
+            peer.join(tokens_per_step=10)
+        peers[2].join(tokens_per_step=1 << 24)
+        d = torch.ones(numel(server, 0))
+        for peer in peers[:2]:
+            assert peer.upload(0, d, steps=24, tokens=240).accepted
+        assert peers[2].upload(0, d, steps=24, tokens=24 << 24).accepted
+        wait_until(lambda: rounds(tmp_path), 10, "the round")
+        record = rounds(tmp_path)[0]
+        weights = dict(zip(record["participants"], record["weights"], strict=True))
+        # tokens²/steps = 2400 for the honest ones; mallory's claim is capped at 3x that
+        assert weights == {"honest-0": 2400.0, "honest-1": 2400.0, "mallory": 7200.0}
+    finally:
+        for peer in peers:
+            peer.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_inflated_step_count_does_not_let_a_huge_delta_through(tmp_path):
+    server = make_server(tmp_path, config(gamma=0.0))
+    alice, mallory = Peer(server, "alice"), Peer(server, "mallory")
+    try:
+        alice.join(), mallory.join()
+        alice.heartbeat(steps_per_s=10.0), mallory.heartbeat(steps_per_s=10.0)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            d = 0.01 * torch.randn(numel(server, 0), generator=gen)
+            assert alice.upload(0, d, steps=24).accepted
+        theta = server.state.params[0]
+        huge = torch.randn(numel(server, 0), generator=gen)
+        huge = huge / huge.norm() * 9.0 * theta.norm()  # 9x the fragment's own norm
+        with pytest.raises(grpc.RpcError) as info:
+            mallory.upload(0, huge, steps=1 << 20, tokens=1 << 20)
+        assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert alice.upload(0, 0.01 * torch.randn(numel(server, 0), generator=gen)).accepted
+    finally:
+        alice.close(), mallory.close()
+        server.stop()

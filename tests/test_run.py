@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from diloco.algorithm import balanced_fragments
 from diloco.recipes import get_recipe
 from diloco.syncer.store import FragmentStore, read_tape
+from diloco.wire import auth
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +89,19 @@ def test_three_learners_train_and_end_with_the_syncers_parameters(tmp_path):
         r["learner"] for r in read_tape(run_dir / "syncer" / "events.jsonl") if r["event"] == "join"
     }
     assert {"learner-0", "learner-1", "learner-2"} <= joins
+
+    # The run made its own secret and gave each learner (and the evaluator) only its own
+    # token; the syncer wanted learner tokens.
+    secret = (run_dir / "token").read_text().strip()
+    assert (run_dir / "token").stat().st_mode & 0o777 == 0o600
+    for lid in ("learner-0", "learner-1", "learner-2"):
+        token_file = run_dir / "secrets" / f"{lid}.token"
+        assert token_file.read_text().strip() == auth.learner_token(secret, lid)
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        config = json.loads((run_dir / "config" / f"{lid}.json").read_text())
+        assert config["security"]["token_file"] == str(token_file)
+    syncer_config = json.loads((run_dir / "config" / "syncer.json").read_text())
+    assert syncer_config["security"]["learner_tokens"] is True
 
     # Every learner ends holding the syncer's final value of each fragment it received last.
     model = get_recipe("tiny").build_model(0)

@@ -282,3 +282,21 @@ def test_syncer_security_flags(tmp_path, monkeypatch):
         security(["--tls-client-ca=ca.pem"])
     with pytest.raises(auth.AuthConfigError, match="cannot read the TLS"):
         security(["--tls-cert=missing.pem", "--tls-key=missing.key"])
+
+
+def test_learner_token_command(tmp_path, monkeypatch, capsys):
+    from diloco.cli import main
+
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    (tmp_path / "secret").write_text(TOKEN)
+    assert main(["learner-token", "site-a", f"--token-file={tmp_path / 'secret'}"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == auth.learner_token(TOKEN, "site-a") and printed.startswith("dl1.site-a.")
+    assert auth.identity_of(printed, TOKEN) == "site-a"
+    assert auth.identity_of(printed, "another-secret-0123456789") is None
+    assert auth.identity_of(TOKEN, TOKEN) == auth.SHARED
+    assert auth.identity_of(printed.replace("site-a", "site-b"), TOKEN) is None
+    assert main(["learner-token", "bad id!", f"--token-file={tmp_path / 'secret'}"]) == 2
+    assert "learner id must be" in capsys.readouterr().err
+    assert main(["learner-token", "site-a"]) == 2
+    assert "no secret" in capsys.readouterr().err

@@ -23,7 +23,8 @@ Durations take ``ms``, ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIG
 ``corrupt:learners=1,how=huge``        silent data corruption: from ``start`` (for ``down``
                                        seconds, default the whole run) the learner damages
                                        every delta it uploads: ``huge`` (x1000), ``flip``
-                                       (sign) or ``nan`` (see ``diloco.learner.corrupt``)
+                                       (sign), ``nan``, or ``hostile`` (sign flipped and
+                                       100x the tokens claimed; ``diloco.learner.corrupt``)
 =====================================  ==================================================
 
 Any clause may add ``learners=0+2`` to restrict it to those learner indices, and
@@ -43,7 +44,7 @@ KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill", "syncer-ha
 SYNCER_KINDS = ("syncer-kill", "syncer-hang")
 #: Kinds carried out on a learner's network through its relay (see diloco.launch.relay).
 NETWORK_KINDS = ("partition", "drop", "delay")
-CORRUPT_HOWS = ("huge", "flip", "nan")
+CORRUPT_HOWS = ("huge", "flip", "nan", "hostile")
 
 
 class ChaosSpecError(ValueError):

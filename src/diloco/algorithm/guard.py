@@ -45,6 +45,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 DEFAULT_K = 20.0
 """Refuse a per-step norm above ``k ×`` the fragment's running median."""
 DEFAULT_PARAM_RATIO = 10.0
@@ -163,3 +165,26 @@ class NormHistory:
         if sum(len(q) for q in by_learner.values()) < max(min_history, 1):
             return None
         return statistics.median_high(statistics.median(q) for q in by_learner.values() if q)
+
+
+DIRECTION_SAMPLE = 1 << 16
+"""Values of a fragment the direction check compares (evenly strided when it has more)."""
+
+
+def consensus_cosines(deltas: list[torch.Tensor]) -> list[float]:
+    """Each delta's cosine with the coordinate-wise median of all of them.
+
+    The direction check of a round (``SyncerConfig.direction_floor``): a median has no use
+    for the merge weights, which are claims, and a minority cannot move it, so a delta that
+    points away from what most of the round agrees on (a reversed or an unrelated one, at any
+    size and any claimed weight) has a negative cosine while the honest majority's are
+    positive. Fragments larger than ``DIRECTION_SAMPLE`` values are compared on an evenly
+    strided sample of that many. Needs at least 3 deltas (a median of two is their mean).
+    """
+    if len(deltas) < 3:
+        raise ValueError(f"the direction check needs at least 3 deltas, got {len(deltas)}")
+    stride = max(1, -(-deltas[0].numel() // DIRECTION_SAMPLE))
+    sample = torch.stack([d.reshape(-1)[::stride].float() for d in deltas])
+    median = sample.median(dim=0).values
+    cosines = torch.nn.functional.cosine_similarity(sample, median.unsqueeze(0), dim=1)
+    return [float(c) for c in cosines]

@@ -99,7 +99,9 @@ class RunConfig:
     shards: int = option(1, metavar="S")
     """Start S syncer processes, each owning the fragments p mod S == i."""
     token_file: str | None = option(None, metavar="FILE")
-    """Shared token file passed to the syncer, learners and evaluator (loopback needs none)."""
+    """The run's shared secret (default: ``$DILOCO_TOKEN``, else a fresh one in
+    ``<run dir>/token``); each learner and the evaluator get their own token derived from it
+    (docs/security.md)."""
     wan: list[str] = option(default_factory=list, metavar="SPEC")
     """Put each learner on its own shaped wide-area link (root only; repeatable; docs/wan.md):
     ``rate=50mbit,rtt=40ms`` for every learner, ``2,3:rate=5mbit,rtt=80ms`` for learners 2

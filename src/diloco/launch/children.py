@@ -91,7 +91,9 @@ def service_config(config: RunConfig) -> ServiceConfig:
         recipe=config.recipe,
         protocol=config.protocol,
         syncer=syncer,
-        security=ServerSecurityConfig(token_file=config.token_file),
+        security=ServerSecurityConfig(
+            token_file=config.token_file, learner_tokens=config.token_file is not None
+        ),
     )
 
 
@@ -126,15 +128,17 @@ def worker_config(
     started: float,
     workdir: Path,
     corrupt: dict,
+    token_file: str | None = None,
 ) -> WorkerConfig:
     """One learner's configuration. The lr schedule fits the time budget; a learner the
-    launcher may not be able to signal (Ray backend) also gets the budget as a deadline."""
+    launcher may not be able to signal (Ray backend) also gets the budget as a deadline.
+    ``token_file``: the learner's own token (default: the run's shared one)."""
     budget_s = config.minutes * 60 if config.minutes else 0.0
     signal_free = config.ray.backend == "ray" and config.minutes
     return WorkerConfig(
         recipe=config.recipe,
         protocol=config.protocol,
-        security=ClientSecurityConfig(token_file=config.token_file),
+        security=ClientSecurityConfig(token_file=token_file or config.token_file),
         syncer=syncer,
         id=plan.id,
         index=plan.index,

@@ -12,6 +12,7 @@ global model, then the syncer stops. The run directory holds everything:
     runs/<name>/syncer-<i>/        with --shards S: shard i's durable state (one shared tape)
     runs/<name>/learners/<id>/     progress.jsonl, final.json, final.safetensors
     runs/<name>/logs/              one log per process
+    runs/<name>/token, secrets/    the run's secret and each learner's own token (mode 0600)
     runs/<name>/metrics.jsonl      held-out loss of the global model over time
     runs/<name>/summary.json       the summary (also printed; ``--json`` prints it as JSON)
 """
@@ -85,8 +86,10 @@ def run(config: RunConfig) -> int:
     import torch
 
     from diloco.chaos import ChaosSpecError
+    from diloco.launch.secrets import with_token
     from diloco.recipes import DataError
     from diloco.syncer.store import EventTape
+    from diloco.wire.auth import load_token
 
     torch.set_num_threads(1)
     try:
@@ -101,14 +104,13 @@ def run(config: RunConfig) -> int:
         print(f"diloco run: {run_dir} already exists; pick another --name", file=sys.stderr)
         return 2
     (run_dir / "logs").mkdir(parents=True)
+    config = with_token(config, run_dir)
+    prep.token = load_token(config.token_file)
     fabric = None
     if config.wan:
-        from diloco.launch.wan import open_fabric, with_token
+        from diloco.launch.wan import open_fabric
         from diloco.wan.fabric import WanUnavailable
-        from diloco.wire.auth import load_token
 
-        config = with_token(config, run_dir)
-        prep.token = load_token(config.token_file)
         try:
             fabric = open_fabric(config)
         except WanUnavailable as exc:
@@ -235,7 +237,7 @@ class Launch:
     def start_evaluator(self, address: str) -> None:
         """Score the initial model, then join the syncer as an observer."""
         from diloco.launch.evaluator import Evaluator
-        from diloco.wire.auth import client_link_options
+        from diloco.wire.auth import client_link_options, learner_token
 
         recipe, seed = self.prep.recipe, self.config.recipe.seed
         model0 = recipe.build_model(seed)
@@ -247,11 +249,14 @@ class Launch:
             address,
             seed=seed,
             fragments=self.config.protocol.fragments,
-            link_options=client_link_options(token=self.prep.token),
+            link_options=client_link_options(
+                token=learner_token(self.prep.token, "evaluator") if self.prep.token else None
+            ),
         )
 
     def start_learners(self, address: str) -> None:
         """Write each learner's configuration and start it (through its relay, if any)."""
+        from diloco.launch.secrets import learner_token_file
         from diloco.runtime.procs import diloco_command
 
         sup, run_dir = self.sup, self.run_dir
@@ -269,6 +274,9 @@ class Launch:
                 started=self.started,
                 workdir=run_dir / "learners" / plan.id,
                 corrupt=corrupt,
+                token_file=learner_token_file(run_dir, self.prep.token, plan.id)
+                if self.prep.token
+                else None,
             )
             path = write_config(run_dir / "config" / f"{plan.id}.json", worker)
             sup.add(

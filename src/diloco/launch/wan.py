@@ -4,17 +4,11 @@ The supervisor makes the :class:`~diloco.wan.fabric.Fabric` (one namespace per l
 namespace for the syncer), moves itself into the hub namespace (so the syncer, the evaluator
 and the status client it starts talk over the hub's own loopback), and starts learner ``i``
 inside namespace ``i``, pointed at the syncer's address on link ``i``. The syncer then binds
-every address of the hub, so the run needs a token: without ``--token-file`` a fresh one is
-written to ``<run_dir>/token`` (mode 0600). At the end the summary gets a ``wan`` section:
+every address of the hub, with the run's token (``diloco.launch.secrets``). At the end the summary gets a ``wan`` section:
 per link, its spec and the bytes at the learner's interface beside the transport's count.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import os
-import secrets
-from pathlib import Path
 
 from diloco.config.run import RunConfig
 
@@ -39,17 +33,6 @@ def check_wan(config: RunConfig, clauses) -> None:
         raise ValueError(
             f"--chaos {','.join(kinds)} is not supported with --wan yet: shape the link instead"
         )
-
-
-def with_token(config: RunConfig, run_dir: Path) -> RunConfig:
-    """``config`` with a token file: its own, or a fresh one written to ``run_dir/token``."""
-    if config.token_file or os.environ.get("DILOCO_TOKEN"):
-        return config
-    path = run_dir / "token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    return dataclasses.replace(config, token_file=str(path))
 
 
 def open_fabric(config: RunConfig):

@@ -7,7 +7,11 @@ wall-clock times, the way broken hardware would, while training normally otherwi
   the syncer's norm guard must catch it);
 - ``flip``: the delta's sign is flipped (ordinary norm; only averaging limits it);
 - ``nan``: the encoded payload's first four bytes become a NaN (the syncer's decoder must
-  refuse it; the learner's own encoder would refuse a NaN delta, so it is injected after).
+  refuse it; the learner's own encoder would refuse a NaN delta, so it is injected after);
+- ``hostile``: an attacker rather than broken hardware: the delta's sign is flipped (its
+  ordinary norm passes the guard) and the learner declares ``HOSTILE_CLAIM`` times its
+  tokens per step at join and claims that many times its tokens in every upload, to
+  outweigh the honest learners (docs/security.md "A hostile learner").
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from diloco.chaos import CORRUPT_HOWS
 
 HUGE_FACTOR = 1e3
 """What ``huge`` multiplies a delta by."""
+HOSTILE_CLAIM = 100
+"""What ``hostile`` multiplies its declared tokens per step and its token claims by."""
 _NAN = b"\xc0\x7f\xc0\x7f"  # NaN as float32 LE and as two bfloat16 LE; also an int8/int4 scale
 
 
@@ -27,7 +33,7 @@ def corrupt_delta(delta: torch.Tensor, how: str) -> torch.Tensor:
     """A damaged copy of ``delta`` (``delta`` itself is not modified)."""
     if how == "huge":
         return delta * HUGE_FACTOR
-    if how == "flip":
+    if how in ("flip", "hostile"):
         return -delta
     if how == "nan":
         return delta
@@ -61,3 +67,11 @@ class Corruptor:
 
     def payload(self, payload: bytes) -> bytes:
         return corrupt_payload(payload, self.how)
+
+    def tokens(self, tokens: int) -> int:
+        """The token count an upload claims (``hostile`` inflates it)."""
+        return tokens * HOSTILE_CLAIM if self.how == "hostile" else tokens
+
+    def declared(self, tokens_per_step: int) -> int:
+        """The tokens per step declared at join (``hostile`` inflates it)."""
+        return tokens_per_step * HOSTILE_CLAIM if self.how == "hostile" else tokens_per_step

@@ -373,7 +373,9 @@ class SyncerLink:
                 num_fragments=self.layout.num_fragments,
                 tensors=tensors,
                 observer=self.observer,
-                tokens_per_step=self.tokens_per_step,
+                tokens_per_step=self.corruptor.declared(self.tokens_per_step)
+                if self.corruptor
+                else self.tokens_per_step,
             ),
             timeout=self.rpc_timeout_s,
             metadata=self.metadata,
@@ -496,7 +498,7 @@ class SyncerLink:
                     fragment=job.fragment,
                     base_version=job.base_version,
                     steps=job.steps,
-                    tokens=job.tokens,
+                    tokens=self.corruptor.tokens(job.tokens) if corrupt else job.tokens,
                     codec=self.up_codec,
                     numel=job.delta.numel(),
                     chunk_index=i,

@@ -71,6 +71,10 @@ class SyncerConfig:
     weight_cap: float = option(3.0)
     """No contribution weighs more than this × the round's lower median weight
     (``diloco.algorithm.merge.cap_weights``); 0 turns the cap off."""
+    direction_floor: float = option(0.0, metavar="COS")
+    """In a round of 3 or more contributions, one whose cosine with the round's
+    coordinate-wise median (``diloco.algorithm.guard.consensus_cosines``) is below this is
+    left out of the merge (a reversed or unrelated delta); -1 turns the check off."""
     max_tokens_per_step: int = 1 << 24
     """Sanity bound on ``tokens / steps`` in a contribution."""
     max_steps_per_contribution: int = 1 << 24
@@ -96,6 +100,8 @@ class SyncerConfig:
             raise ValueError(f"merge_rule must be one of {MERGE_RULES} (got {self.merge_rule!r})")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS} (got {self.weighting!r})")
+        if not -1.0 <= self.direction_floor <= 1.0:
+            raise ValueError(f"direction_floor must be in [-1, 1] (got {self.direction_floor})")
         if not self.weight_cap >= 0:
             raise ValueError(f"weight_cap must be >= 0 (0: off; got {self.weight_cap})")
         if self.quorum < 1:

@@ -25,7 +25,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from diloco.algorithm.fragments import FragmentLayout, fragment_digest
-from diloco.algorithm.guard import NormHistory, check_norm, plausible_steps
+from diloco.algorithm.guard import (
+    NormHistory,
+    check_norm,
+    consensus_cosines,
+    plausible_steps,
+)
 from diloco.algorithm.merge import cap_weights, merge_contributions
 from diloco.algorithm.outer import NesterovOuter, round_share
 from diloco.algorithm.rounds import (
@@ -393,7 +398,7 @@ class SyncerState(LearnerRoster):
                 wake = wait_until if wake is None else min(wake, wait_until)
         return commits, wake
 
-    def _share(self, fragment: int, round_: FragmentRound, live: set[str], now: float) -> float:
+    def _share(self, fragment: int, round_: FragmentRound, kept, live: set[str], now) -> float:
         """The factor this round's merged delta is scaled by (``SyncerConfig.outer_scale``).
 
         An absent live learner that contributed recently (``recent_contributors``) is
@@ -406,7 +411,7 @@ class SyncerState(LearnerRoster):
         counted = self.recent_contributors(now)
         absent = sorted((live & counted) - set(round_.contributions))
         since = now - self.last_commit_at.get(fragment, now)
-        here = [c.tokens for c in round_.contributions.values()]
+        here = [c.tokens for c in kept]  # (a contribution the direction check left out: none)
         most = self.config.weight_cap * statistics.median(here) or float("inf")
         expected = []
         for lid in absent:
@@ -416,9 +421,26 @@ class SyncerState(LearnerRoster):
             expected.append(None if guess is None else min(guess, most))
         return round_share(here, expected)
 
+    def _consensus(self, contribs: list[Contribution]) -> tuple[list[Contribution], dict, dict]:
+        """``(kept, excluded, cosines)``: the contributions the merge keeps, ``{learner:
+        cosine}`` of those it leaves out (in a round of 3 or more, those whose cosine with the
+        round's coordinate-wise median is below ``direction_floor``; all are kept if none
+        would remain) and of every one (empty when the check did not run)."""
+        floor = self.config.direction_floor
+        if len(contribs) < 3 or floor <= -1.0:
+            return contribs, {}, {}
+        cosines = consensus_cosines([c.delta for c in contribs])
+        by_id = {c.learner_id: round(cos, 4) for c, cos in zip(contribs, cosines, strict=True)}
+        kept = [c for c in contribs if by_id[c.learner_id] >= floor]
+        if not kept:
+            return contribs, {}, by_id
+        return kept, {lid: cos for lid, cos in by_id.items() if cos < floor}, by_id
+
     def _commit(self, fragment: int, reason: str, now: float, live: set[str]) -> Commit:
         round_ = self.rounds.pop(fragment)
-        contribs = sorted(round_.contributions.values(), key=lambda c: c.learner_id)
+        contribs, excluded, cosines = self._consensus(
+            sorted(round_.contributions.values(), key=lambda c: c.learner_id)
+        )
         raw = [c.weight if self.config.weighting == "tokens" else c.discount for c in contribs]
         weights = cap_weights(raw, self.config.weight_cap)
         merged = merge_contributions(
@@ -427,7 +449,7 @@ class SyncerState(LearnerRoster):
             self.layout.fragments[fragment],
             **({"is_embedding": _every_tensor} if self.config.merge_rule == "mean" else {}),
         )
-        share = self._share(fragment, round_, live, now)
+        share = self._share(fragment, round_, contribs, live, now)
         self.last_commit_at[fragment] = now
         if share != 1.0:
             merged = merged * share
@@ -453,6 +475,8 @@ class SyncerState(LearnerRoster):
             "increments": [c.increments for c in contribs],
             "reason": reason,
             "share": round(share, 6),
+            "excluded": excluded,
+            "cosines": cosines,
             "delta_norm": float(merged.norm()),
         }
         return Commit(
