@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
 
 P = 4
+LOSE = True
 STEPS = 200
 
 
@@ -139,6 +141,75 @@ def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_c
     assert len(rounds) >= 4 * P
     for i, lr in enumerate(learners):
         assert lr.local_step == STEPS
+        for p in range(P):
+            merged = merged_steps(rounds, f"l{i}", p)
+            assert merged + lr.unsent()[p] == STEPS, (i, p, merged, lr.unsent())
+
+
+class LoseEveryThirdReply(grpc.ServerInterceptor):
+    """The syncer handles every upload, but every third reply is lost on its way back."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.lost = 0
+        self._lock = threading.Lock()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.endswith("/Upload"):
+            return handler
+        inner = handler.stream_unary
+
+        def lossy(request_iterator, context):
+            reply = inner(request_iterator, context)
+            with self._lock:
+                self.count += 1
+                lose = self.count % 3 == 0 and LOSE
+                self.lost += lose
+            if lose:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost")
+            return reply
+
+        return grpc.stream_unary_rpc_method_handler(
+            lossy,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+@pytest.mark.timeout(120)
+def test_an_upload_whose_reply_was_lost_is_merged_once(tmp_path):
+    """The syncer accepted an upload but its reply never arrived: the learner sends it again
+    as it was (same upload id), the syncer answers with its first verdict, and the delta is
+    merged once (folding it into the next delta merged it twice: 217 of 200 steps, once)."""
+    model = make_model(0)
+    layout = balanced_fragments(model.named_parameters(), P)
+    named = dict(model.named_parameters())
+    lossy = LoseEveryThirdReply()
+    server = SyncerServer(
+        layout,
+        [layout.gather(p, named) for p in range(P)],
+        SyncerConfig(sync_every=4, lease_s=5.0, heartbeat_s=0.2, norm_guard_k=0.0),
+        tape_path=tmp_path / "events.jsonl",
+        interceptors=[lossy],
+    ).start()
+    learners: list[Learner] = []
+    try:
+        learners, threads = start_training([server.address] * 2)
+        for t in threads:
+            t.join(timeout=60)
+        for lr in learners:
+            lr.close(flush=True)
+        deadline = time.monotonic() + 20
+        while any(r.contributions for r in server.state.rounds.values()):
+            assert time.monotonic() < deadline, "rounds did not settle"
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    tape = read_tape(tmp_path / "events.jsonl")
+    assert lossy.lost >= 10 and [r for r in tape if r["event"] == "resent"]
+    rounds = [r for r in tape if r["event"] == "round"]
+    for i, lr in enumerate(learners):
         for p in range(P):
             merged = merged_steps(rounds, f"l{i}", p)
             assert merged + lr.unsent()[p] == STEPS, (i, p, merged, lr.unsent())

@@ -116,6 +116,8 @@ class Admission:
     resync: bool
     """Refused because too stale: the learner should pull the fragment again."""
     reason: str
+    version: int | None = None
+    """The fragment's version when the syncer admitted it (set by the syncer's state)."""
 
 
 def staleness_discount(staleness: int) -> float:

@@ -8,7 +8,7 @@ backoff when the syncer goes away. The training loop only ever calls ``submit`` 
 answer through ``on_result`` (accepted, refused, failed, ...), except a withdrawn one.
 
 Threads: ``link`` (connect / reconnect and the subscription stream), ``sender`` (encodes
-and uploads), ``heartbeat``. A refused join (another model) is fatal: ``error`` is set and
+and uploads the jobs of its ``diloco.learner.uploads.UploadQueue``), ``heartbeat``. A refused join (another model) is fatal: ``error`` is set and
 the owner raises it to the user.
 """
 
@@ -21,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.corrupt import Corruptor
 from diloco.learner.pacing import UploadMeter, backlog_seconds
+from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
@@ -35,35 +35,6 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
-
-
-@dataclass
-class UploadJob:
-    """One outer gradient to send: fragment ``fragment``'s ``A_p − θ_p``."""
-
-    fragment: int
-    base_version: int
-    steps: int
-    tokens: int
-    delta: torch.Tensor
-    step_time_s: float
-    local_step: int = 0
-    """The learner's step when it queued this delta (for its delivery log)."""
-    job_id: int = 0
-    final: bool = False
-    """The learner is stopping: the syncer merges this without waiting for its clock."""
-
-
-@dataclass(frozen=True)
-class UploadResult:
-    """The answer to one upload: ``outcome`` is ``accepted`` (``admitted`` is the fragment's
-    version at admission, ``sent`` the delta as the syncer decoded it), ``guard`` (the norm
-    guard refused it), ``stale`` (too stale, resync), ``refused`` (another refusal) or
-    ``failed`` (no answer: connection lost, timeout)."""
-
-    outcome: str
-    admitted: int = -1
-    sent: torch.Tensor | None = None
 
 
 @dataclass
@@ -161,7 +132,7 @@ class SyncerLink:
         # (seen as a segfault in a test's close()): both happen under this lock.
         self._channel_lock = threading.Lock()
         self._closing = threading.Event()
-        self._init_queue()
+        self.queue = UploadQueue(self._encoded_size)
         self._threads = [
             threading.Thread(target=self._link_loop, name=f"link-{learner_id}", daemon=True),
             threading.Thread(target=self._send_loop, name=f"sender-{learner_id}", daemon=True),
@@ -169,18 +140,6 @@ class SyncerLink:
                 target=self._heartbeat_loop, name=f"heartbeat-{learner_id}", daemon=True
             ),
         ]
-
-    def _init_queue(self) -> None:
-        """The upload queue: jobs by fragment, their turns, the sender's condition."""
-        self._jobs: dict[int, UploadJob] = {}
-        # When each fragment first queued a job not yet sent: a job withdrawn and queued again
-        # keeps its turn (oldest waiting fragment first), so a fragment asked again and again
-        # while its upload waits is not sent to the back of the queue each time.
-        self._waiting_since: dict[int, int] = {}
-        self._queued_count = 0
-        self._jobs_cond = threading.Condition()
-        self._in_flight = 0
-        self._in_flight_bytes = 0
 
     # ------------------------------------------------------------------ public
     def start(self) -> SyncerLink:
@@ -191,20 +150,14 @@ class SyncerLink:
     def submit(self, job: UploadJob) -> None:
         """Queue an upload. A job of the same fragment still queued is replaced and answered
         ``failed`` (callers that keep a ledger ``withdraw`` it first)."""
-        with self._jobs_cond:
-            replaced = self._jobs.pop(job.fragment, None)
-            self._jobs[job.fragment] = job
-            self._queued_count += 1
-            self._waiting_since.setdefault(job.fragment, self._queued_count)
-            self._jobs_cond.notify()
+        replaced = self.queue.put(job)
         if replaced is not None:
             self._answer(replaced, UploadResult("failed"))
 
     def withdraw(self, fragment: int) -> UploadJob | None:
         """Take back the queued, not yet sent job of ``fragment`` (None if there is none: it
         was sent or is being sent, and will be answered)."""
-        with self._jobs_cond:
-            return self._jobs.pop(fragment, None)
+        return self.queue.withdraw(fragment)
 
     def backlog_s(self, fragment: int) -> float:
         """How long this link's waiting uploads take at its measured rate (``fragment``: for
@@ -217,17 +170,14 @@ class SyncerLink:
 
     def backlog_bytes(self) -> int:
         """Payload bytes of the uploads waiting to be sent or being sent."""
-        with self._jobs_cond:
-            queued = sum(self._encoded_size(job) for job in self._jobs.values())
-            return queued + self._in_flight_bytes
+        return self.queue.backlog_bytes()
 
     def _encoded_size(self, job: UploadJob) -> int:
         return codecs.encoded_nbytes(job.delta.numel(), self.up_codec)
 
     def queued_jobs(self) -> set[int]:
         """Ids of the jobs waiting to be sent (not yet on the wire)."""
-        with self._jobs_cond:
-            return {job.job_id for job in self._jobs.values()}
+        return self.queue.queued_ids()
 
     def reconnect(self) -> None:
         """Join and subscribe again (the learner asks for keyframes of fragments it cannot
@@ -243,19 +193,19 @@ class SyncerLink:
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every queued upload has been sent (or given up); True if idle in time."""
         deadline = time.monotonic() + timeout
-        with self._jobs_cond:
-            while self._jobs or self._in_flight:
+        with self.queue.cond:
+            while self.queue.busy():
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.connected.is_set():
                     return False
-                self._jobs_cond.wait(min(left, 0.1))
+                self.queue.cond.wait(min(left, 0.1))
         return True
 
     def close(self, *, leave: bool = True) -> None:
         """Stop all threads (bounded) and, if connected, tell the syncer we leave."""
         self._closing.set()
-        with self._jobs_cond:
-            self._jobs_cond.notify_all()
+        with self.queue.cond:
+            self.queue.cond.notify_all()
         if leave and self.connected.is_set():
             self._leave_quietly()
         with self._channel_lock:
@@ -342,8 +292,8 @@ class SyncerLink:
             metadata=self.metadata,
         )
         self.connected.set()
-        with self._jobs_cond:
-            self._jobs_cond.notify_all()
+        with self.queue.cond:
+            self.queue.cond.notify_all()
         self._listen(stream)
 
     def _open_channel(self) -> pb_grpc.SyncerStub | None:
@@ -437,29 +387,14 @@ class SyncerLink:
 
     def _send_loop(self) -> None:
         while not self._closing.is_set():
-            with self._jobs_cond:
-                while not self._closing.is_set() and (
-                    not self._jobs or not self.connected.is_set()
-                ):
-                    self._jobs_cond.wait(0.2)
-                if self._closing.is_set() and not self._jobs:
-                    return
-                if not self._jobs:
-                    continue
-                # Oldest waiting fragment first: a replaced (or withdrawn and queued again)
-                # job keeps its turn, so when uploads cannot keep up every fragment still
-                # gets its turn.
-                fragment = min(self._jobs, key=lambda p: self._waiting_since.get(p, 0))
-                job = self._jobs.pop(fragment)
-                self._waiting_since.pop(fragment, None)
-                self._in_flight += 1
-                size = self._encoded_size(job)
-                self._in_flight_bytes += size
+            job = self.queue.take(self.connected.is_set, self._closing)
+            if job is None:
+                continue
             try:
                 result = self._upload(job)
             except ValueError:
                 # The link thread closed the channel under us (connection lost): the job
-                # fails; the learner sends its progress again next time.
+                # goes again once reconnected (``UploadQueue.send_again``).
                 self.stats.uploads_failed += 1
                 result = UploadResult("failed")
             except Exception as exc:  # the sender must never die silently
@@ -467,12 +402,15 @@ class SyncerLink:
                 log.warning("upload of fragment %d failed: %r", job.fragment, exc)
                 result = UploadResult("failed")
             try:
-                self._answer(job, result)
+                again, older = (False, None)
+                if result.outcome == "failed":
+                    again, older = self.queue.send_again(job, self._closing)
+                if older is not None:
+                    self._answer(older, UploadResult("failed"))
+                if not again:
+                    self._answer(job, result)
             finally:
-                with self._jobs_cond:
-                    self._in_flight -= 1
-                    self._in_flight_bytes -= size
-                    self._jobs_cond.notify_all()
+                self.queue.done(job)
 
     def _upload(self, job: UploadJob) -> UploadResult:
         stub = self._stub
@@ -480,10 +418,10 @@ class SyncerLink:
             self.stats.uploads_failed += 1
             return UploadResult("failed")
         corrupt = self.corruptor is not None and self.corruptor.active(time.time())
-        delta = self.corruptor.delta(job.delta) if corrupt else job.delta
-        payload = codecs.encode(delta, self.up_codec)
+        meant = payload = codecs.encode(job.delta, self.up_codec)
         if corrupt:
-            payload = self.corruptor.payload(payload)
+            damaged = codecs.encode(self.corruptor.delta(job.delta), self.up_codec)
+            payload = self.corruptor.payload(damaged)
             self.stats.corrupted += 1
         view = memoryview(payload)
         pieces = [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [
@@ -506,6 +444,7 @@ class SyncerLink:
                     data=bytes(piece),
                     step_time_s=job.step_time_s,
                     final=job.final,
+                    upload_id=job.upload_id,
                 )
 
         self.meter.began(len(payload))
@@ -532,9 +471,10 @@ class SyncerLink:
         if not reply.accepted:
             self.stats.stale_replies += 1
             return UploadResult("stale")
-        # What the syncer merges is the decoded payload (corrupted or not); the rest of the
-        # delta (the quantization residual) stays with the learner for the next upload.
-        sent = codecs.decode(payload, job.delta.numel(), self.up_codec)
+        # The rest of the delta (the quantization residual) stays with the learner for the
+        # next upload. A corrupted upload counts as what the learner meant to send: the damage
+        # (broken hardware, or an attacker's lie) is not fed back into its own progress.
+        sent = codecs.decode(meant, job.delta.numel(), self.up_codec)
         return UploadResult("accepted", reply.current_version, sent)
 
     def _heartbeat_loop(self) -> None:

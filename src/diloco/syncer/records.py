@@ -11,6 +11,8 @@ import torch
 from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import token_weight
 
+REMEMBERED_UPLOADS = 256
+"""Accepted upload ids the syncer remembers per learner (a resend comes within a few)."""
 MAX_STEP_TIME_S = 3600.0
 """Upper bound (exclusive) of a step time a learner may report, in uploads and heartbeats."""
 
@@ -57,6 +59,9 @@ class LearnerInfo:
     rejoins; before the first: ``first_joined_at``): the guard's bound on claimed steps."""
     first_joined_at: float | None = None
     """When this id first joined this syncer (kept across rejoins)."""
+    uploads: dict[int, int] = field(default_factory=dict)
+    """Upload ids of its last ``REMEMBERED_UPLOADS`` accepted uploads and the version each
+    was admitted at (kept across rejoins): a resend is answered, not merged again."""
     _rate_mark: tuple[float, int] | None = None
 
 

@@ -90,6 +90,7 @@ class LearnerRoster:
                 old.bytes_down,
             )
             info.accepted_at, info.first_joined_at = old.accepted_at, old.first_joined_at
+            info.uploads = old.uploads
         self.learners[learner_id] = info
         self.emit(
             {

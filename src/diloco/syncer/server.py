@@ -67,7 +67,8 @@ class SyncerServer:
         if given, only these ids may join (learners and observers alike). ``learner_tokens``:
         learners must present their own token (``diloco.wire.auth.learner_token`` of
         ``token``); a call made with a learner's token may only act as that learner either
-        way. ``shard=(i, S)``:
+        way. ``max_learners`` sizes the stream caps and the thread pool
+        (``diloco.syncer.limits``). ``shard=(i, S)``:
         own only the fragments of shard i of S (``diloco.algorithm.shards``); ``fragments``
         overrides that list."""
         auth.check_bind(bind, token)

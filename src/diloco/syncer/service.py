@@ -329,8 +329,11 @@ class SyncerService(pb_grpc.SyncerServicer):
                     nbytes=len(payload),
                     now=time.time(),
                     final=header.final,
+                    upload_id=header.upload_id,
                 )
                 current = self.state.versions[header.fragment]
+                if admission.version is not None:
+                    current = admission.version
         except LimitExceeded as exc:
             err = Refused("RESOURCE_EXHAUSTED", str(exc))
             return self._refuse(context, who.get("learner_id", ""), err, "Upload")

@@ -18,6 +18,7 @@ that arrives while its fragment has no open round waits in the fragment's next r
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import uuid
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ from diloco.algorithm.rounds import (
 from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.records import (
+    REMEMBERED_UPLOADS,
     Commit,
     Contribution,
     FragmentRound,
@@ -134,6 +136,7 @@ class SyncerState(LearnerRoster):
         nbytes: int,
         now: float,
         final: bool = False,
+        upload_id: int = 0,
     ) -> Admission:
         """Put a decoded contribution into fragment ``fragment``'s open round.
 
@@ -142,9 +145,14 @@ class SyncerState(LearnerRoster):
         schedule a contribution that finds no open round waits for the fragment's next tick;
         a ``final`` one (the learner is stopping and will not answer again) counts as its
         answer to that round, so learners that stop one after another are merged with the
-        others and no extra round is made for them.
+        others and no extra round is made for them. An ``upload_id`` the learner's accepted
+        uploads already hold is a resend (its reply was lost): answered with the version it
+        was admitted at, and nothing changes.
         """
         info = self.session_of(learner_id, session)
+        if upload_id and upload_id in info.uploads:
+            self.emit({"event": "resent", "t": now, "learner": learner_id, "fragment": fragment})
+            return Admission(True, 1.0, 0, False, "already accepted", info.uploads[upload_id])
         norm = self._check_contribution(
             info,
             fragment,
@@ -193,6 +201,11 @@ class SyncerState(LearnerRoster):
         info.contributions += 1
         info.last_tokens = tokens
         info.accepted_at[fragment] = now
+        admission = dataclasses.replace(admission, version=self.versions[fragment])
+        if upload_id:
+            info.uploads[upload_id] = admission.version
+            for old in list(info.uploads)[:-REMEMBERED_UPLOADS]:
+                del info.uploads[old]
         self.norms.record(fragment, norm, steps, learner_id)
         return admission
 

@@ -107,4 +107,5 @@ def _header_fields(chunk: pb.UploadChunk) -> tuple:
         chunk.num_chunks,
         chunk.step_time_s,
         chunk.final,
+        chunk.upload_id,
     )

@@ -1,0 +1,167 @@
+"""A learner link's upload queue: what waits to be sent, what is in flight, what goes again.
+
+Per fragment at most one new job waits (a newer one replaces it, and the replaced one is
+answered ``failed``); fragments take turns, oldest waiting first. Every upload that got no
+answer waits to be sent again as it was (``MAX_RESENDS``, same upload id) before any new
+job, so an upload the syncer accepted but whose reply was lost is merged once. The queue only
+keeps order and counts; the link's sender thread sends and answers. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class UploadJob:
+    """One outer gradient to send: fragment ``fragment``'s ``A_p − θ_p``."""
+
+    fragment: int
+    base_version: int
+    steps: int
+    tokens: int
+    delta: torch.Tensor
+    step_time_s: float
+    local_step: int = 0
+    """The learner's step when it queued this delta (for its delivery log)."""
+    job_id: int = 0
+    final: bool = False
+    """The learner is stopping: the syncer merges this without waiting for its clock."""
+    upload_id: int = 0
+    """Names this delta on the wire across resends (given by the link when first sent)."""
+    attempts: int = 0
+    """Times it was sent without an answer (``MAX_RESENDS`` bounds the resends)."""
+    resend_at: float = 0.0
+    """``time.monotonic()`` before which it is not sent again."""
+
+
+MAX_RESENDS = 3
+"""An upload that got no answer (connection lost, timeout, the syncer's stream cap) is sent
+again as it was, with its upload id, up to this many times before it is answered
+``failed``: if the syncer had accepted it and only its reply was lost, it answers the resend
+with its first verdict, so the delta is merged once (folding it into the next delta would
+merge it twice)."""
+MAX_WAITING_RESENDS = 64
+"""Unanswered uploads a link keeps to send again; beyond it the oldest is answered ``failed``."""
+RESEND_PAUSE_S = 0.5
+"""The n-th resend waits ``n × RESEND_PAUSE_S`` (time for the link to reconnect)."""
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    """The answer to one upload: ``outcome`` is ``accepted`` (``admitted`` is the fragment's
+    version at admission, ``sent`` the delta as the syncer decoded it), ``guard`` (the norm
+    guard refused it), ``stale`` (too stale, resync), ``refused`` (another refusal) or
+    ``failed`` (no answer: connection lost, timeout)."""
+
+    outcome: str
+    admitted: int = -1
+    sent: torch.Tensor | None = None
+
+
+class UploadQueue:
+    """Jobs waiting by fragment, unanswered ones waiting to go again, the one in flight."""
+
+    def __init__(self, encoded_size: Callable[[UploadJob], int]) -> None:
+        """``encoded_size(job)``: the payload bytes of a job (for the backlog)."""
+        self.encoded_size = encoded_size
+        self.cond = threading.Condition()
+        self._jobs: dict[int, UploadJob] = {}
+        self._resends: list[UploadJob] = []
+        # When each fragment first queued a job not yet sent: a job withdrawn and queued again
+        # keeps its turn (oldest waiting fragment first), so a fragment asked again and again
+        # while its upload waits is not sent to the back of the queue each time.
+        self._waiting_since: dict[int, int] = {}
+        self._queued_count = 0
+        self._in_flight = 0
+        self._in_flight_bytes = 0
+        self._upload_ids = itertools.count(secrets.randbits(40) << 20)
+
+    def put(self, job: UploadJob) -> UploadJob | None:
+        """Queue ``job``; returns the job of the same fragment it replaced (if any)."""
+        with self.cond:
+            replaced = self._jobs.pop(job.fragment, None)
+            self._jobs[job.fragment] = job
+            self._queued_count += 1
+            self._waiting_since.setdefault(job.fragment, self._queued_count)
+            self.cond.notify()
+        return replaced
+
+    def withdraw(self, fragment: int) -> UploadJob | None:
+        """Take back the waiting (never sent) job of ``fragment``, if any."""
+        with self.cond:
+            return self._jobs.pop(fragment, None)
+
+    def queued_ids(self) -> set[int]:
+        """Job ids waiting to be sent for the first time."""
+        with self.cond:
+            return {job.job_id for job in self._jobs.values()}
+
+    def backlog_bytes(self) -> int:
+        """Payload bytes waiting, waiting to go again, or in flight."""
+        with self.cond:
+            waiting = [*self._jobs.values(), *self._resends]
+            return sum(self.encoded_size(job) for job in waiting) + self._in_flight_bytes
+
+    def busy(self) -> bool:
+        """Anything waiting, waiting to go again, or in flight (call with ``cond`` held)."""
+        return bool(self._jobs or self._resends or self._in_flight)
+
+    def take(self, ready: Callable[[], bool], stopping: threading.Event) -> UploadJob | None:
+        """The next job to send, once ``ready()`` (connected): an unanswered one whose pause
+        is over first, else the oldest waiting fragment's. ``None`` when ``stopping`` is set
+        (or nothing is due yet: ask again). The job is then in flight until ``done``; it has
+        its upload id."""
+        with self.cond:
+            while not stopping.is_set() and (not (self._jobs or self._resends) or not ready()):
+                self.cond.wait(0.2)
+            if stopping.is_set():
+                return None
+            now = time.monotonic()
+            due = [j for j in self._resends if j.resend_at <= now]
+            if due:
+                job = min(due, key=lambda j: j.resend_at)
+                self._resends.remove(job)
+            elif self._jobs:
+                fragment = min(self._jobs, key=lambda p: self._waiting_since.get(p, 0))
+                job = self._jobs.pop(fragment)
+                self._waiting_since.pop(fragment, None)
+            else:
+                self.cond.wait(0.05)
+                return None
+            self._in_flight += 1
+            self._in_flight_bytes += self.encoded_size(job)
+            job.upload_id = job.upload_id or next(self._upload_ids)
+            return job
+
+    def send_again(
+        self, job: UploadJob, stopping: threading.Event
+    ) -> tuple[bool, UploadJob | None]:
+        """Queue an unanswered job to go again (after ``attempts × RESEND_PAUSE_S``):
+        ``(True, oldest)`` where ``oldest`` is the unanswered job it displaced when
+        ``MAX_WAITING_RESENDS`` already wait (answer that one ``failed``), or ``(False,
+        None)`` when it had its ``MAX_RESENDS`` or the link is stopping (answer it
+        ``failed``)."""
+        if job.attempts >= MAX_RESENDS or stopping.is_set() or not job.upload_id:
+            return False, None
+        job.attempts += 1
+        job.resend_at = time.monotonic() + RESEND_PAUSE_S * job.attempts
+        with self.cond:
+            self._resends.append(job)
+            oldest = self._resends.pop(0) if len(self._resends) > MAX_WAITING_RESENDS else None
+            self.cond.notify()
+        return True, oldest
+
+    def done(self, job: UploadJob) -> None:
+        """``job`` is no longer in flight (answered, or queued to go again)."""
+        with self.cond:
+            self._in_flight -= 1
+            self._in_flight_bytes -= self.encoded_size(job)
+            self.cond.notify_all()
