@@ -111,6 +111,20 @@ class RunConfig:
     stop_timeout: float = option(30.0, hidden=True)
     """Seconds learners get to flush and exit at the end before they are killed."""
 
+    def __post_init__(self) -> None:
+        """Refuse values no run can have (``ValueError`` naming the flag: exit 2 at the CLI)."""
+        for flag, value, low in (
+            ("--learners", self.learners, 1),
+            ("--shards", self.shards, 1),
+            ("--max-stretch", self.max_stretch, 1),
+            ("--minutes", self.minutes, 0),
+            ("--tokens", self.tokens, 0),
+            ("--steps", self.steps, 0),
+            ("--eval-every", self.eval_every, 0),
+        ):
+            if not value >= low:
+                raise ValueError(f"{flag} must be >= {low} (got {value})")
+
 
 def load_run_config(path) -> RunConfig:
     """A run directory's ``config.json`` as a ``RunConfig``.
