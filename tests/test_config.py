@@ -332,3 +332,12 @@ def test_other_commands_take_their_defaults_from_a_dataclass(command):
         cls = getattr(importlib.import_module(module), cls_name)
         field = {f.name: f for f in dataclasses.fields(cls)}[name]
         assert actions[dest].default == default_of(field), (command, dest)
+
+
+def test_version(capsys):
+    from diloco import __version__
+    from diloco.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"diloco {__version__}"

@@ -31,10 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="diloco",
         description="Decoupled DiLoCo: resilient, asynchronous, low-communication training.",
     )
+    parser.add_argument("--version", action="version", version=f"diloco {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _name, module in _COMMANDS:
         importlib.import_module(module).register(subparsers)
     return parser
+
+
+def _version() -> str:
+    from diloco import __version__
+
+    return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
