@@ -18,11 +18,13 @@ tokens²/steps). Reported: held-out loss at equal tokens.
 
 ``hostile`` (docs/security.md "A hostile learner"): a two-site run, M = 4, learners 0 and 1
 on one site's link (``--wan 0,1:rate=1gbit``), learners 2 and 3 on the other's
-(``2,3:rate=50mbit,rtt=20ms``; needs root), a fixed wall time. Learner 3 is hostile from the
-start (``--chaos corrupt:learners=3,how=hostile,start=0s``: every delta's sign flipped, 100x
-the tokens declared and claimed), against the same run with learner 3 absent (M = 3, learner
-2 alone on the second site) and, for scale, the hostile run without the direction check
-(``--direction-floor=-1``). Reported: held-out loss at equal wall time, and how many of the
+(``2,3:rate=50mbit,rtt=20ms``; needs root), every learner ``--steps`` steps (default 500:
+equal honest work; at equal wall time the fourth process would slow the honest ones down on a
+2-core machine). Learner 3 is hostile from the start (``--chaos
+corrupt:learners=3,how=hostile,start=0s``: every delta's sign flipped, 100x the tokens
+declared and claimed), against the same run with learner 3 absent (M = 3, learner 2 alone on
+the second site) and, for scale, the hostile run without the direction check
+(``--direction-floor=-1``). Reported: held-out loss at equal honest steps, and how many of the
 hostile learner's contributions the direction check left out.
 
 Every setting runs once per seed; the table gives each run and the median over seeds.
@@ -128,8 +130,12 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/bench-protocol")
     ap.add_argument("--minutes", type=float, default=2.0, help="mixed: wall time per run")
     ap.add_argument("--learners", type=int, default=4, help="ablation: M")
-    ap.add_argument("--steps", type=int, default=800, help="ablation: steps per learner")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="ablation (800), hostile (500): steps per learner"
+    )
     args = ap.parse_args()
+    if args.steps is None:
+        args.steps = 500 if args.what == "hostile" else 800
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -138,7 +144,7 @@ def main() -> int:
             base = [*MIXED_FLEET, f"--minutes={args.minutes}", f"--seed={seed}", "--eval-every=10"]
             settings = MIXED
         elif args.what == "hostile":
-            base = [f"--minutes={args.minutes}", f"--seed={seed}", "--eval-every=10"]
+            base = [f"--steps={args.steps}", "--minutes=20", f"--seed={seed}", "--eval-every=10"]
             settings = HOSTILE
         else:
             # as `diloco bench`'s clean condition: the run ends when every learner did its steps

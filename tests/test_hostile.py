@@ -429,6 +429,21 @@ def test_inflated_tokens_and_a_reversed_delta_cannot_turn_the_merged_update(tmp_
             update = before - server.state.params[0]  # outer lr 1, no momentum: the merge
             cos = torch.nn.functional.cosine_similarity(update, mean, dim=0)
             assert cos > 0.5, f"merged update against the honest mean: cosine {cos:.3f}"
+        # Left out of every checked round, mallory is now suspect: in a round too small to
+        # check (two honest learners left) it is left out too.
+        for peer in honest[1:]:
+            peer.leave()
+        deltas = honest_deltas(n, 1, agreement, seed=9)
+        before = server.state.params[0].clone()
+        assert honest[0].upload(0, deltas[0], steps=24, tokens=240).accepted
+        assert mallory.upload(0, -deltas[0], steps=24, tokens=24 << 24).accepted
+        wait_until(lambda: len(rounds(tmp_path)) == 4, 10, "the small round")
+        record = rounds(tmp_path)[-1]
+        assert record["participants"] == ["honest-0"] and record["excluded"] == {
+            "mallory": "suspect"
+        }
+        update = before - server.state.params[0]
+        assert torch.nn.functional.cosine_similarity(update, deltas[0], dim=0) > 0.99
     finally:
         for peer in (*honest, mallory):
             peer.close()

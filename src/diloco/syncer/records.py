@@ -4,12 +4,30 @@ the clock's requests and commits (plain records; the decisions are in ``state.py
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import token_weight
+
+SUSPECT_WINDOW = 8
+"""Checked contributions the direction check's verdicts are remembered for, per learner."""
+
+
+def is_suspect(verdicts) -> bool:
+    """A learner whose contributions the direction check left out in at least half of its
+    last ``SUSPECT_WINDOW`` checked rounds (at least 3 of them) is suspect: its deltas are
+    also left out of the rounds too small to check (one or two contributions).
+
+    >>> is_suspect([True, True, False])
+    True
+    >>> is_suspect([True, False, False, False]) or is_suspect([True, True])
+    False
+    """
+    return len(verdicts) >= 3 and 2 * sum(verdicts) >= len(verdicts)
+
 
 REMEMBERED_UPLOADS = 256
 """Accepted upload ids the syncer remembers per learner (a resend comes within a few)."""
@@ -59,6 +77,8 @@ class LearnerInfo:
     rejoins; before the first: ``first_joined_at``): the guard's bound on claimed steps."""
     first_joined_at: float | None = None
     """When this id first joined this syncer (kept across rejoins)."""
+    verdicts: deque[bool] = field(default_factory=lambda: deque(maxlen=SUSPECT_WINDOW))
+    """Whether the direction check left each of its last checked contributions out."""
     uploads: dict[int, int] = field(default_factory=dict)
     """Upload ids of its last ``REMEMBERED_UPLOADS`` accepted uploads and the version each
     was admitted at (kept across rejoins): a resend is answered, not merged again."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -56,6 +57,7 @@ from diloco.syncer.records import (
     Refused,
     RoundRequest,
     check_counters,
+    is_suspect,
     state_digest,
 )
 from diloco.syncer.roster import LearnerRoster
@@ -405,8 +407,8 @@ class SyncerState(LearnerRoster):
         commits, wake = [], None
         for fragment in sorted(self.rounds):
             close, wait_until, reason = self._decide(now, fragment, live)
-            if close:
-                commits.append(self._commit(fragment, reason, now, live))
+            if close and (commit := self._commit(fragment, reason, now, live)) is not None:
+                commits.append(commit)
             elif wait_until is not None:
                 wake = wait_until if wake is None else min(wake, wait_until)
         return commits, wake
@@ -436,24 +438,40 @@ class SyncerState(LearnerRoster):
 
     def _consensus(self, contribs: list[Contribution]) -> tuple[list[Contribution], dict, dict]:
         """``(kept, excluded, cosines)``: the contributions the merge keeps, ``{learner:
-        cosine}`` of those it leaves out (in a round of 3 or more, those whose cosine with the
-        round's coordinate-wise median is below ``direction_floor``; all are kept if none
-        would remain) and of every one (empty when the check did not run)."""
+        cosine}`` of those it leaves out and of every one (empty when the check did not run).
+        In a round of 3 or more, those whose cosine with the round's coordinate-wise median
+        is below ``direction_floor`` are left out (all are kept if none would remain), and
+        each learner's verdict is remembered; in a smaller round a *suspect* learner
+        (``records.is_suspect``) is left out (``"suspect"``), even when that leaves none."""
         floor = self.config.direction_floor
-        if len(contribs) < 3 or floor <= -1.0:
+        if floor <= -1.0:
             return contribs, {}, {}
+        if len(contribs) < 3:  # too few to check: a suspect learner is left out
+            suspects = [c for c in contribs if is_suspect(self._verdicts(c.learner_id))]
+            kept = [c for c in contribs if c not in suspects]
+            return kept, {c.learner_id: "suspect" for c in suspects}, {}
         cosines = consensus_cosines([c.delta for c in contribs])
         by_id = {c.learner_id: round(cos, 4) for c, cos in zip(contribs, cosines, strict=True)}
         kept = [c for c in contribs if by_id[c.learner_id] >= floor]
         if not kept:
             return contribs, {}, by_id
+        for lid, cos in by_id.items():
+            self._verdicts(lid).append(cos < floor)
         return kept, {lid: cos for lid, cos in by_id.items() if cos < floor}, by_id
 
-    def _commit(self, fragment: int, reason: str, now: float, live: set[str]) -> Commit:
+    def _verdicts(self, learner_id: str):
+        """The learner's recent direction-check verdicts (empty for an id no longer known)."""
+        info = self.learners.get(learner_id)
+        return info.verdicts if info is not None else deque()
+
+    def _commit(self, fragment: int, reason: str, now: float, live: set[str]) -> Commit | None:
         round_ = self.rounds.pop(fragment)
         contribs, excluded, cosines = self._consensus(
             sorted(round_.contributions.values(), key=lambda c: c.learner_id)
         )
+        if not contribs:  # only a suspect's delta: nothing to merge, no version
+            self.emit({"event": "dropped", "t": now, "fragment": fragment, "excluded": excluded})
+            return None
         raw = [c.weight if self.config.weighting == "tokens" else c.discount for c in contribs]
         weights = cap_weights(raw, self.config.weight_cap)
         merged = merge_contributions(
