@@ -23,6 +23,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("simulate", "diloco.cli.simulate"),
     ("plan", "diloco.cli.plan"),
     ("learner-token", "diloco.cli.learner_token"),
+    ("export", "diloco.cli.export"),
 ]
 
 

@@ -128,7 +128,8 @@ class UploadQueue:
             due = [j for j in self._resends if j.resend_at <= now]
             if due:
                 job = min(due, key=lambda j: j.resend_at)
-                self._resends.remove(job)
+                # by identity: a job's fields hold tensors, which == cannot compare
+                self._resends = [j for j in self._resends if j is not job]
             elif self._jobs:
                 fragment = min(self._jobs, key=lambda p: self._waiting_since.get(p, 0))
                 job = self._jobs.pop(fragment)

@@ -213,6 +213,20 @@ class SyncerServer:
             sync=True,
         )
 
+    def state_dict(self, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The global model now (Θ of every owned fragment; the others at their initial
+        value), as ``model.state_dict()`` after writing it into ``model``'s parameters (the
+        model's own names, buffers and tied names: ``load_state_dict(strict=True)`` accepts
+        it), or without a model as ``{parameter name: tensor}``. See
+        ``diloco.syncer.export``; from a state directory: ``read_state_dirs``."""
+        from diloco.syncer.export import into_model, parameters_by_name
+
+        with self.service.lock:
+            params = [t.clone() for t in self.state.params]
+        if model is None:
+            return parameters_by_name(self.layout, params)
+        return into_model(model, self.layout, params)
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"

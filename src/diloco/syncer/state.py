@@ -447,9 +447,9 @@ class SyncerState(LearnerRoster):
         if floor <= -1.0:
             return contribs, {}, {}
         if len(contribs) < 3:  # too few to check: a suspect learner is left out
-            suspects = [c for c in contribs if is_suspect(self._verdicts(c.learner_id))]
-            kept = [c for c in contribs if c not in suspects]
-            return kept, {c.learner_id: "suspect" for c in suspects}, {}
+            suspects = {c.learner_id for c in contribs if is_suspect(self._verdicts(c.learner_id))}
+            kept = [c for c in contribs if c.learner_id not in suspects]
+            return kept, dict.fromkeys(sorted(suspects), "suspect"), {}
         cosines = consensus_cosines([c.delta for c in contribs])
         by_id = {c.learner_id: round(cos, 4) for c, cos in zip(contribs, cosines, strict=True)}
         kept = [c for c in contribs if by_id[c.learner_id] >= floor]

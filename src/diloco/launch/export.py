@@ -1,0 +1,62 @@
+"""``diloco export RUN_DIR -o model.safetensors``: a finished (or stopped) run's global model
+as the recipe model's own ``state_dict`` (``diloco.syncer.export``).
+
+Where the model is: ``syncer/`` (or ``syncer-<i>/`` per shard) for ``--mode decoupled`` and
+``--mode sync``, the last parameter snapshot of rank 0 (``dp/global.safetensors``) for
+``--mode dp``. The run's ``config.json`` names the recipe, its seed (the initial model) and
+the fragment count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diloco.syncer.export import ExportError, into_model, read_state_dirs, save_state_dict
+
+
+def export_run(run_dir: str | Path, output: str | Path) -> dict:
+    """Write ``run_dir``'s global model to ``output`` (safetensors); returns what was written
+    (``keys``, ``versions`` or ``step``, ``mode``). Raises ``ExportError`` with the reason."""
+    from diloco.algorithm.fragments import balanced_fragments
+    from diloco.config.run import load_run_config
+    from diloco.launch.syncers import syncer_names
+    from diloco.recipes import get_recipe
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise ExportError(f"{run_dir} is not a run directory (it has no config.json)")
+    try:
+        config = load_run_config(run_dir / "config.json")
+    except (ValueError, OSError) as exc:
+        raise ExportError(f"{run_dir / 'config.json'}: {exc}") from None
+    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    model = recipe.build_model(config.recipe.seed)
+    if config.mode == "dp":
+        return _export_dp(run_dir, model, output)
+    layout = balanced_fragments(model.named_parameters(), config.protocol.fragments)
+    named = dict(model.named_parameters())
+    initial = [layout.gather(p, named) for p in range(layout.num_fragments)]
+    dirs = [run_dir / name for name in syncer_names(config.shards)]
+    params, versions = read_state_dirs(dirs, layout, initial)
+    state = into_model(model, layout, params)
+    save_state_dict(state, output, mode=config.mode, versions=versions)
+    return {"mode": config.mode, "keys": len(state), "versions": versions}
+
+
+def _export_dp(run_dir: Path, model, output) -> dict:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    snapshot = run_dir / "dp" / "global.safetensors"
+    if not snapshot.is_file():
+        raise ExportError(f"{snapshot} is missing: the data-parallel run wrote no snapshot")
+    tensors = load_file(str(snapshot))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    params = {n for n, _ in model.named_parameters()}
+    if unexpected or params & set(missing):
+        raise ExportError(f"{snapshot} does not hold this recipe's parameters")
+    with safe_open(str(snapshot), "pt") as f:
+        step = (f.metadata() or {}).get("step", "?")
+    state = model.state_dict()
+    save_state_dict(state, output, mode="dp", step=step)
+    return {"mode": "dp", "keys": len(state), "step": step}

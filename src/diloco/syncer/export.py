@@ -1,0 +1,98 @@
+"""The global model out, as an ordinary ``state_dict``: from a live syncer, a state
+directory, or a finished run (``diloco export``).
+
+The syncer holds the global model as one flat float32 vector per fragment
+(``diloco.algorithm.fragments``). :func:`into_model` writes those vectors into a model's own
+parameters and returns ``model.state_dict()``: the model's own names, shapes and dtypes, its
+buffers, and both names of a tied parameter (a token embedding shared with the output head
+is one parameter but two ``state_dict`` keys), so ``load_state_dict(strict=True)`` accepts
+it. Without a model, :func:`parameters_by_name` gives the parameters alone.
+
+What is exported is Θ, the syncer's exact global value of each fragment at its latest
+committed version (a fragment never committed has its initial value). Learners hold the
+syncer's wire image of it, which differs by the rounding of the int8 deltas sent down
+(``diloco.syncer.service``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from diloco.algorithm.fragments import FragmentLayout
+from diloco.syncer.store import FragmentStore, StateError
+
+
+class ExportError(ValueError):
+    """A run directory or state directory that holds no exportable model (said why)."""
+
+
+def into_model(
+    model: torch.nn.Module, layout: FragmentLayout, params: Sequence[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Write every fragment's flat vector into ``model``'s parameters (in place) and return
+    ``model.state_dict()``. Raises ``ExportError`` when the model is not the layout's."""
+    named = dict(model.named_parameters())
+    try:
+        layout.check_compatible([(n, tuple(t.shape), _dtype(t)) for n, t in named.items()])
+    except ValueError as exc:
+        raise ExportError(f"the model does not match the syncer's: {exc}") from None
+    for p, flat in enumerate(params):
+        layout.scatter(p, flat, named)
+    return model.state_dict()
+
+
+def parameters_by_name(
+    layout: FragmentLayout, params: Sequence[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The global parameters as ``{name: tensor}`` with the model's names, shapes and dtypes
+    (no buffers; a tied parameter under its first name only)."""
+    named = {
+        name: torch.zeros(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+        for name, shape, dtype in layout.tensors
+    }
+    for p, flat in enumerate(params):
+        layout.scatter(p, flat, named)
+    return named
+
+
+def read_state_dirs(
+    dirs: Sequence[str | Path], layout: FragmentLayout, initial: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Every fragment's latest committed value across the state directories of one run (one
+    per syncer shard) and its version: ``(params, versions)``; a fragment no directory holds
+    keeps its ``initial`` value at version 0. Raises ``ExportError`` if no directory exists
+    or a file is corrupt."""
+    stores = [FragmentStore(d) for d in dirs if Path(d, "meta.json").exists()]
+    if not stores:
+        raise ExportError(f"no syncer state directory in {', '.join(map(str, dirs))}")
+    params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial]
+    versions = [0] * layout.num_fragments
+    for store in stores:
+        for p in range(layout.num_fragments):
+            try:
+                loaded = store.load(p, layout.fragments[p].numel)
+            except StateError as exc:
+                raise ExportError(str(exc)) from None
+            if loaded is not None and loaded[0] > versions[p]:
+                versions[p], params[p] = loaded[0], loaded[1]
+    return params, versions
+
+
+def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path, **metadata) -> Path:
+    """Write ``state`` as safetensors (each tensor its own copy: tied names share memory,
+    which safetensors refuses), atomically. ``metadata`` values are stored as strings."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+    save_file(tensors, str(tmp), metadata={k: str(v) for k, v in metadata.items()})
+    tmp.replace(path)
+    return path
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
