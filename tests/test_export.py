@@ -119,3 +119,27 @@ def test_a_live_syncer_gives_its_global_model_as_a_state_dict(tmp_path):
     with pytest.raises(ExportError, match="does not match"):
         server.state_dict(nn.Linear(3, 3))
     assert parameters_by_name(server.layout, server.state.params).keys() == by_name.keys()
+
+
+@pytest.mark.timeout(300)
+def test_a_data_parallel_run_exports_rank_0s_parameters(tmp_path):
+    proc = diloco(
+        "run",
+        "--mode=dp",
+        "--recipe=tiny",
+        "--learners=2",
+        "--steps=40",
+        "--minutes=3",
+        "--eval-every=0",
+        f"--runs-dir={tmp_path}",
+        "--name=dp",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "dp.safetensors"
+    proc = diloco("export", str(tmp_path / "dp"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    fresh = get_recipe("tiny").build_model(1)
+    fresh.load_state_dict(load_file(str(out)), strict=True)
+    snapshot = load_file(str(tmp_path / "dp" / "dp" / "global.safetensors"))
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), snapshot[name])
