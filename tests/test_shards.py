@@ -91,6 +91,10 @@ def test_address_lists_are_validated():
             parse_syncer_addresses(bad)
     with pytest.raises(ValueError, match="given twice"):
         parse_syncer_addresses("a:1,a:1")
+    assert parse_syncer_addresses("[::1]:7000") == ["[::1]:7000"]
+    for bad in ["localhost", "localhost:", ":7000", "h:0", "h:65536", "h:x"]:
+        with pytest.raises(ValueError, match="is not HOST:PORT"):
+            parse_syncer_addresses(bad)
 
 
 # ------------------------------------------------------------------- real servers
@@ -409,3 +413,14 @@ def test_merge_status_takes_each_fragment_from_its_owner():
     (x,) = m.learners
     assert (x.step, x.contributions, x.bytes_up, x.live) == (11, 5, 50, False)
     assert list(a.learners)[0].contributions == 3  # the inputs are not modified
+
+
+def test_a_learner_given_a_host_without_a_port_stops_with_one_line(tmp_path, capsys):
+    from diloco.cli import main
+
+    workdir = tmp_path / "w"
+    argv = ["learner", "--syncer=localhost", "--recipe=tiny", "--id=a", f"--workdir={workdir}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'localhost' is not HOST:PORT" in err and "Traceback" not in err
+    assert not workdir.exists()

@@ -33,7 +33,8 @@ __all__ = ["ShardedLink", "open_link", "parse_syncer_addresses"]
 def parse_syncer_addresses(syncer: str | Sequence[str]) -> list[str]:
     """``"a:1,b:2"`` or ``["a:1", "b:2"]`` -> ``["a:1", "b:2"]`` (order kept).
 
-    Raises ``ValueError`` for an empty list, an empty entry or an address given twice.
+    Raises ``ValueError`` for an empty list, an empty entry, an entry that is not
+    ``HOST:PORT`` (a port from 1 to 65535) or an address given twice.
     """
     items = syncer.split(",") if isinstance(syncer, str) else list(syncer)
     addresses = [str(a).strip() for a in items]
@@ -42,6 +43,12 @@ def parse_syncer_addresses(syncer: str | Sequence[str]) -> list[str]:
             f"syncer address list {syncer!r} has an empty entry: expected HOST:PORT or "
             "HOST0:PORT0,HOST1:PORT1,... (one address per shard)"
         )
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"syncer address {a!r} is not HOST:PORT (e.g. localhost:7000, [::1]:7000)"
+            )
     twice = sorted({a for a in addresses if addresses.count(a) > 1})
     if twice:
         raise ValueError(f"syncer address(es) given twice: {', '.join(twice)}")
