@@ -300,3 +300,25 @@ def test_learner_token_command(tmp_path, monkeypatch, capsys):
     assert "learner id must be" in capsys.readouterr().err
     assert main(["learner-token", "site-a"]) == 2
     assert "no secret" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_syncer_cli_bad_places_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
+    from diloco.cli import main
+
+    busy = make_server(tmp_path).start()
+    (tmp_path / "a-file").write_text("x")
+    try:
+        base = ["syncer", "--recipe=tiny", "--fragments=4"]
+        for argv, message in [
+            ([f"--bind={busy.address}", f"--state-dir={tmp_path / 'new'}"], "cannot bind"),
+            ([f"--state-dir={tmp_path / 'a-file'}"], "is a file, not a directory"),
+            (["--fragments=0"], "must be >= 1"),
+        ]:
+            assert main([*base, *argv]) == 2, argv
+            err = capsys.readouterr().err.strip()
+            assert message in err and "Traceback" not in err, (argv, err)
+            assert len([line for line in err.splitlines() if line.startswith("diloco")]) == 1
+        assert not (tmp_path / "new").exists()
+    finally:
+        busy.stop()

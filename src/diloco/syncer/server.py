@@ -29,6 +29,7 @@ from diloco.syncer.state import SyncerState, fragment_digest
 from diloco.syncer.store import (
     EventTape,
     FragmentStore,
+    StateError,
     read_tape,
     state_hash,
     taped_versions,
@@ -72,6 +73,8 @@ class SyncerServer:
         own only the fragments of shard i of S (``diloco.algorithm.shards``); ``fragments``
         overrides that list."""
         auth.check_bind(bind, token)
+        if state_dir is not None and Path(state_dir).exists() and not Path(state_dir).is_dir():
+            raise StateError(f"the state directory {state_dir} is a file, not a directory")
         if learner_tokens and token is None:
             raise auth.AuthConfigError("learner tokens are derived from a shared token: give one")
         self.config = config or SyncerConfig()
@@ -82,6 +85,54 @@ class SyncerServer:
             if fragments is not None
             else shard_fragments(layout.num_fragments, *shard)
         )
+        limits = stream_limits(max_learners)
+        if token is not None:
+            interceptors = [
+                auth.TokenInterceptor(
+                    token, lambda m, r: self.service.refuse_unauthenticated(m, r)
+                ),
+                *interceptors,
+            ]
+        # Bound before anything is written: a busy or invalid address leaves no state behind.
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=pool_threads(limits), thread_name_prefix="syncer-rpc"
+        )
+        self._server, self.port = self._bind(bind, credentials, interceptors)
+        try:
+            restored, earlier = self._build(
+                initial_params,
+                owned,
+                shard,
+                state_dir,
+                tape_path,
+                token,
+                learner_tokens,
+                limits,
+                allowed_learners,
+            )
+        except BaseException:
+            self._server.stop(None)
+            self._pool.shutdown(wait=False)
+            raise
+        pb_grpc.add_SyncerServicer_to_server(self.service, self._server)
+        self.host = bind.rsplit(":", 1)[0]
+        self._started = False
+        self._emit_start(restored, taped_versions(earlier))
+
+    def _build(
+        self,
+        initial_params,
+        owned,
+        shard,
+        state_dir,
+        tape_path,
+        token,
+        learner_tokens,
+        limits,
+        allowed_learners,
+    ):
+        """The tape, the store, the restored state and the service; returns what
+        ``_emit_start`` needs: ``(restored, earlier tape records)``."""
         earlier = read_tape(tape_path) if tape_path and Path(tape_path).exists() else []
         self.tape = EventTape(tape_path) if tape_path else None
         emit = self.tape.append if self.tape else (lambda record: None)
@@ -89,7 +140,7 @@ class SyncerServer:
         params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
         versions, restored, wire = self._restore(owned, params, shard)
         self.state = SyncerState(
-            layout,
+            self.layout,
             params,
             self.config,
             versions=versions,
@@ -107,20 +158,9 @@ class SyncerServer:
             wire=wire,
             secret=token,
             learner_tokens=learner_tokens,
-            limits=stream_limits(max_learners),
+            limits=limits,
         )
-        if token is not None:
-            interceptors = [
-                auth.TokenInterceptor(token, self.service.refuse_unauthenticated),
-                *interceptors,
-            ]
-        self._pool = futures.ThreadPoolExecutor(
-            max_workers=pool_threads(self.service.limits), thread_name_prefix="syncer-rpc"
-        )
-        self._server, self.port = self._bind(bind, credentials, interceptors)
-        self.host = bind.rsplit(":", 1)[0]
-        self._started = False
-        self._emit_start(restored, taped_versions(earlier))
+        return restored, earlier
 
     def _restore(self, owned: list[int], params: list[torch.Tensor], shard: tuple[int, int]):
         """Each owned fragment's saved version, value (into ``params``), optimizer state and
@@ -140,24 +180,30 @@ class SyncerServer:
         return versions, restored, wire
 
     def _bind(self, bind: str, credentials, interceptors):
-        """The gRPC server serving :attr:`service` on ``bind`` (TLS with ``credentials``) with
-        the pool's threads: ``(server, port)``. Raises OSError when the address cannot be
-        bound."""
+        """A gRPC server bound to ``bind`` (TLS with ``credentials``) with the pool's threads:
+        ``(server, port)``; the service is added once built. Raises OSError when the address
+        cannot be bound (in use, or not an address)."""
         server = grpc.server(
             self._pool,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # gRPC shares a port with another server by default (SO_REUSEPORT): a second
+                # syncer on a busy port would serve half of the connections, silently
+                ("grpc.so_reuseport", 0),
             ],
             interceptors=list(interceptors),
         )
-        pb_grpc.add_SyncerServicer_to_server(self.service, server)
-        if credentials is not None:
-            port = server.add_secure_port(bind, credentials)
-        else:
-            port = server.add_insecure_port(bind)
+        try:
+            if credentials is not None:
+                port = server.add_secure_port(bind, credentials)
+            else:
+                port = server.add_insecure_port(bind)
+        except RuntimeError:  # gRPC's way of saying the bind failed
+            port = 0
         if port == 0:
-            raise OSError(f"cannot bind the syncer to {bind}")
+            server.stop(None)
+            raise OSError(f"cannot bind the syncer to {bind}: the address is in use or invalid")
         return server, port
 
     @classmethod
