@@ -105,10 +105,12 @@ class SyncerServer:
                 shard,
                 state_dir,
                 tape_path,
-                token,
-                learner_tokens,
-                limits,
-                allowed_learners,
+                secret=token,
+                learner_tokens=learner_tokens,
+                limits=limits,
+                allowed_learners=(
+                    frozenset(allowed_learners) if allowed_learners is not None else None
+                ),
             )
         except BaseException:
             self._server.stop(None)
@@ -119,20 +121,10 @@ class SyncerServer:
         self._started = False
         self._emit_start(restored, taped_versions(earlier))
 
-    def _build(
-        self,
-        initial_params,
-        owned,
-        shard,
-        state_dir,
-        tape_path,
-        token,
-        learner_tokens,
-        limits,
-        allowed_learners,
-    ):
-        """The tape, the store, the restored state and the service; returns what
-        ``_emit_start`` needs: ``(restored, earlier tape records)``."""
+    def _build(self, initial_params, owned, shard, state_dir, tape_path, **service_options):
+        """The tape, the store, the restored state and the service (``service_options`` go
+        to ``SyncerService``); returns what ``_emit_start`` needs: ``(restored, earlier tape
+        records)``."""
         earlier = read_tape(tape_path) if tape_path and Path(tape_path).exists() else []
         self.tape = EventTape(tape_path) if tape_path else None
         emit = self.tape.append if self.tape else (lambda record: None)
@@ -151,14 +143,7 @@ class SyncerServer:
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
         self.service = SyncerService(
-            self.state,
-            store=self.store,
-            tape=self.tape,
-            allowed_learners=frozenset(allowed_learners) if allowed_learners is not None else None,
-            wire=wire,
-            secret=token,
-            learner_tokens=learner_tokens,
-            limits=limits,
+            self.state, store=self.store, tape=self.tape, wire=wire, **service_options
         )
         return restored, earlier
 
