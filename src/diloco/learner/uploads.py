@@ -42,16 +42,19 @@ class UploadJob:
     """``time.monotonic()`` before which it is not sent again."""
 
 
-MAX_RESENDS = 3
+MAX_RESENDS = 20
 """An upload that got no answer (connection lost, timeout, the syncer's stream cap) is sent
-again as it was, with its upload id, up to this many times before it is answered
-``failed``: if the syncer had accepted it and only its reply was lost, it answers the resend
-with its first verdict, so the delta is merged once (folding it into the next delta would
-merge it twice)."""
+again as it was, with its upload id, until it is answered, at most this many times (about
+80 s of pauses) before it is answered ``failed``: if the syncer had accepted it and only its
+reply was lost, it answers the resend with its first verdict, so the delta is merged once
+(folding it into the next delta would merge it twice, and so would giving up after a few
+lost replies in a row)."""
 MAX_WAITING_RESENDS = 64
 """Unanswered uploads a link keeps to send again; beyond it the oldest is answered ``failed``."""
 RESEND_PAUSE_S = 0.5
-"""The n-th resend waits ``n × RESEND_PAUSE_S`` (time for the link to reconnect)."""
+"""The n-th resend waits ``min(n × RESEND_PAUSE_S, MAX_RESEND_PAUSE_S)`` (time for the link
+to reconnect)."""
+MAX_RESEND_PAUSE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ class UploadQueue:
     def send_again(
         self, job: UploadJob, stopping: threading.Event
     ) -> tuple[bool, UploadJob | None]:
-        """Queue an unanswered job to go again (after ``attempts × RESEND_PAUSE_S``):
+        """Queue an unanswered job to go again (after a pause that grows with ``attempts``):
         ``(True, oldest)`` where ``oldest`` is the unanswered job it displaced when
         ``MAX_WAITING_RESENDS`` already wait (answer that one ``failed``), or ``(False,
         None)`` when it had its ``MAX_RESENDS`` or the link is stopping (answer it
@@ -153,7 +156,7 @@ class UploadQueue:
         if job.attempts >= MAX_RESENDS or stopping.is_set() or not job.upload_id:
             return False, None
         job.attempts += 1
-        job.resend_at = time.monotonic() + RESEND_PAUSE_S * job.attempts
+        job.resend_at = time.monotonic() + min(RESEND_PAUSE_S * job.attempts, MAX_RESEND_PAUSE_S)
         with self.cond:
             self._resends.append(job)
             oldest = self._resends.pop(0) if len(self._resends) > MAX_WAITING_RESENDS else None
