@@ -3,14 +3,8 @@
 import pytest
 
 from diloco.chaos import ChaosSpecError, parse_spec, schedule
-from diloco.report.goodput import (
-    busy_rate,
-    down_accounting,
-    learner_speed,
-    schedule_down,
-    tape_metrics,
-    uptime,
-)
+from diloco.report.goodput import down_accounting, schedule_down, uptime
+from diloco.report.tally import busy_rate, learner_speed, tape_metrics
 
 
 def test_spec_parses_all_kinds():

@@ -24,11 +24,20 @@ _COMMANDS: list[tuple[str, str]] = [
     ("plan", "diloco.cli.plan"),
     ("learner-token", "diloco.cli.learner_token"),
     ("export", "diloco.cli.export"),
+    ("report", "diloco.cli.report"),
 ]
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """An argument parser that reports a bad argument in one line, with where to look (the
+    usage block argparse prints by default buries the message under dozens of flags)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="diloco",
         description="Decoupled DiLoCo: resilient, asynchronous, low-communication training.",
     )

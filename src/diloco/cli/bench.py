@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -128,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         meta = {"name": spec.name, "mode": spec.mode, "condition": spec.condition}
         meta |= {"seed": spec.seed, **spec.sweep}
         results.append(rp.result_of(meta, summary, read_curve(runs_dir / spec.name)))
-    text, figures = rp.write_report(out, budget, results, failed)
+    command = shlex.join(["diloco", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None
+    text, figures = rp.write_report(out, budget, results, failed, command)
     print(text)
     log(f"figures: {', '.join(str(f) for f in figures if f)}")
     return 1 if failed else 0

@@ -102,6 +102,12 @@ class RunConfig:
     """The run's shared secret (default: ``$DILOCO_TOKEN``, else a fresh one in
     ``<run dir>/token``); each learner and the evaluator get their own token derived from it
     (docs/security.md)."""
+    dashboard: str = option("127.0.0.1:0", metavar="HOST:PORT|off")
+    """Serve the live dashboard and Prometheus ``/metrics`` here (port 0: a free port; off:
+    none); its link, with the run's read-only viewer token, is printed and written to
+    ``<run dir>/dashboard.url``. A network address needs the run's token (as the syncer)."""
+    tensorboard: bool = option(True)
+    """Write TensorBoard scalars to ``<run dir>/tensorboard/`` while the run goes."""
     wan: list[str] = option(default_factory=list, metavar="SPEC")
     """Put each learner on its own shaped wide-area link (root only; repeatable; docs/wan.md):
     ``rate=50mbit,rtt=40ms`` for every learner, ``2,3:rate=5mbit,rtt=80ms`` for learners 2
@@ -124,6 +130,12 @@ class RunConfig:
         ):
             if not value >= low:
                 raise ValueError(f"{flag} must be >= {low} (got {value})")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1 (got {self.batch_size})")
+        if self.dashboard != "off":
+            from diloco.wire.auth import split_address
+
+            split_address(self.dashboard, what="--dashboard")
 
 
 def load_run_config(path) -> RunConfig:

@@ -231,6 +231,34 @@ def flat_values(obj: Any) -> dict[str, Any]:
     return out
 
 
+def command_flags(obj: Any, *, skip: Sequence[str] = ()) -> list[str]:
+    """The flags that rebuild configuration ``obj`` from the defaults: every option (of ``obj``
+    and its sections, but ``skip``) whose value differs from its default, in declaration
+    order. Pure; hidden options are included (a command line that reproduces a run must carry
+    them too).
+
+    >>> from diloco.config.common import ProtocolConfig
+    >>> command_flags(ProtocolConfig(sync_every=64))
+    ['--sync-every', '64']
+    """
+    out: list[str] = []
+    for f in options(type(obj)):
+        value = getattr(obj, f.name)
+        if f.name in skip or value == default_of(f):
+            continue
+        flag = flag_name(f)
+        if isinstance(value, bool) and f.metadata[_CLI]["type"] is None:
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            for item in value:
+                out += [flag, str(item)]
+        else:
+            out += [flag, str(value)]
+    for name in sections(type(obj)):
+        out += command_flags(getattr(obj, name), skip=skip)
+    return out
+
+
 def to_dict(obj: Any) -> dict[str, Any]:
     """A configuration dataclass as JSON-able data (nested dataclasses as nested dicts)."""
     return dataclasses.asdict(obj)

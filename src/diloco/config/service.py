@@ -31,6 +31,10 @@ class ServiceConfig:
     """Durable state directory (restored on restart)."""
     tape: str | None = option(None, metavar="FILE")
     """Event tape path (default ``STATE_DIR/events.jsonl``)."""
+    dashboard: str | None = option(None, metavar="HOST:PORT")
+    """Serve the live dashboard and Prometheus ``/metrics`` here (default: none; needs the
+    tape: ``--state-dir`` or ``--tape``). A network address needs ``--token-file``; the page
+    then takes the token or the read-only viewer token in the printed link."""
     shard: str = option("0/1", metavar="I/S")
     """Serve only shard I of S: the fragments p with p mod S == I (0/1: all); start S syncers
     with 0/S .. S-1/S and give learners every address (docs/deploy.md)."""
@@ -40,6 +44,13 @@ class ServiceConfig:
     """Stop (cleanly) if the parent process dies."""
 
     def __post_init__(self) -> None:
+        from diloco.wire.auth import split_address
+
+        split_address(self.bind, what="--bind")
+        if self.dashboard is not None:
+            split_address(self.dashboard, what="--dashboard")
+            if not (self.state_dir or self.tape):
+                raise ValueError("--dashboard draws the event tape: give --state-dir or --tape")
         # H is the protocol's: the syncer's clock paces its rounds with it.
         if self.syncer.sync_every != self.protocol.sync_every:
             self.syncer = dataclasses.replace(self.syncer, sync_every=self.protocol.sync_every)

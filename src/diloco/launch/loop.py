@@ -61,6 +61,7 @@ class Rates:
 
 
 def view_rows(plans, sup, by_id: dict, rates: Rates, now: float, elapsed: float) -> list[dict]:
+    """One row per learner for the live view and the dashboard."""
     rows = []
     for plan in plans:
         st = by_id.get(plan.id)
@@ -71,56 +72,105 @@ def view_rows(plans, sup, by_id: dict, rates: Rates, now: float, elapsed: float)
                 "step": step,
                 "tokens": tok,
                 "tokens_per_s": rates.update(plan.id, now, tok),
+                "steps_per_s": float(st.steps_per_s) if st else 0.0,
+                "live": bool(st and st.live),
                 "state": learner_state(sup.slots[plan.id], st, elapsed),
             }
         )
     return rows
 
 
+def view_frame(config, elapsed: float, rows: list[dict], **totals) -> dict:
+    """What the live view draws: ``totals`` (``val_loss``, ``rounds``, ``bytes_up``,
+    ``bytes_down``), the learner rows and the progress towards the run's budget."""
+    from diloco.launch.view import progress
+
+    done, left = progress(
+        elapsed,
+        budget_s=config.minutes * 60 if config.minutes else None,
+        tokens=sum(r["tokens"] for r in rows),
+        token_budget=config.tokens,
+        steps=min((r["step"] for r in rows), default=0),
+        step_budget=config.steps,
+    )
+    return {"elapsed": elapsed, "learners": rows, "done": done, "left": left, **totals}
+
+
+def finished_rows(summary: dict) -> list[dict]:
+    """The dashboard's learner rows at the end of a run, from its summary."""
+    return [
+        {
+            "id": learner,
+            "step": row["steps"],
+            "tokens": row["tokens"],
+            "steps_per_s": row["steps_per_s"],
+            "live": False,
+            "state": "finished" if row["exit_code"] in (0, None) else f"exited {row['exit_code']}",
+        }
+        for learner, row in summary["per_learner"].items()
+    ]
+
+
 def supervise(
-    config, stop, started, sup, plans, evaluator, status_client, run_dir, out=None
+    config, stop, started, sup, plans, evaluator, status_client, run_dir, out=None, outputs=None
 ) -> str:
     """Poll the processes, draw the view, evaluate every ``eval_every`` seconds, start the
     chaos schedule once every learner trains; return why the run stops (``"time"``,
     ``"tokens"``, ``"learners finished"``, ``"interrupt"``). Raises RuntimeError if a process
-    keeps crashing on its own."""
+    keeps crashing on its own. ``outputs`` (``diloco.dashboard.live.LiveOutputs``) gets the
+    learner rows of every poll, for the dashboard and the TensorBoard scalars."""
     from diloco.launch.view import LiveView
 
     view = LiveView(enabled=not config.json and not config.no_view, stream=out)
     last_eval, last_loss, last_status, rates = 0.0, None, None, Rates()
-    while True:
-        if stop.wait(0.25):
-            return "interrupt"
-        sup.poll()
-        check_crashes(sup)
-        now = time.time()
-        elapsed = now - started
-        up = all(sup.running(name) for name in syncer_names(config.shards))
-        status = status_client.fetch() if up else None
-        last_status = status or last_status
-        learners = list(last_status.learners) if last_status else []
-        tokens = sum(ls.tokens for ls in learners)
-        if config.eval_every and now - last_eval >= config.eval_every:
-            last_eval = now
-            last_loss, versions = evaluator.evaluate()
-            append_metric(run_dir, started, status, last_loss, versions)
-        by_id = {ls.learner_id: ls for ls in learners}
-        everyone_trains = all(by_id.get(p.id) and by_id[p.id].step > 0 for p in plans)
-        if everyone_trains or elapsed > config.start_timeout:
-            sup.start_chaos()
-        view.update(
-            {
-                "elapsed": elapsed,
-                "val_loss": last_loss,
-                "rounds": last_status.rounds if last_status else 0,
-                "bytes_up": sum(ls.bytes_up for ls in learners),
-                "bytes_down": sum(ls.bytes_down for ls in learners),
-                "learners": view_rows(plans, sup, by_id, rates, now, elapsed),
-            }
-        )
-        if config.minutes and elapsed >= config.minutes * 60:
-            return "time"
-        if config.tokens and tokens >= config.tokens:
-            return "tokens"
-        if all(s.finished for s in sup.learners()):
-            return "learners finished"
+    try:
+        while True:
+            if stop.wait(0.25):
+                return "interrupt"
+            sup.poll()
+            check_crashes(sup)
+            now = time.time()
+            elapsed = now - started
+            up = all(sup.running(name) for name in syncer_names(config.shards))
+            status = status_client.fetch() if up else None
+            last_status = status or last_status
+            learners = list(last_status.learners) if last_status else []
+            tokens = sum(ls.tokens for ls in learners)
+            if config.eval_every and now - last_eval >= config.eval_every:
+                last_eval = now
+                last_loss, versions = evaluator.evaluate()
+                append_metric(run_dir, started, status, last_loss, versions)
+            by_id = {ls.learner_id: ls for ls in learners}
+            everyone_trains = all(by_id.get(p.id) and by_id[p.id].step > 0 for p in plans)
+            if everyone_trains or elapsed > config.start_timeout:
+                sup.start_chaos()
+            rows = view_rows(plans, sup, by_id, rates, now, elapsed)
+            view.update(
+                view_frame(
+                    config,
+                    elapsed,
+                    rows,
+                    val_loss=last_loss,
+                    rounds=last_status.rounds if last_status else 0,
+                    bytes_up=sum(ls.bytes_up for ls in learners),
+                    bytes_down=sum(ls.bytes_down for ls in learners),
+                )
+            )
+            if outputs is not None:
+                outputs.update(rows)
+            reason = stop_reason(config, elapsed, tokens, sup)
+            if reason:
+                return reason
+    finally:
+        view.close()
+
+
+def stop_reason(config, elapsed: float, tokens: int, sup) -> str | None:
+    """Why the run stops now (``"time"``, ``"tokens"``, ``"learners finished"``), or None."""
+    if config.minutes and elapsed >= config.minutes * 60:
+        return "time"
+    if config.tokens and tokens >= config.tokens:
+        return "tokens"
+    if all(s.finished for s in sup.learners()):
+        return "learners finished"
+    return None

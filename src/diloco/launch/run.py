@@ -20,6 +20,7 @@ global model, then the syncer stops. The run directory holds everything:
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 import threading
@@ -36,7 +37,8 @@ from diloco.launch.children import (
     worker_config,
     write_config,
 )
-from diloco.launch.loop import append_metric, supervise
+from diloco.launch.loop import append_metric, finished_rows, supervise
+from diloco.launch.outputs import open_outputs, run_watch
 from diloco.launch.syncers import StatusClient, syncer_commands, syncer_names
 from diloco.launch.wan import WAN_BIND_HOST, check_wan, on_link, wan_section
 
@@ -103,9 +105,19 @@ def run(config: RunConfig) -> int:
     if run_dir.exists():
         print(f"diloco run: {run_dir} already exists; pick another --name", file=sys.stderr)
         return 2
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # removed on a refusal
     (run_dir / "logs").mkdir(parents=True)
     config = with_token(config, run_dir)
     prep.token = load_token(config.token_file)
+    try:
+        outputs = open_outputs(config, run_dir, prep.token)
+    except (OSError, ValueError) as exc:  # a busy port; AuthConfigError is a ValueError
+        print(
+            f"diloco run: cannot serve the dashboard on {config.dashboard}: {exc}", file=sys.stderr
+        )
+        return abandon(made)
+    if outputs.url:
+        print(f"dashboard: {outputs.url}", file=sys.stderr, flush=True)
     fabric = None
     if config.wan:
         from diloco.launch.wan import open_fabric
@@ -115,7 +127,8 @@ def run(config: RunConfig) -> int:
             fabric = open_fabric(config)
         except WanUnavailable as exc:
             print(f"diloco run: {exc}", file=sys.stderr)
-            return 2
+            outputs.close()
+            return abandon(made)
     write_config(run_dir / "config.json", config)
     tape = EventTape(run_dir / "syncer" / "events.jsonl")
     try:
@@ -130,9 +143,11 @@ def run(config: RunConfig) -> int:
                 run_dir=run_dir,
                 tape=tape,
                 fabric=fabric,
+                outputs=outputs,
             )
-        return Launch(config, prep, run_dir, tape, fabric).run()
+        return Launch(config, prep, run_dir, tape, fabric, outputs=outputs).run()
     finally:
+        outputs.close()
         if fabric is not None:
             fabric.close()
 
@@ -141,10 +156,16 @@ class Launch:
     """One decoupled or synchronous run: start the syncer(s), the evaluator and the learners,
     supervise, then stop in order and write the summary."""
 
-    def __init__(self, config: RunConfig, prep: Prepared, run_dir: Path, tape, fabric=None) -> None:
+    def __init__(
+        self, config: RunConfig, prep: Prepared, run_dir: Path, tape, fabric=None, outputs=None
+    ) -> None:
+        from diloco.dashboard.live import LiveOutputs
+
         self.config, self.prep, self.run_dir, self.tape = config, prep, run_dir, tape
         self.fabric = fabric
         """The wide-area links (``--wan``), or None: everything on this host's loopback."""
+        self.outputs = outputs or LiveOutputs()
+        """The dashboard and TensorBoard scalars (``diloco.launch.outputs``)."""
         self.out = sys.stdout  # the view and the summary (a launcher may divert sys.stdout)
         self.stop = threading.Event()
         self.interrupts: list[int] = []
@@ -177,6 +198,7 @@ class Launch:
                     learners=self.config.learners,
                 ),
             )
+            self.outputs.begin(run_watch(self.config, self.run_dir, self.prep.plans, self.started))
             address = self.start_syncers()
             self.start_evaluator(address)
             self.start_learners(address)
@@ -190,6 +212,7 @@ class Launch:
                 self.status_client,
                 self.run_dir,
                 out=self.out,
+                outputs=self.outputs,
             )
             return self.finish("interrupt" if self.interrupts else stopped_by)
         except (RuntimeError, TimeoutError, ConnectionError, AuthConfigError) as exc:
@@ -325,10 +348,19 @@ class Launch:
         summary["syncer_exit_code"] = syncer_code
         summary["backend"] = config.ray.backend
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.outputs.close(finished_rows(summary), end=train_end)
         text = json.dumps(summary, indent=1) if config.json else format_summary(summary)
         print(text, file=self.out)
         clean = syncer_code == 0 and all(c in (0, None) for c in codes.values())
         return 0 if clean else 1
+
+
+def abandon(made: list[Path]) -> int:
+    """Remove the run directory (and the parents this run created): a run refused before it
+    started leaves nothing behind. Returns 2, the exit status of a refusal."""
+    if made:
+        shutil.rmtree(made[-1], ignore_errors=True)
+    return 2
 
 
 def check_shards(config: RunConfig, clauses) -> None:

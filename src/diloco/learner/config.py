@@ -38,8 +38,10 @@ class LearnerConfig:
     twice. Keep it beside the checkpoint; None: no log (a restore may resend some progress)."""
     learner_id: str | None = None
     """Identity at the syncer; default ``<hostname>-<pid>``. Keep it across restarts to rejoin."""
-    cpu_threads: int | None = 1
-    """``torch.set_num_threads`` applied when the model is on CPU (None: leave as is)."""
+    cpu_threads: int | None = None
+    """``torch.set_num_threads(n)`` applied when the model is on CPU; None (default): the
+    Learner leaves your process's thread settings alone. Several training processes sharing
+    a machine's cores run steadier with 1 each (``diloco learner`` sets its own)."""
     flush_timeout_s: float = 10.0
     """How long ``close`` waits for queued uploads to go out."""
     drain_timeout_s: float = 3.0

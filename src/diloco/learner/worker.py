@@ -186,7 +186,19 @@ class LearnerProcess:
                 f"{config.join_timeout}s; training from the local init"
             )
         progress = self.workdir / "progress.jsonl" if self.workdir and self.leader else None
-        self.log = ProgressLog(progress, config.report_every, first_step=learner.local_step)
+        self.log = ProgressLog(
+            progress,
+            config.report_every,
+            first_step=learner.local_step,
+            echo=f"learner {config.id}" if self.leader else None,
+        )
+        if self.leader:
+            print(
+                f"learner {config.id}: training from step {learner.local_step} "
+                f"(syncer {config.syncer}, batch {config.batch_size or self.recipe.batch_size}, "
+                f"{sum(p.numel() for p in self.model.parameters()):,} parameters)",
+                flush=True,
+            )
         started = self.log.started
         cadence = CheckpointCadence(every=config.checkpoint_every, start=started)
         self.writer = CheckpointWriter() if self.checkpoint else None

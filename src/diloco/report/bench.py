@@ -171,9 +171,12 @@ def bandwidth_target(
     }
 
 
-def write_report(out: Path, budget, results: list[dict], failed: list[str]):
-    """Write ``results.json``, ``table.md`` and the figures of a ``diloco bench`` into
-    ``out``; returns the table's text and the figures' paths."""
+def write_report(
+    out: Path, budget, results: list[dict], failed: list[str], command: str | None = None
+):
+    """Write ``results.json`` (with ``command``, the command line that made it, if given),
+    ``table.md`` and the figures of a ``diloco bench`` into ``out``; returns the table's text
+    and the figures' paths."""
     from diloco.bench import matrix as mx
     from diloco.report import plots
 
@@ -187,7 +190,10 @@ def write_report(out: Path, budget, results: list[dict], failed: list[str]):
     if band:
         goals.append(band)
     (out / "results.json").write_text(
-        json.dumps({"budget": vars(budget), "results": results, "targets": goals}, indent=1)
+        json.dumps(
+            {"budget": vars(budget), "results": results, "targets": goals, "command": command},
+            indent=1,
+        )
     )
     figures = plots.loss_curves(main, out) + plots.bars(rows, out)
     figures.append(plots.contributors(main, out))

@@ -18,14 +18,8 @@ The definitions follow :mod:`diloco.report.goodput` (DESIGN §3), read for a sta
 
 from __future__ import annotations
 
-from diloco.report.goodput import (
-    busy_rate,
-    commit_gaps,
-    learner_speed,
-    schedule_down,
-    time_goodput,
-    uptime,
-)
+from diloco.report.goodput import commit_gaps, schedule_down, time_goodput, uptime
+from diloco.report.tally import ProgressTally
 
 
 def new_ground(records: list[dict]) -> list[float]:
@@ -54,30 +48,41 @@ def dp_metrics(
     ``chaos`` records (for ``down_share``: the killed rank's own down time; the others
     waiting for it is data-parallel's cost, not the schedule's).
     """
-    useful, provisioned, provisioned_s, rates = {}, {}, {}, {}
+    tallies = {name: ProgressTally() for name in progress}
     for name, records in progress.items():
-        starts = [r["t"] for r in records if r.get("event") == "start"]
-        last = next((r for r in reversed(records) if "tokens" in r), None)
-        useful[name] = int(last["tokens"]) if last else 0
-        first = min(starts) if starts else end
-        speed = learner_speed(records)
-        provisioned_s[name] = max(0.0, end - first)
-        provisioned[name] = speed * provisioned_s[name]
-        rates[name] = busy_rate(records) or speed
-    total = sum(provisioned.values())
-    down = schedule_down(list(chaos), set(progress), end)
+        for rec in records:
+            tallies[name].add(rec)
+    measures = dp_goodput(tallies, end=end, chaos=chaos)
     leader = next(iter(progress.values()), [])
     commits = new_ground(leader)
     starts = [r["t"] for r in leader if r.get("event") == "start"]
     gaps = commit_gaps(commits)
     return {
+        **measures,
+        "uptime": uptime(commits, min(starts), end) if starts else 0.0,
+        "max_commit_gap_s": max(gaps) if gaps else None,
+        "reintegrations": [reintegration(r, progress.get(r["target"], [])) for r in restarts],
+    }
+
+
+def dp_goodput(tallies: dict, *, end: float, chaos=()) -> dict:
+    """``goodput`` (and ``down_share``, ``goodput_up``, ``goodput_speed``, useful and
+    provisioned tokens) of a data-parallel group up to ``end``, from each rank's
+    :class:`~diloco.report.tally.ProgressTally` (module docstring)."""
+    useful, provisioned, provisioned_s, rates = {}, {}, {}, {}
+    for name, tally in tallies.items():
+        useful[name] = int(tally.latest.get("tokens", 0))
+        first = tally.first_start if tally.first_start is not None else end
+        provisioned_s[name] = max(0.0, end - first)
+        provisioned[name] = tally.speed * provisioned_s[name]
+        rates[name] = tally.busy_rate or tally.speed
+    total = sum(provisioned.values())
+    down = schedule_down(list(chaos), set(tallies), end)
+    return {
         **time_goodput(useful, provisioned_s, rates, down),
         "goodput_speed": sum(useful.values()) / total if total else None,
         "useful_tokens": useful,
         "provisioned_tokens": {m: round(v) for m, v in provisioned.items()},
-        "uptime": uptime(commits, min(starts), end) if starts else 0.0,
-        "max_commit_gap_s": max(gaps) if gaps else None,
-        "reintegrations": [reintegration(r, progress.get(r["target"], [])) for r in restarts],
     }
 
 

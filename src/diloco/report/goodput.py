@@ -71,20 +71,6 @@ def down_accounting(useful_s: float, provisioned_s: float, down_s: float) -> dic
     }
 
 
-def busy_rate(progress: list[dict]) -> float | None:
-    """Tokens per busy second between consecutive progress records of one incarnation (a
-    restart restarts ``busy_s`` at 0), or None without ``busy_s`` records."""
-    tokens = busy = 0.0
-    for a, b in zip(progress, progress[1:], strict=False):
-        if "event" in a or "event" in b or "busy_s" not in a or "busy_s" not in b:
-            continue
-        dtok, dbusy = b["tokens"] - a["tokens"], b["busy_s"] - a["busy_s"]
-        if dtok > 0 and dbusy > 0:
-            tokens += dtok
-            busy += dbusy
-    return tokens / busy if busy > 0 else None
-
-
 def time_goodput(
     useful: dict[str, float],
     provisioned_s: dict[str, float],
@@ -95,6 +81,8 @@ def time_goodput(
     seconds and each learner's tokens per busy second (module docstring)."""
     useful_s = sum(useful.get(m, 0.0) / rates[m] for m in provisioned_s if rates.get(m))
     total = sum(provisioned_s.values())
+    if not any(rates.get(m) for m in provisioned_s):  # no speed measured: unknown, not 0
+        return {"goodput": None, "down_share": None, "goodput_up": None}
     return {
         "goodput": useful_s / total if total else None,
         **down_accounting(useful_s, total, sum(down_s.values())),
@@ -123,85 +111,3 @@ def uptime(commit_times: list[float], start: float, end: float) -> float:
             covered += hi - lo
             reach = hi
     return covered / (end - start)
-
-
-def reintegrations(records: list[dict]) -> list[dict]:
-    """One entry per learner restart: when, and how long until it was in a committed round."""
-    out = []
-    restarts = [
-        r
-        for r in records
-        if r.get("event") == "restart" and not str(r.get("target", "")).startswith("syncer")
-    ]
-    rounds = [r for r in records if r.get("event") == "round"]
-    for rs in restarts:
-        back = next(
-            (r["t"] for r in rounds if r["t"] >= rs["t"] and rs["target"] in r["participants"]),
-            None,
-        )
-        out.append(
-            {
-                "learner": rs["target"],
-                "restarted_at": rs["t"],
-                "reintegration_s": None if back is None else round(back - rs["t"], 3),
-            }
-        )
-    return out
-
-
-def tape_metrics(
-    records: list[dict],
-    *,
-    fragments: int,
-    end: float,
-    speeds: dict[str, float],
-    finished: dict[str, float] | None = None,
-    rates: dict[str, float | None] | None = None,
-) -> dict:
-    """Goodput, uptime, longest commit gap, failures and reintegrations of one run.
-
-    ``speeds`` maps learner id to its median tokens/s; ``rates`` to its tokens per busy
-    second (``busy_rate``; missing or None: its speed is used); ``end`` is when training
-    stopped; ``finished`` maps a learner that completed its work (``--steps``) and left to
-    when it did: it is provisioned until then, not until ``end`` (its machine is released).
-    """
-    finished = finished or {}
-    rounds = [r for r in records if r.get("event") == "round"]
-    joins: dict[str, float] = {}
-    for r in records:
-        if r.get("event") == "join" and not r.get("observer"):
-            joins.setdefault(r["learner"], r["t"])
-    useful = useful_tokens(rounds, fragments)
-    provisioned_s = {m: max(0.0, min(end, finished.get(m, end)) - t) for m, t in joins.items()}
-    provisioned = {m: speeds.get(m, 0.0) * s for m, s in provisioned_s.items()}
-    total_provisioned = sum(provisioned.values())
-    chaos = [r for r in records if r.get("event") == "chaos"]
-    down = schedule_down(chaos, set(joins), end)
-    rate = {m: (rates or {}).get(m) or speeds.get(m, 0.0) for m in joins}
-    start = min(joins.values()) if joins else end
-    commit_times = [r["t"] for r in rounds]
-    gaps = commit_gaps(commit_times)
-    return {
-        **time_goodput(useful, provisioned_s, rate, down),
-        "goodput_speed": (sum(useful.values()) / total_provisioned) if total_provisioned else None,
-        "useful_tokens": {m: round(v) for m, v in useful.items()},
-        "provisioned_tokens": {m: round(v) for m, v in provisioned.items()},
-        "uptime": uptime(commit_times, start, end),
-        "max_commit_gap_s": max(gaps) if gaps else None,
-        "failures_injected": [
-            {k: r[k] for k in ("t", "kind", "target", "down_s") if k in r} for r in chaos
-        ],
-        "reintegrations": reintegrations(records),
-    }
-
-
-def learner_speed(progress: list[dict]) -> float:
-    """Median tokens/s between consecutive progress records of one incarnation."""
-    rates = []
-    for a, b in zip(progress, progress[1:], strict=False):
-        if "event" in a or "event" in b:
-            continue
-        dt, dtok = b["t"] - a["t"], b["tokens"] - a["tokens"]
-        if dt > 0 and dtok > 0:
-            rates.append(dtok / dt)
-    return statistics.median(rates) if rates else 0.0

@@ -20,6 +20,11 @@ def read_jsonl(path: str | os.PathLike, *, missing_ok: bool = True) -> list[dict
         if missing_ok:
             return []
         raise
+    return parse_lines(lines)
+
+
+def parse_lines(lines) -> list[dict]:
+    """The JSON objects among ``lines`` (text or bytes), in order; anything else is skipped."""
     records = []
     for line in lines:
         try:

@@ -15,8 +15,8 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
     ``facts`` holds ``started``, ``train_end``, ``val_initial``, ``val_final``, ``num_params``,
     ``seq_len``, ``stopped_by`` and ``codes`` (last exit code per learner).
     """
-    from diloco.report.goodput import busy_rate, learner_speed, tape_metrics
     from diloco.report.summary import build_summary, contributors_per_round
+    from diloco.report.tally import busy_rate, learner_speed, tape_metrics
     from diloco.syncer.store import read_tape
 
     records = read_tape(run_dir / "syncer" / "events.jsonl")
@@ -42,6 +42,7 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
         seq_len=facts["seq_len"],
         stopped_by=facts["stopped_by"],
     )
+    summary["started_at"] = facts["started"]
     summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
     summary["contributors_per_round"] = contributors_per_round(rounds)
     summary.update(
@@ -68,13 +69,12 @@ def read_progress(path: Path) -> list[dict]:
 
 def transport_total(progress: list[dict], key: str) -> int:
     """Bytes over all incarnations: each restart starts its counter at 0 again."""
-    total, last = 0, 0
+    from diloco.report.tally import ProgressTally
+
+    tally = ProgressTally()
     for rec in progress:
-        value = int(rec.get(key, 0))
-        if value < last:
-            total += last
-        last = value
-    return total + last
+        tally.add(rec)
+    return tally.transport_total(key)
 
 
 def learner_row(plan, progress: list[dict], slot, facts: dict, contributions: int) -> dict:

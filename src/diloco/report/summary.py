@@ -5,6 +5,8 @@ Pure functions: they take what the supervisor collected and return plain dicts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 def data_parallel_bytes_per_token(num_params: int, learners: int, tokens_per_step: int) -> float:
     """Bytes data-parallel training would put on the wire per token, for the same workers.
@@ -26,6 +28,11 @@ def contributors_per_round(rounds: list[dict]) -> dict:
     for r in rounds:
         n = len(r.get("participants", ()))
         counts[n] = counts.get(n, 0) + 1
+    return contributors_summary(counts)
+
+
+def contributors_summary(counts: Mapping[int, int]) -> dict:
+    """``contributors_per_round`` from counts ``{learners merged: rounds}``."""
     total = sum(counts.values())
     return {
         "histogram": {str(n): counts[n] for n in sorted(counts)},
@@ -91,6 +98,13 @@ def format_summary(s: dict) -> str:
         f"  wall {s['wall_s']:.1f}s  tokens {s['tokens']:,}  rounds {s['rounds']}{merged}",
         f"  held-out loss {s['val_loss']['initial']:.3f} -> {s['val_loss']['final']:.3f} nats/byte",
     ]
+    if s.get("goodput") is not None:
+        line = f"  goodput {100 * s['goodput']:.1f}%"
+        if s.get("down_share"):
+            line += f" (failures took {100 * s['down_share']:.1f}% of the provisioned time)"
+        if s.get("max_commit_gap_s") is not None:
+            line += f", longest pause of the global model {s['max_commit_gap_s']:.2f}s"
+        lines.append(line)
     if b["per_token"] is not None:
         ratio = b["reduction_vs_data_parallel"]
         lines.append(

@@ -89,20 +89,36 @@ class SlowHardware:
             time.sleep((factor - 1.0) * (time.perf_counter() - started))
 
 
+ECHO_EVERY_S = 30.0
+"""Seconds between the human progress lines a process prints to its log."""
+
+
 class ProgressLog:
     """``progress.jsonl``: a record at most every ``every_s`` seconds and one at exit, each
     with ``t`` (epoch seconds) and ``steps_per_s`` over this incarnation (since
     ``first_step``). ``path=None`` writes nothing (a rank that does not report). The first
-    record comes after the first step (``at_once``) or ``every_s`` after the start."""
+    record comes after the first step (``at_once``) or ``every_s`` after the start.
+
+    With ``echo`` (a name, e.g. ``learner site-a``) it also prints a human line to stdout
+    (the process's log) with the first record, then at most every ``ECHO_EVERY_S`` seconds,
+    and at exit."""
 
     def __init__(
-        self, path: Path | None, every_s: float, *, first_step: int = 0, at_once: bool = False
+        self,
+        path: Path | None,
+        every_s: float,
+        *,
+        first_step: int = 0,
+        at_once: bool = False,
+        echo: str | None = None,
     ) -> None:
         self.file = path.open("a") if path is not None else None
         self.every_s = every_s
         self.first_step = first_step
         self.started = time.time()
         self.last = 0.0 if at_once else self.started
+        self.echo = echo
+        self._echoed = float("-inf")
 
     def rate(self, step: int, now: float) -> float:
         return (step - self.first_step) / max(now - self.started, 1e-9)
@@ -117,11 +133,42 @@ class ProgressLog:
         now = time.time()
         if self.file is not None and now - self.last >= self.every_s:
             self.last = now
-            self.write({"step": step, **fields, "steps_per_s": self.rate(step, now)})
+            record = {"step": step, **fields, "steps_per_s": self.rate(step, now)}
+            self.write(record)
+            if self.echo and now - self._echoed >= ECHO_EVERY_S:
+                self._echoed = now
+                print(f"{self.echo}: {progress_line(record)}", flush=True)
 
     def exit(self, **fields) -> None:
         """The exit record (``event: exit`` and ``fields``), and close the file."""
+        if self.echo:
+            print(f"{self.echo}: stopped; {progress_line(fields)}", flush=True)
         if self.file is not None:
             self.write({"event": "exit", **fields})
             self.file.close()
             self.file = None
+
+
+def progress_line(record: dict) -> str:
+    """A progress record for people: step, tokens, loss, speed, bytes (what it has).
+
+    >>> progress_line({"step": 40, "tokens": 40960, "loss": 2.5, "steps_per_s": 8.0})
+    'step 40, 40,960 tokens, loss 2.500, 8.00 steps/s'
+    """
+    parts = []
+    if "step" in record:
+        parts.append(f"step {record['step']}")
+    if "tokens" in record:
+        parts.append(f"{record['tokens']:,} tokens")
+    if record.get("loss") is not None:
+        parts.append(f"loss {record['loss']:.3f}")
+    if record.get("steps_per_s") is not None:
+        parts.append(f"{record['steps_per_s']:.2f} steps/s")
+    if record.get("bytes_up") or record.get("bytes_down"):
+        parts.append(
+            f"sent {record.get('bytes_up', 0) / 1e6:.1f} MB, "
+            f"received {record.get('bytes_down', 0) / 1e6:.1f} MB"
+        )
+    if record.get("merged") is not None:
+        parts.append(f"{record['merged']} merges applied")
+    return ", ".join(parts)

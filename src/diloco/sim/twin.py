@@ -33,8 +33,8 @@ import numpy as np
 
 from diloco.chaos import parse_spec, schedule
 from diloco.config.run import RunConfig, load_run_config
-from diloco.report.goodput import learner_speed
 from diloco.report.jsonl import read_jsonl
+from diloco.report.tally import learner_speed
 from diloco.sim.failures import merge_outages
 from diloco.sim.grid import mean_ci
 from diloco.sim.modes import elastic_accounting

@@ -106,6 +106,10 @@ class SyncerConfig:
             raise ValueError(f"weight_cap must be >= 0 (0: off; got {self.weight_cap})")
         if self.quorum < 1:
             raise ValueError(f"quorum must be >= 1 (got {self.quorum})")
+        if not self.outer_lr > 0:
+            raise ValueError(f"--outer-lr must be > 0 (got {self.outer_lr})")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"--outer-momentum must be in [0, 1) (got {self.outer_momentum})")
         if self.gamma < 0 or self.tau < 0:
             raise ValueError(f"gamma and tau must be >= 0 (got {self.gamma}, {self.tau})")
         if not 0 <= self.ema_decay < 1:

@@ -59,6 +59,15 @@ def serve(config: ServiceConfig) -> int:
     named = dict(model.named_parameters())
     params = [layout.gather(p, named) for p in range(layout.num_fragments)]
     state_dir = config.state_dir
+    tape = config.tape or (Path(state_dir) / "events.jsonl" if state_dir else None)
+    try:
+        outputs = open_dashboard(config, layout.num_fragments, tape)
+    except (OSError, ValueError) as exc:  # busy, malformed, or a network address without token
+        print(
+            f"diloco syncer: cannot serve the dashboard on {config.dashboard}: {exc}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         server = SyncerServer(
             layout,
@@ -67,11 +76,12 @@ def serve(config: ServiceConfig) -> int:
             bind=config.bind,
             shard=shard,
             state_dir=state_dir,
-            tape_path=config.tape or (Path(state_dir) / "events.jsonl" if state_dir else None),
+            tape_path=tape,
             **server_security(config.security),
         )
     except (StateError, ValueError, OSError) as exc:
         print(f"diloco syncer: {exc}", file=sys.stderr)
+        outputs.close()
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -91,7 +101,49 @@ def serve(config: ServiceConfig) -> int:
         f"versions from {state_dir or 'memory'})",
         flush=True,
     )
+    if outputs.url:
+        print(f"dashboard: {outputs.url}", flush=True)
     while not stop.wait(0.5):
-        pass
+        outputs.update(status_rows(server.status()))
     server.stop(grace=1.0)
+    outputs.close()
     return 0
+
+
+def open_dashboard(config: ServiceConfig, fragments: int, tape):
+    """The syncer's dashboard (``LiveOutputs``; serving nothing without ``--dashboard``),
+    following its tape from the tape's first record. Raises ``OSError`` or ``ValueError``."""
+    import time
+
+    from diloco.dashboard.live import LiveOutputs
+    from diloco.dashboard.server import DashboardServer
+    from diloco.dashboard.watch import RunWatch
+    from diloco.report.tally import JsonlFollower
+    from diloco.wire import auth
+
+    outputs = LiveOutputs()
+    if config.dashboard is None:
+        return outputs
+    token = auth.load_token(config.security.token_file)
+    outputs.server = DashboardServer(outputs.snapshot, bind=config.dashboard, token=token).start()
+    earlier = JsonlFollower(tape).poll(max_bytes=1 << 16)
+    origin = earlier[0]["t"] if earlier and "t" in earlier[0] else time.time()
+    outputs.begin(RunWatch(tape=tape, fragments=fragments, started=origin, mode="syncer"))
+    return outputs
+
+
+def status_rows(reply) -> list[dict]:
+    """The dashboard's learner rows from a ``StatusReply``."""
+    return [
+        {
+            "id": ls.learner_id,
+            "step": ls.step,
+            "tokens": ls.tokens,
+            "steps_per_s": ls.steps_per_s,
+            "live": ls.live,
+            "state": ls.state if ls.live else f"not live ({ls.state})",
+            "bytes_up": ls.bytes_up,
+            "bytes_down": ls.bytes_down,
+        }
+        for ls in reply.learners
+    ]

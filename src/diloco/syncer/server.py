@@ -5,6 +5,7 @@ with the gRPC service (:class:`diloco.syncer.service.SyncerService`) on an addre
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Sequence
@@ -168,6 +169,9 @@ class SyncerServer:
         """A gRPC server bound to ``bind`` (TLS with ``credentials``) with the pool's threads:
         ``(server, port)``; the service is added once built. Raises OSError when the address
         cannot be bound (in use, or not an address)."""
+        busy = _address_in_use(bind)
+        if busy:  # said here: gRPC's own attempt would also print a line of its C core's log
+            raise OSError(f"cannot bind the syncer to {bind}: {busy}")
         server = grpc.server(
             self._pool,
             options=[
@@ -258,6 +262,12 @@ class SyncerServer:
             return parameters_by_name(self.layout, params)
         return into_model(model, self.layout, params)
 
+    def status(self):
+        """What the ``Status`` RPC answers (``diloco_pb2.StatusReply``), read in-process."""
+        from diloco.wire import diloco_pb2 as pb
+
+        return self.service.Status(pb.StatusRequest(), None)
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -292,3 +302,26 @@ class SyncerServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _address_in_use(bind: str) -> str | None:
+    """Why ``bind`` (``HOST:PORT`` with a fixed port) cannot be bound now, or None (port 0,
+    a host name, or free: gRPC then binds it itself)."""
+    import socket
+
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # as gRPC binds: a port whose old connections linger (TIME_WAIT) is free, one
+            # another socket listens on is not (a restarted syncer comes back on its address)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, int(port)))
+    except OSError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            return exc.strerror
+        return None
+    return None

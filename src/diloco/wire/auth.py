@@ -82,6 +82,19 @@ def bind_host(bind: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def split_address(address: str, *, what: str = "the address") -> tuple[str, int]:
+    """``(host, port)`` of ``HOST:PORT`` (``[::1]:7000`` for IPv6; port 0 picks a free one);
+    ``ValueError`` naming ``what`` for anything else.
+
+    >>> split_address("[::1]:0")
+    ('::1', 0)
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{what} must be HOST:PORT, e.g. 127.0.0.1:0 (got {address!r})")
+    return bind_host(address), int(port)
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses; any other name or address is not."""
     if host == "localhost":
@@ -174,6 +187,17 @@ def learner_token(secret: str, learner_id: str) -> str:
     """Learner ``learner_id``'s own token for a syncer whose shared secret is ``secret``."""
     mac = hmac.new(secret.encode(), f"diloco learner {learner_id}".encode(), hashlib.sha256)
     return f"{LEARNER_TOKEN_PREFIX}{learner_id}.{mac.hexdigest()}"
+
+
+VIEWER_TOKEN_PREFIX = "dv1."
+"""Marks a viewer token (:func:`viewer_token`)."""
+
+
+def viewer_token(secret: str) -> str:
+    """The read-only token of the dashboard and ``/metrics`` of a syncer or run whose shared
+    secret is ``secret``: it opens the pages and nothing else (the gRPC service refuses it)."""
+    mac = hmac.new(secret.encode(), b"diloco viewer", hashlib.sha256)
+    return f"{VIEWER_TOKEN_PREFIX}{mac.hexdigest()}"
 
 
 def identity_of(presented: str, secret: str) -> str | None:

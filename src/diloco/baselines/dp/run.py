@@ -57,14 +57,17 @@ class SnapshotEvaluator:
         return self.recipe.evaluate(self.model)
 
 
-def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None) -> int:
+def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None, outputs=None) -> int:
     """Run the data-parallel baseline; returns the process exit code (0 clean). With
     ``fabric`` (``--wan``) rank i runs in learner i's namespace and all-reduces over its link
-    (every pair of ranks meets through the hub, over both their links)."""
+    (every pair of ranks meets through the hub, over both their links). ``outputs``
+    (``diloco.dashboard.live.LiveOutputs``): the dashboard and TensorBoard scalars."""
     import sys
 
     import torch.distributed as dist
 
+    from diloco.dashboard.live import LiveOutputs
+    from diloco.launch.outputs import run_watch
     from diloco.launch.supervisor import Supervisor
     from diloco.runtime.spare import spare_count
 
@@ -80,6 +83,8 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None) ->
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
     started = time.time()
+    outputs = outputs or LiveOutputs()
+    outputs.begin(run_watch(config, run_dir, plans, started))
     names = [p.id for p in plans]
     sup = Supervisor(
         tape=tape.append,
@@ -101,9 +106,9 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None) ->
         }
         evaluator = SnapshotEvaluator(recipe, snapshot, seed=config.recipe.seed)
         start_ranks(config, sup, plans, run_dir, store=store.port, started=started, fabric=fabric)
-        stopped_by = supervise_group(config, stop, started, sup, plans, evaluator, run_dir)
+        stopped_by = supervise_group(config, stop, started, sup, plans, evaluator, run_dir, outputs)
         facts["stopped_by"] = "interrupt" if interrupts else stopped_by
-        return finish(config, sup, plans, evaluator, run_dir, facts, fabric)
+        return finish(config, sup, plans, evaluator, run_dir, facts, fabric, outputs)
     except (RuntimeError, TimeoutError) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 1
@@ -162,8 +167,11 @@ def start_ranks(
         sup.add(plan.id, [*prefix, *argv], run_dir / "logs" / f"{plan.id}.log")
 
 
-def finish(config, sup, plans, evaluator, run_dir: Path, facts: dict, fabric=None) -> int:
+def finish(
+    config, sup, plans, evaluator, run_dir: Path, facts: dict, fabric=None, outputs=None
+) -> int:
     """Stop the group, score the last snapshot, write and print the summary."""
+    from diloco.launch.loop import finished_rows
     from diloco.report.summary import format_summary
 
     facts["train_end"] = time.time()
@@ -177,53 +185,61 @@ def finish(config, sup, plans, evaluator, run_dir: Path, facts: dict, fabric=Non
 
         summary["wan"] = wan_section(fabric, counters, summary, plans)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if outputs is not None:
+        outputs.close(finished_rows(summary), end=facts["train_end"])
     print(json.dumps(summary, indent=1) if config.json else format_summary(summary))
     return 0 if all(c in (0, None) for c in codes.values()) else 1
 
 
-def supervise_group(config, stop, started, sup, plans, evaluator, run_dir) -> str:
-    """The supervisor loop for the group: failures, view, evaluation, stop conditions."""
+def supervise_group(config, stop, started, sup, plans, evaluator, run_dir, outputs=None) -> str:
+    """The supervisor loop for the group: failures, view, evaluation, stop conditions, and the
+    learner rows for ``outputs`` (the dashboard)."""
+    from diloco.launch.loop import stop_reason, view_frame
     from diloco.launch.supervisor import MAX_UNPLANNED_RESTARTS
     from diloco.launch.view import LiveView
 
     view = LiveView(enabled=not config.json and not config.no_view)
     tails = {p.id: ProgressTail(run_dir / "learners" / p.id / "progress.jsonl") for p in plans}
     last_eval, last_loss = 0.0, None
-    while True:
-        if stop.wait(0.25):
-            return "interrupt"
-        sup.poll()
-        for slot in sup.slots.values():
-            crashes = sum(1 for c in slot.exit_codes if c != 0) - slot.planned_deaths
-            if crashes > MAX_UNPLANNED_RESTARTS:
-                tail = slot.child.tail() if slot.child else ""
-                raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
-        latest = {name: tail.latest() for name, tail in tails.items()}
-        now = time.time()
-        if config.eval_every and now - last_eval >= config.eval_every:
-            last_eval = now
-            last_loss = evaluator.evaluate()
-            append_metric(run_dir, started, evaluator, last_loss)
-        training = all(r is not None and "event" not in r for r in latest.values())
-        if training or now - started > config.start_timeout:
-            sup.start_chaos()
-        tokens = sum(r.get("tokens", 0) for r in latest.values() if r)
-        view.update(
-            {
-                "elapsed": now - started,
-                "val_loss": last_loss,
-                "rounds": (latest[plans[0].id] or {}).get("step", 0),
-                "bytes_up": sum(r.get("bytes_up", 0) for r in latest.values() if r),
-                "bytes_down": sum(r.get("bytes_down", 0) for r in latest.values() if r),
-                "learners": [row(p.id, sup.slots[p.id], latest[p.id]) for p in plans],
-            }
-        )
-        if config.minutes and now - started >= config.minutes * 60:
-            return "time"
-        if config.tokens and tokens >= config.tokens:
-            return "tokens"
-        if all(s.finished for s in sup.learners()):
-            return "learners finished"
+    try:
+        while True:
+            if stop.wait(0.25):
+                return "interrupt"
+            sup.poll()
+            for slot in sup.slots.values():
+                crashes = sum(1 for c in slot.exit_codes if c != 0) - slot.planned_deaths
+                if crashes > MAX_UNPLANNED_RESTARTS:
+                    tail = slot.child.tail() if slot.child else ""
+                    raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
+            latest = {name: tail.latest() for name, tail in tails.items()}
+            now = time.time()
+            if config.eval_every and now - last_eval >= config.eval_every:
+                last_eval = now
+                last_loss = evaluator.evaluate()
+                append_metric(run_dir, started, evaluator, last_loss)
+            training = all(r is not None and "event" not in r for r in latest.values())
+            if training or now - started > config.start_timeout:
+                sup.start_chaos()
+            tokens = sum(r.get("tokens", 0) for r in latest.values() if r)
+            rows = [row(p.id, sup.slots[p.id], latest[p.id]) for p in plans]
+            view.update(
+                view_frame(
+                    config,
+                    now - started,
+                    rows,
+                    val_loss=last_loss,
+                    rounds=(latest[plans[0].id] or {}).get("step", 0),
+                    bytes_up=sum(r.get("bytes_up", 0) for r in latest.values() if r),
+                    bytes_down=sum(r.get("bytes_down", 0) for r in latest.values() if r),
+                )
+            )
+            if outputs is not None:
+                outputs.update(rows)
+            reason = stop_reason(config, now - started, tokens, sup)
+            if reason:
+                return reason
+    finally:
+        view.close()
 
 
 def row(name: str, slot, record: dict | None) -> dict:
@@ -243,6 +259,8 @@ def row(name: str, slot, record: dict | None) -> dict:
         "step": record.get("step", 0),
         "tokens": record.get("tokens", 0),
         "tokens_per_s": 0.0,
+        "steps_per_s": record.get("steps_per_s", 0.0),
+        "live": state == "training",
         "state": state,
     }
 
@@ -311,6 +329,7 @@ def summarize_dp(config, run_dir: Path, plans, sup, facts: dict) -> dict:
         seq_len=facts["seq_len"],
         stopped_by=facts["stopped_by"],
     )
+    summary["started_at"] = facts["started"]
     summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
     restarts = [r for r in records if r.get("event") == "restart"]
     chaos = [r for r in records if r.get("event") == "chaos"]

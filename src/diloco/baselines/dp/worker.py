@@ -124,7 +124,11 @@ class Rank:
         workdir = Path(config.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = ProgressLog(
-            workdir / "progress.jsonl", config.report_every, first_step=self.step, at_once=True
+            workdir / "progress.jsonl",
+            config.report_every,
+            first_step=self.step,
+            at_once=True,
+            echo=f"rank {config.rank}",
         )
         self.log.write(
             {

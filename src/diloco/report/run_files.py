@@ -1,0 +1,111 @@
+"""A finished run directory read back for its report: summary, configuration, loss curve,
+event tape and progress records, and where each learner's provisioned time went.
+
+The tape and the progress records are read through the same tallies as the summary
+(``diloco.report.tally``), so the report's numbers are the summary's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diloco.report.goodput import schedule_down
+from diloco.report.jsonl import read_jsonl
+from diloco.report.tally import ProgressTally, TapeTally
+
+
+class NotARun(ValueError):
+    """A directory that is neither a finished run nor a bench folder."""
+
+
+@dataclass
+class RunFiles:
+    """What a report needs of one run directory (see :func:`load_run`)."""
+
+    path: Path
+    summary: dict
+    config: dict
+    metrics: list[dict]
+    tape: TapeTally
+    progress: dict[str, ProgressTally]
+    steps: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    """Each learner's (time, step) records (the data-parallel commit timeline)."""
+
+    @property
+    def mode(self) -> str:
+        return self.summary.get("mode", "decoupled")
+
+    @property
+    def started(self) -> float:
+        """The run's time origin (epoch seconds): ``metrics.jsonl`` times are relative to it."""
+        if self.summary.get("started_at"):
+            return float(self.summary["started_at"])
+        return self.tape.start or 0.0
+
+    @property
+    def train_end(self) -> float:
+        return self.started + float(self.summary.get("train_s") or self.summary["wall_s"])
+
+
+def load_run(path: str | Path) -> RunFiles:
+    """Read a finished run directory; ``NotARun`` if it has no ``summary.json``."""
+    path = Path(path)
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise NotARun(
+            f"{path} is not a finished run (no readable summary.json: {exc.__class__.__name__})"
+        ) from None
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    fragments = int((config.get("protocol") or {}).get("fragments") or 24)
+    tape = TapeTally(fragments)
+    for record in read_jsonl(path / "syncer" / "events.jsonl"):
+        tape.add(record)
+    progress, steps = {}, {}
+    for learner in summary.get("per_learner", {}):
+        tally = ProgressTally()
+        records = read_jsonl(path / "learners" / learner / "progress.jsonl")
+        for record in records:
+            tally.add(record)
+        progress[learner] = tally
+        steps[learner] = [(r["t"], r["step"]) for r in records if "event" not in r and "step" in r]
+    return RunFiles(
+        path=path,
+        summary=summary,
+        config=config,
+        metrics=[m for m in read_jsonl(path / "metrics.jsonl") if m.get("val_loss") is not None],
+        tape=tape,
+        progress=progress,
+        steps=steps,
+    )
+
+
+def time_split(run: RunFiles) -> dict[str, dict[str, float]]:
+    """Where each learner's provisioned time went, in seconds: ``useful`` (compute whose work
+    entered the global model), ``down`` (the failure schedule's own down time) and ``other``
+    (restarts, work lost in a crash or refused, waiting); definitions in
+    ``diloco.report.goodput``. For data-parallel ranks, useful work is the surviving steps."""
+    end = run.train_end
+    out = {}
+    for learner, tally in run.progress.items():
+        rate = tally.busy_rate or tally.speed
+        if run.mode == "dp":
+            start = tally.first_start if tally.first_start is not None else end
+            useful_tokens = float(tally.latest.get("tokens", 0))
+        else:
+            start = run.tape.joins.get(learner, end)
+            useful_tokens = run.tape.useful.get(learner, 0.0)
+        provisioned = max(0.0, end - start)
+        down = schedule_down(run.tape.chaos, {learner}, end).get(learner, 0.0)
+        useful = min(provisioned - down, useful_tokens / rate) if rate else 0.0
+        out[learner] = {
+            "useful": max(0.0, useful),
+            "down": down,
+            "other": max(0.0, provisioned - down - max(0.0, useful)),
+        }
+    return out

@@ -1,0 +1,108 @@
+"""Every bad input a user can give the CLI ends in one line on stderr and exit code 2, with
+nothing started and nothing left behind (real commands, real sockets)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def busy_port():
+    """A socket listening on a free port (the caller closes it)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "diloco.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "DILOCO_TOKEN": ""},
+    )
+
+
+def processes_under(path: Path) -> list[str]:
+    """Command lines of processes that mention ``path`` (a leftover child)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if str(path) in cmd:
+                found.append(cmd)
+    return found
+
+
+# (arguments, a phrase the one line must hold); {busy} is a port something listens on,
+# {file} a regular file that exists
+CASES = [
+    (["run", "--learners", "0"], "--learners must be >= 1"),
+    (["run", "--minutes", "-1"], "--minutes must be >= 0"),
+    (["run", "--fragments", "0"], "fragments and sync_every must be >= 1"),
+    (["run", "--sync-every", "0"], "fragments and sync_every must be >= 1"),
+    (["run", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["run", "--outer-lr", "-1"], "--outer-lr must be > 0"),
+    (["run", "--quorum", "0"], "quorum must be >= 1"),
+    (["run", "--mode", "nope"], "invalid choice: 'nope'"),
+    (["run", "--learners", "two"], "invalid int value: 'two'"),
+    (["run", "--recipe", "nope"], "unknown recipe 'nope'"),
+    (["run", "--chaos", "kill:mtbf=soon"], "is not a duration"),
+    (["run", "--slow", "7=2"], "learner index must be in [0, 2)"),
+    (["run", "--dashboard", "nonsense"], "--dashboard must be HOST:PORT"),
+    (["run", "--dashboard", "127.0.0.1:{busy}"], "cannot serve the dashboard"),
+    (["syncer", "--bind", "nonsense"], "--bind must be HOST:PORT"),
+    (["syncer", "--bind", "127.0.0.1:{busy}", "--state-dir", "state"], "Address already in use"),
+    (["syncer", "--state-dir", "{file}"], "is a file, not a directory"),
+    (["syncer", "--fragments", "0"], "fragments and sync_every must be >= 1"),
+    (["syncer", "--dashboard", "127.0.0.1:0"], "give --state-dir or --tape"),
+    (["syncer", "--dashboard", "0.0.0.0:0", "--state-dir", "state"], "without a shared token"),
+    (["learner", "--syncer", "localhost", "--id", "a"], "is not HOST:PORT"),
+    (["report", "nowhere"], "is not a finished run"),
+    (["export", "nowhere", "-o", "model.safetensors"], "is not a run directory"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.timeout(600)
+def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
+    failures = []
+    for i, (args, phrase) in enumerate(CASES):
+        work = tmp_path / f"case{i}-{args[0]}"
+        work.mkdir()
+        (work / "a-file").write_text("not a directory\n")
+        with busy_port() as listening:
+            port = str(listening.getsockname()[1])
+            argv = [a.replace("{busy}", port).replace("{file}", str(work / "a-file")) for a in args]
+            done = run_cli(argv, work)
+        lines = done.stderr.strip().splitlines()
+        before = {"a-file"}
+        left = sorted(p.name for p in work.iterdir() if p.name not in before)
+        if (
+            done.returncode != 2
+            or len(lines) != 1
+            or phrase not in lines[0]
+            or "Traceback" in done.stderr
+            or done.stdout.strip()
+            or left
+        ):
+            failures.append((argv, done.returncode, done.stderr, done.stdout, left))
+    assert not failures, "\n\n".join(
+        f"{' '.join(a)}: exit {rc}, left {left}\nstderr: {err}\nstdout: {out}"
+        for a, rc, err, out, left in failures
+    )
+    assert processes_under(tmp_path) == []

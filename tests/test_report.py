@@ -1,0 +1,173 @@
+"""``diloco report``: one self-contained HTML file for a data-parallel run, a synchronous
+DiLoCo run (real ``diloco run`` processes) and a bench folder; plus the pieces it is made of."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diloco.config.common import ProtocolConfig
+from diloco.config.run import RunConfig
+from diloco.config.schema import command_flags
+from diloco.report.html import markdown, write_report
+from diloco.report.run_files import NotARun, load_run, time_split
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def diloco(*args: str) -> list[str]:
+    return [sys.executable, "-m", "diloco.cli", *args]
+
+
+def figures_of(page: str) -> dict[str, bytes]:
+    """Figure id -> the PNG embedded in it."""
+    found = re.findall(r"<figure id='(\w+)'><img [^>]*src='data:image/png;base64,([^']+)'", page)
+    return {name: base64.b64decode(data) for name, data in found}
+
+
+def short_run(tmp_path: Path, mode: str) -> Path:
+    done = subprocess.run(
+        diloco(
+            "run",
+            "--recipe=tiny",
+            f"--mode={mode}",
+            "--learners=2",
+            "--minutes=0.2",
+            "--eval-every=1",
+            "--dashboard=off",
+            f"--runs-dir={tmp_path}",
+            f"--name={mode}",
+            "--json",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path / mode
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["dp", "sync"])
+def test_a_run_report_holds_its_figures_summary_and_commands(tmp_path, mode):
+    run_dir = short_run(tmp_path, mode)
+    assert not (run_dir / "dashboard.url").exists()  # --dashboard off
+    done = subprocess.run(
+        diloco("report", str(run_dir)), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"wrote {run_dir / 'report.html'}"
+    page = (run_dir / "report.html").read_text()
+    figures = figures_of(page)
+    expected = ["glance", "tokens", "time", "bytes"]
+    if mode == "sync":
+        expected.insert(3, "contributors")
+    assert list(figures) == expected
+    assert all(png.startswith(PNG_MAGIC) and len(png) > 5000 for png in figures.values())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert f"{100 * summary['goodput']:.1f}%" in page
+    assert ("all-reduce steps" in page) == (mode == "dp")
+    assert f"--mode {mode}" in page and "--minutes 0.2" in page
+    assert "http" not in page.replace("http-equiv", "")  # nothing fetched from elsewhere
+    run = load_run(run_dir)
+    split = time_split(run)
+    assert set(split) == {"learner-0", "learner-1"}
+    for parts in split.values():  # nothing injected: no down time, most of it useful
+        assert parts["down"] == 0 and parts["useful"] > parts["other"] / 4
+
+
+def test_a_bench_folder_report_holds_its_table_figures_and_runs(tmp_path):
+    from diloco.report.plots import _pyplot
+
+    results = [
+        {
+            "name": "decoupled-clean-s0",
+            "mode": "decoupled",
+            "condition": "clean",
+            "seed": 0,
+            "val_loss": 1.8,
+            "goodput": 0.97,
+            "bytes_per_token": 54.0,
+            "tokens": 3_280_000,
+        },
+        {
+            "name": "dp-clean-s0",
+            "mode": "dp",
+            "condition": "clean",
+            "seed": 0,
+            "val_loss": 1.7,
+            "goodput": 0.95,
+            "bytes_per_token": 4900.0,
+            "tokens": 3_280_000,
+        },
+    ]
+    command = "diloco bench --out bench --seeds 0 --conditions clean"
+    (tmp_path / "results.json").write_text(json.dumps({"results": results, "command": command}))
+    (tmp_path / "table.md").write_text(
+        "# diloco bench (2026-11-25 12:00)\n\n| mode | condition | held-out loss |\n"
+        "|---|---|---|\n| decoupled | clean | 1.800 |\n| dp | clean | 1.700 |\n\n"
+        "Targets:\n\n- met: something (1.0x)\n"
+    )
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    fig.savefig(tmp_path / "loss_vs_tokens.png")
+    plt.close(fig)
+    target = write_report(tmp_path)
+    page = target.read_text()
+    assert target == tmp_path / "report.html"
+    assert list(figures_of(page)) == ["loss_vs_tokens"]
+    assert "<td>decoupled</td><td>clean</td><td class=n>1.800</td>" not in page  # text cells
+    assert "<td>decoupled</td><td>clean</td><td>1.800</td>" in page
+    assert "decoupled-clean-s0" in page and "dp-clean-s0" in page
+    assert command in page and "<li>met: something (1.0x)</li>" in page
+
+
+def test_a_directory_that_is_no_run_is_refused(tmp_path):
+    with pytest.raises(NotARun, match="is not a finished run"):
+        write_report(tmp_path)
+
+
+def test_markdown_tables_become_html_tables():
+    text = markdown("| a | b |\n|---|:-:|\n| 1 | <x> |\n\nplain & simple")
+    assert text == (
+        "<table><tr><th>a</th><th>b</th></tr><tr><td>1</td><td>&lt;x&gt;</td></tr></table>\n"
+        "<p>plain &amp; simple</p>"
+    )
+
+
+def test_command_flags_rebuild_a_configuration():
+    config = RunConfig(
+        learners=4,
+        chaos="kill:mtbf=60s",
+        slow=["1=2", "2=3"],
+        tensorboard=False,
+        protocol=ProtocolConfig(sync_every=64),
+    )
+    flags = command_flags(config)
+    assert flags == [
+        "--learners",
+        "4",
+        "--slow",
+        "1=2",
+        "--slow",
+        "2=3",
+        "--chaos",
+        "kill:mtbf=60s",
+        "--no-tensorboard",
+        "--sync-every",
+        "64",
+    ]
+    from diloco.cli import build_parser
+    from diloco.config.schema import from_namespace
+
+    parsed = build_parser().parse_args(["run", *flags])
+    assert from_namespace(RunConfig, parsed) == config
