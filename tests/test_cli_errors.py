@@ -106,3 +106,28 @@ def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
         for a, rc, err, out, left in failures
     )
     assert processes_under(tmp_path) == []
+
+
+def test_every_flag_of_every_command_has_help_and_shows_its_default():
+    import argparse
+
+    from diloco.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue
+            flag = f"diloco {name} {'/'.join(action.option_strings) or action.dest}"
+            if not (action.help or "").strip():
+                missing.append(f"{flag}: no help text")
+                continue
+            if action.default is argparse.SUPPRESS:
+                continue  # a dataclass-configured flag: tests/test_config.py checks its help
+            shown = command.formatter_class(name)._get_help_string(action)
+            has_default = action.default is not None and action.default is not False
+            if has_default and action.default not in ("", []) and "default" not in shown:
+                missing.append(f"{flag}: default {action.default!r} not shown")
+    assert not missing, "\n".join(missing)

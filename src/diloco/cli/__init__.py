@@ -28,9 +28,28 @@ _COMMANDS: list[tuple[str, str]] = [
 ]
 
 
+class ShowDefaults(argparse.HelpFormatter):
+    """Help that ends every flag's text with its default, unless the text names it already
+    or there is none to name (None, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default in ("", []):
+            return text
+        if default is argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """An argument parser that reports a bad argument in one line, with where to look (the
-    usage block argparse prints by default buries the message under dozens of flags)."""
+    usage block argparse prints by default buries the message under dozens of flags), and
+    shows every flag's default in ``--help`` (:class:`ShowDefaults`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", ShowDefaults)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -142,10 +142,10 @@ def register(subparsers) -> None:
         help="decoupled vs synchronous DiLoCo vs data-parallel: one harness, one table",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--out", default="bench", help="output directory (default bench/)")
+    p.add_argument("--out", default="bench", help="output directory")
     p.add_argument("--modes", default=",".join(mx.MODES), help="comma list of decoupled,sync,dp")
     p.add_argument("--conditions", default=",".join(mx.CONDITIONS), help="clean,chaos,slow")
-    p.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
+    p.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
     p.add_argument("--peer", default="", help="also run an external peer: torchft")
     p.add_argument("--sweep", action="store_true", help="add the H x upload-codec sweep")
     p.add_argument(
@@ -157,14 +157,16 @@ def register(subparsers) -> None:
         metavar="SETTINGS",
         help="sweep just these settings, comma list of mode:H:up:down (e.g. sync:96:int4:int4)",
     )
-    p.add_argument("--learners", "-m", type=int, default=mx.Budget.learners)
+    p.add_argument("--learners", "-m", type=int, default=mx.Budget.learners, help="M per run")
     p.add_argument("--steps", type=int, default=mx.Budget.steps, help="clean: steps per learner")
     p.add_argument(
         "--minutes", type=float, default=mx.Budget.minutes, help="chaos and slow: wall time"
     )
-    p.add_argument("--recipe", default=mx.Budget.recipe)
+    p.add_argument("--recipe", default=mx.Budget.recipe, help="model and data of every run")
     p.add_argument("--chaos", default=mx.DEFAULT_CHAOS, help="the chaos condition's spec")
-    p.add_argument("--eval-every", type=float, default=mx.Budget.eval_every)
+    p.add_argument(
+        "--eval-every", type=float, default=mx.Budget.eval_every, help="seconds between evaluations"
+    )
     p.add_argument(
         "--wan",
         action="append",

@@ -76,7 +76,9 @@ def register(subparsers) -> None:
         default=None,
         help="chip counts (default: the paper's five)",
     )
-    what.add_argument("--mode", choices=(*MODES, "all"), default="all")
+    what.add_argument(
+        "--mode", choices=(*MODES, "all"), default="all", help="which training mode to simulate"
+    )
     what.add_argument(
         "--learners",
         type=int,
@@ -95,12 +97,24 @@ def register(subparsers) -> None:
     model = p.add_argument_group(
         "failure model (defaults: fitted on the paper's dp rows, docs/simulate.md)"
     )
-    model.add_argument("--slice-chips", type=int, default=ASSUMED_SLICE_CHIPS)
+    model.add_argument(
+        "--slice-chips", type=int, default=ASSUMED_SLICE_CHIPS, help="chips a failure takes down"
+    )
     model.add_argument(
         "--mtbi", type=parse_seconds, default=YEAR_S, help="per chip, e.g. 1y (default)"
     )
-    model.add_argument("--recovery-kind", choices=RECOVERY_KINDS, default=ASSUMED_RECOVERY_KIND)
-    model.add_argument("--recovery-mean", type=parse_seconds, default=FITTED_RECOVERY_MEAN_S)
+    model.add_argument(
+        "--recovery-kind",
+        choices=RECOVERY_KINDS,
+        default=ASSUMED_RECOVERY_KIND,
+        help="distribution of a slice's recovery time",
+    )
+    model.add_argument(
+        "--recovery-mean",
+        type=parse_seconds,
+        default=FITTED_RECOVERY_MEAN_S,
+        help="mean recovery time of a slice (seconds, or e.g. 36m)",
+    )
     model.add_argument("--recovery-sigma", type=float, default=1.0, help="lognormal shape")
     model.add_argument(
         "--restart", type=parse_seconds, default=FITTED_RESTART_S, help="dp stop per failure"
@@ -135,7 +149,7 @@ def register(subparsers) -> None:
         help="seeds for the confidence intervals (default 8; --twin: 200 chaos seeds)",
     )
     run.add_argument("--seed", type=int, default=0, help="first seed")
-    run.add_argument("--json", action="store_true")
+    run.add_argument("--json", action="store_true", help="print the results as JSON")
     run.add_argument("--plot", metavar="PNG", help="write goodput against chip count per mode")
     p.set_defaults(func=main)
 

@@ -14,7 +14,8 @@ Definitions used here:
   not saving checkpoints), over consecutive records of one incarnation.
 * **useful time** of learner m: its useful tokens ÷ its busy rate: the compute time whose work
   entered the global model.
-* **goodput** = Σ useful time / Σ provisioned time. Time, not tokens, because on a shared
+* **goodput** = Σ useful time / Σ provisioned time (None while no learner's speed is
+  known: fewer than two progress records). Time, not tokens, because on a shared
   machine (4 learners on 2 cores) the learners left running go faster while one is down; a
   token count against a typical speed credits them with the dead learner's cores, which real
   hardware would not free (the former measure, ``goodput_speed`` = Σ useful tokens / Σ median
