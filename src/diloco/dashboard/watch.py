@@ -39,8 +39,9 @@ RATE_WINDOW_S = 10.0
 """Rounds per second and recent contributors are measured over this many seconds."""
 MAX_POINTS = 600
 """At most this many timeline points and markers in one snapshot (older bins are merged)."""
-LIVE_RATE_S = 2.0
-"""A learner's tokens/s is measured over windows of at least this many seconds."""
+LIVE_RATE_S = 5.0
+"""A learner's tokens/s is measured over windows of at least this many seconds (its token
+count arrives with its heartbeats, about once a second: shorter windows jitter)."""
 
 
 class RunWatch:

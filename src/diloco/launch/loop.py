@@ -105,7 +105,9 @@ def finished_rows(summary: dict) -> list[dict]:
             "tokens": row["tokens"],
             "steps_per_s": row["steps_per_s"],
             "live": False,
-            "state": "finished" if row["exit_code"] in (0, None) else f"exited {row['exit_code']}",
+            "state": {0: "finished", None: "down at the end"}.get(
+                row["exit_code"], f"exited {row['exit_code']}"
+            ),
         }
         for learner, row in summary["per_learner"].items()
     ]

@@ -116,7 +116,8 @@ def format_summary(s: dict) -> str:
     for name, ln in s["per_learner"].items():
         lines.append(
             f"  {name}: {ln['steps']} steps, {ln['tokens']:,} tokens, "
-            f"{ln['steps_per_s']:.2f} steps/s, exit {ln['exit_code']}"
+            f"{ln['steps_per_s']:.2f} steps/s, "
+            + ("down at the end" if ln["exit_code"] is None else f"exit {ln['exit_code']}")
             + (f", link {s['wan']['links'][name]['link']}" if s.get("wan") else "")
         )
     return "\n".join(lines)

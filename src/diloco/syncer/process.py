@@ -104,7 +104,8 @@ def serve(config: ServiceConfig) -> int:
     if outputs.url:
         print(f"dashboard: {outputs.url}", flush=True)
     while not stop.wait(0.5):
-        outputs.update(status_rows(server.status()))
+        if outputs.watch is not None:  # only with --dashboard
+            outputs.update(status_rows(server.status()))
     server.stop(grace=1.0)
     outputs.close()
     return 0
