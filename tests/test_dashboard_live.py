@@ -168,6 +168,12 @@ def test_the_finished_run_leaves_tensorboard_scalars_and_a_report(live_run, tmp_
     assert proc.returncode == 0, err[-3000:]
     assert f"dashboard: {url}" in err
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert f"goodput {100 * summary['goodput']:.1f}%" in out  # the printed summary says it
+    for learner in ("learner-0", "learner-1"):  # a learner's log says what it does
+        log = (run_dir / "logs" / f"{learner}.log").read_text()
+        assert f"learner {learner}: training from step 0 (syncer " in log
+        assert re.search(rf"learner {learner}: step \d+, [\d,]+ tokens, loss \d", log)
+        assert f"learner {learner}: stopped; step " in log
     with pytest.raises(OSError):  # the dashboard stopped with the run
         urllib.request.urlopen(url, timeout=2)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

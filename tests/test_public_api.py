@@ -25,3 +25,22 @@ def test_readme_loop_with_for_model_syncer():
                 learner.step(tokens=x.shape[0])
         assert server.state.rounds_committed >= 4
         assert min(server.state.versions) >= 1
+
+
+def test_the_learner_leaves_the_processs_thread_count_alone_unless_asked():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with diloco.SyncerServer.for_model(model, fragments=2) as server:
+            with diloco.Learner(model, optimizer, syncer=server.address, fragments=2) as learner:
+                assert learner.wait_for_global(timeout=30)
+                assert torch.get_num_threads() == 2  # the default: not touched
+            with diloco.Learner(
+                model, optimizer, syncer=server.address, fragments=2, cpu_threads=1
+            ):
+                assert torch.get_num_threads() == 1  # asked for
+    finally:
+        torch.set_num_threads(before)
