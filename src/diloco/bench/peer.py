@@ -34,7 +34,7 @@ def peer_kwargs(spec, budget) -> dict:
         "wan": tuple(budget.wan),
     }
     if spec.condition == "clean":
-        tokens = budget.learners * budget.steps * recipe.batch_size * recipe.model.seq_len
+        tokens = budget.learners * budget.steps * recipe.batch_size * recipe.tokens_per_sample
         return {**common, "tokens": tokens, "minutes": 0.0, "max_minutes": budget.minutes * 10}
     if spec.condition == "slow":
         return {**common, "minutes": budget.minutes, "slow": {1: budget.slow_factor}}

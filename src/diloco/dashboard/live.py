@@ -96,6 +96,8 @@ EMPTY = {
     "versions": [],
     "goodput": None,
     "loss": [],
+    "loss_unit": "nats/byte",
+    "scores": {},
     "timeline": {"bin_s": 5.0, "points": []},
     "markers": [],
     "bytes": {"up": 0, "down": 0},

@@ -19,7 +19,8 @@ Snapshot keys (times ``t`` are seconds since ``started``):
 - ``versions``: each fragment's committed version;
 - ``goodput``: ``goodput``, ``down_share``, ``goodput_up`` so far (None before any learner
   joined);
-- ``loss``: ``[[t, held-out loss, tokens], ...]``; ``timeline``: ``bin_s`` and
+- ``loss``: ``[[t, held-out loss, tokens], ...]`` in ``loss_unit``; ``scores``: the
+  evaluator's latest other held-out measures (e.g. ``{"accuracy": 0.95}``); ``timeline``: ``bin_s`` and
   ``points`` ``[[t, commits/s, mean contributors], ...]``; ``markers``: failures, restarts and
   rejoins ``{"t", "kind", "target"}``;
 - ``bytes``: ``up``, ``down`` (every learner's transport).
@@ -66,8 +67,11 @@ class RunWatch:
         budget_s: float | None = None,
         metrics: str | Path | None = None,
         progress: Mapping[str, str | Path] | None = None,
+        loss_unit: str = "nats/byte",
     ) -> None:
         self.mode, self.name, self.started, self.budget_s = mode, name, started, budget_s
+        self.loss_unit = loss_unit
+        self.scores: dict[str, float] = {}  # the evaluator's latest other measures
         self.tape = TapeTally(fragments)
         self._tape_follower = JsonlFollower(tape)
         self._metrics_follower = JsonlFollower(metrics) if metrics else None
@@ -95,6 +99,9 @@ class RunWatch:
             for m in self._metrics_follower.poll():
                 if m.get("val_loss") is not None:
                     self.loss.append([m["t"], m["val_loss"], m.get("tokens") or 0])
+                self.scores.update(
+                    {k[4:]: v for k, v in m.items() if k.startswith("val_") and k != "val_loss"}
+                )
         for learner, follower in self._progress_followers.items():
             for record in follower.poll():
                 self.progress[learner].add(record)
@@ -123,6 +130,8 @@ class RunWatch:
             "versions": [self.tape.versions.get(p, 0) for p in range(self.tape.fragments)],
             "goodput": self._goodput(now),
             "loss": self.loss[-MAX_POINTS:],
+            "loss_unit": self.loss_unit,
+            "scores": dict(self.scores),
             "timeline": self._timeline(),
             "markers": [{**m, "t": round(m["t"] - self.started, 3)} for m in self.tape.markers][
                 -MAX_POINTS:

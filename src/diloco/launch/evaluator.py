@@ -33,6 +33,8 @@ class Evaluator:
         evaluator reads the global model from all of them (one observer link per shard)."""
         self.recipe = recipe
         self.model = recipe.build_model(seed)
+        self.scores: dict[str, float] = {}
+        """The recipe's other held-out measures at the last :meth:`evaluate` (e.g. accuracy)."""
         self.named = dict(self.model.named_parameters())
         self.layout = balanced_fragments(self.model.named_parameters(), fragments)
         self._latest: dict[int, tuple[int, torch.Tensor]] = {}
@@ -89,13 +91,15 @@ class Evaluator:
         return False
 
     def evaluate(self) -> tuple[float, list[int]]:
-        """Held-out loss of the newest global model received, and the versions it used."""
+        """Held-out loss of the newest global model received, and the versions it used (the
+        recipe's other measures go to ``self.scores``)."""
         with self._lock:
             latest = dict(self._latest)
         for p, (version, value) in latest.items():
             if version > self.versions[p]:
                 self.layout.scatter(p, value, self.named)
                 self.versions[p] = version
+        self.scores = self.recipe.scores(self.model)
         return self.recipe.evaluate(self.model), list(self.versions)
 
     def close(self) -> None:

@@ -10,11 +10,15 @@ from diloco.launch.supervisor import MAX_UNPLANNED_RESTARTS
 from diloco.launch.syncers import syncer_names
 
 
-def append_metric(run_dir: Path, started: float, status, loss: float, versions: list[int]):
-    """One line of ``metrics.jsonl``: the global model's held-out loss now."""
+def append_metric(
+    run_dir: Path, started: float, status, loss: float, versions: list[int], scores=None
+):
+    """One line of ``metrics.jsonl``: the global model's held-out loss now (and the recipe's
+    other held-out measures as ``val_<name>``)."""
     rec = {
         "t": round(time.time() - started, 3),
         "val_loss": loss,
+        **{f"val_{k}": v for k, v in (scores or {}).items()},
         "versions": sum(max(v, 0) for v in versions),
         "tokens": sum(ls.tokens for ls in status.learners) if status is not None else None,
         "rounds": status.rounds if status is not None else None,
@@ -141,7 +145,7 @@ def supervise(
             if config.eval_every and now - last_eval >= config.eval_every:
                 last_eval = now
                 last_loss, versions = evaluator.evaluate()
-                append_metric(run_dir, started, status, last_loss, versions)
+                append_metric(run_dir, started, status, last_loss, versions, evaluator.scores)
             by_id = {ls.learner_id: ls for ls in learners}
             everyone_trains = all(by_id.get(p.id) and by_id[p.id].step > 0 for p in plans)
             if everyone_trains or elapsed > config.start_timeout:

@@ -66,7 +66,8 @@ def prepare(config: RunConfig) -> Prepared:
     from diloco.wire.auth import load_token
 
     recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
-    recipe.load_data()  # validate the data before starting anything
+    recipe.load_data()  # validate the data and the model before starting anything
+    recipe.build_model(config.recipe.seed)  # (a recipe's missing optional package says so)
     plans = plan_learners(config, recipe.batch_size)
     horizon = config.minutes * 60 if config.minutes else 24 * 3600.0
     clauses = parse_spec(config.chaos or "")
@@ -266,6 +267,7 @@ class Launch:
         model0 = recipe.build_model(seed)
         self.num_params = sum(p.numel() for p in model0.parameters())
         self.val_initial = recipe.evaluate(model0)
+        self.scores_initial = recipe.scores(model0)
         del model0
         self.evaluator = Evaluator(
             recipe,
@@ -327,7 +329,8 @@ class Launch:
         if status is not None:
             self.evaluator.wait_for_versions(list(status.versions), timeout=5.0)
         val_final, versions = self.evaluator.evaluate()
-        append_metric(self.run_dir, self.started, status, val_final, versions)
+        scores_final = self.evaluator.scores
+        append_metric(self.run_dir, self.started, status, val_final, versions, scores_final)
         self.evaluator.close()
         self.evaluator = None
         syncer_codes = sup.stop(names, timeout=10.0)
@@ -337,8 +340,10 @@ class Launch:
             "train_end": train_end,
             "val_initial": self.val_initial,
             "val_final": val_final,
+            "scores": (self.scores_initial, scores_final),
+            "loss_unit": self.prep.recipe.loss_unit,
             "num_params": self.num_params,
-            "seq_len": self.prep.recipe.model.seq_len,
+            "tokens_per_sample": self.prep.recipe.tokens_per_sample,
             "stopped_by": stopped_by,
             "codes": codes,
         }

@@ -133,7 +133,7 @@ class LearnerProcess:
             learner_id=config.id,
             # what one step of this island holds: the syncer refuses claims above it
             tokens_per_step=(config.batch_size or recipe.batch_size)
-            * recipe.model.seq_len
+            * recipe.tokens_per_sample
             * self.world,
             cpu_threads=config.threads,
             token=load_token(config.security.token_file),
@@ -225,10 +225,14 @@ class LearnerProcess:
             t0 = time.perf_counter()
             batch = self.stream.next_batch()
             loss = inner_step(
-                self.train_model, self.optimizer, batch, params=self.model.parameters()
+                self.train_model,
+                self.optimizer,
+                batch,
+                params=self.model.parameters(),
+                loss_fn=self.recipe.loss,
             )
             slow.stretch(t0)
-            learner.step(tokens=batch[0].numel())
+            learner.step(tokens=self.recipe.tokens(batch))
             self.busy_s += time.perf_counter() - t0
             self.log.step(
                 learner.local_step,

@@ -102,7 +102,12 @@ def summary_rows(s: dict) -> list[list]:
         ["tokens", s.get("tokens")],
         [
             "held-out loss, start → end",
-            f"{_fmt(s['val_loss']['initial'])} → {_fmt(s['val_loss']['final'])} nats/byte",
+            f"{_fmt(s['val_loss']['initial'])} → {_fmt(s['val_loss']['final'])} "
+            + s["val_loss"].get("unit", "nats/byte"),
+        ],
+        *[
+            [f"held-out {name}, start → end", f"{_fmt(v['initial'])} → {_fmt(v['final'])}"]
+            for name, v in (s.get("val_scores") or {}).items()
         ],
         ["goodput", _pct(s.get("goodput"))],
         ["down (failure schedule)", _pct(s.get("down_share"))],

@@ -13,9 +13,9 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
     """``summary.json`` from the event tape and the learners' progress files.
 
     ``facts`` holds ``started``, ``train_end``, ``val_initial``, ``val_final``, ``num_params``,
-    ``seq_len``, ``stopped_by`` and ``codes`` (last exit code per learner).
+    ``tokens_per_sample``, ``stopped_by`` and ``codes`` (last exit code per learner).
     """
-    from diloco.report.summary import build_summary, contributors_per_round
+    from diloco.report.summary import add_scores, build_summary, contributors_per_round
     from diloco.report.tally import busy_rate, learner_speed, tape_metrics
     from diloco.syncer.store import read_tape
 
@@ -39,9 +39,10 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
         rounds=len(rounds),
         learners=per_learner,
         num_params=facts["num_params"],
-        seq_len=facts["seq_len"],
+        tokens_per_sample=facts["tokens_per_sample"],
         stopped_by=facts["stopped_by"],
     )
+    add_scores(summary, facts)
     summary["started_at"] = facts["started"]
     summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
     summary["contributors_per_round"] = contributors_per_round(rounds)

@@ -53,7 +53,7 @@ def build_summary(
     rounds: int,
     learners: list[dict],
     num_params: int,
-    seq_len: int,
+    tokens_per_sample: int,
     stopped_by: str,
 ) -> dict:
     """``summary.json``: what ran, how long, how well, how many bytes.
@@ -65,7 +65,7 @@ def build_summary(
     up = sum(int(ln["bytes_up"]) for ln in learners)
     down = sum(int(ln["bytes_down"]) for ln in learners)
     per_token = (up + down) / tokens if tokens else None
-    tokens_per_step = sum(int(ln["batch_size"]) * seq_len for ln in learners)
+    tokens_per_step = sum(int(ln["batch_size"]) * tokens_per_sample for ln in learners)
     dp = data_parallel_bytes_per_token(num_params, len(learners), tokens_per_step)
     return {
         "mode": mode,
@@ -88,6 +88,19 @@ def build_summary(
     }
 
 
+def add_scores(summary: dict, facts: dict) -> None:
+    """The held-out loss's unit (``val_loss.unit``) and the recipe's other held-out measures
+    (``val_scores.<name>.initial/final``, e.g. accuracy) from ``facts`` (``loss_unit`` and
+    ``scores``: the initial and final dicts), where the run has them."""
+    if facts.get("loss_unit"):
+        summary["val_loss"]["unit"] = facts["loss_unit"]
+    initial, final = facts.get("scores") or ({}, {})
+    if initial or final:
+        summary["val_scores"] = {
+            k: {"initial": initial.get(k), "final": final.get(k)} for k in {**initial, **final}
+        }
+
+
 def format_summary(s: dict) -> str:
     """A few human lines for the end of ``diloco run``."""
     b = s["bytes"]
@@ -96,8 +109,12 @@ def format_summary(s: dict) -> str:
     lines = [
         f"run {s['run_dir']} ({s['mode']}, {s['learners']} learners, stopped by {s['stopped_by']})",
         f"  wall {s['wall_s']:.1f}s  tokens {s['tokens']:,}  rounds {s['rounds']}{merged}",
-        f"  held-out loss {s['val_loss']['initial']:.3f} -> {s['val_loss']['final']:.3f} nats/byte",
+        f"  held-out loss {s['val_loss']['initial']:.3f} -> {s['val_loss']['final']:.3f} "
+        + s["val_loss"].get("unit", "nats/byte"),
     ]
+    for name, v in (s.get("val_scores") or {}).items():
+        if v["initial"] is not None and v["final"] is not None:
+            lines.append(f"  held-out {name} {v['initial']:.3f} -> {v['final']:.3f}")
     if s.get("goodput") is not None:
         line = f"  goodput {100 * s['goodput']:.1f}%"
         if s.get("down_share"):

@@ -51,20 +51,22 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def inner_step(
     model,
     optimizer: torch.optim.Optimizer,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    batch,
     *,
     params=None,
     reduce: Callable[[int], None] | None = None,
+    loss_fn: Callable | None = None,
+    tokens: int | None = None,
 ) -> float:
-    """One inner step on ``batch``: forward, backward, ``reduce(tokens)`` (the data-parallel
-    all-reduce of the gradients, if any), clip the gradient norm to 1, AdamW, zero the
-    gradients. ``model`` may be a wrapper (DDP) of the module whose ``params`` are clipped
-    (default: ``model.parameters()``). Returns the loss."""
-    x, y = batch
-    _, loss = model(x, y)
+    """One inner step on ``batch``: forward and loss (``loss_fn(model, batch)``, a recipe's
+    ``loss``; default ``model(x, y)[1]``), backward, ``reduce(tokens)`` (the data-parallel
+    all-reduce of the gradients, if any; ``tokens`` default: ``batch[0].numel()``), clip the
+    gradient norm to 1, AdamW, zero the gradients. ``model`` may be a wrapper (DDP) of the
+    module whose ``params`` are clipped (default: ``model.parameters()``). Returns the loss."""
+    loss = loss_fn(model, batch) if loss_fn is not None else model(*batch)[1]
     loss.backward()
     if reduce is not None:
-        reduce(x.numel())
+        reduce(tokens if tokens is not None else batch[0].numel())
     torch.nn.utils.clip_grad_norm_(params if params is not None else model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

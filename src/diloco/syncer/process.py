@@ -41,6 +41,7 @@ def serve(config: ServiceConfig) -> int:
     the exit status (2: a bad configuration or state directory, said on stderr)."""
     import torch
 
+    from diloco.algorithm.embeddings import embedding_parameter_names
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.algorithm.shards import ShardError, parse_shard
     from diloco.recipes import get_recipe
@@ -77,6 +78,7 @@ def serve(config: ServiceConfig) -> int:
             shard=shard,
             state_dir=state_dir,
             tape_path=tape,
+            embeddings=embedding_parameter_names(model),
             **server_security(config.security),
         )
     except (StateError, ValueError, OSError) as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent import futures
 from pathlib import Path
 
@@ -62,6 +62,7 @@ class SyncerServer:
         token: str | None = None,
         learner_tokens: bool = False,
         allowed_learners: Sequence[str] | None = None,
+        embeddings: Collection[str] | None = None,
     ) -> None:
         """``token``: require ``authorization: Bearer <token>`` on every call (mandatory when
         ``bind`` is not a loopback address: ``auth.AuthConfigError`` otherwise).
@@ -72,7 +73,9 @@ class SyncerServer:
         way. ``max_learners`` sizes the stream caps and the thread pool
         (``diloco.syncer.limits``). ``shard=(i, S)``:
         own only the fragments of shard i of S (``diloco.algorithm.shards``); ``fragments``
-        overrides that list."""
+        overrides that list. ``embeddings``: the parameter names merged by weighted mean
+        (``diloco.algorithm.embeddings.embedding_parameter_names`` of the model; ``for_model``
+        passes them; None: the name rule of ``diloco.algorithm.merge``)."""
         auth.check_bind(bind, token)
         if state_dir is not None and Path(state_dir).exists() and not Path(state_dir).is_dir():
             raise StateError(f"the state directory {state_dir} is a file, not a directory")
@@ -99,6 +102,7 @@ class SyncerServer:
             max_workers=pool_threads(limits), thread_name_prefix="syncer-rpc"
         )
         self._server, self.port = self._bind(bind, credentials, interceptors)
+        self._embeddings = embeddings
         try:
             restored, earlier = self._build(
                 initial_params,
@@ -140,6 +144,7 @@ class SyncerServer:
             emit=emit,
             fragments=owned,
             shard=shard,
+            embeddings=self._embeddings,
         )
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
@@ -209,11 +214,13 @@ class SyncerServer:
 
         Other keyword arguments go to the constructor (``bind``, ``state_dir``, ...).
         """
+        from diloco.algorithm.embeddings import embedding_parameter_names
         from diloco.algorithm.fragments import balanced_fragments
 
         layout = balanced_fragments(model.named_parameters(), fragments)
         named = dict(model.named_parameters())
         params = [layout.gather(p, named) for p in range(layout.num_fragments)]
+        kwargs.setdefault("embeddings", embedding_parameter_names(model))
         return cls(layout, params, config, **kwargs)
 
     def _emit_start(self, restored: dict, taped: dict[int, int]) -> None:
@@ -244,6 +251,10 @@ class SyncerServer:
                 "versions": list(self.state.versions),
                 "digests": [fragment_digest(t) for t in self.state.params],
                 "state_hash": state_hash(self.state.versions, self.state.params),
+                # merged by weighted mean (None: the name rule of diloco.algorithm.merge)
+                "embeddings": sorted(self.state.embeddings)
+                if self.state.embeddings is not None
+                else None,
             },
             sync=True,
         )

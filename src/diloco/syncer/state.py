@@ -22,7 +22,7 @@ import dataclasses
 import statistics
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ from diloco.algorithm.guard import (
     consensus_cosines,
     plausible_steps,
 )
-from diloco.algorithm.merge import cap_weights, merge_contributions
+from diloco.algorithm.merge import cap_weights, is_embedding_name, merge_contributions
 from diloco.algorithm.outer import NesterovOuter, round_share
 from diloco.algorithm.rounds import (
     Admission,
@@ -79,8 +79,12 @@ class SyncerState(LearnerRoster):
         emit: Callable[[dict], None] = lambda record: None,
         fragments: Sequence[int] | None = None,
         shard: tuple[int, int] = (0, 1),
+        embeddings: Collection[str] | None = None,
     ) -> None:
-        """``fragments`` (default: those of ``shard``) are the fragments this syncer owns."""
+        """``fragments`` (default: those of ``shard``) are the fragments this syncer owns;
+        ``embeddings``: the parameter names merged by weighted mean (the model's embedding
+        tables and output head, ``diloco.algorithm.embeddings``; None: the name rule
+        ``diloco.algorithm.merge.is_embedding_name``)."""
         if len(params) != layout.num_fragments:
             raise ValueError(
                 f"{len(params)} parameter vectors for {layout.num_fragments} fragments"
@@ -92,6 +96,7 @@ class SyncerState(LearnerRoster):
                 )
         self.layout = layout
         self.config = config
+        self.embeddings = frozenset(embeddings) if embeddings is not None else None
         self.params = [t.detach().to(torch.float32).clone().reshape(-1) for t in params]
         self._param_norms: dict[int, float] = {}  # ‖Θ_p‖ of the current versions
         self.versions = list(versions) if versions is not None else [0] * layout.num_fragments
@@ -413,6 +418,15 @@ class SyncerState(LearnerRoster):
                 wake = wait_until if wake is None else min(wake, wait_until)
         return commits, wake
 
+    def _is_embedding(self, name: str) -> bool:
+        """Merged by weighted mean: every tensor under ``merge_rule="mean"``, else the
+        embeddings (RDA for the rest)."""
+        if self.config.merge_rule == "mean":
+            return True
+        if self.embeddings is not None:
+            return name in self.embeddings
+        return is_embedding_name(name)
+
     def _share(self, fragment: int, round_: FragmentRound, kept, live: set[str], now) -> float:
         """The factor this round's merged delta is scaled by (``SyncerConfig.outer_scale``).
 
@@ -478,7 +492,7 @@ class SyncerState(LearnerRoster):
             [c.delta for c in contribs],
             weights,
             self.layout.fragments[fragment],
-            **({"is_embedding": _every_tensor} if self.config.merge_rule == "mean" else {}),
+            is_embedding=self._is_embedding,
         )
         share = self._share(fragment, round_, contribs, live, now)
         self.last_commit_at[fragment] = now
@@ -517,11 +531,6 @@ class SyncerState(LearnerRoster):
             self.outer.fragment_state(fragment),
             record,
         )
-
-
-def _every_tensor(name: str) -> bool:
-    """``merge_rule="mean"``: every tensor is merged by weighted mean, as embeddings are."""
-    return True
 
 
 def _span(fragments: list[int]) -> str:

@@ -42,6 +42,7 @@ class SnapshotEvaluator:
         self.path = Path(path)
         self.model = recipe.build_model(seed)
         self.step, self.tokens = 0, 0
+        self.scores: dict[str, float] = {}
 
     def evaluate(self) -> float:
         from safetensors import safe_open
@@ -54,6 +55,7 @@ class SnapshotEvaluator:
             return self.recipe.evaluate(self.model)
         self.model.load_state_dict(tensors, strict=False)
         self.step, self.tokens = int(meta.get("step", 0)), int(meta.get("tokens", 0))
+        self.scores = self.recipe.scores(self.model)
         return self.recipe.evaluate(self.model)
 
 
@@ -102,7 +104,9 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None, ou
             "started": started,
             "num_params": sum(p.numel() for p in model0.parameters()),
             "val_initial": recipe.evaluate(model0),
-            "seq_len": recipe.model.seq_len,
+            "scores_initial": recipe.scores(model0),
+            "loss_unit": recipe.loss_unit,
+            "tokens_per_sample": recipe.tokens_per_sample,
         }
         evaluator = SnapshotEvaluator(recipe, snapshot, seed=config.recipe.seed)
         start_ranks(config, sup, plans, run_dir, store=store.port, started=started, fabric=fabric)
@@ -178,6 +182,7 @@ def finish(
     facts["codes"] = codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout)
     counters = fabric.counters() if fabric is not None else None
     facts["val_final"] = evaluator.evaluate()
+    facts["scores"] = (facts.pop("scores_initial"), evaluator.scores)
     append_metric(run_dir, facts["started"], evaluator, facts["val_final"])
     summary = summarize_dp(config, run_dir, plans, sup, facts)
     if fabric is not None:
@@ -297,6 +302,7 @@ def append_metric(run_dir: Path, started: float, evaluator: SnapshotEvaluator, l
         "versions": evaluator.step,
         "tokens": evaluator.tokens,
         "rounds": evaluator.step,
+        **{f"val_{k}": v for k, v in evaluator.scores.items()},
     }
     with (run_dir / "metrics.jsonl").open("a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -306,7 +312,7 @@ def summarize_dp(config, run_dir: Path, plans, sup, facts: dict) -> dict:
     """``summary.json`` of a data-parallel run: the same fields as the DiLoCo modes'."""
     from diloco.report.dp_metrics import dp_metrics
     from diloco.report.results import learner_row, read_progress
-    from diloco.report.summary import build_summary
+    from diloco.report.summary import add_scores, build_summary
     from diloco.syncer.store import read_tape
 
     records = read_tape(run_dir / "syncer" / "events.jsonl")
@@ -326,11 +332,12 @@ def summarize_dp(config, run_dir: Path, plans, sup, facts: dict) -> dict:
         rounds=per_learner[0]["steps"],
         learners=per_learner,
         num_params=facts["num_params"],
-        seq_len=facts["seq_len"],
+        tokens_per_sample=facts["tokens_per_sample"],
         stopped_by=facts["stopped_by"],
     )
     summary["started_at"] = facts["started"]
     summary["train_s"] = round(facts["train_end"] - facts["started"], 2)
+    add_scores(summary, facts)
     restarts = [r for r in records if r.get("event") == "restart"]
     chaos = [r for r in records if r.get("event") == "chaos"]
     summary.update(dp_metrics(progress, restarts, end=facts["train_end"], chaos=chaos))

@@ -163,13 +163,21 @@ class Rank:
             self.save = self.leader and self.pending is None and cadence.due(now)
             t0 = time.perf_counter()
             batch = self.stream.next_batch()
-            n = batch[0].numel()
+            n = self.recipe.tokens(batch)
 
             def reduce(tokens: int, t0: float = t0) -> None:
                 slow.stretch(t0)  # emulated slower hardware: the whole group waits for it
                 self.all_reduce(tokens, stop)
 
-            loss = inner_step(self.model, self.optimizer, batch, params=self.params, reduce=reduce)
+            loss = inner_step(
+                self.model,
+                self.optimizer,
+                batch,
+                params=self.params,
+                reduce=reduce,
+                loss_fn=self.recipe.loss,
+                tokens=n,
+            )
             self.step, self.tokens = self.step + 1, self.tokens + n
             busy_s += time.perf_counter() - t0
             now = time.time()

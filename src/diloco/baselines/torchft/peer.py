@@ -8,7 +8,7 @@ returns a summary with the core fields of ``diloco run``'s ``summary.json``.
 
 What is measured, and how (nothing is quoted):
 
-* ``tokens``: tokens the replicas trained (inner steps × batch × seq_len), as in our summary;
+* ``tokens``: tokens the replicas trained (inner steps × batch × tokens per sample), as in our summary;
   ``tokens_per_s`` = tokens / ``wall_s`` (wall time from the start of the call, process start-up
   included, like ``diloco run``); ``train_tokens_per_s`` = tokens / ``train_s`` (first replica
   training to last replica stopped).
@@ -183,7 +183,7 @@ def run_torchft(**settings) -> dict:
         s,
         outcome,
         batch=s.batch_size or rec.batch_size,
-        seq_len=rec.model.seq_len,
+        tokens_per_sample=rec.tokens_per_sample,
         num_params=sum(p.numel() for p in model0.parameters()),
         val_loss=(val_initial, val_final),
         max_diff=max_diff,
@@ -444,7 +444,7 @@ def _summarize(
     outcome: _Outcome,
     *,
     batch: int,
-    seq_len: int,
+    tokens_per_sample: int,
     num_params: int,
     val_loss: tuple[float, float | None],
     max_diff: float | None,
@@ -472,10 +472,12 @@ def _summarize(
         rounds=rounds,
         learners=[t.row for t in tallies],
         num_params=num_params,
-        seq_len=seq_len,
+        tokens_per_sample=tokens_per_sample,
         stopped_by=outcome.stopped_by,
     )
-    summary["bytes"].update(_bytes_fields(summary, num_params, s.learners * batch * seq_len))
+    summary["bytes"].update(
+        _bytes_fields(summary, num_params, s.learners * batch * tokens_per_sample)
+    )
     summary.update(_speed_fields(summary["tokens"], tallies, outcome.records.get(0, []), wall_s))
     summary.update(replicas_max_diff=max_diff, fragments=s.fragments)
     return summary

@@ -228,10 +228,11 @@ def _train(config: ReplicaConfig, recipe, run: _ReplicaRun, manager, inner, stop
             timing["t0"] = time.perf_counter()
             batch = stream.next_batch()
             run.in_step = time.monotonic()
-            loss = inner_step(run.model, inner, batch)  # DiLoCo syncs inside inner.step()
+            # DiLoCo syncs inside inner.step()
+            loss = inner_step(run.model, inner, batch, loss_fn=recipe.loss)
             run.in_step = None
             compute_s = timing["compute_end"] - timing["t0"]
-            run.count(batch[0].numel(), compute_s, time.perf_counter() - timing["compute_end"])
+            run.count(recipe.tokens(batch), compute_s, time.perf_counter() - timing["compute_end"])
             since_sync += 1
             if since_sync == steps_per_sync:
                 since_sync = 0

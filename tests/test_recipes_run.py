@@ -1,0 +1,179 @@
+"""The recipes beyond our GPT train under ``diloco run`` (real processes), embeddings are
+found from the model's modules, and a Hugging Face ``Trainer`` becomes a learner with one
+callback (a real Trainer against a real syncer)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from diloco.algorithm.embeddings import embedding_parameter_names
+from diloco.recipes import get_recipe
+
+
+def diloco(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "diloco.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+NEEDS = {"hf-gpt2": "transformers", "digits": "sklearn", "moe": "torch"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["digits", "hf-gpt2", "moe"])
+def test_a_recipe_trains_under_diloco_run_and_exports(tmp_path, name):
+    pytest.importorskip(NEEDS[name])
+    steps = 150 if name == "digits" else 60
+    done = diloco(
+        "run",
+        f"--recipe={name}",
+        "--learners=2",
+        f"--steps={steps}",
+        "--minutes=2",
+        "--eval-every=0",
+        "--dashboard=off",
+        "--no-tensorboard",
+        f"--runs-dir={tmp_path}",
+        "--name=it",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["stopped_by"] == "learners finished"
+    loss = summary["val_loss"]
+    assert loss["final"] < loss["initial"] - (1.0 if name == "digits" else 1.5), loss
+    if name == "digits":
+        assert loss["unit"] == "nats/image"
+        accuracy = summary["val_scores"]["accuracy"]
+        assert accuracy["initial"] < 0.3 and accuracy["final"] > 0.8, accuracy
+        assert summary["tokens"] == 2 * steps * 32  # an image counts as one token
+    else:
+        assert loss["unit"] == "nats/byte"
+        assert summary["tokens"] == 2 * steps * 8 * 128
+    # the global model comes out as the model's own state_dict and loads strictly
+    out = tmp_path / "model.safetensors"
+    exported = diloco("export", str(tmp_path / "it"), "-o", str(out))
+    assert exported.returncode == 0, exported.stderr
+    recipe = get_recipe(name)
+    model = recipe.build_model(0)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.load_state_dict(load_file(str(out)), strict=True)
+    assert recipe.evaluate(model) == pytest.approx(loss["final"], rel=0.05)
+    if name == "moe":  # every router and every expert of every block was merged
+        routed = [n for n in initial if ".moe." in n]
+        assert len(routed) == 4 * (1 + 4 * 4)  # 4 blocks x (router + 4 experts x 4 tensors)
+        unchanged = [
+            n for n in routed if torch.equal(initial[n], dict(model.named_parameters())[n])
+        ]
+        assert unchanged == []
+
+
+def test_embeddings_are_found_from_modules_not_names():
+    assert embedding_parameter_names(get_recipe("tiny").build_model(0)) == {
+        "tok_emb.weight",
+        "pos_emb.weight",
+    }
+
+    class Untied(nn.Module):  # a square block layer of a position table's shape is no head
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Embedding(50, 16)
+            self.position = nn.Embedding(16, 16)
+            self.block = nn.Linear(16, 16)
+            self.readout = nn.Linear(16, 50)
+
+    assert embedding_parameter_names(Untied()) == {
+        "shared.weight",
+        "position.weight",
+        "readout.weight",
+    }
+    assert embedding_parameter_names(get_recipe("moe").build_model(0)) == {
+        "tok_emb.weight",
+        "pos_emb.weight",
+    }
+
+
+def test_t5s_shared_table_is_an_embedding_and_the_syncer_merges_it_so():
+    transformers = pytest.importorskip("transformers")
+    from diloco.syncer.server import SyncerServer
+
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    names = embedding_parameter_names(model)
+    assert "shared.weight" in names  # the name rule of diloco.algorithm.merge misses it
+    with SyncerServer.for_model(model, fragments=2) as server:
+        assert server.state.embeddings == names
+        assert server.state._is_embedding("shared.weight")
+        assert not server.state._is_embedding("encoder.block.0.layer.1.DenseReluDense.wi.weight")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_hugging_face_trainer_becomes_a_learner_with_one_callback(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from diloco.integrations.hf_trainer import DilocoCallback
+    from diloco.syncer.server import SyncerServer
+
+    corpus = get_recipe("tiny").load_data()
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8 * 600
+
+        def __getitem__(self, i: int) -> dict:
+            start = (i * 9973) % (corpus.train.numel() - 33)
+            ids = corpus.train[start : start + 32]
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    heldout = corpus.val[: 33 * 16].view(16, 33)[:, :32]
+    with torch.no_grad():
+        initial = float(model(input_ids=heldout, labels=heldout).loss)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=600,  # a few seconds: the syncer's clock paces rounds by measured steps
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    with SyncerServer.for_model(model, fragments=4) as server:
+        callback = DilocoCallback(server.address, learner_id="hf", fragments=4, sync_every=4,
+                                  tokens_per_sample=32)  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Windows())
+        trainer.add_callback(callback)
+        trainer.train()
+        assert callback.joined and callback.learner is None  # closed at the end of training
+        assert server.state.rounds_committed >= 20
+        learner = server.state.learners["hf"]
+        assert learner.contributions >= 20
+        assert learner.step > 0 and learner.tokens == learner.step * 8 * 32  # per heartbeat
+        global_model = transformers.GPT2LMHeadModel(config)
+        global_model.load_state_dict(server.state_dict(global_model), strict=True)
+    with torch.no_grad():
+        final = float(global_model(input_ids=heldout, labels=heldout).loss)
+    assert final < initial - 1.0, (initial, final)
