@@ -239,3 +239,20 @@ def test_the_ledger_survives_a_checkpoint():
         assert restored.in_flight() == {} and torch.equal(weight(model), torch.full((12,), 1.0))
     finally:
         restored.close(flush=False)
+
+
+def test_a_claim_is_dropped_by_any_arrival_of_its_fragment():
+    """A learner claims the values it holds at join; a keyframe instead of "you hold it"
+    must not leave the claimed copy behind (it was kept for good: a model's worth of memory)."""
+    import torch
+
+    from diloco.learner.inbox import Inbox
+
+    inbox = Inbox()
+    inbox.claim(0, torch.ones(4))
+    inbox.claim(1, torch.ones(4))
+    assert inbox.arrive(0, 0, -1, None, ())  # "you hold it": the claim is the value
+    assert inbox.arrive(1, 3, -1, torch.zeros(4), ())  # a keyframe: the claim is moot
+    assert inbox._claims == {}
+    assert not inbox.arrive(2, 0, -1, None, ())  # nothing claimed: a keyframe is needed
+    assert inbox.needs_keyframe(2)

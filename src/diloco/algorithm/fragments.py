@@ -168,14 +168,28 @@ class FragmentLayout:
 
     def scatter(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]) -> None:
         """Write the flat vector of fragment ``p`` into the tensors of ``named`` (in place)."""
+        with torch.no_grad():
+            for target, part in self._pairs(p, flat, named):
+                target.copy_(part)
+
+    def add_(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]) -> None:
+        """Add the flat vector of fragment ``p`` to the tensors of ``named`` (in place: no
+        gathered copy of the fragment is made)."""
+        with torch.no_grad():
+            for target, part in self._pairs(p, flat, named):
+                target.add_(part.to(target.device))
+
+    def _pairs(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]):
+        """``(view of a tensor of named, the matching slice of flat)`` for each piece of
+        fragment ``p``; ``ValueError`` if ``flat`` has the wrong length."""
         frag = self.fragments[p]
         if flat.numel() != frag.numel:
             raise ValueError(f"fragment {p} has {frag.numel} values, got {flat.numel()}")
-        with torch.no_grad():
-            for pc in frag.pieces:
-                target = _row_view(named[pc.name], pc.shape)[pc.row_start : pc.row_stop]
-                src = flat[pc.offset : pc.offset + pc.numel].reshape(target.shape)
-                target.copy_(src)
+        pairs = []
+        for pc in frag.pieces:
+            target = _row_view(named[pc.name], pc.shape)[pc.row_start : pc.row_stop]
+            pairs.append((target, flat[pc.offset : pc.offset + pc.numel].reshape(target.shape)))
+        return pairs
 
     def __repr__(self) -> str:
         sizes = [f.nbytes for f in self.fragments]

@@ -12,10 +12,12 @@ class RecipeConfig:
     """What is trained: the same on the syncer, every learner and the evaluator."""
 
     recipe: str = option("shakespeare")
-    """Model recipe (``shakespeare``: the 0.82M-parameter byte-level GPT; ``tiny``: a 2-layer
-    one for tests); it gives the model, its layout and its initial parameters."""
+    """Model recipe: ``shakespeare`` (the 0.82M-parameter byte-level GPT), ``tiny`` (a 2-layer
+    one for tests), ``hf-gpt2`` (transformers' GPT-2), ``moe`` (mixture of experts),
+    ``digits`` (a CNN on scikit-learn's digits); docs/recipes.md. It gives the model, its
+    layout and its initial parameters."""
     data: str | None = option(None, metavar="FILE")
-    """Train on this UTF-8 text file instead of Shakespeare's plays."""
+    """Train a text recipe on this UTF-8 file instead of Shakespeare's plays."""
     seed: int = option(0)
     """Seed of the initial model and of the data streams."""
 

@@ -27,6 +27,8 @@ class LearnerPlan:
     index: int
     batch_size: int
     slow: float
+    start_at: float = 0.0
+    """Seconds into the run at which it starts (``--add-learners``; 0: at the start)."""
 
 
 def parse_assignments(values: list[str], flag: str, learners: int, cast) -> dict[int, float]:
@@ -44,22 +46,46 @@ def parse_assignments(values: list[str], flag: str, learners: int, cast) -> dict
     return out
 
 
+def parse_additions(values: list[str]) -> list[tuple[float, int]]:
+    """``["90s:2", "3m:1"]`` -> ``[(90.0, 2), (180.0, 1)]`` (seconds, learners), sorted by
+    time; ``ValueError`` naming ``--add-learners`` for anything else."""
+    from diloco.report.units import parse_duration
+
+    out = []
+    for item in values:
+        at, sep, count = item.rpartition(":")
+        try:
+            seconds, n = parse_duration(at), int(count)
+        except ValueError:
+            raise ValueError(
+                f"--add-learners {item!r}: expected AT:N, e.g. --add-learners 90s:2"
+            ) from None
+        if not sep or n < 1 or seconds <= 0:
+            raise ValueError(f"--add-learners {item!r}: AT must be > 0 and N >= 1")
+        out.append((seconds, n))
+    return sorted(out)
+
+
 def plan_learners(config: RunConfig, default_batch: int) -> list[LearnerPlan]:
-    """One plan per learner: its id, data stream, batch size and slowdown (``ValueError`` on a
-    bad ``--batch``/``--slow``/``--jitter``)."""
-    batches = parse_assignments(config.batch, "--batch", config.learners, int)
-    slows = parse_assignments(config.slow, "--slow", config.learners, float)
+    """One plan per learner: its id, data stream, batch size, slowdown and start time, the
+    M first then those ``--add-learners`` adds (``ValueError`` on a bad ``--batch``,
+    ``--slow``, ``--jitter`` or ``--add-learners``)."""
+    starts = [0.0] * config.learners
+    for at, n in parse_additions(config.add_learners):
+        starts += [at] * n
+    batches = parse_assignments(config.batch, "--batch", len(starts), int)
+    slows = parse_assignments(config.slow, "--slow", len(starts), float)
     if not 0.0 <= config.jitter < 1.0:
         raise ValueError(f"--jitter must be in [0, 1), got {config.jitter}")
     plans = []
-    for i in range(config.learners):
+    for i, start_at in enumerate(starts):
         b = batches.get(i, config.batch_size or default_batch)
         f = slows.get(i, 1.0)
         if b < 1:
             raise ValueError(f"learner {i}: batch size must be >= 1, got {b}")
         if f < 1.0:
             raise ValueError(f"learner {i}: --slow factor must be >= 1, got {f}")
-        plans.append(LearnerPlan(f"learner-{i}", i, b, f))
+        plans.append(LearnerPlan(f"learner-{i}", i, b, f, start_at))
     return plans
 
 

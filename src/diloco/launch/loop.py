@@ -8,6 +8,7 @@ from pathlib import Path
 
 from diloco.launch.supervisor import MAX_UNPLANNED_RESTARTS
 from diloco.launch.syncers import syncer_names
+from diloco.launch.view import clock
 
 
 def append_metric(
@@ -70,6 +71,7 @@ def view_rows(plans, sup, by_id: dict, rates: Rates, now: float, elapsed: float)
     for plan in plans:
         st = by_id.get(plan.id)
         step, tok = (int(st.step), int(st.tokens)) if st else (0, 0)
+        slot = sup.slots.get(plan.id)
         rows.append(
             {
                 "id": plan.id,
@@ -78,7 +80,9 @@ def view_rows(plans, sup, by_id: dict, rates: Rates, now: float, elapsed: float)
                 "tokens_per_s": rates.update(plan.id, now, tok),
                 "steps_per_s": float(st.steps_per_s) if st else 0.0,
                 "live": bool(st and st.live),
-                "state": learner_state(sup.slots[plan.id], st, elapsed),
+                "state": learner_state(slot, st, elapsed)
+                if slot is not None
+                else f"joins at {clock(plan.start_at)}",
             }
         )
     return rows
@@ -118,13 +122,24 @@ def finished_rows(summary: dict) -> list[dict]:
 
 
 def supervise(
-    config, stop, started, sup, plans, evaluator, status_client, run_dir, out=None, outputs=None
+    config,
+    stop,
+    started,
+    sup,
+    plans,
+    evaluator,
+    status_client,
+    run_dir,
+    out=None,
+    outputs=None,
+    on_tick=None,
 ) -> str:
     """Poll the processes, draw the view, evaluate every ``eval_every`` seconds, start the
     chaos schedule once every learner trains; return why the run stops (``"time"``,
     ``"tokens"``, ``"learners finished"``, ``"interrupt"``). Raises RuntimeError if a process
     keeps crashing on its own. ``outputs`` (``diloco.dashboard.live.LiveOutputs``) gets the
-    learner rows of every poll, for the dashboard and the TensorBoard scalars."""
+    learner rows of every poll, for the dashboard and the TensorBoard scalars; ``on_tick``
+    (elapsed seconds) is called every poll (it starts the learners ``--add-learners`` adds)."""
     from diloco.launch.view import LiveView
 
     view = LiveView(enabled=not config.json and not config.no_view, stream=out)
@@ -147,7 +162,10 @@ def supervise(
                 last_loss, versions = evaluator.evaluate()
                 append_metric(run_dir, started, status, last_loss, versions, evaluator.scores)
             by_id = {ls.learner_id: ls for ls in learners}
-            everyone_trains = all(by_id.get(p.id) and by_id[p.id].step > 0 for p in plans)
+            if on_tick is not None:
+                on_tick(elapsed)
+            started_plans = [p for p in plans if p.id in sup.slots]
+            everyone_trains = all(by_id.get(p.id) and by_id[p.id].step > 0 for p in started_plans)
             if everyone_trains or elapsed > config.start_timeout:
                 sup.start_chaos()
             rows = view_rows(plans, sup, by_id, rates, now, elapsed)
@@ -164,19 +182,22 @@ def supervise(
             )
             if outputs is not None:
                 outputs.update(rows)
-            reason = stop_reason(config, elapsed, tokens, sup)
+            reason = stop_reason(
+                config, elapsed, tokens, sup, waiting=len(plans) - len(started_plans)
+            )
             if reason:
                 return reason
     finally:
         view.close()
 
 
-def stop_reason(config, elapsed: float, tokens: int, sup) -> str | None:
-    """Why the run stops now (``"time"``, ``"tokens"``, ``"learners finished"``), or None."""
+def stop_reason(config, elapsed: float, tokens: int, sup, waiting: int = 0) -> str | None:
+    """Why the run stops now (``"time"``, ``"tokens"``, ``"learners finished"``: every started
+    learner finished and none is ``waiting`` to start), or None."""
     if config.minutes and elapsed >= config.minutes * 60:
         return "time"
     if config.tokens and tokens >= config.tokens:
         return "tokens"
-    if all(s.finished for s in sup.learners()):
+    if not waiting and all(s.finished for s in sup.learners()):
         return "learners finished"
     return None

@@ -81,7 +81,24 @@ def prepare(config: RunConfig) -> Prepared:
         check_chaos(clauses)
     ray_backend.check_config(config, {c.kind for c in clauses})
     check_wan(config, clauses)
+    check_additions(config, plans)
     return Prepared(recipe, plans, clauses, chaos, corrupt, token)
+
+
+def check_additions(config: RunConfig, plans) -> None:
+    """Refuse (``ValueError``) ``--add-learners`` where learners cannot join mid-run."""
+    late = [p for p in plans if p.start_at > 0]
+    if not late:
+        return
+    if config.mode != "decoupled":
+        raise ValueError(
+            "--add-learners needs --mode decoupled (synchronous DiLoCo waits for a fixed M, "
+            "data-parallel is a static group)"
+        )
+    if config.ray.backend != "local" or config.wan:
+        raise ValueError("--add-learners runs on the local backend without --wan (for now)")
+    if config.minutes and max(p.start_at for p in late) >= config.minutes * 60:
+        raise ValueError("--add-learners: every AT must come before the end of --minutes")
 
 
 def run(config: RunConfig) -> int:
@@ -214,6 +231,7 @@ class Launch:
                 self.run_dir,
                 out=self.out,
                 outputs=self.outputs,
+                on_tick=self.start_due,
             )
             return self.finish("interrupt" if self.interrupts else stopped_by)
         except (RuntimeError, TimeoutError, ConnectionError, AuthConfigError) as exc:
@@ -280,35 +298,48 @@ class Launch:
         )
 
     def start_learners(self, address: str) -> None:
-        """Write each learner's configuration and start it (through its relay, if any)."""
+        """Start the learners due at the start; ``start_due`` starts the others later."""
+        self.address = address
+        self.start_due(0.0)
+
+    def start_due(self, elapsed: float) -> None:
+        """Start every learner whose ``start_at`` has come and that is not started yet
+        (``--add-learners``: an ``added`` record on the tape for each)."""
+        for plan in self.prep.plans:
+            if plan.id not in self.sup.slots and plan.start_at <= elapsed:
+                self.start_learner(plan, self.address)
+                if plan.start_at > 0:
+                    self.tape.append({"event": "added", "t": time.time(), "target": plan.id})
+
+    def start_learner(self, plan, address: str) -> None:
+        """Write a learner's configuration and start it (through its relay, if any)."""
         from diloco.launch.secrets import learner_token_file
         from diloco.runtime.procs import diloco_command
 
         sup, run_dir = self.sup, self.run_dir
-        for plan in self.prep.plans:
-            corrupt = corrupt_settings(self.prep.corrupt.get(plan.index), self.started, self.tape)
-            syncer = sup.relays[plan.id].address if plan.id in sup.relays else address
-            prefix: list[str] = []
-            if self.fabric:  # on its own link, in its own namespace
-                syncer = on_link(address, self.fabric.hub_address(plan.index))
-                prefix = self.fabric.exec_prefix(plan.index)
-            worker = worker_config(
-                self.config,
-                plan,
-                syncer=syncer,
-                started=self.started,
-                workdir=run_dir / "learners" / plan.id,
-                corrupt=corrupt,
-                token_file=learner_token_file(run_dir, self.prep.token, plan.id)
-                if self.prep.token
-                else None,
-            )
-            path = write_config(run_dir / "config" / f"{plan.id}.json", worker)
-            sup.add(
-                plan.id,
-                [*prefix, *diloco_command("learner", f"--config={path}")],
-                run_dir / "logs" / f"{plan.id}.log",
-            )
+        corrupt = corrupt_settings(self.prep.corrupt.get(plan.index), self.started, self.tape)
+        syncer = sup.relays[plan.id].address if plan.id in sup.relays else address
+        prefix: list[str] = []
+        if self.fabric:  # on its own link, in its own namespace
+            syncer = on_link(address, self.fabric.hub_address(plan.index))
+            prefix = self.fabric.exec_prefix(plan.index)
+        worker = worker_config(
+            self.config,
+            plan,
+            syncer=syncer,
+            started=self.started,
+            workdir=run_dir / "learners" / plan.id,
+            corrupt=corrupt,
+            token_file=learner_token_file(run_dir, self.prep.token, plan.id)
+            if self.prep.token
+            else None,
+        )
+        path = write_config(run_dir / "config" / f"{plan.id}.json", worker)
+        sup.add(
+            plan.id,
+            [*prefix, *diloco_command("learner", f"--config={path}")],
+            run_dir / "logs" / f"{plan.id}.log",
+        )
 
     def finish(self, stopped_by: str) -> int:
         """Stop the learners (they flush), score the final global model, stop the syncer,
@@ -316,7 +347,8 @@ class Launch:
         from diloco.report.results import summarize
         from diloco.report.summary import format_summary
 
-        config, sup, plans = self.config, self.sup, self.prep.plans
+        config, sup = self.config, self.sup
+        plans = [p for p in self.prep.plans if p.id in sup.slots]  # those that started
         train_end = time.time()
         codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout)
         counters = self.fabric.counters() if self.fabric else None

@@ -42,6 +42,12 @@ class LearnerConfig:
     """``torch.set_num_threads(n)`` applied when the model is on CPU; None (default): the
     Learner leaves your process's thread settings alone. Several training processes sharing
     a machine's cores run steadier with 1 each (``diloco learner`` sets its own)."""
+    malloc_arenas: int | None = None
+    """Limit glibc's malloc arenas of the process to this many when the Learner starts,
+    before its threads (``mallopt(M_ARENA_MAX)``; ``diloco.learner.memory``). None (default):
+    your process is left alone. 1 keeps the buffers its link threads free from staying
+    resident in per-thread arenas (at 50M parameters: peak memory 1.45x the plain loop's
+    with default arenas, 1.24x with one); ``diloco learner`` uses 1."""
     flush_timeout_s: float = 10.0
     """How long ``close`` waits for queued uploads to go out."""
     drain_timeout_s: float = 3.0

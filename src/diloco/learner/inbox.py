@@ -43,8 +43,9 @@ class Inbox:
         """An arrived version; ``value`` ``None`` means "you hold this already" and takes
         the value claimed for it (False if there is no claim: ask for a keyframe)."""
         with self._lock:
+            claimed = self._claims.pop(fragment, None)  # moot once anything arrives for it
             if value is None:
-                value = self._claims.pop(fragment, None)
+                value = claimed
                 if value is None:
                     self._need_keyframe.add(fragment)
                     return False

@@ -98,6 +98,10 @@ class Learner(Stopping, Restoring):
                 f"layout has {self.layout.num_fragments} fragments, config says {cfg.fragments}"
             )
         self.learner_id = cfg.learner_id or _default_id()
+        if cfg.malloc_arenas is not None:  # asked for: before the link's threads exist
+            from diloco.learner.memory import limit_malloc_arenas
+
+            limit_malloc_arenas(cfg.malloc_arenas)
         self._init_progress(self.layout.num_fragments)
         if state is not None:
             self.load_state_dict(state)
@@ -291,7 +295,7 @@ class Learner(Stopping, Restoring):
             shift = value - held
             for e in merged:
                 shift.add_(e.delta)
-            self.layout.scatter(p, self.layout.gather(p, self.params).add_(shift), self.params)
+            self.layout.add_(p, shift, self.params)
         else:
             self._overwrite(p, value)
         self.anchors[p] = value
@@ -383,7 +387,8 @@ class Learner(Stopping, Restoring):
                 self.counters["withdrawn"] += 1
         if self.steps_since[p] == 0:
             return False
-        delta = self.anchors[p] - self.layout.gather(p, self.params)
+        delta = self.layout.gather(p, self.params)
+        torch.sub(self.anchors[p], delta, out=delta)  # G_p − θ_p, in the gathered copy
         on_its_way = self._ledger.on_its_way(p)
         if on_its_way is not None:
             delta.sub_(on_its_way)

@@ -136,6 +136,7 @@ class LearnerProcess:
             * recipe.tokens_per_sample
             * self.world,
             cpu_threads=config.threads,
+            malloc_arenas=1,  # this process is ours: keep the link's freed buffers shared
             token=load_token(config.security.token_file),
             tls_ca=config.security.tls_ca,
             tls_cert=config.security.tls_cert,

@@ -19,6 +19,7 @@ MARKER_COLORS = {
     "syncer-kill": "darkred",
     "syncer-hang": "saddlebrown",
     "group-stop": "crimson",
+    "added": "tab:cyan",
 }
 """Colors of the tape's failure and recovery markers (others are gray)."""
 

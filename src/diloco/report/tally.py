@@ -163,6 +163,8 @@ class TapeTally:
                 entry = {"learner": r["target"], "restarted_at": t, "reintegration_s": None}
                 self.reintegrations.append(entry)
                 self._waiting.append(entry)
+        elif event == "added":
+            self.markers.append({"t": t, "kind": "added", "target": r.get("target")})
         elif event == "group-stop":
             self.markers.append({"t": t, "kind": "group-stop", "target": r.get("cause")})
 
