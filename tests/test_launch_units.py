@@ -60,7 +60,7 @@ def test_summary_fields_and_ratio():
         rounds=40,
         learners=[learner(0, 1000, 300, 700), learner(1, 1000, 300, 700)],
         num_params=1000,
-        seq_len=32,
+        tokens_per_sample=32,
         stopped_by="time",
     )
     assert s["tokens"] == 2000 and s["learners"] == 2 and s["rounds"] == 40

@@ -39,7 +39,7 @@ def test_a_recipe_trains_under_diloco_run_and_exports(tmp_path, name):
     done = diloco(
         "run",
         f"--recipe={name}",
-        "--learners=2",
+        "--learners=1",  # the recipe's training is what is tested: one learner, one core
         f"--steps={steps}",
         "--minutes=2",
         "--eval-every=0",
@@ -58,10 +58,10 @@ def test_a_recipe_trains_under_diloco_run_and_exports(tmp_path, name):
         assert loss["unit"] == "nats/image"
         accuracy = summary["val_scores"]["accuracy"]
         assert accuracy["initial"] < 0.3 and accuracy["final"] > 0.8, accuracy
-        assert summary["tokens"] == 2 * steps * 32  # an image counts as one token
+        assert summary["tokens"] == steps * 32  # an image counts as one token
     else:
         assert loss["unit"] == "nats/byte"
-        assert summary["tokens"] == 2 * steps * 8 * 128
+        assert summary["tokens"] == steps * 8 * 128
     # the global model comes out as the model's own state_dict and loads strictly
     out = tmp_path / "model.safetensors"
     exported = diloco("export", str(tmp_path / "it"), "-o", str(out))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
+from diloco.config.common import ProtocolConfig
 from diloco.learner.learner import Learner
 
 
@@ -39,8 +40,8 @@ class DilocoCallback(TrainerCallback):
         *,
         learner_id: str | None = None,
         token: str | None = None,
-        fragments: int = 24,
-        sync_every: int = 24,
+        fragments: int = ProtocolConfig.fragments,
+        sync_every: int = ProtocolConfig.sync_every,
         tokens_per_sample: int = 1,
         join_timeout_s: float = 60.0,
         **learner_options,
