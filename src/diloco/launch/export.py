@@ -20,7 +20,7 @@ def export_run(run_dir: str | Path, output: str | Path) -> dict:
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.config.run import load_run_config
     from diloco.launch.syncers import syncer_names
-    from diloco.recipes import get_recipe
+    from diloco.recipes import recipe_of
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
@@ -29,7 +29,7 @@ def export_run(run_dir: str | Path, output: str | Path) -> dict:
         config = load_run_config(run_dir / "config.json")
     except (ValueError, OSError) as exc:
         raise ExportError(f"{run_dir / 'config.json'}: {exc}") from None
-    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed)
     if config.mode == "dp":
         return _export_dp(run_dir, model, output)

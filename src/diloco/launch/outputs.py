@@ -16,7 +16,7 @@ from pathlib import Path
 from diloco.config.run import RunConfig
 from diloco.dashboard.live import LiveOutputs
 from diloco.dashboard.watch import RunWatch
-from diloco.recipes import get_recipe
+from diloco.recipes import recipe_of
 
 DASHBOARD_OFF = "off"
 
@@ -51,5 +51,5 @@ def run_watch(config: RunConfig, run_dir: Path, plans, started: float) -> RunWat
         budget_s=config.minutes * 60 if config.minutes else None,
         metrics=run_dir / "metrics.jsonl",
         progress={p.id: run_dir / "learners" / p.id / "progress.jsonl" for p in plans},
-        loss_unit=get_recipe(config.recipe.recipe, data_path=config.recipe.data).loss_unit,
+        loss_unit=recipe_of(config.recipe).loss_unit,
     )

@@ -62,10 +62,10 @@ def prepare(config: RunConfig) -> Prepared:
     ``DataError``, ``ChaosSpecError`` or ``ValueError`` with a message for the user."""
     from diloco.chaos import corruptions, parse_spec, schedule
     from diloco.launch import ray_backend
-    from diloco.recipes import get_recipe
+    from diloco.recipes import recipe_of
     from diloco.wire.auth import load_token
 
-    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    recipe = recipe_of(config.recipe)
     recipe.load_data()  # validate the data and the model before starting anything
     recipe.build_model(config.recipe.seed)  # (a recipe's missing optional package says so)
     plans = plan_learners(config, recipe.batch_size)

@@ -17,6 +17,7 @@ from diloco.config.worker import WorkerConfig
 from diloco.runtime.cadence import CheckpointCadence
 from diloco.runtime.checkpoint_writer import CheckpointWriter
 from diloco.runtime.training import (
+    ClipCounter,
     ProgressLog,
     SlowHardware,
     inner_step,
@@ -31,7 +32,7 @@ def run(config: WorkerConfig) -> int:
     said on stderr)."""
     import torch
 
-    from diloco.recipes import get_recipe
+    from diloco.recipes import recipe_of
 
     problem = check(config)
     if problem:
@@ -42,7 +43,7 @@ def run(config: WorkerConfig) -> int:
     if world > 1 and config.wait_for_merge >= 0:  # (0, 1) unless torchrun started several
         print("diloco learner: --wait-for-merge is not supported in an island", file=sys.stderr)
         return 2
-    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed)
     optimizer = recipe.build_optimizer(model)
     # Every rank of every island reads its own stream of the data.
@@ -205,6 +206,7 @@ class LearnerProcess:
         self.writer = CheckpointWriter() if self.checkpoint else None
         run_started = config.run_started or started
         self.busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
+        self.clipped = ClipCounter()  # steps of this incarnation whose gradient was clipped
         seed = f"{config.recipe.seed}/{config.index}/{learner.local_step}"
         slow = SlowHardware(config.slow, config.jitter, seed)
         while not config.total_steps or learner.local_step < config.total_steps:
@@ -231,6 +233,7 @@ class LearnerProcess:
                 batch,
                 params=self.model.parameters(),
                 loss_fn=self.recipe.loss,
+                clipped=self.clipped,
             )
             slow.stretch(t0)
             learner.step(tokens=self.recipe.tokens(batch))
@@ -243,6 +246,7 @@ class LearnerProcess:
                 bytes_up=learner.stats.get("bytes_up", 0),
                 bytes_down=learner.stats.get("bytes_down", 0),
                 deferred=learner.stats.get("deferred", 0),
+                clipped=lambda: self.clipped.count,
             )
         self.train_s = time.time() - started
 
@@ -276,7 +280,11 @@ class LearnerProcess:
 
             dist.destroy_process_group()
         steps = learner.local_step - self.log.first_step
-        self.log.exit(**learner.stats, steps_per_s=steps / max(self.train_s, 1e-9))
+        self.log.exit(
+            **learner.stats,
+            clipped=self.clipped.count,
+            steps_per_s=steps / max(self.train_s, 1e-9),
+        )
 
 
 CHECKPOINT = "checkpoint.pt"

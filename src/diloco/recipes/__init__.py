@@ -31,6 +31,7 @@ __all__ = [
     "TextRecipe",
     "RECIPES",
     "get_recipe",
+    "recipe_of",
     "DataError",
     "RecipeUnavailable",
     "GPT",
@@ -72,8 +73,19 @@ RECIPES: dict[str, Callable[[str | None], Recipe]] = {
 """Recipe name -> its constructor (given ``--data``, or None)."""
 
 
-def get_recipe(name: str = "shakespeare", *, data_path: str | None = None) -> Recipe:
-    """The recipe called ``name``; ``data_path`` trains a text recipe on that UTF-8 file."""
+def get_recipe(
+    name: str = "shakespeare", *, data_path: str | None = None, lr: float | None = None
+) -> Recipe:
+    """The recipe called ``name``; ``data_path`` trains a text recipe on that UTF-8 file;
+    ``lr`` replaces its peak inner learning rate."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
-    return RECIPES[name](data_path)
+    recipe = RECIPES[name](data_path)
+    if lr is not None:
+        recipe.lr = lr
+    return recipe
+
+
+def recipe_of(config) -> Recipe:
+    """The recipe a ``RecipeConfig`` names, with its data and inner learning rate."""
+    return get_recipe(config.recipe, data_path=config.data, lr=config.inner_lr)

@@ -69,7 +69,7 @@ def read_progress(path: Path) -> list[dict]:
 
 
 def transport_total(progress: list[dict], key: str) -> int:
-    """Bytes over all incarnations: each restart starts its counter at 0 again."""
+    """A counter (bytes, clipped steps) over all incarnations: each restart starts it at 0."""
     from diloco.report.tally import ProgressTally
 
     tally = ProgressTally()
@@ -93,4 +93,5 @@ def learner_row(plan, progress: list[dict], slot, facts: dict, contributions: in
         "contributions": contributions,
         "bytes_up": transport_total(progress, "bytes_up"),
         "bytes_down": transport_total(progress, "bytes_down"),
+        "clipped_steps": transport_total(progress, "clipped"),
     }

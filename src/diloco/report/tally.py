@@ -51,6 +51,10 @@ class JsonlFollower:
         return parse_lines(lines)
 
 
+COUNTERS = ("bytes_up", "bytes_down", "clipped")
+"""Progress-record counters that restart at 0 with every incarnation of a learner."""
+
+
 class ProgressTally:
     """One learner's progress records (``progress.jsonl``), or samples of its status.
 
@@ -69,7 +73,8 @@ class ProgressTally:
         """Time of its earliest ``start`` event record (data-parallel ranks write one)."""
         self._busy_tokens = 0.0
         self._busy_s = 0.0
-        self._bytes = {"bytes_up": [0, 0], "bytes_down": [0, 0]}  # [finished incarnations, now]
+        # per incarnation counters: [sum of the finished incarnations, the current one]
+        self._counters = {key: [0, 0] for key in COUNTERS}
 
     def add(self, rec: dict) -> None:
         prev, self.last = self.last, rec
@@ -77,9 +82,9 @@ class ProgressTally:
         if rec.get("event") == "start" and "t" in rec:
             t = rec["t"]
             self.first_start = t if self.first_start is None else min(self.first_start, t)
-        for key, (done, now) in self._bytes.items():
+        for key, (done, now) in self._counters.items():
             value = int(rec.get(key, 0))  # a record without it: a counter at 0
-            self._bytes[key] = [done + now, value] if value < now else [done, value]
+            self._counters[key] = [done + now, value] if value < now else [done, value]
         if prev is None or "event" in prev or "event" in rec:
             return
         dtok = rec.get("tokens", 0) - prev.get("tokens", 0)
@@ -103,8 +108,9 @@ class ProgressTally:
         return self._busy_tokens / self._busy_s if self._busy_s > 0 else None
 
     def transport_total(self, key: str) -> int:
-        """``bytes_up`` or ``bytes_down`` over all incarnations."""
-        done, now = self._bytes[key]
+        """A counter of ``COUNTERS`` (``bytes_up``, ``bytes_down``, ``clipped``) over all
+        incarnations."""
+        done, now = self._counters[key]
         return done + now
 
 

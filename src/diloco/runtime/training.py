@@ -57,20 +57,46 @@ def inner_step(
     reduce: Callable[[int], None] | None = None,
     loss_fn: Callable | None = None,
     tokens: int | None = None,
+    clipped: ClipCounter | None = None,
 ) -> float:
     """One inner step on ``batch``: forward and loss (``loss_fn(model, batch)``, a recipe's
     ``loss``; default ``model(x, y)[1]``), backward, ``reduce(tokens)`` (the data-parallel
     all-reduce of the gradients, if any; ``tokens`` default: ``batch[0].numel()``), clip the
     gradient norm to 1, AdamW, zero the gradients. ``model`` may be a wrapper (DDP) of the
-    module whose ``params`` are clipped (default: ``model.parameters()``). Returns the loss."""
+    module whose ``params`` are clipped (default: ``model.parameters()``); ``clipped`` counts
+    the steps whose gradient norm was above the clip. Returns the loss."""
     loss = loss_fn(model, batch) if loss_fn is not None else model(*batch)[1]
     loss.backward()
     if reduce is not None:
         reduce(tokens if tokens is not None else batch[0].numel())
-    torch.nn.utils.clip_grad_norm_(params if params is not None else model.parameters(), 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(
+        params if params is not None else model.parameters(), CLIP_NORM
+    )
+    if clipped is not None:
+        clipped.add(norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
+
+
+CLIP_NORM = 1.0
+"""The inner steps' gradient-norm clip."""
+
+
+class ClipCounter:
+    """How many steps had their gradient clipped (norm above ``CLIP_NORM``). Counted on the
+    gradient's device; read (one host transfer) only when :attr:`count` is asked for."""
+
+    def __init__(self) -> None:
+        self._count = None
+
+    def add(self, norm: torch.Tensor) -> None:
+        hit = (norm > CLIP_NORM).to(torch.int64)
+        self._count = hit if self._count is None else self._count + hit
+
+    @property
+    def count(self) -> int:
+        return 0 if self._count is None else int(self._count)
 
 
 class SlowHardware:
@@ -131,10 +157,12 @@ class ProgressLog:
             self.file.flush()
 
     def step(self, step: int, **fields) -> None:
-        """A progress record if one is due (``fields``: tokens, loss, bytes, ...)."""
+        """A progress record if one is due (``fields``: tokens, loss, bytes, ...; a callable
+        is called only then, for values that cost something to read)."""
         now = time.time()
         if self.file is not None and now - self.last >= self.every_s:
             self.last = now
+            fields = {k: v() if callable(v) else v for k, v in fields.items()}
             record = {"step": step, **fields, "steps_per_s": self.rate(step, now)}
             self.write(record)
             if self.echo and now - self._echoed >= ECHO_EVERY_S:

@@ -44,7 +44,7 @@ def serve(config: ServiceConfig) -> int:
     from diloco.algorithm.embeddings import embedding_parameter_names
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.algorithm.shards import ShardError, parse_shard
-    from diloco.recipes import get_recipe
+    from diloco.recipes import recipe_of
     from diloco.syncer.server import SyncerServer
     from diloco.syncer.store import StateError
 
@@ -54,7 +54,7 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
-    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed)
     layout = balanced_fragments(model.named_parameters(), config.protocol.fragments)
     named = dict(model.named_parameters())

@@ -33,6 +33,7 @@ from diloco.config.dp_worker import DpWorkerConfig
 from diloco.runtime.cadence import CheckpointCadence
 from diloco.runtime.checkpoint_writer import CheckpointWriter
 from diloco.runtime.training import (
+    ClipCounter,
     ProgressLog,
     SlowHardware,
     inner_step,
@@ -54,14 +55,14 @@ def run(config: DpWorkerConfig) -> int:
     import torch
 
     from diloco.baselines.dp import checkpoint as ckpt
-    from diloco.recipes import get_recipe
+    from diloco.recipes import recipe_of
 
     torch.set_num_threads(config.threads)
     if not 0 <= config.rank < config.world:
         print(f"diloco dp-worker: --rank must be in [0, {config.world})", file=sys.stderr)
         return 2
     stop = stop_on_signals(exit_with_parent=config.exit_with_parent)
-    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed)
     optimizer = recipe.build_optimizer(model)
     stream = recipe.stream(
@@ -155,6 +156,7 @@ class Rank:
         self.pending: int | None = None  # the step of the checkpoint being written
         self.ckdir.mkdir(parents=True, exist_ok=True)
         last_snapshot, busy_s = 0.0, 0.0  # busy: seconds in steps (all-reduce included)
+        self.clipped = ClipCounter()  # steps of this incarnation whose gradient was clipped
         slow = SlowHardware(config.slow)
         while not config.total_steps or self.step < config.total_steps:
             now = time.time()
@@ -177,6 +179,7 @@ class Rank:
                 reduce=reduce,
                 loss_fn=self.recipe.loss,
                 tokens=n,
+                clipped=self.clipped,
             )
             self.step, self.tokens = self.step + 1, self.tokens + n
             busy_s += time.perf_counter() - t0
@@ -193,6 +196,7 @@ class Rank:
                 tokens=self.tokens,
                 loss=loss,
                 busy_s=round(busy_s, 4),
+                clipped=lambda: self.clipped.count,
                 bytes_up=(self.step - self.log.first_step) * self.per_step_bytes,
                 bytes_down=0,  # every byte on the wire is counted once, by its sender
             )
@@ -277,6 +281,7 @@ class Rank:
             steps_per_s=steps / max(time.time() - self.log.started, 1e-9),
             bytes_up=steps * self.per_step_bytes,
             bytes_down=0,
+            clipped=self.clipped.count,
         )
 
 

@@ -100,7 +100,7 @@ def replica_main(config: ReplicaConfig) -> int:
     module docstring gives the contract)."""
     import torch
 
-    from diloco.recipes import get_recipe
+    from diloco.recipes import recipe_of
 
     torch.set_num_threads(config.threads)
     _advertise_as(config.host)
@@ -108,7 +108,7 @@ def replica_main(config: ReplicaConfig) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     stop = stop_on_signals()
     _watchdog(stop, config.hard_deadline)
-    recipe = get_recipe(config.recipe.recipe, data_path=config.recipe.data)
+    recipe = recipe_of(config.recipe)
     lighthouse = _lighthouse_address(config, stop)
     model = recipe.build_model(config.recipe.seed)  # same init in every replica, as ours
     inner = recipe.build_optimizer(model)

@@ -1,0 +1,89 @@
+"""Where the quality gap to data-parallel comes from (issue "Same quality as data-parallel").
+
+    python benchmarks/bench_quality.py [--out bench/quality] [--seeds 0,1,2] [--settings ...]
+
+Clean runs at equal tokens (M = 4 learners × batch 8 × 800 steps = 3.28M tokens of the
+default recipe), one at a time, each setting a ``diloco run`` with:
+
+- ``dp``: data-parallel, global batch 32;
+- ``sync``: synchronous DiLoCo at the defaults (P = H = 24);
+- ``sync-H1``: synchronous DiLoCo exchanging the whole model after every step
+  (``--fragments 1 --sync-every 1``: parameter averaging every step);
+- ``decoupled``: the default decoupled setting.
+
+Per run: held-out loss at the end, the share of inner steps whose gradient was clipped
+(``clipped_steps`` ÷ steps), wall time. Medians over seeds are printed and written to
+``OUT/results.json``. Runs already there are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SETTINGS = {
+    "dp": ["--mode=dp"],
+    "sync": ["--mode=sync"],
+    "sync-H1": ["--mode=sync", "--fragments=1", "--sync-every=1"],
+    "decoupled": ["--mode=decoupled"],
+}
+
+
+def run(out: Path, setting: str, seed: int, extra: list[str]) -> dict:
+    name = f"{setting}-s{seed}"
+    run_dir = out / name
+    if not (run_dir / "summary.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "diloco.cli", "run", "--learners=4", "--steps=800",
+             "--minutes=40", f"--seed={seed}", "--eval-every=10", "--no-view",
+             "--dashboard=off", f"--runs-dir={out}", f"--name={name}",
+             *SETTINGS[setting], *extra],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+    s = json.loads((run_dir / "summary.json").read_text())
+    steps = sum(v["steps"] for v in s["per_learner"].values())
+    clipped = sum(v.get("clipped_steps", 0) for v in s["per_learner"].values())
+    return {
+        "setting": setting,
+        "seed": seed,
+        "val_loss": s["val_loss"]["final"],
+        "tokens": s["tokens"],
+        "clipped_share": clipped / steps if steps else None,
+        "wall_s": s["wall_s"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/quality")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument(
+        "--settings", default=",".join(SETTINGS), help="comma list of " + ", ".join(SETTINGS)
+    )
+    p.add_argument("--inner-lr", type=float, default=None, help="for every setting")
+    args = p.parse_args()
+    out = Path(args.out)
+    extra = [f"--inner-lr={args.inner_lr}"] if args.inner_lr else []
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for setting in args.settings.split(","):
+            rows.append(run(out, setting, seed, extra))
+            print(json.dumps(rows[-1]), flush=True)
+    medians = {}
+    for setting in args.settings.split(","):
+        mine = [r for r in rows if r["setting"] == setting]
+        medians[setting] = {
+            k: statistics.median(r[k] for r in mine)
+            for k in ("val_loss", "clipped_share", "wall_s")
+        }
+    print(json.dumps(medians, indent=1))
+    (out / "results.json").write_text(json.dumps({"runs": rows, "medians": medians}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
