@@ -9,7 +9,9 @@ default recipe), one at a time, each setting a ``diloco run`` with:
 - ``sync``: synchronous DiLoCo at the defaults (P = H = 24);
 - ``sync-H1``: synchronous DiLoCo exchanging the whole model after every step
   (``--fragments 1 --sync-every 1``: parameter averaging every step);
-- ``decoupled``: the default decoupled setting.
+- ``decoupled``: the default decoupled setting;
+- ``outer-LR-MU``: decoupled with outer lr LR and Nesterov momentum MU; ``no-share``: without
+  the round share (``--outer-scale none``).
 
 Per run: held-out loss at the end, the share of inner steps whose gradient was clipped
 (``clipped_steps`` ÷ steps), wall time. Medians over seeds are printed and written to
@@ -30,7 +32,14 @@ SETTINGS = {
     "sync": ["--mode=sync"],
     "sync-H1": ["--mode=sync", "--fragments=1", "--sync-every=1"],
     "decoupled": ["--mode=decoupled"],
+    # the outer step: Nesterov at the effective step lr / (1 - μ) of the default (1.0), a
+    # larger step, and the round share off
+    "outer-0.5-0.5": ["--mode=decoupled", "--outer-lr=0.5", "--outer-momentum=0.5"],
+    "outer-0.2-0.8": ["--mode=decoupled", "--outer-lr=0.2", "--outer-momentum=0.8"],
+    "outer-0.75-0.5": ["--mode=decoupled", "--outer-lr=0.75", "--outer-momentum=0.5"],
+    "no-share": ["--mode=decoupled", "--outer-scale=none"],
 }
+DEFAULT_SETTINGS = ("dp", "sync", "sync-H1", "decoupled")
 
 
 def run(out: Path, setting: str, seed: int, extra: list[str]) -> dict:

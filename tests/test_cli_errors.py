@@ -57,6 +57,7 @@ CASES = [
     (["run", "--sync-every", "0"], "fragments and sync_every must be >= 1"),
     (["run", "--batch-size", "0"], "--batch-size must be >= 1"),
     (["run", "--outer-lr", "-1"], "--outer-lr must be > 0"),
+    (["run", "--inner-lr", "0"], "--inner-lr must be > 0"),
     (["run", "--quorum", "0"], "quorum must be >= 1"),
     (["run", "--mode", "nope"], "invalid choice: 'nope'"),
     (["run", "--learners", "two"], "invalid int value: 'two'"),

@@ -88,3 +88,36 @@ def test_any_utf8_file_trains(tmp_path):
     r = get_recipe("tiny", data_path=str(text))
     x, y = r.stream(learner_id=0).next_batch()
     assert x.shape == (r.batch_size, r.model.seq_len) and int(x.max()) < 256
+
+
+def test_the_inner_learning_rate_can_be_set_for_every_process():
+    from diloco.config.common import RecipeConfig
+    from diloco.recipes import recipe_of
+
+    assert recipe_of(RecipeConfig(recipe="tiny")).lr == 3e-3
+    recipe = recipe_of(RecipeConfig(recipe="tiny", inner_lr=1e-3))
+    assert recipe.lr == 1e-3 and recipe.lr_at(recipe.warmup_steps) == 1e-3
+    with pytest.raises(ValueError, match="--inner-lr must be > 0"):
+        RecipeConfig(inner_lr=0.0)
+
+
+def test_clipped_steps_are_counted_per_incarnation_and_summed():
+    from diloco.report.tally import ProgressTally
+    from diloco.runtime.training import ClipCounter, inner_step
+
+    recipe = get_recipe("tiny")
+    model = recipe.build_model(0)
+    opt = recipe.build_optimizer(model)
+    stream = recipe.stream(learner_id=0)
+    counter = ClipCounter()
+    for _ in range(5):
+        inner_step(model, opt, stream.next_batch(), loss_fn=recipe.loss, clipped=counter)
+    assert 0 <= counter.count <= 5
+    counter = ClipCounter()
+    counter.add(torch.tensor(3.0))
+    counter.add(torch.tensor(0.5))
+    assert counter.count == 1
+    tally = ProgressTally()
+    for rec in ({"t": 0, "clipped": 4}, {"t": 1, "clipped": 9}, {"t": 2, "clipped": 2}):
+        tally.add(rec)  # a restart: the counter began again at 0
+    assert tally.transport_total("clipped") == 11
