@@ -3,7 +3,7 @@
     python benchmarks/bench_quality.py [--out bench/quality] [--seeds 0,1,2] [--settings ...]
 
 Clean runs at equal tokens (M = 4 learners × batch 8 × 800 steps = 3.28M tokens of the
-default recipe), one at a time, each setting a ``diloco run`` with:
+default recipe; ``--steps`` for other budgets), one at a time, each setting a ``diloco run`` with:
 
 - ``dp``: data-parallel, global batch 32;
 - ``sync``: synchronous DiLoCo at the defaults (P = H = 24);
@@ -42,13 +42,13 @@ SETTINGS = {
 DEFAULT_SETTINGS = ("dp", "sync", "sync-H1", "decoupled")
 
 
-def run(out: Path, setting: str, seed: int, extra: list[str]) -> dict:
-    name = f"{setting}-s{seed}"
+def run(out: Path, setting: str, seed: int, extra: list[str], steps: int = 800) -> dict:
+    name = f"{setting}-s{seed}" if steps == 800 else f"{setting}-{steps}-s{seed}"
     run_dir = out / name
     if not (run_dir / "summary.json").exists():
         subprocess.run(
-            [sys.executable, "-m", "diloco.cli", "run", "--learners=4", "--steps=800",
-             "--minutes=40", f"--seed={seed}", "--eval-every=10", "--no-view",
+            [sys.executable, "-m", "diloco.cli", "run", "--learners=4", f"--steps={steps}",
+             f"--minutes={40 * steps // 800}", f"--seed={seed}", "--eval-every=10", "--no-view",
              "--dashboard=off", f"--runs-dir={out}", f"--name={name}",
              *SETTINGS[setting], *extra],
             check=True, stdout=subprocess.DEVNULL,
@@ -58,6 +58,7 @@ def run(out: Path, setting: str, seed: int, extra: list[str]) -> dict:
     clipped = sum(v.get("clipped_steps", 0) for v in s["per_learner"].values())
     return {
         "setting": setting,
+        "steps": steps,
         "seed": seed,
         "val_loss": s["val_loss"]["final"],
         "tokens": s["tokens"],
@@ -71,21 +72,29 @@ def main() -> int:
     p.add_argument("--out", default="bench/quality")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument(
-        "--settings", default=",".join(SETTINGS), help="comma list of " + ", ".join(SETTINGS)
+        "--settings",
+        default=",".join(DEFAULT_SETTINGS),
+        help="comma list of " + ", ".join(SETTINGS),
     )
     p.add_argument("--inner-lr", type=float, default=None, help="for every setting")
+    p.add_argument(
+        "--steps", default="800", help="comma list of steps per learner (the token budget)"
+    )
     args = p.parse_args()
     out = Path(args.out)
     extra = [f"--inner-lr={args.inner_lr}"] if args.inner_lr else []
     rows = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        for setting in args.settings.split(","):
-            rows.append(run(out, setting, seed, extra))
-            print(json.dumps(rows[-1]), flush=True)
+    budgets = [int(s) for s in args.steps.split(",")]
+    for steps in budgets:
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for setting in args.settings.split(","):
+                rows.append(run(out, setting, seed, extra, steps))
+                print(json.dumps(rows[-1]), flush=True)
     medians = {}
-    for setting in args.settings.split(","):
-        mine = [r for r in rows if r["setting"] == setting]
-        medians[setting] = {
+    for steps, setting in [(b, s) for b in budgets for s in args.settings.split(",")]:
+        mine = [r for r in rows if r["setting"] == setting and r["steps"] == steps]
+        key = setting if steps == 800 else f"{setting}-{steps}"
+        medians[key] = {
             k: statistics.median(r[k] for r in mine)
             for k in ("val_loss", "clipped_share", "wall_s")
         }

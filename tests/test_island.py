@@ -1,4 +1,5 @@
-"""Learners that are torchrun jobs: 2 islands x 2 ranks (DDP over gloo) against one syncer.
+"""Learners that are torchrun jobs: 2 islands x 2 ranks (DDP over gloo) against one syncer,
+and a sharded island (FSDP2 over gloo).
 
 Each island is one learner to the syncer; its ranks apply the same fragments at the same steps
 and end with identical parameters. A rank killed with SIGKILL takes its island down; torchrun
@@ -7,6 +8,7 @@ restarts it, and it rejoins as the same learner from its checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,7 +27,7 @@ from diloco.syncer.store import read_tape
 pytestmark = pytest.mark.slow
 
 
-def torchrun(address: str, island: int, workdir: Path, steps: int, *extra: str):
+def torchrun(address: str, island: int, workdir: Path, steps: int, *extra: str, kind: str = "ddp"):
     argv = [
         sys.executable,
         "-m",
@@ -44,6 +46,7 @@ def torchrun(address: str, island: int, workdir: Path, steps: int, *extra: str):
         "--checkpoint-every=0.5",
         f"--workdir={workdir}",
         "--join-timeout=30",
+        f"--island={kind}",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = (workdir.parent / f"{workdir.name}.log").open("w")
@@ -142,9 +145,11 @@ def rank_pid(workdir: Path, rank: int) -> int | None:
 
 
 @pytest.mark.timeout(180)
-def test_an_island_whose_rank_is_killed_is_restarted_and_rejoins(tmp_path, syncer):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_an_island_whose_rank_is_killed_is_restarted_and_rejoins(tmp_path, syncer, kind):
+    """With FSDP each rank restores its own shards (and optimizer state) from its checkpoint."""
     workdir = tmp_path / "island-0"
-    proc = torchrun(syncer.address, 0, workdir, 400, "--max-restarts=1")
+    proc = torchrun(syncer.address, 0, workdir, 400, "--max-restarts=1", kind=kind)
     deadline = time.monotonic() + 60
     while not (workdir / "checkpoint.rank1.pt").exists():  # rank 1 has trained a while
         assert time.monotonic() < deadline and proc.poll() is None, "island never checkpointed"
@@ -177,3 +182,40 @@ def test_an_island_whose_rank_is_killed_is_restarted_and_rejoins(tmp_path, synce
         for name in ("checkpoint.pt", "checkpoint.rank1.pt")
     ]
     assert positions[0] == positions[1] > 0, positions
+
+
+@pytest.mark.timeout(150)
+def test_a_sharded_island_merges_every_step_once(tmp_path, syncer):
+    """FSDP2 (``--island fsdp``): no rank holds the whole model; rank 0's Learner works on a
+    mirror that the ranks keep in step with their shards. The island contributes, every
+    trained step is merged, unsent or dropped exactly once, its ranks end with the same model
+    (gathered), and the global model learns from what it merged."""
+    workdir = tmp_path / "island-0"
+    steps = 150
+    finish(torchrun(syncer.address, 0, workdir, steps, kind="fsdp"), 120)
+    tape = read_tape(tmp_path / "syncer" / "events.jsonl")
+    assert learner_ids(tape) == {"island-0"}
+    rounds = [r for r in tape if r["event"] == "round"]
+    assert any("island-0" in r["participants"] for r in rounds)
+    assert_replicas_agree(workdir)
+    # what rank 0's Learner holds is what the shards hold, bit for bit
+    mirror = load_file(str(workdir / "mirror.safetensors"))
+    gathered = load_file(str(workdir / "replica.rank0.safetensors"))
+    assert mirror.keys() == gathered.keys()
+    for name in mirror:
+        assert torch.equal(mirror[name], gathered[name].float()), name
+    final = json.loads((workdir / "final.json").read_text())
+    assert final["step"] == steps
+    for p in range(len(final["versions"])):
+        merged = sum(
+            n
+            for r in rounds
+            if r["fragment"] == p
+            for who, n in zip(r["participants"], r["steps"], strict=True)
+            if who == "island-0"
+        )
+        assert merged + final["unsent"][p] + final["dropped"][p] == steps, p
+    model = get_recipe("tiny").build_model(0)
+    start = get_recipe("tiny").evaluate(model)
+    model.load_state_dict(syncer.state_dict(model))
+    assert get_recipe("tiny").evaluate(model) < start - 0.3

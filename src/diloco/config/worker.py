@@ -64,6 +64,9 @@ class WorkerConfig:
     K-1 times in a row per fragment (1: never defer; ``diloco.learner.pacing``)."""
     workdir: str | None = option(None, metavar="DIR")
     """Directory for progress and checkpoints."""
+    island: str = option("ddp", choices=("ddp", "fsdp"))
+    """Under torchrun with several ranks (an island): how its ranks train one model, DDP
+    (each rank a whole replica) or FSDP2 (``fully_shard``: each rank holds a shard)."""
     threads: int = option(1)
     """Torch CPU threads (two 1-thread processes run steadier than one 2-thread one)."""
     join_timeout: float = option(60.0)

@@ -18,6 +18,15 @@ the replicas stay identical::
 Every method is a collective: all ranks of the group call it, in the same order. An island
 whose rank dies is torn down and restarted by torchrun (``--max-restarts``); rank 0 rejoins the
 syncer with the same learner id and, with its checkpoint, resumes where it was.
+
+**Sharded islands** (FSDP2, ``torch.distributed.fsdp.fully_shard``: the parameters are
+``DTensor`` shards and no rank holds the whole model) work the same way. Rank 0's Learner then
+keeps a *mirror* of the full parameters (fp32, on the host): whenever it is about to read or
+change fragments (to send their progress, to apply a new global value) it tells the other
+ranks, and every rank all-gathers those fragments' parameters into the mirror; after the step
+every rank writes the new values of the fragments that changed into its own shards. The mirror
+costs rank 0 one host copy of the model, and an island one all-gather of about a fragment per
+step (P = H), on top of what FSDP itself moves.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.algorithm.fragments import balanced_fragments
+from diloco.algorithm.fragments import FragmentLayout, balanced_fragments
 from diloco.learner.config import LearnerConfig
 from diloco.learner.learner import Learner
 
@@ -36,6 +45,28 @@ from diloco.learner.learner import Learner
 def _unwrap(model: nn.Module) -> nn.Module:
     """The module whose parameter names the syncer knows (DDP's ``module.`` prefix removed)."""
     return getattr(model, "module", model)
+
+
+def is_sharded(params: dict[str, torch.Tensor]) -> bool:
+    """Whether the parameters are FSDP2 shards (``DTensor``) rather than whole replicas."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in params.values())
+
+
+class Mirror:
+    """The full parameters of a sharded model as ordinary host tensors (rank 0's Learner
+    trains "on" them: it reads and writes fragments here, the island keeps them in step with
+    the shards). Looks like a module to the Learner: ``named_parameters()``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def named_parameters(self):
+        return iter(self.tensors.items())
+
+
+_DONE, _REFRESH = 0, 1  # rank 0's commands to the other ranks during a Learner call
 
 
 class IslandLearner:
@@ -74,10 +105,15 @@ class IslandLearner:
         first = next(iter(self.params.values()))
         self._device = first.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         self.layout = balanced_fragments(module.named_parameters(), cfg.fragments)
+        self.sharded = is_sharded(self.params)
+        self.mirror: Mirror | None = None
+        if self.sharded:
+            full = self._gather_full(range(self.layout.num_fragments))
+            self.mirror = Mirror(full) if self.rank == 0 else None
         self.leader: Learner | None = None
         if self.rank == 0:
             self.leader = Learner(
-                module,
+                self.mirror or module,
                 optimizer,
                 syncer=syncer,
                 config=cfg,
@@ -85,6 +121,8 @@ class IslandLearner:
                 state=state,
                 link_options=link_options,
             )
+            if self.sharded:
+                self.leader.before_touch = self._refresh
         self.local_step = self.leader.local_step if self.leader else 0
         self.local_step = int(self._broadcast_ints([self.local_step])[0])
 
@@ -97,23 +135,20 @@ class IslandLearner:
     def wait_for_global(self, timeout: float = 60.0) -> bool:
         """Rank 0 waits for the global model (see ``Learner.wait_for_global``), then every rank
         takes rank 0's parameters. Returns rank 0's answer on every rank."""
-        ok = self.leader.wait_for_global(timeout) if self.leader else False
+        ok = self._leading(lambda leader: leader.wait_for_global(timeout), False)
         self._share(list(range(self.layout.num_fragments)))
         return bool(self._broadcast_ints([int(ok)])[0])
 
     def step(self, tokens: int) -> list[int]:
         """Record one inner step on every rank; returns the fragments rank 0 queued."""
         self.local_step += 1
-        due: list[int] = []
-        if self.leader:
-            due = self.leader.step(tokens=tokens * self.world)
+        due = self._leading(lambda leader: leader.step(tokens=tokens * self.world), [])
         self._share(self.leader.last_applied if self.leader else [])
         return due
 
     def close(self, *, flush: bool = True) -> None:
         """Rank 0 flushes and leaves the syncer; then every rank takes its final parameters."""
-        if self.leader:
-            self.leader.close(flush=flush)
+        self._leading(lambda leader: leader.close(flush=flush), None)
         self._share(list(range(self.layout.num_fragments)))
 
     # ----------------------------------------------------------------- rank 0's view
@@ -144,6 +179,55 @@ class IslandLearner:
         return self.leader.state_dict() if self.leader else {}
 
     # ----------------------------------------------------------------- internals
+    def _leading(self, call, default):
+        """Rank 0 runs ``call(leader)``; in a sharded island the other ranks meanwhile serve
+        its refresh commands (``_refresh``) until it says it is done. Returns rank 0's result
+        (``default`` elsewhere)."""
+        if self.leader is None:
+            if self.sharded:
+                self._serve_refreshes()
+            return default
+        if not self.sharded:
+            return call(self.leader)
+        try:
+            return call(self.leader)
+        finally:
+            self._command(_DONE, [])
+
+    def _refresh(self, fragments) -> None:
+        """Rank 0's Learner is about to read or change ``fragments``: bring its mirror of them
+        up to date (every rank takes part in the all-gathers)."""
+        chosen = sorted(set(fragments))
+        if chosen:
+            self._command(_REFRESH, chosen)
+            self._gather_full(chosen)
+
+    def _command(self, command: int, fragments: list[int]) -> list[int]:
+        marks = [0] * self.layout.num_fragments
+        for p in fragments:
+            marks[p] = 1
+        got = self._broadcast_ints([command, *marks])
+        return [got[0]] + [p for p, m in enumerate(got[1:]) if m]
+
+    def _serve_refreshes(self) -> None:
+        """The other ranks' side of ``_refresh``: all-gather what rank 0 names until done."""
+        while True:
+            command, *fragments = self._command(_DONE, [])
+            if command == _DONE:
+                return
+            self._gather_full(fragments)
+
+    def _gather_full(self, fragments) -> dict[str, torch.Tensor]:
+        """All-gather the whole parameters holding ``fragments`` (a collective); rank 0 copies
+        them into its mirror. Returns them as fp32 host tensors."""
+        full = {}
+        for name in _names_of(self.layout, fragments):
+            value = self.params[name].detach().full_tensor().to("cpu", torch.float32)
+            full[name] = value
+            if self.mirror is not None:
+                self.mirror.tensors[name].copy_(value)
+        return full
+
     def _broadcast_ints(self, values: list[int]) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64, device=self._device)
         dist.broadcast(t, src=self._root, group=self.group)
@@ -160,11 +244,43 @@ class IslandLearner:
         sizes = [self.layout.fragments[p].numel for p in chosen]
         with torch.no_grad():
             if self.leader:
-                flat = torch.cat([self.layout.gather(p, self.params) for p in chosen])
+                source = self.mirror.tensors if self.mirror is not None else self.params
+                flat = torch.cat([self.layout.gather(p, source) for p in chosen])
                 flat = flat.to(self._device)
             else:
                 flat = torch.empty(sum(sizes), dtype=torch.float32, device=self._device)
             dist.broadcast(flat, src=self._root, group=self.group)
-            if not self.leader:
-                for p, part in zip(chosen, flat.cpu().split(sizes), strict=True):
+            parts = dict(zip(chosen, flat.cpu().split(sizes), strict=True))
+            if self.sharded:
+                self._write_shards(parts)
+            elif not self.leader:
+                for p, part in parts.items():
                     self.layout.scatter(p, part, self.params)
+
+    def _write_shards(self, parts: dict[int, torch.Tensor]) -> None:
+        """Every rank writes the new values of the fragments in ``parts`` into its shards: the
+        whole parameters are gathered, the fragments' rows replaced, and each rank keeps its
+        own slice (``distribute_tensor`` on local data: no data is sent)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        full = self._gather_full(parts)  # the rows of other fragments stay as they are
+        for p, part in parts.items():
+            self.layout.scatter(p, part, full)
+        for name, value in full.items():
+            param = self.params[name]
+            mine = distribute_tensor(
+                value.to(param.dtype),
+                param.device_mesh,
+                param.placements,
+                src_data_rank=None,
+            ).to_local()
+            param.to_local().copy_(mine.to(param.to_local().device))
+            if self.mirror is not None:
+                self.mirror.tensors[name].copy_(value)
+
+
+def _names_of(layout: FragmentLayout, fragments) -> list[str]:
+    """The parameters holding any of ``fragments``, in the layout's order (the same on every
+    rank: the order of the collectives)."""
+    wanted = {pc.name for p in fragments for pc in layout.fragments[p].pieces}
+    return [name for name, _, _ in layout.tensors if name in wanted]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -110,6 +110,13 @@ class Learner(Stopping, Restoring):
         elif self.delivery is not None:
             self.delivery.clear()
         self.link = self._open_link(syncer, link_options)
+        self.before_touch: Callable[[list[int]], None] | None = None
+        """Called with the fragments this learner is about to read or change in the model's
+        parameters (a sharded island brings its mirror of them up to date here)."""
+
+    def _touch(self, fragments) -> None:
+        if self.before_touch is not None and fragments:
+            self.before_touch(sorted(fragments))
 
     def _init_progress(self, P: int) -> None:
         """The per-fragment progress state (nothing trained, nothing held yet)."""
@@ -253,6 +260,7 @@ class Learner(Stopping, Restoring):
                 ready[p] = chain
         self._inbox.put_back(waiting)
         self.last_applied, self._reset_now = sorted(self._reset_now), set()
+        self._touch(ready)
         with torch.no_grad():
             for p, chain in sorted(ready.items()):
                 followed = self._follow(p, chain)
@@ -311,6 +319,7 @@ class Learner(Stopping, Restoring):
             target.sub_(on_its_way)
         alpha = self.config.alpha
         if alpha:
+            self._touch([p])
             target = self.layout.gather(p, self.params).mul_(alpha).add_(target, alpha=1 - alpha)
         self.layout.scatter(p, target, self.params)
         if drops:
@@ -387,6 +396,7 @@ class Learner(Stopping, Restoring):
                 self.counters["withdrawn"] += 1
         if self.steps_since[p] == 0:
             return False
+        self._touch([p])
         delta = self.layout.gather(p, self.params)
         torch.sub(self.anchors[p], delta, out=delta)  # G_p − θ_p, in the gathered copy
         on_its_way = self._ledger.on_its_way(p)

@@ -45,6 +45,10 @@ def run(config: WorkerConfig) -> int:
         return 2
     recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed)
+    if world > 1 and config.island == "fsdp":
+        from diloco.runtime.sharding import shard_model
+
+        shard_model(model)  # before the optimizer exists: it must hold the shards
     optimizer = recipe.build_optimizer(model)
     # Every rank of every island reads its own stream of the data.
     stream = recipe.stream(
@@ -93,7 +97,8 @@ class LearnerProcess:
         self.rank, self.world = rank, world
         self.leader = rank == 0  # the rank that reports progress and writes the learner's files
         self.train_model = model
-        if world > 1:
+        self.sharded = world > 1 and config.island == "fsdp"  # (sharded by run())
+        if world > 1 and not self.sharded:
             from torch.nn.parallel import DistributedDataParallel
 
             self.train_model = DistributedDataParallel(model)
@@ -111,9 +116,15 @@ class LearnerProcess:
     def restore(self) -> dict | None:
         """Load the local checkpoint into the model, optimizer and stream, if there is one."""
         saved = load_checkpoint(self.checkpoint) if self.checkpoint else None
-        if saved is not None:
+        if saved is not None and self.sharded:  # this rank's own shards
+            from diloco.runtime.sharding import load_local_model_state, load_local_optimizer_state
+
+            load_local_model_state(self.model, saved["model"])
+            load_local_optimizer_state(self.optimizer, saved["optimizer"])
+        elif saved is not None:
             self.model.load_state_dict(saved["model"])
             self.optimizer.load_state_dict(saved["optimizer"])
+        if saved is not None:
             self.stream.load_state_dict(saved["stream"])
             if self.leader:
                 step = saved["learner"]["local_step"]
@@ -260,7 +271,13 @@ class LearnerProcess:
             print(f"learner {config.id}: no merge within {config.merge_timeout}s; going on")
 
     def state(self) -> dict:
-        return checkpoint_state(self.model, self.optimizer, self.learner, self.stream)
+        state = checkpoint_state(self.model, self.optimizer, self.learner, self.stream)
+        if self.sharded:  # each rank's own shards, as plain tensors
+            from diloco.runtime.sharding import local_state
+
+            state["model"] = local_state(state["model"])
+            state["optimizer"] = local_state(state["optimizer"])
+        return state
 
     def finish(self) -> None:
         """Flush the progress to the syncer, save the last checkpoint and the final state."""
@@ -274,8 +291,14 @@ class LearnerProcess:
             if workdir:  # what every replica holds at exit, to check that they agree
                 from safetensors.torch import save_file
 
-                params = {n: t.detach().contiguous() for n, t in self.model.named_parameters()}
+                params = {n: t.detach() for n, t in self.model.named_parameters()}
+                if self.sharded:  # (a collective: every rank gathers the whole model)
+                    params = {n: t.full_tensor() for n, t in params.items()}
+                params = {n: t.contiguous() for n, t in params.items()}
                 save_file(params, str(workdir / f"replica.rank{self.rank}.safetensors"))
+                mirror = getattr(self.learner, "mirror", None)
+                if mirror is not None:  # rank 0's Learner's view: it must equal the shards
+                    save_file(mirror.tensors, str(workdir / "mirror.safetensors"))
             import torch.distributed as dist
 
             dist.destroy_process_group()

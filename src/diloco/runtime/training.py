@@ -91,6 +91,8 @@ class ClipCounter:
         self._count = None
 
     def add(self, norm: torch.Tensor) -> None:
+        if hasattr(norm, "full_tensor"):  # a sharded model's norm (a replicated DTensor)
+            norm = norm.full_tensor()
         hit = (norm > CLIP_NORM).to(torch.int64)
         self._count = hit if self._count is None else self._count + hit
 
