@@ -1,6 +1,7 @@
 """What the Learner costs a training process: peak memory and steps/s with syncing on and off.
 
     python benchmarks/bench_learner_overhead.py [--layers 8 --dim 720] [--steps 30] [--repeats 3]
+        [--device cuda --batch 32]
 
 The same training loop (our byte-level GPT at about 50M parameters, AdamW, batch 4 × 64
 bytes of Shakespeare) runs in a fresh process per measurement:
@@ -17,7 +18,9 @@ parameter. The training process (its training thread and the Learner's threads) 
 to CPU 0 with one torch thread, the syncer to CPU 1: on this 2-core machine the syncer would
 otherwise take its merges' CPU time from the training (in a deployment it runs elsewhere).
 Modes alternate, ``--repeats`` times; medians are printed and, with ``--json``, written as
-JSON.
+JSON. ``--device cuda`` trains on the GPU (the step time then measured over all measured
+steps between two device synchronisations, and the device's peak allocated memory reported
+beside the process's resident memory).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def train(args) -> dict:
 
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(args.threads)
-    model = build(args.layers, args.dim)
+    device = torch.device(args.device)
+    model = build(args.layers, args.dim).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     learner = None
     if args.syncer:
@@ -61,23 +65,28 @@ def train(args) -> dict:
                                  malloc_arenas=args.arenas or None)  # fmt: skip
         learner.wait_for_global(timeout=120)
     gen = torch.Generator().manual_seed(0)
-    times = []
+    cuda = device.type == "cuda"
     for step in range(WARMUP + args.steps):
-        t0 = time.perf_counter()
-        x = torch.randint(0, 256, (4, 64), generator=gen)
+        if step == WARMUP:
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+        x = torch.randint(0, 256, (args.batch, 64), generator=gen).to(device)
         _, loss = model(x, x)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if learner is not None:
             learner.step(tokens=x.numel())
-        if step >= WARMUP:
-            times.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize()
     result = {
-        "steps_per_s": len(times) / sum(times),
+        "steps_per_s": args.steps / (time.perf_counter() - started),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params": sum(p.numel() for p in model.parameters()),
     }
+    if cuda:
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if learner is not None:
         result["uploads"] = learner.stats.get("uploads_sent", 0)
         result["merged"] = learner.stats.get("merged", 0)
@@ -108,7 +117,8 @@ def serve(args) -> None:
 def child(role: str, args, extra: list[str]) -> list[str]:
     return [sys.executable, __file__, f"--role={role}", f"--layers={args.layers}",
             f"--dim={args.dim}", f"--steps={args.steps}", f"--threads={args.threads}",
-            f"--arenas={args.arenas}", *extra]  # fmt: skip
+            f"--arenas={args.arenas}", f"--device={args.device}", f"--batch={args.batch}",
+            *extra]  # fmt: skip
 
 
 def measure(args, mode: str) -> dict:
@@ -142,6 +152,8 @@ def main() -> int:
     p.add_argument(
         "--arenas", type=int, default=0, help="the Learner's malloc_arenas (0: None, untouched)"
     )
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the training process)")
+    p.add_argument("--batch", type=int, default=4, help="sequences of 64 bytes per step")
     p.add_argument("--syncer", default="")
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args()
@@ -157,7 +169,8 @@ def main() -> int:
             runs[mode].append(measure(args, mode))
             print(mode, runs[mode][-1], flush=True)
     plain, learner = runs["plain"], runs["learner"]
-    med = {m: {k: statistics.median(r[k] for r in rs) for k in ("steps_per_s", "peak_rss_mb")}
+    keys = ("steps_per_s", "peak_rss_mb", *(("peak_gpu_mb",) if args.device == "cuda" else ()))
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in keys}
            for m, rs in runs.items()}  # fmt: skip
     summary = {
         "params": plain[0]["params"],

@@ -37,6 +37,10 @@ SETTINGS = {
     "outer-0.5-0.5": ["--mode=decoupled", "--outer-lr=0.5", "--outer-momentum=0.5"],
     "outer-0.2-0.8": ["--mode=decoupled", "--outer-lr=0.2", "--outer-momentum=0.8"],
     "outer-0.75-0.5": ["--mode=decoupled", "--outer-lr=0.75", "--outer-momentum=0.5"],
+    # larger effective steps (the clock's rounds hold every learner: less noise per step)
+    "outer-1.4-0": ["--mode=decoupled", "--outer-lr=1.4", "--outer-momentum=0"],
+    "outer-1.0-0.5": ["--mode=decoupled", "--outer-lr=1.0", "--outer-momentum=0.5"],
+    "outer-0.6-0.7": ["--mode=decoupled", "--outer-lr=0.6", "--outer-momentum=0.7"],
     "no-share": ["--mode=decoupled", "--outer-scale=none"],
 }
 DEFAULT_SETTINGS = ("dp", "sync", "sync-H1", "decoupled")

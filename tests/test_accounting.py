@@ -25,6 +25,7 @@ from torch import nn
 from diloco.algorithm import balanced_fragments
 from diloco.launch.relay import Relay
 from diloco.learner.learner import Learner
+from diloco.learner.snapshot import HostCopies, HostCopy
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
@@ -296,3 +297,85 @@ def test_real_processes_merge_every_trained_step_exactly_once(tmp_path):
             # merged, still unsent at exit, or dropped on purpose (a norm-guard reset)
             accounted = merged + final["unsent"][p] + final["dropped"][p]
             assert accounted == STEPS_RUN, (i, p, merged, final["unsent"][p], final["dropped"][p])
+
+
+# A learner whose fragment copies to the host land later, as on a CUDA device: there it
+# enqueues each copy to pinned memory on a side stream and makes the delta at a later step
+# boundary (diloco.learner.snapshot). Here the copies' completion events say "not yet" for a
+# few step boundaries, so the same learner code runs the delayed path against a real syncer;
+# tests/test_gpu.py runs the real thing where a GPU is.
+
+
+class LateEvent:
+    """Stands in for ``torch.cuda.Event``: the copy lands after ``polls`` queries."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        self.polls = -1
+
+
+class LateCopies(HostCopies):
+    """Host copies that land 1 to 3 step boundaries after they were taken."""
+
+    def __init__(self, layout, params) -> None:
+        super().__init__(layout, params)
+        self.taken = 0
+
+    def take(self, p: int) -> HostCopy:
+        self.taken += 1
+        return HostCopy(self.layout.gather(p, self.params), LateEvent(1 + self.taken % 3))
+
+
+@pytest.mark.timeout(90)
+def test_copies_that_land_later_still_merge_every_step_exactly_once(tmp_path):
+    server = start_syncer(tmp_path)
+    learners = []
+    try:
+        models = [make_model(10 + i) for i in range(2)]
+        for i, model in enumerate(models):
+            learner = Learner(
+                model, syncer=server.address, fragments=P, learner_id=f"l{i}", tokens_per_step=8
+            )
+            learner._host_copies = LateCopies(learner.layout, learner.params)
+            learners.append(learner)
+        for learner in learners:
+            assert learner.wait_for_global(timeout=20)
+        threads = [
+            threading.Thread(target=train, args=(lr, m, i))
+            for i, (lr, m) in enumerate(zip(learners, models, strict=True))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        for learner in learners:
+            learner.close(flush=True)
+    finally:
+        server.stop()
+    rounds = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "round"]
+    assert len(rounds) >= 4 * P
+    for i, learner in enumerate(learners):
+        assert learner._host_copies.taken > 20  # the delayed path ran
+        assert learner.stats["fragments_applied"] > 4 * P  # and merges came back through it
+        for p in range(P):
+            merged = merged_steps(rounds, f"l{i}", p)
+            assert merged + learner.unsent()[p] == STEPS, (i, p, merged, learner.unsent())
+        # what the learner holds is its global values plus exactly its unsent progress
+        assert not learner._copying
+
+
+def test_host_copies_are_immediate_off_cuda():
+    model = make_model(0)
+    learner_params = dict(model.named_parameters())
+    layout = balanced_fragments(model.named_parameters(), P)
+    copies = HostCopies(layout, learner_params)
+    assert not copies.asynchronous
+    copy = copies.take(1)
+    assert copy.ready()
+    assert torch.equal(copy.value(), layout.gather(1, learner_params))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +77,15 @@ CASES = [
     (["syncer", "--dashboard", "127.0.0.1:0"], "give --state-dir or --tape"),
     (["syncer", "--dashboard", "0.0.0.0:0", "--state-dir", "state"], "without a shared token"),
     (["learner", "--syncer", "localhost", "--id", "a"], "is not HOST:PORT"),
+    (["run", "--mode", "dp", "--bf16"], "--device/--bf16 are for learners"),
     (["report", "nowhere"], "is not a finished run"),
     (["export", "nowhere", "-o", "model.safetensors"], "is not a run directory"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
+if not torch.cuda.is_available():
+    CASES.append(
+        (["learner", "--syncer", "127.0.0.1:1", "--id", "a", "--device", "cuda"], "no CUDA")
+    )
 
 
 @pytest.mark.timeout(600)

@@ -256,3 +256,62 @@ def test_a_claim_is_dropped_by_any_arrival_of_its_fragment():
     assert inbox._claims == {}
     assert not inbox.arrive(2, 0, -1, None, ())  # nothing claimed: a keyframe is needed
     assert inbox.needs_keyframe(2)
+
+
+class HeldEvent:
+    """A copy's completion event that reports "landed" only once released."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+def test_a_copy_that_lands_later_makes_the_delta_as_of_when_it_was_taken():
+    """As on a CUDA device (diloco.learner.snapshot): the delta is made when θ's copy to the
+    host lands, from θ, G and the deltas on their way as they were when it was taken; an
+    arrival of that fragment waits for it, and the progress trained meanwhile goes out next."""
+    from diloco.learner.snapshot import HostCopy
+
+    model, learner = make_learner()
+    try:
+        v0 = torch.arange(12.0)
+        start(model, learner, v0)
+        event = HeldEvent()
+        learner._host_copies.take = lambda p: HostCopy(
+            learner.layout.gather(p, learner.params), event
+        )
+        train(model, learner, 0.5, steps=2)
+        assert learner._queue(0)
+        assert learner.link.withdraw(0) is None and 0 in learner._copying  # not made yet
+        assert learner.unsent() == [2]
+        assert not learner._queue(0)  # one copy at a time: the progress waits
+        train(model, learner, -0.25, steps=3)  # trained while the copy is on its way
+        learner._on_fragment(0, 2, v0 + 2, frozenset({"other"}))
+        learner.apply_arrived()
+        assert learner.versions[0] == 1  # the arrival waits for the delta to be made
+        learner._send_copied()
+        assert 0 in learner._copying  # not landed: nothing sent, nothing waited for
+        event.landed = True
+        learner._send_copied()
+        job = queued_job(learner)
+        assert torch.allclose(job.delta, torch.full((12,), -0.5))  # θ as of the copy
+        assert (job.steps, job.tokens, job.base_version) == (2, 20, 1)
+        learner._on_result(job, UploadResult("failed"))  # back to the undelivered progress
+        learner.apply_arrived()  # now the foreign version applies, keeping all our progress
+        assert learner.versions[0] == 2
+        assert torch.allclose(weight(model), v0 + 2.25)
+        assert learner.steps_since[0] == 5 and learner.unsent() == [5]
+        event.landed = False
+        assert learner._queue(0)
+        event.landed = True
+        learner._send_copied()
+        job = queued_job(learner)
+        assert torch.allclose(job.delta, torch.full((12,), -0.25))  # both trainings, once
+        assert (job.steps, job.tokens, job.base_version) == (5, 50, 2)
+    finally:
+        learner.close(flush=False)

@@ -177,3 +177,33 @@ def test_a_hugging_face_trainer_becomes_a_learner_with_one_callback(tmp_path):
     with torch.no_grad():
         final = float(global_model(input_ids=heldout, labels=heldout).loss)
     assert final < initial - 1.0, (initial, final)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_learners_train_under_bf16_autocast_on_the_device_asked_for(tmp_path):
+    """``--device auto --bf16`` reaches every learner (CPU here, the GPU where there is one)
+    and the model still learns; the learner's log says where it trains."""
+    done = diloco(
+        "run",
+        "--recipe=tiny",
+        "--learners=1",
+        "--steps=150",
+        "--minutes=2",
+        "--eval-every=0",
+        "--dashboard=off",
+        "--no-tensorboard",
+        "--device=auto",
+        "--bf16",
+        f"--runs-dir={tmp_path}",
+        "--name=it",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss = json.loads(done.stdout)["val_loss"]
+    assert loss["final"] < loss["initial"] - 1.0, loss
+    config = json.loads((tmp_path / "it" / "config" / "learner-0.json").read_text())
+    assert config["device"] == {"device": "auto", "bf16": True}
+    log = (tmp_path / "it" / "logs" / "learner-0.log").read_text()
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"on {expected}, bf16 autocast" in log, log[-2000:]

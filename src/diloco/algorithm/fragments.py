@@ -167,19 +167,20 @@ class FragmentLayout:
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def scatter(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]) -> None:
-        """Write the flat vector of fragment ``p`` into the tensors of ``named`` (in place)."""
+        """Write the flat vector of fragment ``p`` into the tensors of ``named`` (in place).
+        Host values go to a CUDA device through pinned memory, without a host sync."""
         with torch.no_grad():
-            for target, part in self._pairs(p, flat, named):
-                target.copy_(part)
+            for target, part in self.pieces_of(p, _staged(flat, named), named):
+                target.copy_(part, non_blocking=True)
 
     def add_(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]) -> None:
         """Add the flat vector of fragment ``p`` to the tensors of ``named`` (in place: no
-        gathered copy of the fragment is made)."""
+        gathered copy of the fragment is made; no host sync on a CUDA device)."""
         with torch.no_grad():
-            for target, part in self._pairs(p, flat, named):
-                target.add_(part.to(target.device))
+            for target, part in self.pieces_of(p, _staged(flat, named), named):
+                target.add_(part.to(target.device, non_blocking=True))
 
-    def _pairs(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]):
+    def pieces_of(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]):
         """``(view of a tensor of named, the matching slice of flat)`` for each piece of
         fragment ``p``; ``ValueError`` if ``flat`` has the wrong length."""
         frag = self.fragments[p]
@@ -198,6 +199,14 @@ class FragmentLayout:
             f"bytes={sum(sizes)}, max/mean={max(sizes) * len(sizes) / max(sum(sizes), 1):.3f}, "
             f"hash={self.hash})"
         )
+
+
+def _staged(flat: torch.Tensor, named: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``flat`` in pinned host memory when it goes to a CUDA device (so the copy does not
+    wait for the device; torch keeps the pinned block until the copy is done), else as is."""
+    if flat.device.type == "cpu" and any(t.is_cuda for t in named.values()):
+        return flat.pin_memory()
+    return flat
 
 
 def _row_view(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

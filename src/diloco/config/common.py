@@ -1,4 +1,5 @@
-"""Settings every process of a run must agree on: the recipe, and P and H."""
+"""Settings shared by several processes of a run: the recipe, P and H (every process must
+agree on these), where learners train, and how they reach the syncer."""
 
 from __future__ import annotations
 
@@ -44,6 +45,21 @@ class ProtocolConfig:
             raise ValueError(
                 f"fragments and sync_every must be >= 1 (got {self.fragments}, {self.sync_every})"
             )
+
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DeviceConfig:
+    """Where a learner trains (``diloco learner``, and every learner of ``diloco run``)."""
+
+    device: str = option("cpu", choices=DEVICES)
+    """Train on ``cpu``, ``cuda`` (the local rank's GPU under torchrun, else GPU 0) or
+    ``auto`` (CUDA when there is one)."""
+    bf16: bool = option(False)
+    """Run the forward pass and the loss under bf16 autocast (the parameters, gradients and
+    optimizer state stay fp32)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.config.common import ProtocolConfig, RecipeConfig
+from diloco.config.common import DeviceConfig, ProtocolConfig, RecipeConfig
 from diloco.config.schema import option
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
@@ -51,6 +51,7 @@ class RunConfig:
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
     learners: int = option(2, short="-m", metavar="M")
     """M: learner processes."""
     minutes: float = option(3.0)
@@ -136,6 +137,8 @@ class RunConfig:
                 raise ValueError(f"{flag} must be >= {low} (got {value})")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1 (got {self.batch_size})")
+        if self.mode == "dp" and self.device != DeviceConfig():
+            raise ValueError("--device/--bf16 are for learners; --mode dp trains on CPU")
         if self.dashboard != "off":
             from diloco.wire.auth import split_address
 

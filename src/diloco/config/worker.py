@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.chaos import CORRUPT_HOWS
-from diloco.config.common import ClientSecurityConfig, ProtocolConfig, RecipeConfig
+from diloco.config.common import (
+    ClientSecurityConfig,
+    DeviceConfig,
+    ProtocolConfig,
+    RecipeConfig,
+)
 from diloco.config.schema import option
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
@@ -22,6 +27,7 @@ class WorkerConfig:
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     security: ClientSecurityConfig = field(default_factory=ClientSecurityConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
     syncer: str | None = option(None, metavar="HOST:PORT[,...]")
     """Syncer address ``HOST:PORT``, or every shard's address comma-separated for a sharded
     syncer; required unless ``--no-sync``."""

@@ -165,6 +165,7 @@ def worker_config(
         recipe=config.recipe,
         protocol=config.protocol,
         security=ClientSecurityConfig(token_file=token_file or config.token_file),
+        device=config.device,
         syncer=syncer,
         id=plan.id,
         index=plan.index,

@@ -36,23 +36,24 @@ from diloco.algorithm.fragments import (
     FragmentLayout,
     balanced_fragments,
     due_fragments,
-    fragment_digest,
 )
+from diloco.learner.callbacks import LinkCallbacks
 from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Inbox, Rejoin
 from diloco.learner.ledger import Ledger, Outgoing
-from diloco.learner.link import UploadJob, UploadResult
+from diloco.learner.link import UploadJob
 from diloco.learner.pacing import Pace
 from diloco.learner.restoring import Restoring
 from diloco.learner.shards import open_link
+from diloco.learner.snapshot import HostCopies, Snapshot
 from diloco.learner.stopping import Stopping
 from diloco.wire.auth import client_link_options
 
 log = logging.getLogger(__name__)
 
 
-class Learner(Stopping, Restoring):
+class Learner(LinkCallbacks, Stopping, Restoring):
     """Wraps a model whose parameters are trained by the user's own optimizer.
 
     ``step`` is called once per inner optimizer step, after ``optimizer.step()``. It never
@@ -109,6 +110,7 @@ class Learner(Stopping, Restoring):
                 self._drop_delivered(self.delivery.read())
         elif self.delivery is not None:
             self.delivery.clear()
+        self._host_copies = HostCopies(self.layout, self.params)
         self.link = self._open_link(syncer, link_options)
         self.before_touch: Callable[[list[int]], None] | None = None
         """Called with the fragments this learner is about to read or change in the model's
@@ -139,6 +141,9 @@ class Learner(Stopping, Restoring):
         self._syncer_ids: dict[str, str] = {}
         """The syncer instance (per address) this learner's ledger was admitted by."""
         self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
+        self._copying: dict[int, Snapshot] = {}
+        """Fragments queued whose parameters are still on their way to the host (a CUDA
+        learner, ``diloco.learner.snapshot``): their delta is made when the copy lands."""
         # Fragments sent and not yet merged back: p -> (local step sent at, base version).
         self._awaited: dict[int, tuple[int, int]] = {}
         self.guard_resets = 0
@@ -209,6 +214,7 @@ class Learner(Stopping, Restoring):
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
         self._settle()
+        self._send_copied()
         asked = self._inbox.take_requested()
         if self.link.schedule == "learner":
             asked |= set(
@@ -254,7 +260,9 @@ class Learner(Stopping, Restoring):
         self._settle()
         ready, waiting = {}, {}
         for p, chain in arrived.items():
-            if any(e.job_id not in queued for e in self._ledger.unanswered(p)):
+            if p in self._copying:
+                waiting[p] = chain  # its delta is not made yet: it is made against G_p
+            elif any(e.job_id not in queued for e in self._ledger.unanswered(p)):
                 waiting[p] = chain  # on the wire: its answer says whether these merged it
             else:
                 ready[p] = chain
@@ -386,8 +394,8 @@ class Learner(Stopping, Restoring):
     def _queue(self, p: int, *, final: bool = False) -> bool:
         """Queue fragment ``p``'s undelivered progress; True if a delta was queued. A delta
         of ``p`` still waiting to be sent is withdrawn first and goes out in this one."""
-        if self.anchors[p] is None:
-            return False
+        if self.anchors[p] is None or p in self._copying:
+            return False  # (a copy on its way: the progress since goes out next time)
         withdrawn = self.link.withdraw(p)
         if withdrawn is not None:
             entry = self._ledger.find(p, withdrawn.job_id)
@@ -397,17 +405,38 @@ class Learner(Stopping, Restoring):
         if self.steps_since[p] == 0:
             return False
         self._touch([p])
-        delta = self.layout.gather(p, self.params)
-        torch.sub(self.anchors[p], delta, out=delta)  # G_p − θ_p, in the gathered copy
-        on_its_way = self._ledger.on_its_way(p)
-        if on_its_way is not None:
-            delta.sub_(on_its_way)
-        entry = self._ledger.add(
-            p, delta, self.steps_since[p], self.tokens_since[p], self.local_step
+        snapshot = Snapshot(
+            self._host_copies.take(p),
+            self.anchors[p],
+            self._ledger.on_its_way(p),
+            self.steps_since[p],
+            self.tokens_since[p],
+            self.local_step,
+            final,
         )
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
         self._awaited.setdefault(p, (self.local_step, self.versions[p]))
+        if snapshot.copy.ready():
+            self._send(p, snapshot)
+        else:
+            self._copying[p] = snapshot
+        return True
+
+    def _send_copied(self, *, wait: bool = False) -> None:
+        """Send the fragments whose copy to the host has landed (all of them if ``wait``)."""
+        for p, snapshot in list(self._copying.items()):
+            if wait or snapshot.copy.ready():
+                del self._copying[p]
+                self._send(p, snapshot)
+
+    def _send(self, p: int, snapshot: Snapshot) -> None:
+        """Make the delta ``G_p − θ_p − (what is on its way)`` as of the snapshot, put it on
+        the ledger and hand it to the link."""
+        delta = torch.sub(snapshot.anchor, snapshot.copy.value())
+        if snapshot.on_its_way is not None:
+            delta.sub_(snapshot.on_its_way)
+        entry = self._ledger.add(p, delta, snapshot.steps, snapshot.tokens, snapshot.local_step)
         self.link.submit(
             UploadJob(
                 p,
@@ -416,18 +445,19 @@ class Learner(Stopping, Restoring):
                 entry.tokens,
                 delta,
                 self._step_time or 0.0,
-                self.local_step,
+                snapshot.local_step,
                 job_id=entry.job_id,
-                final=final,
+                final=snapshot.final,
             )
         )
-        return True
 
     def unsent(self) -> list[int]:
         """Per fragment, the trained steps the syncer has not accepted: the undelivered
         progress plus deltas without an answer (after ``close``: the unsent tail)."""
         return [
-            self.steps_since[p] + sum(e.steps for e in self._ledger.unanswered(p))
+            self.steps_since[p]
+            + sum(e.steps for e in self._ledger.unanswered(p))
+            + (self._copying[p].steps if p in self._copying else 0)
             for p in range(self.layout.num_fragments)
         ]
 
@@ -467,6 +497,7 @@ class Learner(Stopping, Restoring):
         """
         deadline = time.monotonic() + timeout
         while True:
+            self._send_copied()
             self.apply_arrived()
             for p, (_, base) in list(self._awaited.items()):
                 if self.versions[p] > base:
@@ -509,62 +540,6 @@ class Learner(Stopping, Restoring):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(flush=exc_type is None)
-
-    # --------------------------------------------------------------- callbacks
-    # (called from the link's threads: they only queue, under the lock)
-    def _on_fragment(
-        self,
-        fragment: int,
-        version: int,
-        value: torch.Tensor,
-        contributors=frozenset(),
-        base_version: int = -1,
-    ) -> None:
-        if not self._inbox.arrive(fragment, version, base_version, value, contributors):
-            self.link.reconnect()  # "you hold it already", but we claimed nothing: resync
-
-    def _on_request(self, fragment: int, version: int) -> None:
-        self._inbox.request(fragment)
-
-    def _on_result(self, job: UploadJob, result: UploadResult) -> None:
-        if result.outcome == "accepted" and self.delivery is not None:
-            try:
-                self.delivery.record(job.fragment, job.local_step)
-            except OSError as exc:  # a full disk must not stop training; a restore may resend
-                log.warning("delivery log %s: %s", self.delivery.path, exc)
-        self._inbox.answer(job, result)
-
-    def _on_rejoin(self, address: str, syncer_id: str, versions: list[int], fragments) -> None:
-        self._inbox.rejoin(Rejoin(address, syncer_id, list(versions), tuple(fragments)))
-
-    def _have_versions(self) -> list[int]:
-        """What this learner will hold once it applied what arrived (the syncer sends deltas
-        on top of it); -1 for a fragment that needs a keyframe."""
-        return self._inbox.have_versions(self.versions)
-
-    def _have_digests(self) -> list[str]:
-        """Digests of the fragments never received, with a copy of the values they cover: a
-        learner built from the same initialization as the syncer's model (the usual start)
-        then downloads nothing at join. Called by the link at each subscription."""
-        digests = []
-        with torch.no_grad():
-            for p in range(self.layout.num_fragments):
-                if self.versions[p] >= 0 or self._inbox.needs_keyframe(p):
-                    digests.append("")
-                    continue
-                value = self.layout.gather(p, self.params).detach().clone()
-                self._inbox.claim(p, value)
-                digests.append(fragment_digest(value))
-        return digests
-
-    def _heartbeat_info(self) -> dict:
-        sps = 1.0 / self._step_time if self._step_time else 0.0
-        return {
-            "step": self.local_step,
-            "tokens": self.total_tokens,
-            "steps_per_s": sps,
-            "state": f"{self._state}, link behind" if self._behind else self._state,
-        }
 
 
 def _default_id() -> str:

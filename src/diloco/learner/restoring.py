@@ -21,6 +21,7 @@ class Restoring:
         then resubscribes with these versions and only receives fragments that moved on.
         """
         self._settle()
+        self._send_copied(wait=True)  # on the ledger: a checkpoint holds it
         return {
             "local_step": self.local_step,
             "total_tokens": self.total_tokens,

@@ -27,9 +27,11 @@ class Stopping:
         for _attempt in range(3):
             stats = self.link.stats
             failed_before = stats.uploads_failed + stats.stale_replies
+            self._send_copied(wait=True)  # (a CUDA learner's copies still on their way)
             for p in range(self.layout.num_fragments):
                 if self.versions[p] >= 0 and self._queue(p, final=True):
                     self._flushed.add(p)
+            self._send_copied(wait=True)
             idle = self.link.wait_idle(max(0.0, deadline - time.monotonic()))
             self._settle()
             unanswered = bool(self._ledger.unanswered())

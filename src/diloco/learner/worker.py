@@ -38,13 +38,20 @@ def run(config: WorkerConfig) -> int:
     if problem:
         print(f"diloco learner: {problem}", file=sys.stderr)
         return 2
+    device, problem = training_device(config.device.device)
+    if problem:
+        print(f"diloco learner: {problem}", file=sys.stderr)
+        return 2
     torch.set_num_threads(config.threads)
-    rank, world = island_rank()
+    rank, world = island_rank("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if world > 1 and config.wait_for_merge >= 0:  # (0, 1) unless torchrun started several
         print("diloco learner: --wait-for-merge is not supported in an island", file=sys.stderr)
         return 2
     recipe = recipe_of(config.recipe)
-    model = recipe.build_model(config.recipe.seed)
+    model = recipe.build_model(config.recipe.seed).to(device)
     if world > 1 and config.island == "fsdp":
         from diloco.runtime.sharding import shard_model
 
@@ -72,6 +79,17 @@ def run(config: WorkerConfig) -> int:
     return 0
 
 
+def training_device(name: str):
+    """``(torch.device, None)`` for ``--device NAME``, or ``(None, problem)``."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        return None, "--device cuda: this machine has no CUDA device torch can use"
+    return torch.device(name), None
+
+
 def check(config: WorkerConfig) -> str | None:
     """What is wrong with the syncer address, if anything (None: nothing)."""
     from diloco.learner.shards import parse_syncer_addresses
@@ -95,6 +113,7 @@ class LearnerProcess:
         self.config, self.recipe, self.model = config, recipe, model
         self.optimizer, self.stream, self.workdir = optimizer, stream, workdir
         self.rank, self.world = rank, world
+        self.device = next(model.parameters()).device
         self.leader = rank == 0  # the rank that reports progress and writes the learner's files
         self.train_model = model
         self.sharded = world > 1 and config.island == "fsdp"  # (sharded by run())
@@ -209,7 +228,8 @@ class LearnerProcess:
             print(
                 f"learner {config.id}: training from step {learner.local_step} "
                 f"(syncer {config.syncer}, batch {config.batch_size or self.recipe.batch_size}, "
-                f"{sum(p.numel() for p in self.model.parameters()):,} parameters)",
+                f"{sum(p.numel() for p in self.model.parameters()):,} parameters, on "
+                f"{self.device.type}{', bf16 autocast' if config.device.bf16 else ''})",
                 flush=True,
             )
         started = self.log.started
@@ -237,7 +257,7 @@ class LearnerProcess:
             self.wait_for_merges(stop)
             set_lr(self.optimizer, self.recipe.lr_at(step, length))
             t0 = time.perf_counter()
-            batch = self.stream.next_batch()
+            batch = on_device(self.stream.next_batch(), self.device)
             loss = inner_step(
                 self.train_model,
                 self.optimizer,
@@ -245,6 +265,7 @@ class LearnerProcess:
                 params=self.model.parameters(),
                 loss_fn=self.recipe.loss,
                 clipped=self.clipped,
+                bf16=self.config.device.bf16,
             )
             slow.stretch(t0)
             learner.step(tokens=self.recipe.tokens(batch))
@@ -314,9 +335,17 @@ CHECKPOINT = "checkpoint.pt"
 DELIVERY_LOG = "delivered.json"  # diloco.learner.delivery
 
 
-def island_rank() -> tuple[int, int]:
+def on_device(batch, device):
+    """A recipe's batch (a tuple of tensors) on the training device."""
+    if device.type == "cpu":
+        return batch
+    return tuple(t.to(device, non_blocking=True) for t in batch)
+
+
+def island_rank(backend: str = "gloo") -> tuple[int, int]:
     """``(rank, world size)``; under torchrun with several ranks, initializes the process
-    group (gloo: the recipes train on CPU) so that this process is one rank of an island."""
+    group (``backend``: gloo on CPU, NCCL on GPUs) so that this process is one rank of an
+    island."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
@@ -338,7 +367,7 @@ def island_rank() -> tuple[int, int]:
         # restarted rank can read a dead rank's address left by the previous attempt.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
-            "gloo",
+            backend,
             store=dist.PrefixStore(f"diloco/attempt-{attempt}", store),
             rank=rank,
             world_size=world,

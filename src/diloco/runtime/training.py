@@ -58,14 +58,17 @@ def inner_step(
     loss_fn: Callable | None = None,
     tokens: int | None = None,
     clipped: ClipCounter | None = None,
+    bf16: bool = False,
 ) -> float:
     """One inner step on ``batch``: forward and loss (``loss_fn(model, batch)``, a recipe's
     ``loss``; default ``model(x, y)[1]``), backward, ``reduce(tokens)`` (the data-parallel
     all-reduce of the gradients, if any; ``tokens`` default: ``batch[0].numel()``), clip the
     gradient norm to 1, AdamW, zero the gradients. ``model`` may be a wrapper (DDP) of the
     module whose ``params`` are clipped (default: ``model.parameters()``); ``clipped`` counts
-    the steps whose gradient norm was above the clip. Returns the loss."""
-    loss = loss_fn(model, batch) if loss_fn is not None else model(*batch)[1]
+    the steps whose gradient norm was above the clip; ``bf16`` runs the forward pass and the
+    loss under bf16 autocast on the batch's device. Returns the loss."""
+    with torch.autocast(batch[0].device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss = loss_fn(model, batch) if loss_fn is not None else model(*batch)[1]
     loss.backward()
     if reduce is not None:
         reduce(tokens if tokens is not None else batch[0].numel())

@@ -1,0 +1,74 @@
+"""What a learner's link calls (from its own threads): they only hand things to the training
+thread through the inbox, under its lock, or read what the link must send (a mixin of
+``diloco.learner.learner.Learner``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from diloco.algorithm.fragments import fragment_digest
+from diloco.learner.inbox import Rejoin
+from diloco.learner.link import UploadJob, UploadResult
+
+log = logging.getLogger("diloco.learner.learner")
+
+
+class LinkCallbacks:
+    """The link's callbacks of ``Learner`` (it uses the learner's inbox, link, layout,
+    parameters, versions and step counters)."""
+
+    def _on_fragment(
+        self,
+        fragment: int,
+        version: int,
+        value: torch.Tensor,
+        contributors=frozenset(),
+        base_version: int = -1,
+    ) -> None:
+        if not self._inbox.arrive(fragment, version, base_version, value, contributors):
+            self.link.reconnect()  # "you hold it already", but we claimed nothing: resync
+
+    def _on_request(self, fragment: int, version: int) -> None:
+        self._inbox.request(fragment)
+
+    def _on_result(self, job: UploadJob, result: UploadResult) -> None:
+        if result.outcome == "accepted" and self.delivery is not None:
+            try:
+                self.delivery.record(job.fragment, job.local_step)
+            except OSError as exc:  # a full disk must not stop training; a restore may resend
+                log.warning("delivery log %s: %s", self.delivery.path, exc)
+        self._inbox.answer(job, result)
+
+    def _on_rejoin(self, address: str, syncer_id: str, versions: list[int], fragments) -> None:
+        self._inbox.rejoin(Rejoin(address, syncer_id, list(versions), tuple(fragments)))
+
+    def _have_versions(self) -> list[int]:
+        """What this learner will hold once it applied what arrived (the syncer sends deltas
+        on top of it); -1 for a fragment that needs a keyframe."""
+        return self._inbox.have_versions(self.versions)
+
+    def _have_digests(self) -> list[str]:
+        """Digests of the fragments never received, with a copy of the values they cover: a
+        learner built from the same initialization as the syncer's model (the usual start)
+        then downloads nothing at join. Called by the link at each subscription."""
+        digests = []
+        with torch.no_grad():
+            for p in range(self.layout.num_fragments):
+                if self.versions[p] >= 0 or self._inbox.needs_keyframe(p):
+                    digests.append("")
+                    continue
+                value = self.layout.gather(p, self.params).detach().clone()
+                self._inbox.claim(p, value)
+                digests.append(fragment_digest(value))
+        return digests
+
+    def _heartbeat_info(self) -> dict:
+        sps = 1.0 / self._step_time if self._step_time else 0.0
+        return {
+            "step": self.local_step,
+            "tokens": self.total_tokens,
+            "steps_per_s": sps,
+            "state": f"{self._state}, link behind" if self._behind else self._state,
+        }
