@@ -80,15 +80,18 @@ def start_syncer(tmp_path, **cfg) -> SyncerServer:
 
 
 def start_training(
-    addresses: list[str], pace: float = 0.015
+    addresses: list[str], pace: float = 0.015, prepare=None
 ) -> tuple[list[Learner], list[threading.Thread]]:
-    """One learner per address, joined, each training ``STEPS`` steps on its own thread."""
+    """One learner per address (``prepare(learner)`` first, if given), joined, each training
+    ``STEPS`` steps on its own thread."""
     models = [make_model(10 + i) for i in range(len(addresses))]
     learners = [
         Learner(m, syncer=a, fragments=P, learner_id=f"l{i}", tokens_per_step=8)
         for i, (m, a) in enumerate(zip(models, addresses, strict=True))
     ]
     for lr in learners:
+        if prepare is not None:
+            prepare(lr)
         assert lr.wait_for_global(timeout=20)
     threads = [
         threading.Thread(target=train, args=(lr, m, i, pace))
@@ -337,21 +340,11 @@ def test_copies_that_land_later_still_merge_every_step_exactly_once(tmp_path):
     server = start_syncer(tmp_path)
     learners = []
     try:
-        models = [make_model(10 + i) for i in range(2)]
-        for i, model in enumerate(models):
-            learner = Learner(
-                model, syncer=server.address, fragments=P, learner_id=f"l{i}", tokens_per_step=8
-            )
+
+        def late(learner: Learner) -> None:
             learner._host_copies = LateCopies(learner.layout, learner.params)
-            learners.append(learner)
-        for learner in learners:
-            assert learner.wait_for_global(timeout=20)
-        threads = [
-            threading.Thread(target=train, args=(lr, m, i))
-            for i, (lr, m) in enumerate(zip(learners, models, strict=True))
-        ]
-        for t in threads:
-            t.start()
+
+        learners, threads = start_training([server.address] * 2, prepare=late)
         for t in threads:
             t.join(timeout=60)
         for learner in learners:
@@ -366,8 +359,7 @@ def test_copies_that_land_later_still_merge_every_step_exactly_once(tmp_path):
         for p in range(P):
             merged = merged_steps(rounds, f"l{i}", p)
             assert merged + learner.unsent()[p] == STEPS, (i, p, merged, learner.unsent())
-        # what the learner holds is its global values plus exactly its unsent progress
-        assert not learner._copying
+        assert not learner._copying  # every copy was made into a delta by the end
 
 
 def test_host_copies_are_immediate_off_cuda():
