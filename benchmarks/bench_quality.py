@@ -10,8 +10,11 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
 - ``sync-H1``: synchronous DiLoCo exchanging the whole model after every step
   (``--fragments 1 --sync-every 1``: parameter averaging every step);
 - ``decoupled``: the default decoupled setting;
-- ``outer-LR-MU``: decoupled with outer lr LR and Nesterov momentum MU; ``no-share``: without
-  the round share (``--outer-scale none``).
+- ``outer-LR-MU``: decoupled with outer lr LR and Nesterov momentum MU (``sync-outer-LR-MU``
+  the same in synchronous mode); ``no-share``: without the round share (``--outer-scale
+  none``);
+- ``sync-P1``, ``sync-fp32``, ``sync-mean``, ``sync-torchft-like``: synchronous mode with what
+  torchft's DiLoCo does differently (one fragment, fp32 both ways, the plain mean; all three).
 
 Per run: held-out loss at the end, the share of inner steps whose gradient was clipped
 (``clipped_steps`` ÷ steps), wall time. Medians over seeds are printed and written to
@@ -42,7 +45,22 @@ SETTINGS = {
     "outer-1.0-0.5": ["--mode=decoupled", "--outer-lr=1.0", "--outer-momentum=0.5"],
     "outer-0.6-0.7": ["--mode=decoupled", "--outer-lr=0.6", "--outer-momentum=0.7"],
     "no-share": ["--mode=decoupled", "--outer-scale=none"],
+    # what torchft's DiLoCo does differently, one thing at a time (synchronous mode): the
+    # whole model as one fragment, fp32 both ways, the plain mean; and all three
+    "sync-P1": ["--mode=sync", "--fragments=1"],
+    "sync-fp32": ["--mode=sync", "--up-codec=fp32", "--down-codec=fp32"],
+    "sync-mean": ["--mode=sync", "--merge=mean"],
+    "sync-torchft-like": [
+        "--mode=sync",
+        "--fragments=1",
+        "--up-codec=fp32",
+        "--down-codec=fp32",
+        "--merge=mean",
+    ],  # fmt: skip
 }
+for _lr, _mu in (("0.75", "0.5"), ("1.0", "0.5"), ("1.4", "0"), ("0.6", "0.7")):
+    SETTINGS[f"sync-outer-{_lr}-{_mu}"] = ["--mode=sync", f"--outer-lr={_lr}",
+                                           f"--outer-momentum={_mu}"]  # fmt: skip
 DEFAULT_SETTINGS = ("dp", "sync", "sync-H1", "decoupled")
 
 
