@@ -1,11 +1,14 @@
 """Scavenging: does adding learners mid-run shorten the time to a held-out loss?
 
-    python benchmarks/bench_scavenging.py [--minutes 4] [--seeds 0] [--slow 3] [--target 2.2]
+    python benchmarks/bench_scavenging.py [--minutes 4] [--seeds 0] [--slow 3] [--target 2.2] [--dp]
 
 Per seed, two decoupled runs of the default recipe, one after the other:
 
 - ``static``: 2 learners for ``--minutes``;
-- ``added``: 2 learners, and 2 more from the middle of the run (``--add-learners``).
+- ``added``: 2 learners, and 2 more from the middle of the run (``--add-learners``);
+
+and with ``--dp`` the same two for data-parallel (``dp-static``, ``dp-added``: the group stops
+at the midpoint and starts again with 4 ranks, as a static group must).
 
 Every learner is slowed ``--slow`` times (``--slow I=F``: each step sleeps for the rest), so
 that four single-threaded learners fit this 2-core machine's CPUs as four machines would:
@@ -57,17 +60,20 @@ def main() -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--slow", type=float, default=3.0)
     p.add_argument("--target", type=float, default=2.2, help="held-out loss to reach")
+    p.add_argument("--dp", action="store_true", help="also data-parallel, grown by restarting")
     args = p.parse_args()
     out = Path(args.out)
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         args.seed = seed
         half = f"{args.minutes * 30:.0f}s"
-        rows.append({"seed": seed, **run(out, f"static-s{seed}", args, [], 2)})
-        added = run(out, f"added-s{seed}", args, [f"--add-learners={half}:2"], 4)
-        rows.append({"seed": seed, **added})
-        for row in rows[-2:]:
-            print(json.dumps(row), flush=True)
+        modes = [("", [])] + ([("dp-", ["--mode=dp"])] if args.dp else [])
+        for prefix, mode in modes:
+            rows.append({"seed": seed, **run(out, f"{prefix}static-s{seed}", args, mode, 2)})
+            grown = [*mode, f"--add-learners={half}:2"]
+            rows.append({"seed": seed, **run(out, f"{prefix}added-s{seed}", args, grown, 4)})
+            for row in rows[-2:]:
+                print(json.dumps(row), flush=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     return 0
 

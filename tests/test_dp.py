@@ -29,11 +29,11 @@ def test_a_checkpoint_counts_only_once_every_rank_wrote_it(tmp_path):
     assert ckpt.latest_step(tmp_path, 2) is None  # a torn save is not resumed
     ckpt.write_rank_state(tmp_path, 10, 1, {"stream": {}, "tokens": 5})
     ckpt.commit(tmp_path, 10, 2)
-    assert ckpt.latest_step(tmp_path, 2) == 10
+    assert ckpt.latest_step(tmp_path, 2) == (10, 2)
     for r in (0, 1):
         ckpt.write_rank_state(tmp_path, 20, r, {"stream": {}, "tokens": 9})
     ckpt.commit(tmp_path, 20, 2)
-    assert ckpt.latest_step(tmp_path, 2) == 20
+    assert ckpt.latest_step(tmp_path, 2) == (20, 2)
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == [
         "step-20.rank-0.pt",
         "step-20.rank-1.pt",
@@ -47,8 +47,11 @@ def test_a_checkpoint_counts_only_once_every_rank_wrote_it(tmp_path):
     ckpt.commit(tmp_path, 25, 2)
     assert ckpt.rank_file(tmp_path, 30, 1).exists()
     assert not ckpt.rank_file(tmp_path, 20, 1).exists()
+    # a group that grew resumes it (its new ranks start from rank 0's part); a smaller one
+    # would lose the data positions of the ranks that left
+    assert ckpt.latest_step(tmp_path, 3) == (25, 2)
     with pytest.raises(ValueError, match="2-rank group"):
-        ckpt.latest_step(tmp_path, 3)
+        ckpt.latest_step(tmp_path, 1)
 
 
 def test_a_foreign_file_is_refused_not_unpickled(tmp_path):
@@ -114,32 +117,32 @@ def test_one_member_down_stops_the_group_and_all_restart_together(tmp_path):
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_killed_rank_restarts_the_group_from_its_checkpoint(tmp_path):
+def dp_run(tmp_path, *flags: str) -> tuple[dict, object, list[dict]]:
+    """A ``diloco run --mode dp`` of the tiny recipe: its summary, run directory and tape."""
     proc = subprocess.run(
         diloco(
-            "run",
-            "--mode=dp",
-            "--recipe=tiny",
-            "--learners=2",
-            "--minutes=0.45",
-            "--checkpoint-every=2",
-            "--eval-every=2",
-            "--chaos=kill:at=6s,down=2s,learners=1",
-            f"--runs-dir={tmp_path}",
-            "--name=dp",
-            "--json",
-            "--no-view",
+            "run", "--mode=dp", "--recipe=tiny", "--eval-every=2", *flags,
+            f"--runs-dir={tmp_path}", "--name=dp", "--json", "--no-view", "--dashboard=off",
         ),
         capture_output=True,
         text=True,
         timeout=110,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    s = json.loads(proc.stdout)
     run = tmp_path / "dp"
-    events = read_tape(run / "syncer" / "events.jsonl")
+    return json.loads(proc.stdout), run, read_tape(run / "syncer" / "events.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_killed_rank_restarts_the_group_from_its_checkpoint(tmp_path):
+    s, run, events = dp_run(
+        tmp_path,
+        "--learners=2",
+        "--minutes=0.45",
+        "--checkpoint-every=2",
+        "--chaos=kill:at=6s,down=2s,learners=1",
+    )
     kinds = [e["event"] for e in events]
     assert kinds.count("group-stop") == 1 and kinds.count("restart") == 2, events
     assert s["mode"] == "dp" and s["group_restarts"] == 1
@@ -208,3 +211,31 @@ def test_peers_that_fail_on_their_own_count_as_one_crash(tmp_path):
         assert [r["event"] for r in tape].count("group-stop") == 1
     finally:
         sup.kill_everything()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_group_grows_by_stopping_and_starting_again_at_the_new_size(tmp_path):
+    """``--add-learners`` for data-parallel: at the addition's time the group stops at one
+    step with a final checkpoint and starts again with the added rank, which takes rank 0's
+    model and optimizer; nothing trained is lost and the grown group keeps training."""
+    s, run, events = dp_run(tmp_path, "--learners=1", "--add-learners=12s:1", "--minutes=0.5")
+    resizes = [e for e in events if e["event"] == "resize"]
+    assert [(e["world"], e["added"]) for e in resizes] == [(2, ["learner-1"])]
+    assert not [e for e in events if e["event"] in ("group-stop", "crash")]
+    progress = {
+        rank: [json.loads(x) for x in (run / "learners" / rank / "progress.jsonl").open()]
+        for rank in ("learner-0", "learner-1")
+    }
+    first_run = [r for r in progress["learner-0"] if r.get("event") == "exit"][0]
+    starts = {
+        rank: [r for r in recs if r.get("event") == "start"] for rank, recs in progress.items()
+    }
+    # rank 0 resumed exactly where it stopped; the new rank joined at the same step
+    assert starts["learner-0"][1]["step"] == first_run["step"] > 0
+    assert starts["learner-1"][0]["step"] == first_run["step"]
+    assert starts["learner-1"][0]["tokens"] == 0  # its own tokens: it trained none before
+    assert s["per_learner"]["learner-1"]["steps"] > 0
+    steps = {ln["steps"] for ln in s["per_learner"].values()}
+    assert len(steps) == 1 and steps.pop() > first_run["step"]  # the grown group trained on
+    assert s["val_loss"]["final"] < s["val_loss"]["initial"] - 1.0

@@ -72,7 +72,8 @@ class RunConfig:
     add_learners: list[str] = option(default_factory=list, metavar="AT:N")
     """Start N more learners AT into the run, e.g. ``90s:2`` (repeatable): capacity that
     joins mid-run ("scavenging"); their indices follow the first M (``--batch``/``--slow``
-    may name them). Decoupled mode, local backend; the chaos schedule spares them."""
+    may name them). Decoupled mode, or data-parallel (the group stops and starts again at the
+    new size); local backend; the chaos schedule spares them."""
     jitter: float = option(0.0, metavar="J")
     """Every learner's step time varies by up to +-J of its (slowed) cost, seeded per learner
     (e.g. 0.2 with ``--slow`` for a mixed fleet)."""

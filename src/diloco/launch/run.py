@@ -90,10 +90,9 @@ def check_additions(config: RunConfig, plans) -> None:
     late = [p for p in plans if p.start_at > 0]
     if not late:
         return
-    if config.mode != "decoupled":
+    if config.mode == "sync":
         raise ValueError(
-            "--add-learners needs --mode decoupled (synchronous DiLoCo waits for a fixed M, "
-            "data-parallel is a static group)"
+            "--add-learners needs --mode decoupled or dp (synchronous DiLoCo waits for a fixed M)"
         )
     if config.ray.backend != "local" or config.wan:
         raise ValueError("--add-learners runs on the local backend without --wan (for now)")

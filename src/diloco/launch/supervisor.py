@@ -110,6 +110,16 @@ class Supervisor:
         self.slots[name] = slot
         return slot
 
+    def relaunch(self, name: str, argv: list[str]) -> None:
+        """Start ``name`` again now with ``argv`` after a planned stop (a group that grows);
+        not a failure: no restart is counted or recorded."""
+        slot = self.slots[name]
+        if slot.child is not None and slot.child.running:
+            raise RuntimeError(f"{name} is still running")
+        slot.argv, slot.finished, slot.restart_at = list(argv), False, None
+        slot.expected_death = False
+        slot.child = Child(name, slot.argv, slot.log)
+
     def learners(self) -> list[Slot]:
         return [s for s in self.slots.values() if not is_syncer(s.name)]
 

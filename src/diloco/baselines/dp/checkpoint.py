@@ -59,21 +59,23 @@ def commit(directory: Path, step: int, world: int) -> None:
             old.unlink(missing_ok=True)
 
 
-def latest_step(directory: Path, world: int) -> int | None:
-    """The step of the last complete checkpoint, or None (start from scratch).
+def latest_step(directory: Path, world: int) -> tuple[int, int] | None:
+    """``(step, world it was written by)`` of the last complete checkpoint, or None (start
+    from scratch).
 
-    A checkpoint written by a group of another size is refused with ValueError: data
-    positions belong to ranks, so it cannot be resumed by a different world size.
+    A group may resume a checkpoint of its own size, or of a smaller group (it grew: the
+    added ranks take rank 0's model and optimizer and start their own data streams). One of a
+    larger group is refused with ValueError: the data positions of the ranks that left would
+    be lost.
     """
     path = Path(directory) / "latest.json"
     if not path.exists():
         return None
     meta = json.loads(path.read_text())
-    if meta.get("world") != world:
-        raise ValueError(
-            f"{path}: checkpoint of a {meta.get('world')}-rank group, this group has {world}"
-        )
-    return int(meta["step"])
+    written_by = int(meta.get("world", 0))
+    if not 1 <= written_by <= world:
+        raise ValueError(f"{path}: checkpoint of a {written_by}-rank group, this group has {world}")
+    return int(meta["step"]), written_by
 
 
 def read_rank_state(directory: Path, step: int, rank: int) -> dict:

@@ -87,7 +87,8 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None, ou
     started = time.time()
     outputs = outputs or LiveOutputs()
     outputs.begin(run_watch(config, run_dir, plans, started))
-    names = [p.id for p in plans]
+    first = [p for p in plans if p.start_at <= 0]  # the rest join by growing the group
+    names = [p.id for p in first]
     sup = Supervisor(
         tape=tape.append,
         clock=lambda: time.time() - started,
@@ -109,8 +110,11 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None, ou
             "tokens_per_sample": recipe.tokens_per_sample,
         }
         evaluator = SnapshotEvaluator(recipe, snapshot, seed=config.recipe.seed)
-        start_ranks(config, sup, plans, run_dir, store=store.port, started=started, fabric=fabric)
-        stopped_by = supervise_group(config, stop, started, sup, plans, evaluator, run_dir, outputs)
+        start_ranks(config, sup, first, run_dir, store=store.port, started=started, fabric=fabric)
+        growth = Growth(config, sup, first, run_dir, store=store.port, started=started)
+        stopped_by = supervise_group(
+            config, stop, started, sup, plans, evaluator, run_dir, outputs, growth
+        )
         facts["stopped_by"] = "interrupt" if interrupts else stopped_by
         return finish(config, sup, plans, evaluator, run_dir, facts, fabric, outputs)
     except (RuntimeError, TimeoutError) as exc:
@@ -127,14 +131,16 @@ def run_dp(config, *, recipe, plans, chaos, run_dir: Path, tape, fabric=None, ou
             signal.signal(s, h)
 
 
-def rank_config(config, plan, run_dir: Path, *, store: str, started: float) -> DpWorkerConfig:
-    """One rank's configuration (``diloco dp-worker --config``); rank 0 keeps the snapshot
-    the evaluator reads."""
+def rank_config(
+    config, plan, run_dir: Path, *, store: str, started: float, world: int
+) -> DpWorkerConfig:
+    """One rank's configuration (``diloco dp-worker --config``) in a group of ``world``; rank
+    0 keeps the snapshot the evaluator reads."""
     return DpWorkerConfig(
         recipe=config.recipe,
         store=store,
         rank=plan.index,
-        world=config.learners,
+        world=world,
         batch_size=plan.batch_size,
         slow=plan.slow,
         total_steps=config.steps,
@@ -155,20 +161,84 @@ def start_ranks(
     """Write each rank's configuration and start it at generation 0 (the supervisor bumps
     ``--generation`` when it restarts the group). ``store``: the store's port on this host,
     or on the hub's address of each rank's link with ``fabric``."""
+    for plan in plans:
+        argv = rank_command(
+            config, plan, run_dir, store=store, started=started, world=len(plans), fabric=fabric
+        )
+        sup.add(plan.id, argv, run_dir / "logs" / f"{plan.id}.log")
+
+
+def rank_command(
+    config,
+    plan,
+    run_dir: Path,
+    *,
+    store: int,
+    started: float,
+    world: int,
+    generation=0,
+    fabric=None,
+) -> list[str]:
+    """Write ``plan``'s rank configuration for a group of ``world`` and return its command."""
     from diloco.launch.children import write_config
     from diloco.runtime.procs import diloco_command
 
-    for plan in plans:
-        host, prefix = "127.0.0.1", []
-        if fabric is not None:  # gloo must use the rank's link, not a name that resolves
-            from diloco.wan.fabric import LEARNER_IFACE
+    host, prefix = "127.0.0.1", []
+    if fabric is not None:  # gloo must use the rank's link, not a name that resolves
+        from diloco.wan.fabric import LEARNER_IFACE
 
-            host = fabric.hub_address(plan.index)
-            prefix = [*fabric.exec_prefix(plan.index), "env", f"GLOO_SOCKET_IFNAME={LEARNER_IFACE}"]
-        rank = rank_config(config, plan, run_dir, store=f"{host}:{store}", started=started)
-        path = write_config(run_dir / "config" / f"{plan.id}.json", rank)
-        argv = diloco_command("dp-worker", f"--config={path}", "--generation=0")
-        sup.add(plan.id, [*prefix, *argv], run_dir / "logs" / f"{plan.id}.log")
+        host = fabric.hub_address(plan.index)
+        prefix = [*fabric.exec_prefix(plan.index), "env", f"GLOO_SOCKET_IFNAME={LEARNER_IFACE}"]
+    rank = rank_config(config, plan, run_dir, store=f"{host}:{store}", started=started, world=world)
+    path = write_config(run_dir / "config" / f"{plan.id}.json", rank)
+    return [*prefix, *diloco_command("dp-worker", f"--config={path}", f"--generation={generation}")]
+
+
+class Growth:
+    """``--add-learners`` for data-parallel: a static group grows the only way it can, by
+    stopping and starting again at the new size. At each addition's time every rank stops at
+    the same step and writes the final group checkpoint; then the group starts again with the
+    added ranks (a new rendezvous generation): the old ranks resume from the checkpoint, the
+    new ones take rank 0's model and optimizer (``dp.worker.Rank.restore``). The tape gets a
+    ``resize`` record."""
+
+    def __init__(self, config, sup, members, run_dir: Path, *, store: int, started: float):
+        self.config, self.sup, self.members = config, sup, list(members)
+        self.run_dir, self.store, self.started = run_dir, store, started
+
+    def due(self, plans, elapsed: float) -> list:
+        """The plans not in the group whose time to join has come."""
+        inside = {p.id for p in self.members}
+        return [p for p in plans if p.id not in inside and p.start_at <= elapsed]
+
+    def waiting(self, plans) -> int:
+        return sum(1 for p in plans if p.id not in {m.id for m in self.members})
+
+    def grow(self, added) -> None:
+        sup = self.sup
+        names = [p.id for p in self.members]
+        world = len(self.members) + len(added)
+        sup.tape(
+            {"event": "resize", "t": time.time(), "world": world, "added": [p.id for p in added]}
+        )
+        sup.stop(names, timeout=self.config.stop_timeout)  # SIGTERM: final group checkpoint
+        sup.generation += 1
+        self.members += added
+        sup.group = [p.id for p in self.members]
+        for plan in self.members:
+            argv = rank_command(
+                self.config,
+                plan,
+                self.run_dir,
+                store=self.store,
+                started=self.started,
+                world=world,
+                generation=sup.generation,
+            )
+            if plan.id in sup.slots:
+                sup.relaunch(plan.id, argv)
+            else:
+                sup.add(plan.id, argv, self.run_dir / "logs" / f"{plan.id}.log")
 
 
 def finish(
@@ -179,6 +249,7 @@ def finish(
     from diloco.report.summary import format_summary
 
     facts["train_end"] = time.time()
+    plans = [p for p in plans if p.id in sup.slots]  # (not those still waiting to join)
     facts["codes"] = codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout)
     counters = fabric.counters() if fabric is not None else None
     facts["val_final"] = evaluator.evaluate()
@@ -196,9 +267,11 @@ def finish(
     return 0 if all(c in (0, None) for c in codes.values()) else 1
 
 
-def supervise_group(config, stop, started, sup, plans, evaluator, run_dir, outputs=None) -> str:
-    """The supervisor loop for the group: failures, view, evaluation, stop conditions, and the
-    learner rows for ``outputs`` (the dashboard)."""
+def supervise_group(
+    config, stop, started, sup, plans, evaluator, run_dir, outputs=None, growth=None
+) -> str:
+    """The supervisor loop for the group: failures, growth (``--add-learners``), view,
+    evaluation, stop conditions, and the learner rows for ``outputs`` (the dashboard)."""
     from diloco.launch.loop import stop_reason, view_frame
     from diloco.launch.supervisor import MAX_UNPLANNED_RESTARTS
     from diloco.launch.view import LiveView
@@ -210,6 +283,9 @@ def supervise_group(config, stop, started, sup, plans, evaluator, run_dir, outpu
         while True:
             if stop.wait(0.25):
                 return "interrupt"
+            added = growth.due(plans, time.time() - started) if growth else []
+            if added:
+                growth.grow(added)
             sup.poll()
             for slot in sup.slots.values():
                 crashes = sum(1 for c in slot.exit_codes if c != 0) - slot.planned_deaths
@@ -222,11 +298,11 @@ def supervise_group(config, stop, started, sup, plans, evaluator, run_dir, outpu
                 last_eval = now
                 last_loss = evaluator.evaluate()
                 append_metric(run_dir, started, evaluator, last_loss)
-            training = all(r is not None and "event" not in r for r in latest.values())
+            training = all(latest[n] is not None and "event" not in latest[n] for n in sup.group)
             if training or now - started > config.start_timeout:
                 sup.start_chaos()
             tokens = sum(r.get("tokens", 0) for r in latest.values() if r)
-            rows = [row(p.id, sup.slots[p.id], latest[p.id]) for p in plans]
+            rows = [row(p, sup.slots.get(p.id), latest[p.id]) for p in plans]
             view.update(
                 view_frame(
                     config,
@@ -240,15 +316,21 @@ def supervise_group(config, stop, started, sup, plans, evaluator, run_dir, outpu
             )
             if outputs is not None:
                 outputs.update(rows)
-            reason = stop_reason(config, now - started, tokens, sup)
+            waiting = growth.waiting(plans) if growth else 0
+            reason = stop_reason(config, now - started, tokens, sup, waiting)
             if reason:
                 return reason
     finally:
         view.close()
 
 
-def row(name: str, slot, record: dict | None) -> dict:
-    if slot.finished:
+def row(plan, slot, record: dict | None) -> dict:
+    name = plan.id
+    if slot is None:
+        from diloco.launch.loop import clock
+
+        state = f"joins at {clock(plan.start_at)}"
+    elif slot.finished:
         state = "finished"
     elif slot.resume_at is not None:
         state = "hung (chaos)"

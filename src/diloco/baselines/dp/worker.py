@@ -91,20 +91,26 @@ class Rank:
         self.ckdir = Path(config.checkpoint_dir)
         self.step, self.tokens, self.group_tokens = 0, 0, 0
 
-    def restore(self, saved_step: int | None) -> None:
-        """Continue from the group's last committed checkpoint, if any."""
+    def restore(self, saved: tuple[int, int] | None) -> None:
+        """Continue from the group's last committed checkpoint ``(step, world)``, if any. A
+        rank the checkpoint's group did not have (the group grew) takes rank 0's model and
+        optimizer and starts its own data stream from the beginning."""
         from diloco.baselines.dp import checkpoint as ckpt
 
-        if saved_step is None:
+        if saved is None:
             return
+        saved_step, written_by = saved
         config = self.config
-        mine = ckpt.read_rank_state(self.ckdir, saved_step, config.rank)
-        shared = mine if self.leader else ckpt.read_rank_state(self.ckdir, saved_step, 0)
+        shared = ckpt.read_rank_state(self.ckdir, saved_step, 0)
         self.model.load_state_dict(shared["model"])
         self.optimizer.load_state_dict(shared["optimizer"])
-        self.stream.load_state_dict(mine["stream"])
-        self.step, self.tokens = saved_step, mine["tokens"]
-        self.group_tokens = shared["group_tokens"]
+        self.step, self.group_tokens = saved_step, shared["group_tokens"]
+        if config.rank < written_by:
+            mine = (
+                shared if self.leader else ckpt.read_rank_state(self.ckdir, saved_step, config.rank)
+            )
+            self.stream.load_state_dict(mine["stream"])
+            self.tokens = mine["tokens"]
 
     def join_group(self) -> None:
         """Rendezvous with the other ranks of this generation (gloo)."""
