@@ -76,7 +76,7 @@ def run(out: Path, setting: str, seed: int, extra: list[str], steps: int = 800) 
             check=True, stdout=subprocess.DEVNULL,
         )  # fmt: skip
     s = json.loads((run_dir / "summary.json").read_text())
-    steps = sum(v["steps"] for v in s["per_learner"].values())
+    trained = sum(v["steps"] for v in s["per_learner"].values())
     clipped = sum(v.get("clipped_steps", 0) for v in s["per_learner"].values())
     return {
         "setting": setting,
@@ -84,7 +84,7 @@ def run(out: Path, setting: str, seed: int, extra: list[str], steps: int = 800) 
         "seed": seed,
         "val_loss": s["val_loss"]["final"],
         "tokens": s["tokens"],
-        "clipped_share": clipped / steps if steps else None,
+        "clipped_share": clipped / trained if trained else None,
         "wall_s": s["wall_s"],
     }
 
