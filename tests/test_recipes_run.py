@@ -207,3 +207,53 @@ def test_learners_train_under_bf16_autocast_on_the_device_asked_for(tmp_path):
     log = (tmp_path / "it" / "logs" / "learner-0.log").read_text()
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert f"on {expected}, bf16 autocast" in log, log[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_lightning_trainer_becomes_a_learner_with_one_callback(tmp_path):
+    """A real ``lightning.Trainer`` with gradient accumulation against a real syncer: the
+    callback steps the learner once per optimizer step with the tokens of both batches."""
+    lightning = pytest.importorskip("lightning")
+    from diloco.integrations.lightning import DilocoCallback
+    from diloco.syncer.server import SyncerServer
+
+    recipe = get_recipe("tiny")
+    corpus = recipe.load_data()
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = recipe.build_model(0)
+
+        def training_step(self, batch, batch_idx):
+            return recipe.loss(self.model, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    seq = recipe.model.seq_len
+    starts = torch.randint(0, corpus.train.numel() - seq - 1, (8 * 2 * 300,))
+    x = torch.stack([corpus.train[s : s + seq] for s in starts.tolist()])
+    y = torch.stack([corpus.train[s + 1 : s + seq + 1] for s in starts.tolist()])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    module = Module()
+    initial = recipe.evaluate(module.model)
+    trainer = lightning.Trainer(
+        max_steps=300, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    with SyncerServer.for_model(module, fragments=4) as server:
+        callback = DilocoCallback(server.address, learner_id="pl", fragments=4, sync_every=4)
+        trainer.callbacks.append(callback)
+        trainer.fit(module, loader)
+        assert callback.joined and callback.learner is None  # closed at the end of fitting
+        assert server.state.rounds_committed >= 20
+        learner = server.state.learners["pl"]
+        assert learner.contributions >= 20
+        # (as of its last heartbeat) both batches of every optimizer step counted
+        assert learner.step > 0 and learner.tokens == learner.step * 2 * 8 * seq
+        global_module = Module()
+        global_module.load_state_dict(server.state_dict(global_module), strict=True)
+    assert recipe.evaluate(global_module.model) < initial - 1.0
