@@ -433,7 +433,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
     def _send(self, p: int, snapshot: Snapshot) -> None:
         """Make the delta ``G_p − θ_p − (what is on its way)`` as of the snapshot, put it on
         the ledger and hand it to the link."""
-        delta = torch.sub(snapshot.anchor, snapshot.copy.value())
+        delta = snapshot.copy.owned()
+        torch.sub(snapshot.anchor, delta, out=delta)  # G_p − θ_p, in the copy
         if snapshot.on_its_way is not None:
             delta.sub_(snapshot.on_its_way)
         entry = self._ledger.add(p, delta, snapshot.steps, snapshot.tokens, snapshot.local_step)

@@ -38,6 +38,12 @@ class HostCopy:
             self._event.synchronize()
         return self._value
 
+    def owned(self) -> torch.Tensor:
+        """The values as a tensor the caller may keep and change (the gathered copy itself
+        off the device; a copy of the pinned buffer on it)."""
+        value = self.value()
+        return value if self._event is None else value.clone()
+
 
 class HostCopies:
     """Takes :class:`HostCopy` s of fragments of ``params`` (asynchronous on one CUDA device,
