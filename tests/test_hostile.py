@@ -40,7 +40,13 @@ def make_server(tmp_path, config: SyncerConfig, **kwargs) -> SyncerServer:
 
 
 def config(**overrides) -> SyncerConfig:
-    base = {"up_codec": "fp32", "outer_lr": 1.0, "schedule": "learner", "quorum": 1}
+    base = {
+        "up_codec": "fp32",
+        "outer_lr": 1.0,
+        "outer_momentum": 0.0,
+        "schedule": "learner",
+        "quorum": 1,
+    }
     return SyncerConfig(**{**base, **overrides})
 
 

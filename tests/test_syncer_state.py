@@ -20,11 +20,18 @@ def make_state(P=2, **cfg):
     events = []
     # Synthetic deltas here are far larger than the parameters: the norm guard (tested in
     # test_guard.py) is off unless a test turns it on.
-    # Outer lr 1 (the merged delta replaces the fragment) keeps the expected values simple;
+    # Outer lr 1 and no momentum (the merged delta replaces the fragment) keep the expected
+    # values simple;
     # the outer step itself is tested in test_outer.py.
     # These tests drive rounds on the learners' schedule (a round opens at its first
     # arrival); the syncer's clock is tested in test_syncer_clock.py.
-    cfg = {"norm_guard_k": 0.0, "outer_lr": 1.0, "schedule": "learner", **cfg}
+    cfg = {
+        "norm_guard_k": 0.0,
+        "outer_lr": 1.0,
+        "outer_momentum": 0.0,
+        "schedule": "learner",
+        **cfg,
+    }
     state = SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append)
     return state, layout, events
 

@@ -2,7 +2,7 @@
 
 ``torchft``: torchft's DiLoCo (:func:`diloco.baselines.torchft.peer.run_torchft`) on the same recipe,
 seed, learners and batch size, H = 24 (one fragment: torchft's plain DiLoCo), our syncer's
-default outer optimizer (lr 1.0, μ 0). Its lighthouse waits for every replica, so it is
+default outer optimizer (``SyncerConfig``'s lr and Nesterov momentum). Its lighthouse waits for every replica, so it is
 synchronous DiLoCo as torchft runs it. Clean cells stop at the matrix's token budget
 (M × steps × batch × context, met at the next sync), slow cells at the wall-time budget with
 the same learner slowed down. The summary it returns is written to the run directory as
@@ -15,8 +15,7 @@ import json
 from pathlib import Path
 
 from diloco.config.common import ProtocolConfig
-
-PEER_OUTER_LR = 1.0
+from diloco.syncer.config import SyncerConfig
 
 
 def peer_kwargs(spec, budget) -> dict:
@@ -29,8 +28,8 @@ def peer_kwargs(spec, budget) -> dict:
         "recipe": budget.recipe,
         "seed": spec.seed,
         "sync_every": ProtocolConfig.sync_every,
-        "outer_lr": PEER_OUTER_LR,
-        "outer_momentum": 0.0,
+        "outer_lr": SyncerConfig.outer_lr,
+        "outer_momentum": SyncerConfig.outer_momentum,
         "wan": tuple(budget.wan),
     }
     if spec.condition == "clean":

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from diloco.config.common import ProtocolConfig, RecipeConfig
 from diloco.config.schema import option
+from diloco.syncer.config import SyncerConfig
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -61,10 +62,10 @@ class ReplicaConfig:
     """Streaming fragments (1: torchft's plain DiLoCo)."""
     sync_delay: int = option(0)
     """τ: inner steps a fragment's all-reduce may overlap."""
-    outer_lr: float = option(1.0)
-    """Outer SGD learning rate."""
-    outer_momentum: float = option(0.0)
-    """Outer momentum (Nesterov when > 0)."""
+    outer_lr: float = option(SyncerConfig.outer_lr)
+    """Outer SGD learning rate (our syncer's default)."""
+    outer_momentum: float = option(SyncerConfig.outer_momentum)
+    """Outer momentum (Nesterov when > 0; our syncer's default)."""
     rounds: int = option(0)
     """Stop at this committed step (0: none)."""
     schedule_steps: int = option(0)

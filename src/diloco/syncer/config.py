@@ -49,9 +49,9 @@ class SyncerConfig:
     """A learner is live while its last heartbeat or upload is at most this old."""
     heartbeat_s: float | None = None
     """Heartbeat interval suggested to learners (None: ``min(1 s, lease_s / 4)``)."""
-    outer_lr: float = option(1.0)
+    outer_lr: float = option(0.6)
     """Outer Nesterov learning rate (see docs/algorithm.md for the sweep behind it)."""
-    outer_momentum: float = option(0.0)
+    outer_momentum: float = option(0.7)
     """Outer Nesterov momentum μ."""
     outer_scale: str = option("share", choices=OUTER_SCALES)
     """``"share"``: scale a round's merged delta by the share of the live learners' tokens it
