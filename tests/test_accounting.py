@@ -102,6 +102,22 @@ def start_training(
     return learners, threads
 
 
+def train_to_the_end(tmp_path, learners: int, **training) -> tuple[list[Learner], list[dict]]:
+    """``learners`` learners train ``STEPS`` steps against a fresh syncer (``start_training``'s
+    options) and close; returns them and the tape's round records."""
+    server = start_syncer(tmp_path)
+    try:
+        started, threads = start_training([server.address] * learners, **training)
+        for t in threads:
+            t.join(timeout=60)
+        for lr in started:
+            lr.close(flush=True)
+    finally:
+        server.stop()
+    rounds = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "round"]
+    return started, rounds
+
+
 @pytest.mark.timeout(120)
 def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_cuts(tmp_path):
     server = start_syncer(tmp_path, max_staleness=0, norm_guard_k=0.0)
@@ -226,16 +242,7 @@ def test_on_the_syncers_clock_rounds_merge_every_learner(tmp_path):
     Steps of ~45 ms: with 15 ms steps the grace window (about one step) was of the order of
     the thread-scheduling jitter of three learners and a syncer sharing 2 cores and one GIL,
     and a full suite measured 79% (the bound is 80%)."""
-    server = start_syncer(tmp_path)
-    try:
-        learners, threads = start_training([server.address] * 3, pace=0.04)
-        for t in threads:
-            t.join(timeout=60)
-        for lr in learners:
-            lr.close(flush=True)
-    finally:
-        server.stop()
-    rounds = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "round"]
+    learners, rounds = train_to_the_end(tmp_path, 3, pace=0.04)
     clocked = [r for r in rounds if r["asked"] is not None]  # not the final flush's
     full = sum(len(r["participants"]) == 3 for r in clocked)
     assert len(clocked) >= 4 * P and full >= 0.8 * len(clocked), [
@@ -337,21 +344,11 @@ class LateCopies(HostCopies):
 
 @pytest.mark.timeout(90)
 def test_copies_that_land_later_still_merge_every_step_exactly_once(tmp_path):
-    server = start_syncer(tmp_path)
-    learners = []
-    try:
 
-        def late(learner: Learner) -> None:
-            learner._host_copies = LateCopies(learner.layout, learner.params)
+    def late(learner: Learner) -> None:
+        learner._host_copies = LateCopies(learner.layout, learner.params)
 
-        learners, threads = start_training([server.address] * 2, prepare=late)
-        for t in threads:
-            t.join(timeout=60)
-        for learner in learners:
-            learner.close(flush=True)
-    finally:
-        server.stop()
-    rounds = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "round"]
+    learners, rounds = train_to_the_end(tmp_path, 2, prepare=late)
     assert len(rounds) >= 4 * P
     for i, learner in enumerate(learners):
         assert learner._host_copies.taken > 20  # the delayed path ran
