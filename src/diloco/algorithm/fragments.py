@@ -170,14 +170,14 @@ class FragmentLayout:
         """Write the flat vector of fragment ``p`` into the tensors of ``named`` (in place).
         Host values go to a CUDA device through pinned memory, without a host sync."""
         with torch.no_grad():
-            for target, part in self.pieces_of(p, _staged(flat, named), named):
+            for target, part in self.pieces_of(p, self._staged(p, flat, named), named):
                 target.copy_(part, non_blocking=True)
 
     def add_(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]) -> None:
         """Add the flat vector of fragment ``p`` to the tensors of ``named`` (in place: no
         gathered copy of the fragment is made; no host sync on a CUDA device)."""
         with torch.no_grad():
-            for target, part in self.pieces_of(p, _staged(flat, named), named):
+            for target, part in self.pieces_of(p, self._staged(p, flat, named), named):
                 target.add_(part.to(target.device, non_blocking=True))
 
     def pieces_of(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]):
@@ -192,6 +192,16 @@ class FragmentLayout:
             pairs.append((target, flat[pc.offset : pc.offset + pc.numel].reshape(target.shape)))
         return pairs
 
+    def _staged(self, p: int, flat: torch.Tensor, named: Mapping[str, torch.Tensor]):
+        """``flat`` in pinned host memory when fragment ``p``'s tensors are on a CUDA device
+        (so the copy does not wait for the device; torch keeps the pinned block until the copy
+        is done), else as is."""
+        if flat.device.type == "cpu" and any(
+            named[pc.name].is_cuda for pc in self.fragments[p].pieces
+        ):
+            return flat.pin_memory()
+        return flat
+
     def __repr__(self) -> str:
         sizes = [f.nbytes for f in self.fragments]
         return (
@@ -199,14 +209,6 @@ class FragmentLayout:
             f"bytes={sum(sizes)}, max/mean={max(sizes) * len(sizes) / max(sum(sizes), 1):.3f}, "
             f"hash={self.hash})"
         )
-
-
-def _staged(flat: torch.Tensor, named: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``flat`` in pinned host memory when it goes to a CUDA device (so the copy does not
-    wait for the device; torch keeps the pinned block until the copy is done), else as is."""
-    if flat.device.type == "cpu" and any(t.is_cuda for t in named.values()):
-        return flat.pin_memory()
-    return flat
 
 
 def _row_view(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
