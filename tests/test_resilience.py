@@ -192,6 +192,12 @@ def test_partitioned_learner_keeps_training_and_contributes_after_the_link_heals
     cut = one(tape, "chaos", kind="partition")
     heal = one(tape, "heal", target="learner-1")
     assert heal["t"] - cut["t"] >= PART_DOWN - 0.5
+    # the link works again only after the heal record: the learner cannot rejoin before it
+    assert not [
+        r
+        for r in tape
+        if r["event"] == "join" and r["learner"] == "learner-1" and cut["t"] < r["t"] < heal["t"]
+    ]
     assert rounds_between(tape, cut["t"] + 1, heal["t"], "learner-0")
     assert_nothing_new_from(rounds_between(tape, cut["t"] + 0.1, heal["t"]), "learner-1")
     assert rounds_between(tape, heal["t"], float("inf"), "learner-1")

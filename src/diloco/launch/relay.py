@@ -5,7 +5,8 @@ own relay instead of at the syncer. The learner sees a real network fault while 
 keeps running and training; bytes are always copied unchanged:
 
 - ``partition(seconds)`` closes every open connection and refuses new ones until the time is
-  up (its gRPC channel fails and reconnects with backoff);
+  up or ``heal()`` (its gRPC channel fails and reconnects with backoff; ``math.inf``: until
+  ``heal()``, as the supervisor does, so that its heal record precedes the healed link);
 - ``drop()`` closes every open connection once: whatever messages were in flight (a fragment
   upload, a broadcast) are lost, and the learner may reconnect at once;
 - ``delay(seconds, latency)`` holds every byte for ``latency`` seconds in both directions

@@ -22,6 +22,7 @@ with ``--generation=G`` in their command lines bumped so that they rendezvous af
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import subprocess
 import time
@@ -208,11 +209,14 @@ class Supervisor:
         elif event.kind in ("hang", "syncer-hang"):
             slot.child.signal(signal.SIGSTOP)
             slot.resume_at = now + event.down_s
+        # A network fault lasts until ``_check`` heals it (not on the relay's own clock): the
+        # heal record is stamped before the link works again, so the tape never shows the
+        # learner back before its fault ended.
         elif event.kind == "partition":
-            self.relays[event.target].partition(event.down_s)
+            self.relays[event.target].partition(math.inf)
             slot.heal_at = now + event.down_s
         elif event.kind == "delay":
-            self.relays[event.target].delay(event.down_s, event.latency_s)
+            self.relays[event.target].delay(math.inf, event.latency_s)
             slot.heal_at = now + event.down_s
         elif event.kind == "drop":
             self.relays[event.target].drop()
@@ -221,9 +225,7 @@ class Supervisor:
         child = slot.child
         if slot.heal_at is not None and now >= slot.heal_at:
             slot.heal_at = None
-            t = (
-                time.time()
-            )  # stamped before the fault ends: nothing of the learner's can precede it
+            t = time.time()  # stamped before the fault ends: nothing of the learner's precedes it
             self.relays[slot.name].heal()
             self.tape({"event": "heal", "t": t, "target": slot.name})
         if slot.resume_at is not None and now >= slot.resume_at:
