@@ -48,7 +48,10 @@ def torchrun(address: str, island: int, workdir: Path, steps: int, *extra: str, 
         "--join-timeout=30",
         f"--island={kind}",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # torchrun's agent keeps its per-rank logs in a fresh temporary directory: the test's own
+    scratch = workdir.parent / f"{workdir.name}-tmp"
+    scratch.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
     log = (workdir.parent / f"{workdir.name}.log").open("w")
     proc = subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
