@@ -304,5 +304,5 @@ def fragment_digest(values: torch.Tensor) -> str:
     commit (and a restarted syncer's ``start`` record shows the digests it restored, so an
     audit can check that no committed round was lost); a learner sends it at subscription
     for the values it starts from, and downloads nothing when they are the syncer's."""
-    data = values.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()[:16]
+    data = values.detach().to("cpu", torch.float32).contiguous().numpy()
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]  # no copy of the bytes

@@ -16,6 +16,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import torch
+
+from diloco.algorithm import codecs
+from diloco.algorithm.fragments import fragment_digest
+
 CHUNK_BYTES = 1 << 20
 """Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
 
@@ -29,6 +34,33 @@ def chunk_payload(payload: bytes) -> list[memoryview]:
     return [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [view[:0]]
 
 
+class Keyframe:
+    """``W_p`` at one version, as the fp32 payload and digest a keyframe needs, made the first
+    time a stream asks for them and then kept (thread-safe). ``values`` must not be changed
+    in place afterwards (the committer makes a new tensor for every version)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+        self._payload: bytes | None = None
+        self._digest: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def payload(self) -> bytes:
+        with self._lock:
+            if self._payload is None:
+                self._payload = codecs.encode(self.values, KEYFRAME_CODEC)
+            return self._payload
+
+    @property
+    def digest(self) -> str:
+        """``fragment_digest`` of the values (what a learner holding them sends at subscribe)."""
+        with self._lock:
+            if self._digest is None:
+                self._digest = fragment_digest(self.values)
+            return self._digest
+
+
 #: How many versions per fragment the syncer remembers the contributors of.
 RECENT_VERSIONS = 16
 
@@ -39,7 +71,8 @@ class Outgoing:
 
     fragment: int
     version: int
-    payload: bytes
+    body: bytes | Keyframe
+    """The delta's payload, or the keyframe (encoded when the stream sends it)."""
     codec: str
     base_version: int
     """``-1`` for a keyframe; otherwise the version the delta applies to."""
@@ -50,6 +83,13 @@ class Outgoing:
     @property
     def is_delta(self) -> bool:
         return self.base_version >= 0
+
+    @property
+    def payload(self) -> bytes:
+        """The bytes to send (an unchanged keyframe: none)."""
+        if self.unchanged:
+            return b""
+        return self.body.payload if isinstance(self.body, Keyframe) else self.body
 
 
 class Subscriber:
@@ -72,7 +112,7 @@ class Subscriber:
         fragment: int,
         version: int,
         *,
-        keyframe: bytes,
+        keyframe: Keyframe,
         delta: bytes | None = None,
         delta_codec: str = "",
         contributors: frozenset[str] = frozenset(),

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from diloco.algorithm.codecs import all_finite
-from diloco.algorithm.merge import token_weight
+from diloco.algorithm.merge import merge_contributions, token_weight
 
 SUSPECT_WINDOW = 8
 """Checked contributions the direction check's verdicts are remembered for, per learner."""
@@ -150,6 +151,36 @@ class RoundRequest:
     fragment: int
     version: int
     asked: frozenset[str]
+
+
+@dataclass
+class Closing:
+    """A round that closed and still has to be merged: what the merge needs, decided under
+    the syncer's lock (``SyncerState.close_rounds``), so that the merge itself, the costly
+    part, can run without it (``merge``), before ``SyncerState.apply`` makes the commit."""
+
+    fragment: int
+    round: FragmentRound
+    reason: str
+    contributions: list[Contribution]
+    """What the merge keeps (the direction check's verdict applied)."""
+    weights: list[float]
+    excluded: dict
+    cosines: dict
+    share: float
+    is_embedding: Callable[[str], bool]
+    piece_layout: object
+    """The fragment's ``fragments.Fragment`` (which tensor each span of the vector is)."""
+
+    def merge(self) -> torch.Tensor:
+        """The round's merged delta, scaled by its share (a pure function of the above)."""
+        merged = merge_contributions(
+            [c.delta for c in self.contributions],
+            self.weights,
+            self.piece_layout,
+            is_embedding=self.is_embedding,
+        )
+        return merged * self.share if self.share != 1.0 else merged
 
 
 @dataclass(frozen=True)

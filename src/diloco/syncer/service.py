@@ -26,8 +26,8 @@ import torch
 from diloco.algorithm import codecs
 from diloco.syncer.broadcast import (
     CHUNK_BYTES,
-    KEYFRAME_CODEC,
     RECENT_VERSIONS,
+    Keyframe,
     Subscriber,
     chunk_payload,
 )
@@ -105,8 +105,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.lock = threading.Lock()
         self.started_at = time.time()
         self._subscribers: set[Subscriber] = set()
-        # Latest keyframe (W_p in fp32) of each fragment, who its version merged, its digest.
-        self._payloads: dict[int, tuple[int, bytes, frozenset[str], str]] = {}
+        # Latest version of each fragment, its keyframe (W_p), who that version merged.
+        self._payloads: dict[int, tuple[int, Keyframe, frozenset[str]]] = {}
         self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
         # Contributors of each fragment's last few versions: a learner catching up after a
         # reconnect must know whether any version it missed merged its own contribution.
@@ -114,9 +114,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._wake = threading.Event()
         self._stopping = threading.Event()
         for p in state.served:
-            keyframe = codecs.encode(self._wire[p], KEYFRAME_CODEC)
-            digest = fragment_digest(self._wire[p])
-            self._payloads[p] = (state.versions[p], keyframe, frozenset(), digest)
+            self._payloads[p] = (state.versions[p], Keyframe(self._wire[p]), frozenset())
         self._committer = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
 
     # --------------------------------------------------------------- lifecycle
@@ -257,11 +255,11 @@ class SyncerService(pb_grpc.SyncerServicer):
             for older in [s for s in self._subscribers if s.learner_id == info.learner_id]:
                 older.close()
             self._subscribers.add(sub)
-            for p, (version, keyframe, _, digest) in self._payloads.items():
+            for p, (version, keyframe, _) in self._payloads.items():
                 since = have[p] if p < len(have) else -1
                 if since == version:
                     continue
-                if since < 0 and p < len(digests) and digests[p] == digest:
+                if since < 0 and p < len(digests) and digests[p] == keyframe.digest:
                     sub.confirm(p, version)  # it holds exactly this value already
                     continue
                 contributors = self._contributors_since(p, since)
@@ -316,6 +314,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 delta = codecs.decode(payload, numel, header.codec)
             except codecs.CodecError as exc:
                 raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
+            norm = float(delta.norm())  # here, not under the lock
             with self.lock:
                 admission = self.state.submit(
                     header.learner_id,
@@ -330,6 +329,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                     now=time.time(),
                     final=header.final,
                     upload_id=header.upload_id,
+                    delta_norm=norm,
                 )
                 current = self.state.versions[header.fragment]
                 if admission.version is not None:
@@ -451,10 +451,13 @@ class SyncerService(pb_grpc.SyncerServicer):
                 request, tick_at = self.state.tick(t0)
                 if request is not None:
                     self._ask(request)
-                commits, wake_at = self.state.poll(t0)
+                closing, wake_at = self.state.close_rounds(t0)
             if tick_at is not None:
                 wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
-            for commit in commits:
+            for round_ in closing:
+                merged = round_.merge()  # the costly part, while uploads go on
+                with self.lock:
+                    commit = self.state.apply(round_, merged, t0)
                 self._publish(commit, t0)
 
     def _ask(self, request) -> None:
@@ -483,7 +486,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
         if self.store is not None:
             self.store.save(p, commit.version, commit.params, commit.momentum, wire=wire)
-        keyframe = codecs.encode(wire, KEYFRAME_CODEC)
+        keyframe = Keyframe(wire)
         record = dict(commit.record)
         record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
         record["sync_s"] = round(time.time() - t0, 6)
@@ -492,7 +495,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         with self.lock:
             self._wire[p] = wire
             contributors = frozenset(commit.record["participants"])
-            self._payloads[p] = (commit.version, keyframe, contributors, fragment_digest(wire))
+            self._payloads[p] = (commit.version, keyframe, contributors)
             recent = self._recent.setdefault(p, [])
             recent.append((commit.version, contributors))
             del recent[:-RECENT_VERSIONS]

@@ -33,7 +33,7 @@ from diloco.algorithm.guard import (
     consensus_cosines,
     plausible_steps,
 )
-from diloco.algorithm.merge import cap_weights, is_embedding_name, merge_contributions
+from diloco.algorithm.merge import cap_weights, is_embedding_name
 from diloco.algorithm.outer import NesterovOuter, round_share
 from diloco.algorithm.rounds import (
     Admission,
@@ -50,6 +50,7 @@ from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.records import (
     REMEMBERED_UPLOADS,
+    Closing,
     Commit,
     Contribution,
     FragmentRound,
@@ -62,7 +63,15 @@ from diloco.syncer.records import (
 )
 from diloco.syncer.roster import LearnerRoster
 
-__all__ = ["Commit", "Contribution", "FragmentRound", "LearnerInfo", "Refused", "RoundRequest"]
+__all__ = [
+    "Closing",
+    "Commit",
+    "Contribution",
+    "FragmentRound",
+    "LearnerInfo",
+    "Refused",
+    "RoundRequest",
+]
 __all__ += ["SyncerState", "fragment_digest"]
 
 
@@ -144,8 +153,12 @@ class SyncerState(LearnerRoster):
         now: float,
         final: bool = False,
         upload_id: int = 0,
+        delta_norm: float | None = None,
     ) -> Admission:
         """Put a decoded contribution into fragment ``fragment``'s open round.
+
+        ``delta_norm``: ``‖delta‖`` when the caller computed it already (outside the
+        syncer's lock: the service does); computed here otherwise.
 
         Raises ``Refused`` for invalid requests (state unchanged); returns the admission
         (refused-as-stale contributions come back with ``resync=True``). On the syncer's
@@ -169,6 +182,7 @@ class SyncerState(LearnerRoster):
             delta=delta,
             step_time_s=step_time_s,
             now=now,
+            norm=delta_norm,
         )
         admission = admit_contribution(
             base_version=base_version,
@@ -231,7 +245,9 @@ class SyncerState(LearnerRoster):
             earlier.add(contribution)
         self._note_quorum(round_, now)
 
-    def _check_contribution(self, info, fragment, base_version, *, now, **counters) -> float:
+    def _check_contribution(
+        self, info, fragment, base_version, *, now, norm=None, **counters
+    ) -> float:
         """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,
         a fragment another shard owns, bad counters, a base version that is not committed, a
         norm the guard refuses (judged over the steps the syncer's clock makes plausible,
@@ -247,7 +263,7 @@ class SyncerState(LearnerRoster):
                 "INVALID_ARGUMENT",
                 f"base version {base_version} is outside [0, {current}]: negative, or ahead of the syncer's",
             )
-        norm = float(counters["delta"].norm())
+        norm = float(counters["delta"].norm()) if norm is None else norm
         since = info.accepted_at.get(fragment, info.first_joined_at or now)
         steps = plausible_steps(
             counters["steps"], now - since, self.fleet_step_s(), slack=self.config.sync_every
@@ -402,21 +418,30 @@ class SyncerState(LearnerRoster):
         return d.close, d.wait_until, d.reason
 
     def poll(self, now: float) -> tuple[list[Commit], float | None]:
-        """Close every round that should close at ``now``.
+        """Close every round that should close at ``now`` and commit it (``close_rounds``,
+        each one's ``Closing.merge`` and ``apply`` in one go).
 
         Returns the commits (in fragment order) and the earliest time a waiting round must
         be decided again (``None``: only a new arrival or liveness change can close one).
         """
+        closing, wake = self.close_rounds(now)
+        commits = [self.apply(c, c.merge(), now) for c in closing]
+        return [c for c in commits if c is not None], wake
+
+    def close_rounds(self, now: float) -> tuple[list[Closing], float | None]:
+        """Take every round that should close at ``now`` out of the open rounds, with what
+        its merge needs (its weights, the direction check's verdict, its share); ``wake`` as
+        for ``poll``. Each must then be merged and passed to ``apply``, in this order."""
         self.expire(now)
         live = self.live(now)
-        commits, wake = [], None
+        closing, wake = [], None
         for fragment in sorted(self.rounds):
             close, wait_until, reason = self._decide(now, fragment, live)
-            if close and (commit := self._commit(fragment, reason, now, live)) is not None:
-                commits.append(commit)
+            if close and (c := self._close(fragment, reason, now, live)) is not None:
+                closing.append(c)
             elif wait_until is not None:
                 wake = wait_until if wake is None else min(wake, wait_until)
-        return commits, wake
+        return closing, wake
 
     def _is_embedding(self, name: str) -> bool:
         """Merged by weighted mean: every tensor under ``merge_rule="mean"``, else the
@@ -478,7 +503,7 @@ class SyncerState(LearnerRoster):
         info = self.learners.get(learner_id)
         return info.verdicts if info is not None else deque()
 
-    def _commit(self, fragment: int, reason: str, now: float, live: set[str]) -> Commit | None:
+    def _close(self, fragment: int, reason: str, now: float, live: set[str]) -> Closing | None:
         round_ = self.rounds.pop(fragment)
         contribs, excluded, cosines = self._consensus(
             sorted(round_.contributions.values(), key=lambda c: c.learner_id)
@@ -487,17 +512,23 @@ class SyncerState(LearnerRoster):
             self.emit({"event": "dropped", "t": now, "fragment": fragment, "excluded": excluded})
             return None
         raw = [c.weight if self.config.weighting == "tokens" else c.discount for c in contribs]
-        weights = cap_weights(raw, self.config.weight_cap)
-        merged = merge_contributions(
-            [c.delta for c in contribs],
-            weights,
-            self.layout.fragments[fragment],
+        return Closing(
+            fragment,
+            round_,
+            reason,
+            contribs,
+            weights=cap_weights(raw, self.config.weight_cap),
+            excluded=excluded,
+            cosines=cosines,
+            share=self._share(fragment, round_, contribs, live, now),
             is_embedding=self._is_embedding,
+            piece_layout=self.layout.fragments[fragment],
         )
-        share = self._share(fragment, round_, contribs, live, now)
+
+    def apply(self, closing: Closing, merged: torch.Tensor, now: float) -> Commit:
+        """Take the outer step of a closed round with its merged delta: the new version."""
+        fragment, round_, contribs = closing.fragment, closing.round, closing.contributions
         self.last_commit_at[fragment] = now
-        if share != 1.0:
-            merged = merged * share
         self.outer.step(fragment, self.params[fragment], merged)
         self._param_norms.pop(fragment, None)
         self.versions[fragment] += 1
@@ -508,7 +539,7 @@ class SyncerState(LearnerRoster):
             "fragment": fragment,
             "version": self.versions[fragment],
             "participants": [c.learner_id for c in contribs],
-            "weights": [round(w, 6) for w in weights],
+            "weights": [round(w, 6) for w in closing.weights],
             "staleness": [self.versions[fragment] - 1 - c.base_version for c in contribs],
             "steps": [c.steps for c in contribs],
             "tokens": sum(c.tokens for c in contribs),
@@ -518,10 +549,10 @@ class SyncerState(LearnerRoster):
             "wait_s": round(now - (round_.opened_at or now), 6),
             "asked": len(round_.asked) if round_.asked is not None else None,
             "increments": [c.increments for c in contribs],
-            "reason": reason,
-            "share": round(share, 6),
-            "excluded": excluded,
-            "cosines": cosines,
+            "reason": closing.reason,
+            "share": round(closing.share, 6),
+            "excluded": closing.excluded,
+            "cosines": closing.cosines,
             "delta_norm": float(merged.norm()),
         }
         return Commit(

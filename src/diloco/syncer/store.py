@@ -47,12 +47,14 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
         t = tensors[name].detach().contiguous().cpu()
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(
-            t.numpy().tobytes()
-            if t.dtype != torch.bfloat16
-            else t.view(torch.int16).numpy().tobytes()
-        )
+        h.update(_raw(t))
     return h.hexdigest()
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying them (bfloat16 through int16)."""
+    array = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return memoryview(array).cast("B")
 
 
 def file_digest(tensors: dict[str, torch.Tensor], fragment: str, version: str) -> str:
@@ -67,7 +69,7 @@ def state_hash(versions: Sequence[int], params: Sequence[torch.Tensor]) -> str:
     """Hash of a syncer's committed state (versions and every Θ_p): equal iff identical."""
     h = hashlib.sha256(json.dumps(list(versions)).encode())
     for t in params:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+        h.update(_raw(t.detach().cpu().contiguous()))
     return h.hexdigest()
 
 
