@@ -2,13 +2,20 @@
 
 Every ``Subscribe`` stream owns a :class:`Subscriber`. The committer offers each new version
 of a fragment to every subscriber as a **delta** (``W(v) − W(v−1)`` in the down codec) when
-the stream last sent that fragment at ``v − 1``, and otherwise as a **keyframe** (``W(v)`` in
-fp32): so a learner receives each fragment at most once per round, only the latest version,
-and never a version it cannot apply. A version still waiting to be sent is superseded by the
-newer one, as a keyframe (its contributors carried over, so the learner still learns whether
-its own contribution was merged). The syncer's clock also queues **requests** here ("send
-your contribution for fragment p"); they go out before any payload. The stream's handler
-thread takes what is pending and sends it in ``CHUNK_BYTES`` pieces.
+the stream's learner will hold ``v − 1``, and otherwise as a **keyframe** (``W(v)`` in fp32,
+encoded only when a stream first needs one: most versions only ever go out as deltas), so a
+learner never receives a version it cannot apply.
+
+A stream that falls behind (its link drains slower than rounds commit: gRPC blocks its
+handler thread while the link is full) does not fall further behind by it: a version still
+waiting to be sent is followed by the next version's delta (a **chain** of deltas, exact,
+applied in order) while the chain is smaller than one keyframe, and superseded by the newer
+version's keyframe beyond that (the skipped versions' contributors carried over, so the learner
+still learns whether its own contribution was merged). So a stream sends at most a
+keyframe's bytes per fragment however many versions it missed, and a learner that keeps up
+receives each version once, as its delta. The syncer's clock also queues **requests** here
+("send your contribution for fragment p"); they go out before any payload. The stream's
+handler thread takes what is pending and sends it in ``CHUNK_BYTES`` pieces.
 """
 
 from __future__ import annotations
@@ -51,6 +58,11 @@ class Keyframe:
             if self._payload is None:
                 self._payload = codecs.encode(self.values, KEYFRAME_CODEC)
             return self._payload
+
+    @property
+    def nbytes(self) -> int:
+        """The payload's size (known without encoding it)."""
+        return codecs.encoded_nbytes(self.values.numel(), KEYFRAME_CODEC)
 
     @property
     def digest(self) -> str:
@@ -102,7 +114,8 @@ class Subscriber:
         subscribed (the stream sends it nothing older, and deltas only on top of it)."""
         self.learner_id, self.session, self.observer = learner_id, session, observer
         self.held: dict[int, int] = dict(held or {})
-        self.pending: dict[int, Outgoing] = {}
+        self.pending: dict[int, list[Outgoing]] = {}
+        """Per fragment, what waits to be sent, in order: a keyframe, or a chain of deltas."""
         self.requests: dict[int, int] = {}
         self.cond = threading.Condition()
         self.closed = False
@@ -117,26 +130,39 @@ class Subscriber:
         delta_codec: str = "",
         contributors: frozenset[str] = frozenset(),
     ) -> None:
-        """Queue ``version``: as the delta when this stream's learner will hold ``version −
-        1`` and nothing of the fragment is pending, else as the keyframe (superseding what
-        is pending, whose contributors are carried over)."""
+        """Queue ``version`` (see the module docstring): its delta when this stream's
+        learner will hold ``version − 1`` (nothing pending, or a pending chain of deltas or
+        a confirmation ending there) and the chain stays smaller than a keyframe; else its
+        keyframe, superseding what is pending."""
         with self.cond:
-            skipped = self.pending.get(fragment)
-            if skipped is not None:
-                contributors = contributors | skipped.contributors
-            if skipped is None and delta is not None and self.held.get(fragment) == version - 1:
-                item = Outgoing(fragment, version, delta, delta_codec, version - 1, contributors)
+            chain = self.pending.get(fragment, [])
+            ends_at = chain[-1].version if chain else self.held.get(fragment)
+            chainable = all(item.is_delta or item.unchanged for item in chain)
+            if (
+                delta is not None
+                and ends_at == version - 1
+                and chainable
+                and sum(len(i.body) for i in chain if i.is_delta) + len(delta) <= keyframe.nbytes
+            ):
+                chain.append(
+                    Outgoing(fragment, version, delta, delta_codec, version - 1, contributors)
+                )
             else:
-                item = Outgoing(fragment, version, keyframe, KEYFRAME_CODEC, -1, contributors)
-            self.pending[fragment] = item
+                skipped = frozenset().union(*(item.contributors for item in chain))
+                chain = [
+                    Outgoing(
+                        fragment, version, keyframe, KEYFRAME_CODEC, -1, contributors | skipped
+                    )
+                ]
+            self.pending[fragment] = chain
             self.cond.notify()
 
     def confirm(self, fragment: int, version: int) -> None:
         """Tell this stream's learner it already holds ``version`` (no payload)."""
         with self.cond:
-            self.pending[fragment] = Outgoing(
-                fragment, version, b"", KEYFRAME_CODEC, -1, frozenset(), unchanged=True
-            )
+            self.pending[fragment] = [
+                Outgoing(fragment, version, b"", KEYFRAME_CODEC, -1, frozenset(), unchanged=True)
+            ]
             self.cond.notify()
 
     def request(self, fragment: int, version: int) -> None:
@@ -152,7 +178,7 @@ class Subscriber:
             if not self.pending and not self.requests and not self.closed:
                 self.cond.wait(timeout)
             requests = sorted(self.requests.items())
-            items = [self.pending[p] for p in sorted(self.pending)]
+            items = [item for p in sorted(self.pending) for item in self.pending[p]]
             self.requests.clear()
             self.pending.clear()
             for item in items:
