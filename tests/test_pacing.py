@@ -12,9 +12,10 @@ import threading
 import time
 
 import pytest
-from test_accounting import STEPS, P, merged_steps, start_syncer, start_training
+from test_accounting import STEPS, P, make_model, merged_steps, start_syncer, start_training
 
 from diloco.launch.relay import Relay
+from diloco.learner.learner import Learner
 from diloco.learner.pacing import Pace, UploadMeter, backlog_seconds
 from diloco.syncer.store import read_tape
 
@@ -63,6 +64,24 @@ def test_defer_only_while_behind_and_never_past_the_stretch():
         Pace(max_stretch=0)
     with pytest.raises(ValueError):
         Pace(lag_steps=0.0)
+
+
+@pytest.mark.timeout(60)
+def test_downloads_have_a_connection_of_their_own(tmp_path):
+    # on a slow link the subscription's bytes fill its connection's buffers for seconds: an
+    # upload's reply queued behind them would make the learner's link look slower than it is
+    server = start_syncer(tmp_path)
+    relay = Relay(server.address)
+    learner = None
+    try:
+        learner = Learner(make_model(1), syncer=relay.address, fragments=P, learner_id="l0")
+        assert learner.wait_for_global(timeout=20)  # joined and subscribed
+        assert relay.connections == 2
+    finally:
+        if learner is not None:
+            learner.close(flush=False)
+        server.stop()
+        relay.close()
 
 
 @pytest.mark.timeout(120)

@@ -47,6 +47,12 @@ class Relay:
     def partitioned(self) -> bool:
         return time.monotonic() < self._blocked_until
 
+    @property
+    def connections(self) -> int:
+        """Connections open through the relay now."""
+        with self._lock:
+            return len(self._conns) // 2  # each one holds its client and its upstream socket
+
     def latency(self) -> float:
         """The one-way latency added to bytes read now (0 outside a delay)."""
         return self._latency if time.monotonic() < self._delayed_until else 0.0

@@ -127,7 +127,10 @@ class SyncerLink:
         self._session = ""
         self._heartbeat_s = 1.0
         self._stub: pb_grpc.SyncerStub | None = None
-        self._channel: grpc.Channel | None = None
+        self._channels: list[grpc.Channel] = []
+        """The control channel (join, uploads, heartbeats) and the download channel (the
+        subscription), each its own TCP connection (``_open_channel``)."""
+        self._downloads: pb_grpc.SyncerStub | None = None
         # Creating a channel's stubs while another thread closes it crashes grpc's C core
         # (seen as a segfault in a test's close()): both happen under this lock.
         self._channel_lock = threading.Lock()
@@ -182,9 +185,7 @@ class SyncerLink:
     def reconnect(self) -> None:
         """Join and subscribe again (the learner asks for keyframes of fragments it cannot
         apply deltas to through ``have_versions``)."""
-        with self._channel_lock:
-            if self._channel is not None:
-                self._channel.close()
+        self._end_channels()
 
     def _answer(self, job: UploadJob, result: UploadResult) -> None:
         if self.on_result is not None:
@@ -208,9 +209,7 @@ class SyncerLink:
             self.queue.cond.notify_all()
         if leave and self.connected.is_set():
             self._leave_quietly()
-        with self._channel_lock:
-            if self._channel is not None:
-                self._channel.close()
+        self._end_channels()
         for t in self._threads:
             t.join(timeout=5)
 
@@ -244,12 +243,12 @@ class SyncerLink:
                 log.error("%s", self.error)
                 self.connected.clear()
                 self._leave_quietly()
-                self._close_channel()
+                self._close_channels()
                 return
             except Exception as exc:  # never let the link thread die silently
                 log.warning("link error: %r", exc)
             self.connected.clear()
-            self._close_channel()
+            self._close_channels()
             if self._closing.wait(backoff):
                 return
             backoff = min(backoff * 2, self.max_backoff_s)
@@ -268,12 +267,18 @@ class SyncerLink:
         except (grpc.RpcError, ValueError):
             pass
 
-    def _close_channel(self) -> None:
+    def _end_channels(self) -> None:
+        """Close the channels (their calls fail; the link thread reconnects unless closing)."""
         with self._channel_lock:
-            if self._channel is not None:
-                self._channel.close()
-            self._channel = None
-            self._stub = None
+            for channel in self._channels:
+                channel.close()
+
+    def _close_channels(self) -> None:
+        with self._channel_lock:
+            for channel in self._channels:
+                channel.close()
+            self._channels = []
+            self._stub = self._downloads = None
 
     def _connect_and_listen(self) -> None:
         """Open a channel, join, subscribe, then hand every arrival to the callbacks until
@@ -282,7 +287,7 @@ class SyncerLink:
         if stub is None:
             return
         reply = self._join(stub)
-        stream = stub.Subscribe(
+        stream = self._downloads.Subscribe(
             pb.SubscribeRequest(
                 learner_id=self.learner_id,
                 session=reply.session,
@@ -297,20 +302,29 @@ class SyncerLink:
         self._listen(stream)
 
     def _open_channel(self) -> pb_grpc.SyncerStub | None:
-        """A fresh channel to the syncer and its stub (None when the link is closing)."""
+        """Fresh channels to the syncer; returns the control channel's stub (None when the
+        link is closing).
+
+        The subscription gets a TCP connection of its own: on a slow link its bytes fill
+        the connection's socket buffers for seconds, and a reply queued behind them (an
+        upload's verdict, a heartbeat's) would wait as long; the learner would see its
+        uploads as slow and stop sending (``pacing``)."""
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
+        own_connection = [*options, ("grpc.use_local_subchannel_pool", 1)]
         with self._channel_lock:
             if self._closing.is_set():
                 return None
-            if self.credentials is not None:
-                channel = grpc.secure_channel(self.address, self.credentials, options=options)
-            else:
-                channel = grpc.insecure_channel(self.address, options=options)
-            self._channel = channel
-            return pb_grpc.SyncerStub(channel)
+            self._channels = [self._channel_to(options), self._channel_to(own_connection)]
+            self._downloads = pb_grpc.SyncerStub(self._channels[1])
+            return pb_grpc.SyncerStub(self._channels[0])
+
+    def _channel_to(self, options: list) -> grpc.Channel:
+        if self.credentials is not None:
+            return grpc.secure_channel(self.address, self.credentials, options=options)
+        return grpc.insecure_channel(self.address, options=options)
 
     def _join(self, stub: pb_grpc.SyncerStub) -> pb.JoinReply:
         """Join and take in what the syncer said (session, owned fragments, codec, clock);
@@ -500,9 +514,7 @@ class SyncerLink:
                 continue
             if not reply.known:
                 # The syncer restarted or dropped us: reconnect (join again) from the link thread.
-                with self._channel_lock:
-                    if self._channel is not None:
-                        self._channel.close()
+                self._end_channels()
 
 
 def _check_owns_all(link: SyncerLink, info: ShardInfo) -> None:
