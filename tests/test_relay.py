@@ -111,3 +111,32 @@ def test_relay_drop_cuts_open_connections_but_accepts_new_ones(echo_server):
         assert roundtrip(b)
     finally:
         relay.close()
+
+
+def test_a_throttled_relay_is_one_link_its_connections_share(echo_server):
+    relay = Relay(echo_server)
+    try:
+        relay.throttle(100_000)  # bytes/s each way
+        a, b = connect(relay.address), connect(relay.address)
+        block = b"y" * 20_000
+        t0 = time.monotonic()
+        assert roundtrip(a, block)  # 0.2 s up, 0.2 s down: even a lone block takes its time
+        alone = time.monotonic() - t0
+        t0 = time.monotonic()
+        both = [threading.Thread(target=roundtrip, args=(s, block)) for s in (a, b)]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(10)
+        shared = time.monotonic() - t0
+        relay.throttle(0)
+        t0 = time.monotonic()
+        assert roundtrip(a, block)
+        free = time.monotonic() - t0
+    finally:
+        relay.close()
+    assert 0.38 <= alone < 1.0, alone
+    # two connections share it: b's block waits for a's on each way (0.6 s; 0.4 s if each
+    # connection had a link of its own)
+    assert 0.55 <= shared < 2.0, shared
+    assert free < 0.2, free

@@ -11,8 +11,9 @@ keeps running and training; bytes are always copied unchanged:
   upload, a broadcast) are lost, and the learner may reconnect at once;
 - ``delay(seconds, latency)`` holds every byte for ``latency`` seconds in both directions
   until the time is up (one-way latency, without a bandwidth cap);
-- ``throttle(bytes_per_s)`` caps each direction of each connection at that rate (0: off), by
-  pausing after each block for as long as the block takes at that rate.
+- ``throttle(bytes_per_s)`` makes the relay a link of that rate each way (0: off), shared by
+  all its connections as a real link is: each block is delivered once the link has carried it
+  and everything queued on that direction before it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Relay:
         self._delayed_until = 0.0
         self._latency = 0.0
         self._rate = 0.0
+        self._free_at = {"up": 0.0, "down": 0.0}
+        """When each direction of the throttled link has carried everything queued on it."""
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -77,7 +80,7 @@ class Relay:
         self._delayed_until = time.monotonic() + seconds
 
     def throttle(self, bytes_per_s: float) -> None:
-        """Cap every direction of every connection at ``bytes_per_s`` (0 lifts the cap)."""
+        """Carry ``bytes_per_s`` each way, over all connections together (0 lifts the cap)."""
         if bytes_per_s < 0:
             raise ValueError("bytes_per_s must be >= 0")
         self._rate = float(bytes_per_s)
@@ -113,10 +116,10 @@ class Relay:
             client.settimeout(None)
             with self._lock:
                 self._conns.update((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
+            for a, b, way in ((client, upstream, "up"), (upstream, client, "down")):
                 pipe: queue.SimpleQueue = queue.SimpleQueue()
                 threading.Thread(target=self._read, args=(a, b, pipe), daemon=True).start()
-                threading.Thread(target=self._write, args=(a, b, pipe), daemon=True).start()
+                threading.Thread(target=self._write, args=(a, b, pipe, way), daemon=True).start()
 
     def _read(self, src: socket.socket, dst: socket.socket, pipe: queue.SimpleQueue) -> None:
         """Reads ``src`` and queues each block with the time it may be written; None at the end
@@ -129,20 +132,33 @@ class Relay:
         finally:
             pipe.put(None)
 
-    def _write(self, src: socket.socket, dst: socket.socket, pipe: queue.SimpleQueue) -> None:
-        """Writes queued blocks to ``dst`` in order, each no earlier than its due time."""
+    def _write(
+        self, src: socket.socket, dst: socket.socket, pipe: queue.SimpleQueue, way: str
+    ) -> None:
+        """Writes queued blocks to ``dst`` in order, each no earlier than its due time (and,
+        throttled, than the link has carried it)."""
         try:
             while (item := pipe.get()) is not None:
                 due, data = item
                 if (wait := due - time.monotonic()) > 0:
                     time.sleep(wait)
+                if (wait := self._carried(way, len(data)) - time.monotonic()) > 0:
+                    time.sleep(wait)
                 dst.sendall(data)
-                if self._rate > 0:
-                    time.sleep(len(data) / self._rate)
         except OSError:
             pass
         finally:
             self._forget(src, dst)
+
+    def _carried(self, way: str, nbytes: int) -> float:
+        """When the throttled link has carried ``nbytes`` more on ``way`` (now: no throttle)."""
+        rate = self._rate
+        with self._lock:
+            now = time.monotonic()
+            if rate <= 0:
+                return now
+            self._free_at[way] = max(now, self._free_at[way]) + nbytes / rate
+            return self._free_at[way]
 
     def _forget(self, src: socket.socket, dst: socket.socket) -> None:
         with self._lock:
