@@ -18,7 +18,9 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
 
 Per run: held-out loss at the end, the share of inner steps whose gradient was clipped
 (``clipped_steps`` ÷ steps), wall time. Medians over seeds are printed and written to
-``OUT/results.json``. Runs already there are reused.
+``OUT/results.json``. Runs already there are reused. With several budgets and ``dp`` among
+the settings, ``OUT/gap_vs_budget.png`` shows each setting's held-out loss and its gap to
+data-parallel against the budget (tokens per parameter).
 """
 
 from __future__ import annotations
@@ -89,6 +91,45 @@ def run(out: Path, setting: str, seed: int, extra: list[str], steps: int = 800) 
     }
 
 
+def gap_figure(path: Path, rows: list[dict]) -> None:
+    """Held-out loss (median over seeds) against tokens per parameter for each setting, and
+    each setting's gap to data-parallel at the same budget."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from diloco.recipes import get_recipe
+
+    params = sum(p.numel() for p in get_recipe("shakespeare").build_model(0).parameters())
+    loss: dict[str, dict[float, float]] = {}
+    for r in rows:
+        same = [
+            x["val_loss"] for x in rows if (x["setting"], x["steps"]) == (r["setting"], r["steps"])
+        ]
+        loss.setdefault(r["setting"], {})[r["tokens"] / params] = statistics.median(same)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+    for setting, points in loss.items():
+        xs = sorted(points)
+        (line,) = top.plot(xs, [points[x] for x in xs], marker="o", label=setting)
+        if setting != "dp":
+            gap = [(x, 100 * (points[x] / loss["dp"][x] - 1)) for x in xs if x in loss["dp"]]
+            bottom.plot(*zip(*gap, strict=True), marker="o", color=line.get_color())
+    top.set_ylabel("held-out loss (nats/byte)")
+    top.legend()
+    bottom.axhline(0, color="grey", lw=0.5)
+    bottom.set_ylabel("gap to data-parallel (%)")
+    bottom.set_xlabel("tokens per parameter")
+    bottom.set_xscale("log")
+    bottom.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+    bottom.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    bottom.set_xticks(sorted({x for points in loss.values() for x in points}))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/quality")
@@ -121,6 +162,8 @@ def main() -> int:
             for k in ("val_loss", "clipped_share", "wall_s")
         }
     print(json.dumps(medians, indent=1))
+    if len(budgets) > 1 and "dp" in args.settings.split(","):
+        gap_figure(out / "gap_vs_budget.png", rows)
     (out / "results.json").write_text(json.dumps({"runs": rows, "medians": medians}, indent=1))
     return 0
 
