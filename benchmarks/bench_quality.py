@@ -12,7 +12,7 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
 - ``decoupled``: the default decoupled setting;
 - ``outer-LR-MU``: decoupled with outer lr LR and Nesterov momentum MU (``sync-outer-LR-MU``
   the same in synchronous mode); ``no-share``: without the round share (``--outer-scale
-  none``);
+  none``); ``decoupled-P1``: the whole model as one fragment;
 - ``sync-P1``, ``sync-fp32``, ``sync-mean``, ``sync-torchft-like``: synchronous mode with what
   torchft's DiLoCo does differently (one fragment, fp32 both ways, the plain mean; all three).
 
@@ -47,6 +47,8 @@ SETTINGS = {
     "outer-1.0-0.5": ["--mode=decoupled", "--outer-lr=1.0", "--outer-momentum=0.5"],
     "outer-0.6-0.7": ["--mode=decoupled", "--outer-lr=0.6", "--outer-momentum=0.7"],
     "no-share": ["--mode=decoupled", "--outer-scale=none"],
+    # the whole model as one fragment (one round every H fleet steps)
+    "decoupled-P1": ["--mode=decoupled", "--fragments=1"],
     # what torchft's DiLoCo does differently, one thing at a time (synchronous mode): the
     # whole model as one fragment, fp32 both ways, the plain mean; and all three
     "sync-P1": ["--mode=sync", "--fragments=1"],
