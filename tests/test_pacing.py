@@ -16,7 +16,13 @@ from test_accounting import STEPS, P, make_model, merged_steps, start_syncer, st
 
 from diloco.launch.relay import Relay
 from diloco.learner.learner import Learner
-from diloco.learner.pacing import Pace, UploadMeter, backlog_seconds
+from diloco.learner.pacing import (
+    DOWNLINK_BEHIND_VERSIONS,
+    Pace,
+    UploadMeter,
+    backlog_seconds,
+    versions_missing,
+)
 from diloco.syncer.store import read_tape
 
 
@@ -44,6 +50,13 @@ def test_an_upload_in_flight_counts_for_as_long_as_it_flies():
     now[0] = 11.0
     meter.ended(delivered=True)
     assert meter.rate_Bps == pytest.approx(1000)
+
+
+def test_versions_missing_counts_what_a_request_names_beyond_what_is_held():
+    assert versions_missing(7, 7) == 0
+    assert versions_missing(7, 4) == 3
+    assert versions_missing(3, 5) == 0  # it holds a newer one already (the request was old)
+    assert versions_missing(7, -1) is None  # waiting for a keyframe: nothing to say
 
 
 def test_backlog_is_unknown_until_a_rate_is_measured():
@@ -128,6 +141,9 @@ def test_a_learner_on_a_slow_link_defers_and_every_step_still_lands_once(tmp_pat
     assert on_slow["deferred"] > 0 and on_fast["deferred"] == 0, (on_slow, on_fast)
     assert rates[1] < 20_000 < (rates[0] or 0), (rates, on_slow, on_fast)
     assert any("link behind" in s for s in states), states
+    # its downlink cannot carry the fast learner's merges either: it says so too
+    assert any("downlink behind" in s for s in states), states
+    assert on_slow["down_lag"] >= 0 and on_fast["down_lag"] < DOWNLINK_BEHIND_VERSIONS, on_fast
     rounds = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "round"]
     for i, lr in enumerate(learners):
         assert lr.local_step == STEPS

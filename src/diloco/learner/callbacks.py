@@ -11,6 +11,7 @@ import torch
 from diloco.algorithm.fragments import fragment_digest
 from diloco.learner.inbox import Rejoin
 from diloco.learner.link import UploadJob, UploadResult
+from diloco.learner.pacing import DOWNLINK_BEHIND_VERSIONS, versions_missing
 
 log = logging.getLogger("diloco.learner.learner")
 
@@ -32,6 +33,13 @@ class LinkCallbacks:
 
     def _on_request(self, fragment: int, version: int) -> None:
         self._inbox.request(fragment)
+
+    def _on_versions(self, address: str, versions: list[int]) -> None:
+        """How many versions this learner lacks of the fragment it is furthest behind on,
+        against the versions a syncer (shard) just reported (``pacing.versions_missing``)."""
+        have = self._inbox.have_versions(self.versions)
+        missing = [versions_missing(v, have[p]) for p, v in enumerate(versions[: len(have)])]
+        self._down_lags[address] = max((m for m in missing if m is not None), default=0)
 
     def _on_result(self, job: UploadJob, result: UploadResult) -> None:
         if result.outcome == "accepted" and self.delivery is not None:
@@ -66,9 +74,12 @@ class LinkCallbacks:
 
     def _heartbeat_info(self) -> dict:
         sps = 1.0 / self._step_time if self._step_time else 0.0
+        behind = ["link behind"] if self._behind else []
+        if self.down_lag >= DOWNLINK_BEHIND_VERSIONS:
+            behind.append("downlink behind")
         return {
             "step": self.local_step,
             "tokens": self.total_tokens,
             "steps_per_s": sps,
-            "state": f"{self._state}, link behind" if self._behind else self._state,
+            "state": ", ".join([self._state, *behind]),
         }

@@ -156,6 +156,9 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self._pace = Pace(self.config.max_stretch, self.config.pace_lag_steps)
         self._deferred_in_row = [0] * P
         self._behind = False
+        self._down_lags: dict[str, int] = {}
+        """Per syncer (shard), the versions this learner lacked of its furthest-behind fragment
+        at the last heartbeat (``_on_versions``, on the link's thread)."""
         self._step_time: float | None = None
         self._last_step_at: float | None = None
         self._state = "starting"
@@ -185,6 +188,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             on_request=self._on_request,
             on_result=self._on_result,
             on_rejoin=self._on_rejoin,
+            on_versions=self._on_versions,
             have_versions=self._have_versions,
             have_digests=self._have_digests,
             heartbeat_info=self._heartbeat_info,
@@ -513,6 +517,12 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             time.sleep(0.005)
 
     @property
+    def down_lag(self) -> int:
+        """Versions this learner lacks of the fragment it is furthest behind on (its downlink's
+        lag, as of the last heartbeat; ``DOWNLINK_BEHIND_VERSIONS`` or more: behind)."""
+        return max(self._down_lags.values(), default=0)
+
+    @property
     def stats(self) -> dict:
         s = self.link.stats
         return {
@@ -532,6 +542,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             "requests": s.requests,
             "keyframes": s.keyframes,
             "up_rate_Bps": self.link.up_rate_Bps,
+            "down_lag": self.down_lag,
             **self.counters,
             **({"close": self.close_report} if self.close_report else {}),
         }

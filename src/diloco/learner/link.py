@@ -74,6 +74,7 @@ class SyncerLink:
         on_request: Callable[[int, int], None] | None = None,
         on_result: Callable[[UploadJob, UploadResult], None] | None = None,
         on_rejoin: Callable[[str, str, list[int], tuple[int, ...]], None] | None = None,
+        on_versions: Callable[[str, list[int]], None] | None = None,
         tokens_per_step: int = 0,
         have_digests: Callable[[], list[str]] | None = None,
     ) -> None:
@@ -82,6 +83,8 @@ class SyncerLink:
         on top of ``base_version``. ``on_request(p, version)``: the syncer's clock asks for
         p. ``on_result(job, result)``: the answer to every submitted upload (not withdrawn
         ones). ``on_rejoin(address, syncer_id, versions, fragments)``: after every join.
+        ``on_versions(address, versions)``: the syncer's current versions, with every
+        heartbeat's reply (it travels on the control connection, not behind downloads).
         ``have_digests()``: digests of the values held for fragments never received (the
         syncer then sends no payload when they are its own, ``on_fragment`` gets ``None``).
         ``on_join(link, info)`` is called after every successful join with what the syncer
@@ -103,6 +106,7 @@ class SyncerLink:
         self.on_request = on_request
         self.on_result = on_result
         self.on_rejoin = on_rejoin
+        self.on_versions = on_versions
         self.tokens_per_step = tokens_per_step
         self.have_digests = have_digests
         self.schedule = "learner"
@@ -515,6 +519,8 @@ class SyncerLink:
             if not reply.known:
                 # The syncer restarted or dropped us: reconnect (join again) from the link thread.
                 self._end_channels()
+            elif self.on_versions is not None:
+                self.on_versions(self.address, list(reply.versions))
 
 
 def _check_owns_all(link: SyncerLink, info: ShardInfo) -> None:

@@ -270,14 +270,16 @@ class LearnerProcess:
             slow.stretch(t0)
             learner.step(tokens=self.recipe.tokens(batch))
             self.busy_s += time.perf_counter() - t0
+            stats = learner.stats
             self.log.step(
                 learner.local_step,
                 tokens=learner.total_tokens,
                 loss=loss,
                 busy_s=round(self.busy_s, 4),
-                bytes_up=learner.stats.get("bytes_up", 0),
-                bytes_down=learner.stats.get("bytes_down", 0),
-                deferred=learner.stats.get("deferred", 0),
+                bytes_up=stats.get("bytes_up", 0),
+                bytes_down=stats.get("bytes_down", 0),
+                deferred=stats.get("deferred", 0),
+                down_lag=stats.get("down_lag", 0),
                 clipped=lambda: self.clipped.count,
             )
         self.train_s = time.time() - started
