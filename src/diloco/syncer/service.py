@@ -251,6 +251,11 @@ class SyncerService(pb_grpc.SyncerServicer):
         """One subscription's life: what the learner lacks, then requests and new versions
         until the stream ends. A newer stream of the same learner closes this one."""
         sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
+        if any(digests):  # hash the values to compare with here, not under the lock
+            with self.lock:
+                latest = [keyframe for _, keyframe, _ in self._payloads.values()]
+            for keyframe in latest:
+                keyframe.digest  # noqa: B018 (computed once, then kept)
         with self.lock:
             for older in [s for s in self._subscribers if s.learner_id == info.learner_id]:
                 older.close()
