@@ -247,12 +247,12 @@ class SyncerLink:
                 log.error("%s", self.error)
                 self.connected.clear()
                 self._leave_quietly()
-                self._close_channels()
+                self._end_channels(forget=True)
                 return
             except Exception as exc:  # never let the link thread die silently
                 log.warning("link error: %r", exc)
             self.connected.clear()
-            self._close_channels()
+            self._end_channels(forget=True)
             if self._closing.wait(backoff):
                 return
             backoff = min(backoff * 2, self.max_backoff_s)
@@ -271,18 +271,15 @@ class SyncerLink:
         except (grpc.RpcError, ValueError):
             pass
 
-    def _end_channels(self) -> None:
-        """Close the channels (their calls fail; the link thread reconnects unless closing)."""
+    def _end_channels(self, *, forget: bool = False) -> None:
+        """Close the channels (their calls fail; the link thread reconnects unless closing);
+        ``forget``: and drop them and their stubs (the link thread, before reconnecting)."""
         with self._channel_lock:
             for channel in self._channels:
                 channel.close()
-
-    def _close_channels(self) -> None:
-        with self._channel_lock:
-            for channel in self._channels:
-                channel.close()
-            self._channels = []
-            self._stub = self._downloads = None
+            if forget:
+                self._channels = []
+                self._stub = self._downloads = None
 
     def _connect_and_listen(self) -> None:
         """Open a channel, join, subscribe, then hand every arrival to the callbacks until
