@@ -10,9 +10,11 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
 - ``sync-H1``: synchronous DiLoCo exchanging the whole model after every step
   (``--fragments 1 --sync-every 1``: parameter averaging every step);
 - ``decoupled``: the default decoupled setting;
-- ``outer-LR-MU``: decoupled with outer lr LR and Nesterov momentum MU (``sync-outer-LR-MU``
-  the same in synchronous mode); ``no-share``: without the round share (``--outer-scale
-  none``); ``decoupled-P1``: the whole model as one fragment;
+- ``outer-LR-MU``: decoupled with outer lr LR and Nesterov momentum MU, any numbers
+  (``sync-outer-LR-MU`` the same in synchronous mode); ``no-share``: without the round share
+  (``--outer-scale none``); ``decoupled-P1``: the whole model as one fragment;
+- ``lowbw``: the documented low-bandwidth setting (H = 64, int4 both ways; ``lowbw-LR-MU``
+  with that outer step);
 - ``sync-P1``, ``sync-fp32``, ``sync-mean``, ``sync-torchft-like``: synchronous mode with what
   torchft's DiLoCo does differently (one fragment, fp32 both ways, the plain mean; all three).
 
@@ -37,15 +39,6 @@ SETTINGS = {
     "sync": ["--mode=sync"],
     "sync-H1": ["--mode=sync", "--fragments=1", "--sync-every=1"],
     "decoupled": ["--mode=decoupled"],
-    # the outer step: Nesterov at the effective step lr / (1 - μ) of the default (1.0), a
-    # larger step, and the round share off
-    "outer-0.5-0.5": ["--mode=decoupled", "--outer-lr=0.5", "--outer-momentum=0.5"],
-    "outer-0.2-0.8": ["--mode=decoupled", "--outer-lr=0.2", "--outer-momentum=0.8"],
-    "outer-0.75-0.5": ["--mode=decoupled", "--outer-lr=0.75", "--outer-momentum=0.5"],
-    # larger effective steps (the clock's rounds hold every learner: less noise per step)
-    "outer-1.4-0": ["--mode=decoupled", "--outer-lr=1.4", "--outer-momentum=0"],
-    "outer-1.0-0.5": ["--mode=decoupled", "--outer-lr=1.0", "--outer-momentum=0.5"],
-    "outer-0.6-0.7": ["--mode=decoupled", "--outer-lr=0.6", "--outer-momentum=0.7"],
     "no-share": ["--mode=decoupled", "--outer-scale=none"],
     # the whole model as one fragment (one round every H fleet steps)
     "decoupled-P1": ["--mode=decoupled", "--fragments=1"],
@@ -62,9 +55,31 @@ SETTINGS = {
         "--merge=mean",
     ],  # fmt: skip
 }
-for _lr, _mu in (("0.75", "0.5"), ("1.0", "0.5"), ("1.4", "0"), ("0.6", "0.7")):
-    SETTINGS[f"sync-outer-{_lr}-{_mu}"] = ["--mode=sync", f"--outer-lr={_lr}",
-                                           f"--outer-momentum={_mu}"]  # fmt: skip
+LOW_BANDWIDTH = ["--mode=decoupled", "--sync-every=64", "--down-codec=int4"]
+SETTINGS["lowbw"] = LOW_BANDWIDTH
+OUTER_PREFIXES = {  # NAME-LR-MU: the setting's flags with that outer step
+    "outer": ["--mode=decoupled"],
+    "sync-outer": ["--mode=sync"],
+    "lowbw": LOW_BANDWIDTH,
+}
+
+
+def setting_args(setting: str) -> list[str]:
+    """The ``diloco run`` flags of a setting: a named one, or NAME-LR-MU (``outer-0.6-0.7``)."""
+    if setting in SETTINGS:
+        return SETTINGS[setting]
+    prefix, _, mu = setting.rpartition("-")
+    prefix, _, lr = prefix.rpartition("-")
+    try:
+        float(lr), float(mu)
+    except ValueError:
+        prefix = None
+    if prefix not in OUTER_PREFIXES:
+        known = ", ".join([*SETTINGS, *(f"{k}-LR-MU" for k in OUTER_PREFIXES)])
+        raise SystemExit(f"unknown setting {setting!r}; known: {known}")
+    return [*OUTER_PREFIXES[prefix], f"--outer-lr={lr}", f"--outer-momentum={mu}"]
+
+
 DEFAULT_SETTINGS = ("dp", "sync", "sync-H1", "decoupled")
 
 
@@ -76,7 +91,7 @@ def run(out: Path, setting: str, seed: int, extra: list[str], steps: int = 800) 
             [sys.executable, "-m", "diloco.cli", "run", "--learners=4", f"--steps={steps}",
              f"--minutes={40 * steps // 800}", f"--seed={seed}", "--eval-every=10", "--no-view",
              "--dashboard=off", f"--runs-dir={out}", f"--name={name}",
-             *SETTINGS[setting], *extra],
+             *setting_args(setting), *extra],
             check=True, stdout=subprocess.DEVNULL,
         )  # fmt: skip
     s = json.loads((run_dir / "summary.json").read_text())
@@ -139,7 +154,8 @@ def main() -> int:
     p.add_argument(
         "--settings",
         default=",".join(DEFAULT_SETTINGS),
-        help="comma list of " + ", ".join(SETTINGS),
+        help="comma list of "
+        + ", ".join([*SETTINGS, "outer-LR-MU", "sync-outer-LR-MU", "lowbw-LR-MU"]),
     )
     p.add_argument("--inner-lr", type=float, default=None, help="for every setting")
     p.add_argument(
@@ -148,6 +164,8 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     extra = [f"--inner-lr={args.inner_lr}"] if args.inner_lr else []
+    for setting in args.settings.split(","):
+        setting_args(setting)  # an unknown name fails before the first run
     rows = []
     budgets = [int(s) for s in args.steps.split(",")]
     for steps in budgets:
