@@ -90,6 +90,7 @@ class Rank:
         self.leader = config.rank == 0
         self.ckdir = Path(config.checkpoint_dir)
         self.step, self.tokens, self.group_tokens = 0, 0, 0
+        self.reduce_s = 0.0  # seconds this incarnation spent in the all-reduce itself
 
     def restore(self, saved: tuple[int, int] | None) -> None:
         """Continue from the group's last committed checkpoint ``(step, world)``, if any. A
@@ -202,6 +203,7 @@ class Rank:
                 tokens=self.tokens,
                 loss=loss,
                 busy_s=round(busy_s, 4),
+                reduce_s=round(self.reduce_s, 4),
                 clipped=lambda: self.clipped.count,
                 bytes_up=(self.step - self.log.first_step) * self.per_step_bytes,
                 bytes_down=0,  # every byte on the wire is counted once, by its sender
@@ -223,7 +225,9 @@ class Rank:
         control += [float(written), float(written and bool(writer.last_ok))]
         control = torch.tensor(control, dtype=torch.float32)
         flat = torch.cat([p.grad.reshape(-1) * n for p in self.params] + [control])
+        reducing = time.perf_counter()
         dist.all_reduce(flat)
+        self.reduce_s += time.perf_counter() - reducing
         total, stopping, length, save, done, ok = flat[-len(control) :].tolist()
         if pending is not None and done == world:
             if self.leader and ok == world:
