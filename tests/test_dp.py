@@ -169,6 +169,9 @@ def test_a_killed_rank_restarts_the_group_from_its_checkpoint(tmp_path):
                 reached[-1][1] = max(reached[-1][1], r["tokens"])
         trained = sum(top - first for first, top in reached)
         assert 0 < s["useful_tokens"][rank] <= trained
+        # the all-reduce's own seconds (diloco plan's --dp-reduce-time) are part of the step's
+        timed = [r for r in records if "reduce_s" in r]
+        assert timed and all(0 < r["reduce_s"] <= r["busy_s"] for r in timed)
     assert s["goodput"] > 0
     # both ranks agree on the surviving steps
     steps = {ln["steps"] for ln in s["per_learner"].values()}
