@@ -317,7 +317,6 @@ OTHER_DEFAULTS = {
             ("tau", "tau"),
             ("utilization", "utilization"),
             ("dp_overlap", "dp_overlap"),
-            ("dp_reduce_time", "dp_reduce_s"),
         ]
     },
 }

@@ -39,17 +39,6 @@ def test_dp_bandwidth_by_hand():
     assert dp_bandwidth_bps(p9) == pytest.approx(1.6e10 * 9)
 
 
-def test_the_all_reduce_already_in_the_step_adds_to_the_budget():
-    # a step of 1 s whose all-reduce takes 0.25 s on a fast network: a slow link's transfer
-    # overlaps that all-reduce's own work, so 0.25 s of transfer is not new
-    base = PlanInputs(params=1e9, step_time_s=1.0, sites=2, dp_bits=16, utilization=0.5)
-    p = PlanInputs(**{**base.__dict__, "dp_reduce_s": 0.25})
-    assert dp_time_budget_s(p) == pytest.approx(1.25)
-    assert dp_bandwidth_bps(p) == pytest.approx(1.6e10 / 1.25)
-    with pytest.raises(ValueError, match="dp_reduce_s"):
-        PlanInputs(**{**base.__dict__, "dp_reduce_s": 1.0})  # cannot exceed the step
-
-
 def test_decoupled_bandwidth_by_hand():
     # N/H values per step at max(up, down) bits: 1e9/24 * 4 bits / 1 s
     p = PlanInputs(params=1e9, step_time_s=1.0, up_bits=4, down_bits=4)
@@ -79,7 +68,6 @@ def test_worked_example_reproduces_the_papers_pair():
         {"utilization": 1.0},
         {"utilization": 0.0},
         {"dp_overlap": 1.5},
-        {"dp_reduce_s": -0.1},
         {"tau": 0.0},
         {"up_bits": 0},
         {"step_time_s": 0.0},

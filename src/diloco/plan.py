@@ -6,14 +6,11 @@ D sites, target compute utilization u.
 
 Data-parallel, one replica group spread over the D sites: every step all-reduces the N
 gradients of ``dp_bits`` bits. Hierarchically (reduce inside each site first, then a ring
-across the sites), each site's link carries ``2(D−1)/D · N · dp_bits`` bits per step. A
-fraction ``o`` of that can hide behind the backward pass, and the first ``a`` seconds of it
-are not new: ``a`` is the time the all-reduce already takes in a step ``t`` measured on an
-unconstrained network, and a slower link's transfer overlaps the all-reduce's own work
-(reductions, copies) up to that. The rest is exposed and stretches the step. Utilization
-``t / (t + exposed) ≥ u`` gives a time budget of ``t · (1/u − 1 + o) + a``:
+across the sites), each site's link carries ``2(D−1)/D · N · dp_bits`` bits per step.
+Transfer worth a fraction ``o`` of a step can hide behind other work (the backward pass, the
+all-reduce's own reductions); the rest is exposed and stretches the step. Utilization ``t / (t + exposed) ≥ u`` gives a time budget of ``t · (1/u − 1 + o)``:
 
-    BW_dp = 2(D−1)/D · N · dp_bits / (t · (1/u − 1 + o) + a)
+    BW_dp = 2(D−1)/D · N · dp_bits / (t · (1/u − 1 + o))
 
 Decoupled DiLoCo, one learner per site: each fragment (N/P parameters) leaves every H steps,
 so a learner sends N/H parameters per step (``up_bits`` each) and receives as many merged
@@ -57,11 +54,8 @@ class PlanInputs:
     utilization: float = 0.9
     """u: target fraction of wall time the chips compute (data-parallel)."""
     dp_overlap: float = 0.0
-    """o: fraction of a step's time the all-reduce can hide behind the backward pass."""
-    dp_reduce_s: float = 0.0
-    """a: seconds the all-reduce takes inside ``step_time_s`` on an unconstrained network
-    (``reduce_s`` ÷ steps in a data-parallel rank's progress records); 0 treats the
-    all-reduce as pure transfer."""
+    """o: transfer time, as a fraction of a step, that hides behind other work (the backward
+    pass, the all-reduce's own reductions; docs/plan.md says how to measure it)."""
 
     def __post_init__(self) -> None:
         if not self.params > 0 or not self.step_time_s > 0:
@@ -79,11 +73,6 @@ class PlanInputs:
             raise ValueError(f"utilization must be in (0, 1), got {self.utilization}")
         if not 0 <= self.dp_overlap <= 1:
             raise ValueError(f"dp_overlap must be in [0, 1], got {self.dp_overlap}")
-        if not 0 <= self.dp_reduce_s < self.step_time_s:
-            raise ValueError(
-                f"dp_reduce_s must be in [0, step time {self.step_time_s:g}), "
-                f"got {self.dp_reduce_s}"
-            )
 
 
 def ring_factor(sites: int) -> float:
@@ -97,8 +86,8 @@ def dp_bits_per_step(p: PlanInputs) -> float:
 
 
 def dp_time_budget_s(p: PlanInputs) -> float:
-    """Seconds per step the all-reduce may take at utilization u: ``t·(1/u − 1 + o) + a``."""
-    return p.step_time_s * (1.0 / p.utilization - 1.0 + p.dp_overlap) + p.dp_reduce_s
+    """Seconds per step the all-reduce may take at utilization u: ``t·(1/u − 1 + o)``."""
+    return p.step_time_s * (1.0 / p.utilization - 1.0 + p.dp_overlap)
 
 
 def dp_bandwidth_bps(p: PlanInputs) -> float:

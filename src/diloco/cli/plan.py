@@ -41,12 +41,6 @@ def register(subparsers) -> None:
     p.add_argument("--tau", type=float, default=d.tau, help="overlap in steps")
     p.add_argument("--utilization", type=float, default=d.utilization, help="target, in (0, 1)")
     p.add_argument("--dp-overlap", type=float, default=d.dp_overlap, help="in [0, 1]")
-    p.add_argument(
-        "--dp-reduce-time",
-        type=float,
-        default=d.dp_reduce_s,
-        help="seconds the all-reduce takes within --step-time on an unconstrained network",
-    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=main)
 
@@ -65,7 +59,6 @@ def main(args: argparse.Namespace) -> int:
             tau=args.tau,
             utilization=args.utilization,
             dp_overlap=args.dp_overlap,
-            dp_reduce_s=args.dp_reduce_time,
         )
     except ValueError as exc:
         print(f"diloco plan: error: {exc}", file=sys.stderr)
@@ -75,14 +68,13 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     p = inputs
-    reduce = f", {p.dp_reduce_s:g} s all-reduce already in the step" if p.dp_reduce_s else ""
     print(
         f"{p.params:.3g} parameters, {p.step_time_s:g} s/step, {p.sites} sites, "
         f"utilization target {p.utilization:g}"
     )
     print(
         f"  data-parallel ({p.dp_bits}-bit gradients, ring across sites, {p.dp_overlap:g} of a "
-        f"step overlapped{reduce}): {out['dp_gbps']:.3g} Gbps per site"
+        f"step overlapped): {out['dp_gbps']:.3g} Gbps per site"
     )
     print(
         f"  Decoupled DiLoCo (P={p.fragments}, H={p.sync_every}, tau={p.tau:g}, "
