@@ -52,10 +52,10 @@ def test_an_upload_in_flight_counts_for_as_long_as_it_flies():
     assert meter.rate_Bps == pytest.approx(1000)
 
 
-def test_versions_missing_counts_what_a_request_names_beyond_what_is_held():
+def test_versions_missing_counts_the_syncers_versions_beyond_what_is_held():
     assert versions_missing(7, 7) == 0
     assert versions_missing(7, 4) == 3
-    assert versions_missing(3, 5) == 0  # it holds a newer one already (the request was old)
+    assert versions_missing(3, 5) == 0  # it holds a newer one already (the reply was old)
     assert versions_missing(7, -1) is None  # waiting for a keyframe: nothing to say
 
 

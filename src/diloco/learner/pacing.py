@@ -30,14 +30,15 @@ DEFAULT_MAX_STRETCH = 4
 DEFAULT_LAG_STEPS = 8.0
 """Defer while the upload backlog would take longer than this many of the learner's steps."""
 DOWNLINK_BEHIND_VERSIONS = 2
-"""A learner asked for a fragment of which it lacks this many versions or more (what it holds
-and what has arrived, against the version the request names) says its downlink is behind."""
+"""A learner that lacks this many versions or more of some fragment (what it holds and what
+has arrived, against the syncer's version in a heartbeat's reply) says its downlink is
+behind."""
 
 
-def versions_missing(requested: int, held: int) -> int | None:
-    """How many versions of a requested fragment the learner lacks (``None``: it holds none and
-    waits for a keyframe, which says nothing about its link)."""
-    return max(0, requested - held) if held >= 0 else None
+def versions_missing(current: int, held: int) -> int | None:
+    """How many versions of a fragment the learner lacks against the syncer's ``current``
+    (``None``: it holds none and waits for a keyframe, which says nothing about its link)."""
+    return max(0, current - held) if held >= 0 else None
 
 
 class UploadMeter:
