@@ -91,6 +91,22 @@ def sleeper(tag: str) -> list[str]:
     return [sys.executable, "-c", "import time; time.sleep(60)", tag, "--generation=0"]
 
 
+def test_the_all_reduce_share_of_busy_time_spans_incarnations():
+    """``reduce_s`` and ``busy_s`` restart at 0 with each incarnation: only intervals inside
+    one count (``diloco plan``'s overlap is measured from this share, docs/plan.md)."""
+    rank = [
+        {"event": "start", "t": 0.0, "step": 0, "tokens": 0},
+        {"t": 1.0, "step": 1, "tokens": 100, "busy_s": 0.5, "reduce_s": 0.1},
+        {"t": 2.0, "step": 2, "tokens": 200, "busy_s": 1.5, "reduce_s": 0.35},  # 0.25 of 1.0
+        {"event": "start", "t": 3.0, "step": 1, "tokens": 100},
+        {"t": 4.0, "step": 2, "tokens": 200, "busy_s": 0.5, "reduce_s": 0.05},
+        {"t": 5.0, "step": 3, "tokens": 300, "busy_s": 1.5, "reduce_s": 0.3},  # 0.25 of 1.0
+    ]
+    older = [{k: v for k, v in r.items() if k != "reduce_s"} for r in rank]  # no reduce_s
+    assert dp_metrics({"a": rank}, [], end=5.0)["allreduce_share"] == 0.25
+    assert dp_metrics({"a": older}, [], end=5.0)["allreduce_share"] is None
+
+
 def test_one_member_down_stops_the_group_and_all_restart_together(tmp_path):
     tape, clock = [], [0.0]
     sup = Supervisor(tape=tape.append, clock=lambda: clock[0], group=["a", "b", "c"])
@@ -172,6 +188,7 @@ def test_a_killed_rank_restarts_the_group_from_its_checkpoint(tmp_path):
         # the all-reduce's own seconds (diloco plan's --dp-reduce-time) are part of the step's
         timed = [r for r in records if "reduce_s" in r]
         assert timed and all(0 < r["reduce_s"] <= r["busy_s"] for r in timed)
+    assert 0 < s["allreduce_share"] < 1
     assert s["goodput"] > 0
     # both ranks agree on the surviving steps
     steps = {ln["steps"] for ln in s["per_learner"].values()}

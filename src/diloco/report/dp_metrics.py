@@ -14,9 +14,13 @@ The definitions follow :mod:`diloco.report.goodput` (DESIGN §3), read for a sta
   (rank 0's records); ``max_commit_gap_s`` and ``uptime`` are computed from them as for
   DiLoCo, so a rollback shows up as a gap until the group is past its old high-water mark.
 * **reintegration**: for every restart of a rank, the time until it reports a trained step.
+* **allreduce_share**: the share of a rank's busy time spent in the all-reduce (median over
+  ranks), the input ``diloco plan``'s overlap is measured from (docs/plan.md).
 """
 
 from __future__ import annotations
+
+import statistics
 
 from diloco.report.goodput import commit_gaps, schedule_down, time_goodput, uptime
 from diloco.report.tally import ProgressTally
@@ -62,7 +66,13 @@ def dp_metrics(
         "uptime": uptime(commits, min(starts), end) if starts else 0.0,
         "max_commit_gap_s": max(gaps) if gaps else None,
         "reintegrations": [reintegration(r, progress.get(r["target"], [])) for r in restarts],
+        "allreduce_share": _median_or_none([t.reduce_share for t in tallies.values()]),
     }
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 4) if known else None
 
 
 def dp_goodput(tallies: dict, *, end: float, chaos=()) -> dict:

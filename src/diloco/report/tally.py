@@ -59,7 +59,8 @@ class ProgressTally:
     """One learner's progress records (``progress.jsonl``), or samples of its status.
 
     Consecutive records of one incarnation (neither an ``event`` record) give a speed sample
-    (tokens per wall second) and, where both carry ``busy_s``, busy tokens and seconds. The
+    (tokens per wall second) and, where both carry ``busy_s``, busy tokens and seconds (and
+    of those, where both carry ``reduce_s``, the seconds in data-parallel's all-reduce). The
     transport's byte counters restart at 0 with every incarnation; their totals add up the
     incarnations.
     """
@@ -73,6 +74,8 @@ class ProgressTally:
         """Time of its earliest ``start`` event record (data-parallel ranks write one)."""
         self._busy_tokens = 0.0
         self._busy_s = 0.0
+        self._reduce_s = 0.0
+        self._reduce_busy_s = 0.0  # the busy seconds of the intervals that carry reduce_s
         # per incarnation counters: [sum of the finished incarnations, the current one]
         self._counters = {key: [0, 0] for key in COUNTERS}
 
@@ -96,6 +99,9 @@ class ProgressTally:
             if dtok > 0 and dbusy > 0:
                 self._busy_tokens += dtok
                 self._busy_s += dbusy
+                if "reduce_s" in prev and "reduce_s" in rec:
+                    self._reduce_s += rec["reduce_s"] - prev["reduce_s"]
+                    self._reduce_busy_s += dbusy
 
     @property
     def speed(self) -> float:
@@ -106,6 +112,12 @@ class ProgressTally:
     def busy_rate(self) -> float | None:
         """Tokens per busy second (None without ``busy_s`` records)."""
         return self._busy_tokens / self._busy_s if self._busy_s > 0 else None
+
+    @property
+    def reduce_share(self) -> float | None:
+        """The share of busy time spent in the all-reduce (data-parallel ranks; None without
+        ``reduce_s`` records): ``diloco plan``'s inputs come from it (docs/plan.md)."""
+        return self._reduce_s / self._reduce_busy_s if self._reduce_busy_s > 0 else None
 
     def transport_total(self, key: str) -> int:
         """A counter of ``COUNTERS`` (``bytes_up``, ``bytes_down``, ``clipped``) over all
