@@ -88,29 +88,37 @@ if not torch.cuda.is_available():
     )
 
 
+def check_case(i: int, args: list[str], phrase: str, tmp_path: Path) -> tuple | None:
+    """Run one case in its own directory; what went wrong, or None."""
+    work = tmp_path / f"case{i}-{args[0]}"
+    work.mkdir()
+    (work / "a-file").write_text("not a directory\n")
+    with busy_port() as listening:
+        port = str(listening.getsockname()[1])
+        argv = [a.replace("{busy}", port).replace("{file}", str(work / "a-file")) for a in args]
+        done = run_cli(argv, work)
+    lines = done.stderr.strip().splitlines()
+    left = sorted(p.name for p in work.iterdir() if p.name != "a-file")
+    if (
+        done.returncode != 2
+        or len(lines) != 1
+        or phrase not in lines[0]
+        or "Traceback" in done.stderr
+        or done.stdout.strip()
+        or left
+    ):
+        return argv, done.returncode, done.stderr, done.stdout, left
+    return None
+
+
 @pytest.mark.timeout(600)
 def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
-    failures = []
-    for i, (args, phrase) in enumerate(CASES):
-        work = tmp_path / f"case{i}-{args[0]}"
-        work.mkdir()
-        (work / "a-file").write_text("not a directory\n")
-        with busy_port() as listening:
-            port = str(listening.getsockname()[1])
-            argv = [a.replace("{busy}", port).replace("{file}", str(work / "a-file")) for a in args]
-            done = run_cli(argv, work)
-        lines = done.stderr.strip().splitlines()
-        before = {"a-file"}
-        left = sorted(p.name for p in work.iterdir() if p.name not in before)
-        if (
-            done.returncode != 2
-            or len(lines) != 1
-            or phrase not in lines[0]
-            or "Traceback" in done.stderr
-            or done.stdout.strip()
-            or left
-        ):
-            failures.append((argv, done.returncode, done.stderr, done.stdout, left))
+    from concurrent.futures import ThreadPoolExecutor
+
+    # two at a time: each case is a fresh interpreter importing torch, in its own directory
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = pool.map(lambda c: check_case(c[0], *c[1], tmp_path), enumerate(CASES))
+        failures = [r for r in results if r is not None]
     assert not failures, "\n\n".join(
         f"{' '.join(a)}: exit {rc}, left {left}\nstderr: {err}\nstdout: {out}"
         for a, rc, err, out, left in failures
