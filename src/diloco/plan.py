@@ -8,7 +8,8 @@ Data-parallel, one replica group spread over the D sites: every step all-reduces
 gradients of ``dp_bits`` bits. Hierarchically (reduce inside each site first, then a ring
 across the sites), each site's link carries ``2(D−1)/D · N · dp_bits`` bits per step.
 Transfer worth a fraction ``o`` of a step can hide behind other work (the backward pass, the
-all-reduce's own reductions); the rest is exposed and stretches the step. Utilization ``t / (t + exposed) ≥ u`` gives a time budget of ``t · (1/u − 1 + o)``:
+all-reduce's own reductions); the rest is exposed and stretches the step. Utilization
+``t / (t + exposed) ≥ u`` gives a time budget of ``t · (1/u − 1 + o)``:
 
     BW_dp = 2(D−1)/D · N · dp_bits / (t · (1/u − 1 + o))
 
