@@ -154,8 +154,7 @@ def main() -> int:
     p.add_argument(
         "--settings",
         default=",".join(DEFAULT_SETTINGS),
-        help="comma list of "
-        + ", ".join([*SETTINGS, "outer-LR-MU", "sync-outer-LR-MU", "lowbw-LR-MU"]),
+        help="comma list of " + ", ".join([*SETTINGS, *(f"{k}-LR-MU" for k in OUTER_PREFIXES)]),
     )
     p.add_argument("--inner-lr", type=float, default=None, help="for every setting")
     p.add_argument(
