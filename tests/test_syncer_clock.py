@@ -186,3 +186,27 @@ def test_an_absent_learner_counts_in_the_share_by_its_measured_throughput():
     (commit,) = state.poll(2.0)[0]
     # b trained ~300 tokens/s x 0.5 s since fragment 0's last commit: 100 of 250 tokens
     assert commit.record["share"] == pytest.approx(100 / 250)
+
+
+def test_a_round_holding_a_quorum_of_early_contributions_closes_within_one_cycle():
+    """Issue 32, defect 14: three contributions sent before the tick asked for them, from
+    learners that then stay silent (live, heartbeating, never answering), used to hold the
+    round open for as long as they lived: only answers counted towards quorum. A round that
+    holds a quorum now closes at the latest one clock cycle after it was first opened."""
+    state, layout, _ = make_state(quorum=3)
+    sessions = {lid: join(state, lid, layout) for lid in ("a", "b", "c")}
+    for lid, session in sessions.items():
+        answer(state, lid, session, fragment=0, now=0.05)  # before any tick: early
+    cycle = tick_period(0.1, sync_every=2, fragments=2) * 2  # H·ξ_step = 0.2 s
+    committed_at = None
+    now = 0.1
+    while now < 60.0 and committed_at is None:
+        for lid, session in sessions.items():
+            state.heartbeat(lid, session, now=now, steps_per_s=10.0)
+        state.tick(now)
+        commits, _ = state.poll(now)
+        if any(c.fragment == 0 and c.changed for c in commits):
+            committed_at = now
+        now += 0.05
+    assert committed_at is not None, "the round holding a quorum never closed"
+    assert committed_at <= 0.1 + cycle + 0.1  # first opened at 0.1, one cycle, one poll

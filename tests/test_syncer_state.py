@@ -306,3 +306,21 @@ def test_the_merge_and_weighting_ablations(cfg, expected):
     assert torch.allclose(state.params[0], before - expected)
     with pytest.raises(ValueError, match="merge_rule"):
         SyncerConfig(merge_rule="median")
+
+
+def test_an_upload_accepted_while_its_fragment_is_merged_names_the_version_that_merges_it():
+    """Issue 32, defect 2: ``close_rounds`` takes a round under the lock, the merge runs
+    outside it and ``apply`` bumps the version later. An upload accepted in between lands in
+    the next round; its answer must name the version that round starts from (so the learner
+    expects it in the commit after that one), not the version before the merge."""
+    state, layout, _ = make_state(quorum=1)
+    n = layout.fragments[0].numel
+    sa = join(state, "a", layout)
+    submit(state, "a", sa, 0, torch.full((n,), 1.0), now=1.0)
+    (closing,), _ = state.close_rounds(1.0)  # merging, outside the lock
+    admission = submit(state, "a", sa, 0, torch.full((n,), 2.0), now=1.1, steps=3)
+    state.apply(closing, closing.merge(), 1.2)
+    assert state.versions[0] == 1
+    (commit,), _ = state.poll(1.3)  # the round that holds it
+    assert commit.record["participants"] == ["a"] and commit.record["steps"] == [3]
+    assert admission.version + 1 == commit.version == 2

@@ -18,6 +18,14 @@ Fewer than K learners live: the "every live learner has contributed" rule still 
 round with the live ones, so training never stalls because of dead learners. A round whose
 contributors all died is closed too (nobody else will come).
 
+**Every round holding a quorum closes in bounded time.** On the syncer's clock only answers
+(contributions that arrived after the round was asked for) count towards quorum: a late
+contribution from the previous round rides along but must not close the round before the
+learners asked have answered. A round that *holds* K contributions, answers or not, closes at
+the latest ``max_open_s`` after it was first opened (``held_deadline``: one cycle of the
+clock, the time until the fragment's turn comes again), so learners that sent early and then
+went silent (live, but never answering) cannot hold their own progress back forever.
+
 **Staleness.** A contribution computed against version ``b`` of a fragment whose current
 version is ``v`` has staleness ``s = v − b``. ``s = 0`` is fresh; ``1 ≤ s ≤ max_staleness`` is
 accepted with its weight multiplied by ``1 / (1 + s)`` (its anchor is ``s`` commits old, so it
@@ -51,6 +59,10 @@ class OpenRound:
     """Time of the round's first arrival."""
     quorum_at: float | None = None
     """Time the round first reached quorum, or ``None``."""
+    held: int = 0
+    """Contributions in the round, answers or not (0: count only ``contributors``)."""
+    first_opened_at: float | None = None
+    """When the round was first opened (a round asked again keeps it; None: ``opened_at``)."""
 
 
 @dataclass(frozen=True)
@@ -82,21 +94,29 @@ def decide_round(
     gamma: float,
     tau: float,
     estimates: Estimates,
+    max_open_s: float | None = None,
 ) -> RoundDecision:
     """Decide whether the open round of one fragment closes now (see the module docstring).
 
-    ``live`` are the learner ids whose lease is valid at ``now``; ``quorum`` is K (≥ 1).
+    ``live`` are the learner ids whose lease is valid at ``now``; ``quorum`` is K (≥ 1);
+    ``max_open_s``: how long a round that holds K contributions (``round_.held``) may stay
+    open without a quorum of answers (None: no bound).
     """
     if quorum < 1:
         raise ValueError(f"quorum must be >= 1, got {quorum}")
     grace = grace_window(estimates, gamma=gamma, tau=tau)
+    held_until = held_deadline(round_, quorum, max_open_s)
     if round_ is None or not round_.contributors:
+        if held_until is not None:
+            return _held(now, held_until, round_, grace)
         return RoundDecision(False, None, "no contributions yet", grace)
     n = len(round_.contributors)
     if all(learner in round_.contributors for learner in live):
         why = "every live learner has contributed" if live else "no learner is live"
         return RoundDecision(True, None, f"{why} ({n} in round)", grace)
     if n < quorum:
+        if held_until is not None:
+            return _held(now, held_until, round_, grace)
         return RoundDecision(False, None, f"waiting for quorum ({n}/{quorum})", grace)
     quorum_at = round_.quorum_at if round_.quorum_at is not None else now
     deadline = quorum_at + grace
@@ -105,6 +125,22 @@ def decide_round(
             True, None, f"quorum {n}/{quorum} and grace {grace:.3f}s elapsed", grace
         )
     return RoundDecision(False, deadline, f"quorum {n}/{quorum}, grace until {deadline:.3f}", grace)
+
+
+def held_deadline(round_: OpenRound | None, quorum: int, max_open_s: float | None):
+    """When a round holding at least ``quorum`` contributions (answers or not) closes at the
+    latest: ``max_open_s`` after it was first opened; None when there is no such bound."""
+    if round_ is None or max_open_s is None or round_.held < quorum:
+        return None
+    first = round_.first_opened_at if round_.first_opened_at is not None else round_.opened_at
+    return first + max_open_s
+
+
+def _held(now: float, until: float, round_: OpenRound, grace: float) -> RoundDecision:
+    if now >= until:
+        why = f"it held {round_.held} contributions for its longest wait"
+        return RoundDecision(True, None, why, grace)
+    return RoundDecision(False, until, f"{round_.held} held, closing by {until:.3f}", grace)
 
 
 @dataclass(frozen=True)

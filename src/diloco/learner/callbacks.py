@@ -9,7 +9,7 @@ import logging
 import torch
 
 from diloco.algorithm.fragments import fragment_digest
-from diloco.learner.inbox import Rejoin
+from diloco.learner.inbox import Dropped, Rejoin
 from diloco.learner.link import UploadJob, UploadResult
 from diloco.learner.pacing import DOWNLINK_BEHIND_VERSIONS, versions_missing
 
@@ -34,9 +34,12 @@ class LinkCallbacks:
     def _on_request(self, fragment: int, version: int) -> None:
         self._inbox.request(fragment)
 
-    def _on_versions(self, address: str, versions: list[int]) -> None:
+    def _on_versions(self, address: str, versions: list[int], dropped=()) -> None:
         """How many versions this learner lacks of the fragment it is furthest behind on,
-        against the versions a syncer (shard) just reported (``pacing.versions_missing``)."""
+        against the versions a syncer (shard) just reported (``pacing.versions_missing``);
+        the uploads it says it left out of their merges go to the training thread."""
+        if dropped:
+            self._inbox.dropped(Dropped(address, frozenset(dropped)))
         have = self._inbox.have_versions(self.versions)
         missing = [versions_missing(v, have[p]) for p, v in enumerate(versions[: len(have)])]
         self._down_lags[address] = max((m for m in missing if m is not None), default=0)

@@ -28,13 +28,23 @@ class Rejoin:
     fragments: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """Upload ids a syncer says it left out of their rounds' merges (never merged)."""
+
+    address: str
+    upload_ids: frozenset[int]
+
+
 class Inbox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._arrived: dict[int, Chain] = {}
         self._requested: set[int] = set()
-        self._results: list = []
-        self._rejoins: list[Rejoin] = []
+        self._answers: list = []
+        """Upload answers ``(job, result)``, ``Rejoin`` and ``Dropped`` notes, in the order
+        the link's threads reported them: settled in that order (an answer from a syncer
+        that then restarted must be settled before the rejoin to its successor)."""
         self._need_keyframe: set[int] = set()
         self._claims: dict[int, torch.Tensor] = {}
 
@@ -62,11 +72,15 @@ class Inbox:
 
     def answer(self, job, result) -> None:
         with self._lock:
-            self._results.append((job, result))
+            self._answers.append((job, result))
 
     def rejoin(self, rejoin: Rejoin) -> None:
         with self._lock:
-            self._rejoins.append(rejoin)
+            self._answers.append(rejoin)
+
+    def dropped(self, dropped: Dropped) -> None:
+        with self._lock:
+            self._answers.append(dropped)
 
     def claim(self, fragment: int, value: torch.Tensor) -> None:
         """The learner sent the digest of ``value`` for a fragment it never received."""
@@ -95,11 +109,12 @@ class Inbox:
             asked, self._requested = self._requested, set()
         return asked
 
-    def take_answers(self) -> tuple[list, list[Rejoin]]:
+    def take_answers(self) -> list:
+        """Everything reported since the last call, in order: ``(job, result)`` pairs,
+        ``Rejoin`` and ``Dropped`` notes."""
         with self._lock:
-            results, self._results = self._results, []
-            rejoins, self._rejoins = self._rejoins, []
-        return results, rejoins
+            answers, self._answers = self._answers, []
+        return answers
 
     def take_arrived(self) -> dict[int, Chain]:
         with self._lock:

@@ -24,9 +24,12 @@ moments) is left alone. A fragment never received yet is not sent.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,10 +40,11 @@ from diloco.algorithm.fragments import (
     balanced_fragments,
     due_fragments,
 )
+from diloco.learner.accounting import Accounting
 from diloco.learner.callbacks import LinkCallbacks
 from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
-from diloco.learner.inbox import Inbox, Rejoin
+from diloco.learner.inbox import Dropped, Inbox, Rejoin
 from diloco.learner.ledger import Ledger, Outgoing
 from diloco.learner.link import UploadJob
 from diloco.learner.pacing import Pace
@@ -51,6 +55,10 @@ from diloco.learner.stopping import Stopping
 from diloco.wire.auth import client_link_options
 
 log = logging.getLogger(__name__)
+
+MERGED_REMEMBERED = 4096
+"""Merged upload ids a learner remembers, so a later note that the syncer left one out of its
+merge (``Dropped``) moves its steps from merged to dropped."""
 
 
 class Learner(LinkCallbacks, Stopping, Restoring):
@@ -133,7 +141,14 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self.tokens_since = [0] * P
         self.dropped = [0] * P
         """Per fragment, trained steps thrown away on purpose (a norm-guard reset, the
-        paper's overwrite rule): every trained step is merged, unsent, or counted here."""
+        paper's overwrite rule, a delta the syncer left out of its merge): every trained
+        step is merged, in flight, unsent, or counted here (``accounting``)."""
+        self.merged_steps = [0] * P
+        """Per fragment, trained steps in deltas merged back (``accounting``)."""
+        self._merged_recent: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        """Upload id -> (fragment, steps) of the last ``MERGED_REMEMBERED`` merged deltas."""
+        self._upload_ids = itertools.count(secrets.randbits(40) << 20)
+        """Ids of this learner's uploads (random base: a restarted learner never reuses one)."""
         self.applied = 0
         self.last_applied: list[int] = []  # fragments changed by the last apply_arrived()
         self._inbox = Inbox()  # what the link's threads hand to the training thread
@@ -148,11 +163,19 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self._awaited: dict[int, tuple[int, int]] = {}
         self.guard_resets = 0
         """Fragments reset to the global value after a norm-guard refusal (``_reset``)."""
-        self.counters = {"withdrawn": 0, "returned": 0, "merged": 0, "resyncs": 0, "deferred": 0}
+        self.counters = {
+            "withdrawn": 0,
+            "returned": 0,
+            "merged": 0,
+            "excluded": 0,
+            "resyncs": 0,
+            "deferred": 0,
+        }
         """Ledger events: deltas withdrawn before sending (sent again, bigger), returned to
         the undelivered progress (refused, failed, lost with a restarted syncer), merged
-        back; fragments resynced because an arrival did not fit what this learner holds;
-        requests deferred while the link was behind (``diloco.learner.pacing``)."""
+        back, left out of their merge by the syncer; fragments resynced because an arrival
+        did not fit what this learner holds; requests deferred while the link was behind
+        (``diloco.learner.pacing``)."""
         self._pace = Pace(self.config.max_stretch, self.config.pace_lag_steps)
         self._deferred_in_row = [0] * P
         self._behind = False
@@ -304,7 +327,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
     def _apply(self, p: int, version: int, value: torch.Tensor) -> None:
         held = self.anchors[p]
         merged = self._ledger.take_merged(p, version)
-        self.counters["merged"] += len(merged)
+        self._count_merged(p, merged)
         own = bool(merged)
         rebase = self.config.rebase_own if own else self.config.rebase_foreign
         if held is None:
@@ -320,6 +343,38 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             self._overwrite(p, value)
         self.anchors[p] = value
         self.versions[p] = version
+
+    def _count_merged(self, p: int, entries) -> None:
+        """Count deltas that left the ledger with version ``p``'s arrival: merged, or
+        dropped when the syncer said its direction check left them out."""
+        for e in entries:
+            if e.excluded:
+                self.dropped[p] += e.steps
+                self.counters["excluded"] += 1
+                continue
+            self.merged_steps[p] += e.steps
+            self.counters["merged"] += 1
+            if e.upload_id:
+                self._merged_recent[e.upload_id] = (p, e.steps)
+                while len(self._merged_recent) > MERGED_REMEMBERED:
+                    self._merged_recent.popitem(last=False)
+
+    def _on_dropped(self, note: Dropped) -> None:
+        """The syncer left these uploads out of their rounds' merges: an entry still on the
+        ledger is marked (dropped when its version arrives), one already counted as merged
+        is moved to dropped. Ids this learner does not know (or took care of) are ignored."""
+        for upload_id in note.upload_ids:
+            entry = self._ledger.find_upload(upload_id)
+            if entry is not None:
+                entry.excluded = True
+                continue
+            known = self._merged_recent.pop(upload_id, None)
+            if known is not None:
+                p, steps = known
+                self.merged_steps[p] -= steps
+                self.dropped[p] += steps
+                self.counters["merged"] -= 1
+                self.counters["excluded"] += 1
 
     def _overwrite(self, p: int, value: torch.Tensor, *, drops: bool = True) -> None:
         """The paper's rule: θ_p ← G'_p − Σ ledger (α = 0) or α-mixed; counters 0. The steps
@@ -362,10 +417,14 @@ class Learner(LinkCallbacks, Stopping, Restoring):
     # ----------------------------------------------------------------- ledger
     def _settle(self) -> None:
         """Apply what the link reported since the last call (training thread only)."""
-        results, rejoins = self._inbox.take_answers()
-        for rejoin in rejoins:
-            self._on_syncer(rejoin)
-        for job, result in results:
+        for answer in self._inbox.take_answers():  # in the order they were reported
+            if isinstance(answer, Rejoin):
+                self._on_syncer(answer)
+                continue
+            if isinstance(answer, Dropped):
+                self._on_dropped(answer)
+                continue
+            job, result = answer
             entry = self._ledger.find(job.fragment, job.job_id)
             if entry is None:
                 continue
@@ -441,7 +500,10 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         torch.sub(snapshot.anchor, delta, out=delta)  # G_p − θ_p, in the copy
         if snapshot.on_its_way is not None:
             delta.sub_(snapshot.on_its_way)
-        entry = self._ledger.add(p, delta, snapshot.steps, snapshot.tokens, snapshot.local_step)
+        upload_id = next(self._upload_ids)
+        entry = self._ledger.add(
+            p, delta, snapshot.steps, snapshot.tokens, snapshot.local_step, upload_id
+        )
         self.link.submit(
             UploadJob(
                 p,
@@ -453,6 +515,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
                 snapshot.local_step,
                 job_id=entry.job_id,
                 final=snapshot.final,
+                upload_id=upload_id,
             )
         )
 
@@ -465,6 +528,25 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             + (self._copying[p].steps if p in self._copying else 0)
             for p in range(self.layout.num_fragments)
         ]
+
+    def accounting(self) -> Accounting:
+        """Where every trained step went, per fragment: merged, in flight (accepted, its
+        merge not back yet), unsent, dropped (``diloco.learner.accounting``). Call it from
+        the training thread (between steps, or after ``close``)."""
+        self._settle()
+        unsent = self.unsent()
+        P = self.layout.num_fragments
+        in_flight = [0] * P
+        for p, e in self._ledger.items():
+            if e.admitted is not None:
+                in_flight[p] += e.steps
+        return Accounting(
+            self.local_step,
+            tuple(self.merged_steps),
+            tuple(in_flight),
+            tuple(unsent),
+            tuple(self.dropped),
+        )
 
     def in_flight(self) -> dict[int, int]:
         """Deltas on their way per fragment (queued, sent, or accepted and not merged back)."""

@@ -34,6 +34,12 @@ class Outgoing:
     tokens: int
     local_step: int
     admitted: int | None = None
+    upload_id: int = 0
+    """Its id on the wire (kept across resends; the syncer's receipts use it)."""
+    excluded: bool = False
+    """The syncer said it left this delta out of its round's merge (the direction check):
+    when the version after ``admitted`` is applied it leaves the ledger as dropped, not
+    merged (the arithmetic of applying is the same)."""
 
 
 class Ledger:
@@ -44,11 +50,17 @@ class Ledger:
         self._next_id = 0
 
     def add(
-        self, fragment: int, delta: torch.Tensor, steps: int, tokens: int, local_step: int
+        self,
+        fragment: int,
+        delta: torch.Tensor,
+        steps: int,
+        tokens: int,
+        local_step: int,
+        upload_id: int = 0,
     ) -> Outgoing:
         """A new entry (not yet answered) with a fresh job id."""
         self._next_id += 1
-        entry = Outgoing(self._next_id, delta, steps, tokens, local_step)
+        entry = Outgoing(self._next_id, delta, steps, tokens, local_step, upload_id=upload_id)
         self._entries.setdefault(fragment, []).append(entry)
         return entry
 
@@ -57,6 +69,10 @@ class Ledger:
 
     def find(self, fragment: int, job_id: int) -> Outgoing | None:
         return next((e for e in self._entries.get(fragment, ()) if e.job_id == job_id), None)
+
+    def find_upload(self, upload_id: int) -> Outgoing | None:
+        """The entry sent with ``upload_id`` (of any fragment), if it is still on the ledger."""
+        return next((e for _, e in self._items() if upload_id and e.upload_id == upload_id), None)
 
     def remove(self, fragment: int, entry: Outgoing) -> None:
         self._entries[fragment].remove(entry)
@@ -110,6 +126,8 @@ class Ledger:
                 "tokens": e.tokens,
                 "local_step": e.local_step,
                 "admitted": -2 if e.admitted is None else e.admitted,
+                "upload_id": e.upload_id,
+                "excluded": e.excluded,
             }
             for p, e in self.items()
         ]
@@ -127,6 +145,8 @@ class Ledger:
                 int(item["steps"]),
                 int(item["tokens"]),
                 int(item["local_step"]),
+                int(item.get("upload_id", 0)),
             )
+            entry.excluded = bool(item.get("excluded", False))
             admitted = int(item["admitted"])
             entry.admitted = None if admitted < -1 else admitted

@@ -74,7 +74,7 @@ class SyncerLink:
         on_request: Callable[[int, int], None] | None = None,
         on_result: Callable[[UploadJob, UploadResult], None] | None = None,
         on_rejoin: Callable[[str, str, list[int], tuple[int, ...]], None] | None = None,
-        on_versions: Callable[[str, list[int]], None] | None = None,
+        on_versions: Callable[[str, list[int], list[int]], None] | None = None,
         tokens_per_step: int = 0,
         have_digests: Callable[[], list[str]] | None = None,
     ) -> None:
@@ -83,8 +83,9 @@ class SyncerLink:
         on top of ``base_version``. ``on_request(p, version)``: the syncer's clock asks for
         p. ``on_result(job, result)``: the answer to every submitted upload (not withdrawn
         ones). ``on_rejoin(address, syncer_id, versions, fragments)``: after every join.
-        ``on_versions(address, versions)``: the syncer's current versions, with every
-        heartbeat's reply (it travels on the control connection, not behind downloads).
+        ``on_versions(address, versions, dropped)``: the syncer's current versions and the
+        ids of this learner's uploads it left out of their merges, with every heartbeat's
+        reply (it travels on the control connection, not behind downloads).
         ``have_digests()``: digests of the values held for fragments never received (the
         syncer then sends no payload when they are its own, ``on_fragment`` gets ``None``).
         ``on_join(link, info)`` is called after every successful join with what the syncer
@@ -517,7 +518,7 @@ class SyncerLink:
                 # The syncer restarted or dropped us: reconnect (join again) from the link thread.
                 self._end_channels()
             elif self.on_versions is not None:
-                self.on_versions(self.address, list(reply.versions))
+                self.on_versions(self.address, list(reply.versions), list(reply.dropped_uploads))
 
 
 def _check_owns_all(link: SyncerLink, info: ShardInfo) -> None:

@@ -30,6 +30,8 @@ class Restoring:
             "tokens_since": list(self.tokens_since),
             "anchors": [a.clone() if a is not None else torch.empty(0) for a in self.anchors],
             "ledger": self._ledger.state(),
+            "merged_steps": list(self.merged_steps),
+            "dropped": list(self.dropped),
             "syncer_ids": dict(self._syncer_ids),
             "layout_hash": self.layout.hash,
         }
@@ -50,7 +52,8 @@ class Restoring:
             for p in already_delivered(accepted_at, self.local_step, self.steps_since):
                 if self.anchors[p] is None:
                     continue
-                self._overwrite(p, self.anchors[p], drops=False)  # delivered
+                self.merged_steps[p] += self.steps_since[p]  # delivered before the restart
+                self._overwrite(p, self.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
 
     def load_state_dict(self, state: dict) -> None:
@@ -72,4 +75,6 @@ class Restoring:
             v if self.anchors[p] is not None else -1 for p, v in enumerate(self.versions)
         ]
         self._ledger.load(state.get("ledger", []), [f.numel for f in self.layout.fragments])
+        self.merged_steps = [int(v) for v in state.get("merged_steps", [0] * P)]
+        self.dropped = [int(v) for v in state.get("dropped", [0] * P)]
         self._syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}

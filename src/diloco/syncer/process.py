@@ -36,9 +36,14 @@ def server_security(security: ServerSecurityConfig) -> dict:
     return kwargs
 
 
+FAILED = 3
+"""Exit status of a syncer that failed while serving (a commit it could not persist)."""
+
+
 def serve(config: ServiceConfig) -> int:
     """Serve until SIGTERM/SIGINT (or the parent's death with ``exit_with_parent``); returns
-    the exit status (2: a bad configuration or state directory, said on stderr)."""
+    the exit status (2: a bad configuration or state directory; ``FAILED``: it could not
+    persist a commit and must be restarted from its state directory; both said on stderr)."""
     import torch
 
     from diloco.algorithm.embeddings import embedding_parameter_names
@@ -105,11 +110,18 @@ def serve(config: ServiceConfig) -> int:
     )
     if outputs.url:
         print(f"dashboard: {outputs.url}", flush=True)
-    while not stop.wait(0.5):
+    while not stop.wait(0.5) and server.failure is None:
         if outputs.watch is not None:  # only with --dashboard
             outputs.update(status_rows(server.status()))
     server.stop(grace=1.0)
     outputs.close()
+    if server.failure is not None:
+        print(
+            f"diloco syncer: failed, exiting to be restarted from {state_dir or 'memory'}: "
+            f"{server.failure!r}",
+            file=sys.stderr,
+        )
+        return FAILED
     return 0
 
 

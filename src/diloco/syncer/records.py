@@ -12,6 +12,7 @@ import torch
 
 from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import merge_contributions, token_weight
+from diloco.syncer.receipts import CommitLog, UploadPart
 
 SUSPECT_WINDOW = 8
 """Checked contributions the direction check's verdicts are remembered for, per learner."""
@@ -30,8 +31,6 @@ def is_suspect(verdicts) -> bool:
     return len(verdicts) >= 3 and 2 * sum(verdicts) >= len(verdicts)
 
 
-REMEMBERED_UPLOADS = 256
-"""Accepted upload ids the syncer remembers per learner (a resend comes within a few)."""
 MAX_STEP_TIME_S = 3600.0
 """Upper bound (exclusive) of a step time a learner may report, in uploads and heartbeats."""
 
@@ -80,9 +79,6 @@ class LearnerInfo:
     """When this id first joined this syncer (kept across rejoins)."""
     verdicts: deque[bool] = field(default_factory=lambda: deque(maxlen=SUSPECT_WINDOW))
     """Whether the direction check left each of its last checked contributions out."""
-    uploads: dict[int, int] = field(default_factory=dict)
-    """Upload ids of its last ``REMEMBERED_UPLOADS`` accepted uploads and the version each
-    was admitted at (kept across rejoins): a resend is answered, not merged again."""
     _rate_mark: tuple[float, int] | None = None
 
 
@@ -99,6 +95,8 @@ class Contribution:
     increments: int = 1
     """Uploads summed into this contribution (a late one and the answer to this round)."""
     final: bool = False
+    uploads: list[UploadPart] = field(default_factory=list)
+    """The uploads summed into it (id, steps, tokens each): persisted with the commit."""
 
     @property
     def weight(self) -> float:
@@ -117,6 +115,7 @@ class Contribution:
         self.nbytes += other.nbytes
         self.increments += other.increments
         self.final = self.final or other.final
+        self.uploads = self.uploads + other.uploads
 
 
 @dataclass
@@ -128,6 +127,9 @@ class FragmentRound:
     quorum_at: float | None = None
     asked: frozenset[str] | None = None
     """Learners the tick asked (``None`` on the learners' schedule)."""
+    first_opened_at: float | None = None
+    """When a tick first opened it (a round asked again keeps it): its longest wait counts
+    from here (``rounds.held_deadline``)."""
 
     def answered(self) -> frozenset[str]:
         """Learners with a contribution that arrived since the round opened: a late one from
@@ -163,7 +165,10 @@ class Closing:
     round: FragmentRound
     reason: str
     contributions: list[Contribution]
-    """What the merge keeps (the direction check's verdict applied)."""
+    """What the merge keeps (the direction check's verdict applied); empty when it left every
+    contribution out (nothing is committed: a *dropped* round)."""
+    left_out: list[Contribution]
+    """What the direction check left out (never merged; their learners are told)."""
     weights: list[float]
     excluded: dict
     cosines: dict
@@ -172,8 +177,11 @@ class Closing:
     piece_layout: object
     """The fragment's ``fragments.Fragment`` (which tensor each span of the vector is)."""
 
-    def merge(self) -> torch.Tensor:
-        """The round's merged delta, scaled by its share (a pure function of the above)."""
+    def merge(self) -> torch.Tensor | None:
+        """The round's merged delta, scaled by its share (a pure function of the above);
+        None for a dropped round."""
+        if not self.contributions:
+            return None
         merged = merge_contributions(
             [c.delta for c in self.contributions],
             self.weights,
@@ -185,13 +193,21 @@ class Closing:
 
 @dataclass(frozen=True)
 class Commit:
-    """A closed round: the new value of one fragment, to persist and then broadcast."""
+    """A closed round: the new value of one fragment, to persist and then broadcast.
+
+    ``log`` is what the round did with its uploads and ``history`` the fragment's last
+    commit logs (this one last, as JSON): both are persisted with the value, so a restarted
+    syncer knows what every recent commit merged. A dropped round (``changed`` False) keeps
+    the version and the value; only its log is persisted, and nothing is broadcast."""
 
     fragment: int
     version: int
     params: torch.Tensor
     momentum: dict[str, torch.Tensor]
     record: dict
+    log: CommitLog
+    history: list[dict]
+    changed: bool = True
 
 
 def update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> None:

@@ -90,7 +90,7 @@ class LearnerRoster:
                 old.bytes_down,
             )
             info.accepted_at, info.first_joined_at = old.accepted_at, old.first_joined_at
-            info.uploads, info.verdicts = old.uploads, old.verdicts
+            info.verdicts = old.verdicts
         self.learners[learner_id] = info
         self.emit(
             {

@@ -31,9 +31,8 @@ from diloco.syncer.store import (
     EventTape,
     FragmentStore,
     StateError,
-    read_tape,
     state_hash,
-    taped_versions,
+    taped_versions_of,
     untaped,
 )
 from diloco.wire import auth
@@ -104,7 +103,7 @@ class SyncerServer:
         self._server, self.port = self._bind(bind, credentials, interceptors)
         self._embeddings = embeddings
         try:
-            restored, earlier = self._build(
+            restored, taped = self._build(
                 initial_params,
                 owned,
                 shard,
@@ -124,15 +123,15 @@ class SyncerServer:
         pb_grpc.add_SyncerServicer_to_server(self.service, self._server)
         self.host = bind.rsplit(":", 1)[0]
         self._started = False
-        self._emit_start(restored, taped_versions(earlier))
+        self._emit_start(restored, taped)
 
     def _build(self, initial_params, owned, shard, state_dir, tape_path, **service_options):
         """The tape, the store, the restored state and the service (``service_options`` go
-        to ``SyncerService``); returns what ``_emit_start`` needs: ``(restored, earlier tape
-        records)``."""
-        earlier = read_tape(tape_path) if tape_path and Path(tape_path).exists() else []
+        to ``SyncerService``); returns what ``_emit_start`` needs: ``(restored, the newest
+        version of each fragment the tape records)``."""
+        taped = taped_versions_of(tape_path) if tape_path else {}
         self.tape = EventTape(tape_path) if tape_path else None
-        emit = self.tape.append if self.tape else (lambda record: None)
+        emit = self.tape.try_append if self.tape else (lambda record: None)
         self.store = FragmentStore(state_dir) if state_dir else None
         params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
         versions, restored, wire = self._restore(owned, params, shard)
@@ -148,10 +147,11 @@ class SyncerServer:
         )
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
+            self.state.restore_history(p, self.store.load_commits(p))
         self.service = SyncerService(
             self.state, store=self.store, tape=self.tape, wire=wire, **service_options
         )
-        return restored, earlier
+        return restored, taped
 
     def _restore(self, owned: list[int], params: list[torch.Tensor], shard: tuple[int, int]):
         """Each owned fragment's saved version, value (into ``params``), optimizer state and
@@ -225,21 +225,12 @@ class SyncerServer:
 
     def _emit_start(self, restored: dict, taped: dict[int, int]) -> None:
         """The ``start`` record, after a ``recovered`` record for every restored commit whose
-        round record a crash kept off the tape (so the tape accounts for every version)."""
+        round record a crash kept off the tape (so the tape accounts for every version and
+        what it merged: the commit logs persisted with the fragment say it)."""
         if self.tape is None:
             return
         for p in untaped(list(restored), self.state.versions, taped):
-            self.tape.append(
-                {
-                    "event": "recovered",
-                    "t": time.time(),
-                    "fragment": p,
-                    "version": self.state.versions[p],
-                    "taped_version": taped.get(p, 0),
-                    "digest": fragment_digest(self.state.params[p]),
-                    "reason": "persisted before the crash; its round record was not written",
-                }
-            )
+            self.tape.append(recovered_record(self.state, p, taped.get(p, 0)))
         self.tape.append(
             {
                 "event": "start",
@@ -273,6 +264,13 @@ class SyncerServer:
             return parameters_by_name(self.layout, params)
         return into_model(model, self.layout, params)
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why this syncer cannot do its job (a commit it could not persist), or None. Once
+        set, every call is refused ``UNAVAILABLE``: stop it and start it again from its state
+        directory (``diloco syncer`` exits non-zero so its supervisor does that)."""
+        return self.service.failure
+
     def status(self):
         """What the ``Status`` RPC answers (``diloco_pb2.StatusReply``), read in-process."""
         from diloco.wire import diloco_pb2 as pb
@@ -302,9 +300,8 @@ class SyncerServer:
         ender.start()
         ender.join(timeout=5)
         if self.tape is not None:
-            self.tape.append(
-                {"event": "stop", "t": time.time(), "versions": list(self.state.versions)},
-                sync=True,
+            self.tape.try_append(
+                {"event": "stop", "t": time.time(), "versions": list(self.state.versions)}
             )
             self.tape.close()
 
@@ -313,6 +310,31 @@ class SyncerServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def recovered_record(state: SyncerState, fragment: int, taped_version: int) -> dict:
+    """The tape record of a commit persisted before a crash whose ``round`` record was not
+    written: its version and digest, and from each persisted commit log the tape lacks
+    (versions after ``taped_version``) what it merged and left out: ``commits``, and the
+    ``participants``, ``steps`` and ``uploads`` of the restored version (as a ``round``
+    record has them)."""
+    version = state.versions[fragment]
+    logs = [log for log in state.history[fragment] if log.version > taped_version]
+    newest = next((log for log in reversed(logs) if log.version == version), None)
+    merged = newest.merged if newest is not None else {}
+    return {
+        "event": "recovered",
+        "t": time.time(),
+        "fragment": fragment,
+        "version": version,
+        "taped_version": taped_version,
+        "digest": fragment_digest(state.params[fragment]),
+        "reason": "persisted before the crash; its round record was not written",
+        "participants": sorted(merged),
+        "steps": [sum(u.steps for u in merged[lid]) for lid in sorted(merged)],
+        "uploads": {lid: [u.to_json() for u in merged[lid]] for lid in sorted(merged)},
+        "commits": [log.to_json() for log in logs],
+    }
 
 
 def _address_in_use(bind: str) -> str | None:

@@ -7,6 +7,15 @@ to disk, appends it to the tape and only then hands the new fragment to every su
 All state changes happen under one lock, and nothing slow (decoding, encoding, disk,
 network) happens while it is held, except the merge itself.
 
+**When the committer fails.** A commit it cannot persist (disk full, I/O error: an
+``OSError`` from the store or the tape) is retried ``PERSIST_ATTEMPTS`` times over about
+``PERSIST_RETRY_S`` seconds; then the syncer has *failed*: ``failure`` says why, every RPC is
+answered ``UNAVAILABLE``, ``Status`` reports it, subscriptions end and ``on_failure`` is called
+(the syncer process exits non-zero, so whatever supervises it restarts it from its state
+directory). Nothing it answered after the last persisted commit can be lost: an upload it
+accepted and did not commit is returned to its learner's progress at rejoin, because the
+restarted syncer reports the versions on disk. A syncer never stays up unable to commit.
+
 **What learners hold.** For every fragment the committer keeps the wire image ``W_p``: the
 value every learner holding version v holds, bit for bit. A commit sends ``d = Θ_p − W_p``
 in the down codec and moves ``W_p`` by the decoded ``d̂`` (the rounding stays in ``Θ_p − W_p``
@@ -16,9 +25,10 @@ with the commit, so a restarted syncer goes on sending deltas its learners can a
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import torch
@@ -52,10 +62,33 @@ from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
 """gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
 MAX_REASON_CHARS = 500
 """Refusal messages are cut to this length (they may quote what a client sent)."""
+PERSIST_ATTEMPTS = 5
+"""Tries of a commit's write (store, then tape) before the syncer gives up and fails."""
+PERSIST_RETRY_S = 0.2
+"""Pause before the second try; it doubles before each later one (0.2 + 0.4 + 0.8 + 1.6 s)."""
+STOP_WAIT_S = 10.0
+"""How long ``stop`` waits for the committer to finish the commit it is writing."""
+
+
+def _retrying(write: Callable[[], None]) -> None:
+    """``write()``, tried again after an ``OSError`` (``PERSIST_ATTEMPTS`` tries, pauses from
+    ``PERSIST_RETRY_S`` doubling); the last error is raised."""
+    pause = PERSIST_RETRY_S
+    for attempt in range(PERSIST_ATTEMPTS):
+        try:
+            return write()
+        except OSError as exc:
+            if attempt + 1 == PERSIST_ATTEMPTS:
+                raise
+            log.warning("could not persist a commit (%s); trying again in %.1f s", exc, pause)
+            time.sleep(pause)
+            pause *= 2
 
 
 def stream_limits(max_learners: int) -> StreamLimits:
@@ -87,11 +120,14 @@ class SyncerService(pb_grpc.SyncerServicer):
         secret: str | None = None,
         learner_tokens: bool = False,
         limits: StreamLimits | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         """``wire``: the restored wire image of each fragment (default: Θ_p). ``secret``: the
         shared token (the interceptor checks it; the handlers check whose id a call may use),
         ``learner_tokens``: the shared token may not act as a learner (``diloco.wire.auth``).
-        ``limits``: caps on open streams (``diloco.syncer.limits``; default: 64 learners')."""
+        ``limits``: caps on open streams (``diloco.syncer.limits``; default: 64 learners').
+        ``on_failure(exc)``: called once, on the committer's thread, when the syncer fails
+        (see the module docstring)."""
         self.state = state
         self.allowed_learners = allowed_learners
         self.secret = secret
@@ -113,6 +149,12 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._recent: dict[int, list[tuple[int, frozenset[str]]]] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self._commit_lock = threading.Lock()
+        """Held while a commit is made, persisted and published: by the committer, and by
+        ``stop`` for the last commits (never two publishers of one ``W_p``)."""
+        self.failure: BaseException | None = None
+        """Why the syncer cannot do its job (None while it can); see the module docstring."""
+        self.on_failure = on_failure
         for p in state.served:
             self._payloads[p] = (state.versions[p], Keyframe(self._wire[p]), frozenset())
         self._committer = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
@@ -122,23 +164,61 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._committer.start()
 
     def stop(self) -> None:
-        """Stop the committer; first commit what waits for learners that are all gone (the
-        rounds ``poll`` closes now), so progress flushed by the last learners is kept."""
+        """Stop the committer; then commit what waits for learners that are all gone (the
+        rounds ``poll`` closes now), so progress flushed by the last learners is kept. A
+        committer still writing a commit after ``STOP_WAIT_S`` (a stalled disk) is left to
+        it, and nothing more is committed here; a failed syncer commits nothing more."""
         self._stopping.set()
         self._wake.set()
         for sub in list(self._subscribers):
             sub.close()
-        self._committer.join(timeout=10)
+        if self._committer.is_alive():
+            self._committer.join(timeout=STOP_WAIT_S)
         self.watchdog.close()
-        now = time.time()
+        if self.failure is not None or not self._commit_lock.acquire(timeout=1.0):
+            return
+        try:
+            now = time.time()
+            with self.lock:
+                commits, _ = self.state.poll(now)
+            for commit in commits:
+                self._publish(commit, now)
+        except Exception as exc:  # (the disk failed on the last commits: said, not raised)
+            self._fail(exc)
+        finally:
+            self._commit_lock.release()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The syncer cannot do its job: refuse everything from now on, end the streams,
+        tell ``on_failure`` (once)."""
         with self.lock:
-            commits, _ = self.state.poll(now)
-        for commit in commits:
-            self._publish(commit, now)
+            if self.failure is not None:
+                return
+            self.failure = exc
+        self._stopping.set()
+        for sub in list(self._subscribers):
+            sub.close()
+        self._note({"event": "failed", "t": time.time(), "error": repr(exc)[:300]})
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
+    def check_alive(self, context: grpc.ServicerContext) -> None:
+        """Answer ``UNAVAILABLE`` (and return nothing) once the syncer has failed."""
+        if self.failure is not None:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the syncer failed and is restarting: {self.failure!r}"[:MAX_REASON_CHARS],
+            )
 
     def _emit(self, record: dict, sync: bool = False) -> None:
+        """Append a record the run needs (a commit's): ``OSError`` when it cannot be written."""
         if self.tape is not None:
             self.tape.append(record, sync=sync)
+
+    def _note(self, record: dict) -> None:
+        """Append a record the run can do without (a tick): never raises."""
+        if self.tape is not None:
+            self.tape.try_append(record)
 
     # ------------------------------------------------------------------ helpers
     def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused, rpc: str):
@@ -180,6 +260,7 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     # --------------------------------------------------------------------- RPCs
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        self.check_alive(context)
         tensors = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
         try:
             self.check_caller(context, request.learner_id)
@@ -223,6 +304,7 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FragmentChunk]:
+        self.check_alive(context)
         have = list(request.have_versions)
         digests = list(request.have_digests)
         try:
@@ -309,6 +391,7 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Upload(
         self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext
     ) -> pb.UploadReply:
+        self.check_alive(context)
         who: dict[str, str] = {}
         try:
             caller, is_learner = self._caller(context)
@@ -389,6 +472,7 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
+        self.check_alive(context)
         sps = request.steps_per_s
         with self.lock:
             try:
@@ -403,9 +487,14 @@ class SyncerService(pb_grpc.SyncerServicer):
                 )
             except Refused:
                 return pb.HeartbeatReply(known=False, versions=self.state.versions)
-            return pb.HeartbeatReply(known=True, versions=self.state.versions)
+            return pb.HeartbeatReply(
+                known=True,
+                versions=self.state.versions,
+                dropped_uploads=self.state.receipts.dropped(request.learner_id),
+            )
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        self.check_alive(context)
         with self.lock:
             self.state.leave(request.learner_id, request.session, now=time.time(), reason="left")
         self._wake.set()
@@ -442,35 +531,48 @@ class SyncerService(pb_grpc.SyncerServicer):
                 fragments=s.served,
                 shard=s.shard[0],
                 num_shards=s.shard[1],
+                failure=repr(self.failure) if self.failure is not None else "",
             )
 
     # ---------------------------------------------------------------- committer
     def _commit_loop(self) -> None:
+        """The committer thread: the clock's ticks, closing rounds, commits. Any error here
+        fails the syncer (``_fail``): it never keeps answering without committing."""
+        try:
+            self._run_clock()
+        except Exception as exc:
+            log.exception("the syncer's committer failed")
+            self._fail(exc)
+
+    def _run_clock(self) -> None:
         wake_at: float | None = None
         while not self._stopping.is_set():
             timeout = 0.25 if wake_at is None else min(0.25, max(0.0, wake_at - time.time()))
             self._wake.wait(timeout)
             self._wake.clear()
-            t0 = time.time()
-            with self.lock:
-                request, tick_at = self.state.tick(t0)
-                if request is not None:
-                    self._ask(request)
-                closing, wake_at = self.state.close_rounds(t0)
-            if tick_at is not None:
-                wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
-            for round_ in closing:
-                merged = round_.merge()  # the costly part, while uploads go on
+            with self._commit_lock:
+                if self._stopping.is_set():
+                    return
+                t0 = time.time()
                 with self.lock:
-                    commit = self.state.apply(round_, merged, t0)
-                self._publish(commit, t0)
+                    request, tick_at = self.state.tick(t0)
+                    if request is not None:
+                        self._ask(request)
+                    closing, wake_at = self.state.close_rounds(t0)
+                if tick_at is not None:
+                    wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
+                for round_ in closing:
+                    merged = round_.merge()  # the costly part, while uploads go on
+                    with self.lock:
+                        commit = self.state.apply(round_, merged, t0)
+                    self._publish(commit, t0)
 
     def _ask(self, request) -> None:
         """Queue the clock's request on the streams of the learners it asks (lock held)."""
         for sub in self._subscribers:
             if not sub.observer and sub.learner_id in request.asked:
                 sub.request(request.fragment, request.version)
-        self._emit(
+        self._note(
             {
                 "event": "tick",
                 "t": time.time(),
@@ -481,22 +583,38 @@ class SyncerService(pb_grpc.SyncerServicer):
         )
 
     def _publish(self, commit: Commit, t0: float) -> None:
-        """Persist, then record, then broadcast one commit (in that order).
+        """Persist, then record, then broadcast one commit (in that order); a dropped round
+        is persisted (its log) and recorded only.
 
         The broadcast is the delta from the wire image (see the module docstring); the
-        committer is the only thread that moves ``W_p``, one commit at a time."""
+        committer is the only thread that moves ``W_p``, one commit at a time. Raises
+        ``OSError`` when the commit cannot be persisted or recorded (after retries)."""
         p = commit.fragment
         codec = self.state.config.down_codec
-        delta = codecs.encode(commit.params - self._wire[p], codec)
-        wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
+        if commit.changed:
+            delta = codecs.encode(commit.params - self._wire[p], codec)
+            wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
+        else:
+            delta, wire = b"", self._wire[p]
         if self.store is not None:
-            self.store.save(p, commit.version, commit.params, commit.momentum, wire=wire)
-        keyframe = Keyframe(wire)
+            _retrying(
+                lambda: self.store.save(
+                    p,
+                    commit.version,
+                    commit.params,
+                    commit.momentum,
+                    wire=wire,
+                    commits=commit.history,
+                )
+            )
         record = dict(commit.record)
         record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
         record["sync_s"] = round(time.time() - t0, 6)
         record["bytes_delta"] = len(delta)
-        self._emit(record, sync=True)
+        _retrying(lambda: self._emit(record, sync=True))
+        if not commit.changed:
+            return
+        keyframe = Keyframe(wire)
         with self.lock:
             self._wire[p] = wire
             contributors = frozenset(commit.record["participants"])

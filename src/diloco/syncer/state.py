@@ -48,8 +48,8 @@ from diloco.algorithm.rounds import (
 )
 from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog, Receipts, UploadPart
 from diloco.syncer.records import (
-    REMEMBERED_UPLOADS,
     Closing,
     Commit,
     Contribution,
@@ -136,6 +136,28 @@ class SyncerState(LearnerRoster):
         self._period: float | None = None  # the period the due tick was set with
         self._cursor = 0
         self.last_commit_at: dict[int, float] = {}
+        self.receipts = Receipts()
+        """The fates of the learners' accepted uploads (``diloco.syncer.receipts``)."""
+        self.history: dict[int, deque[CommitLog]] = {
+            p: deque(maxlen=PERSISTED_COMMITS) for p in self.served
+        }
+        """Each fragment's last commit logs: persisted with every commit of it."""
+        self._closing: set[int] = set()
+        """Fragments whose round ``close_rounds`` took and ``apply`` has not committed yet."""
+
+    def restore_history(self, fragment: int, logs: Sequence[CommitLog]) -> None:
+        """Take in a restored fragment's persisted commit logs (oldest first): a resend of an
+        upload they merged is answered, not merged again, and excluded uploads are still
+        reported to their learners."""
+        self.history[fragment].extend(logs)
+        self.receipts.restore(logs)
+
+    def admission_version(self, fragment: int) -> int:
+        """The version an upload of ``fragment`` accepted now is admitted at: the commit making
+        the next version merges it. While a closed round of the fragment is being merged
+        (``close_rounds`` took it, ``apply`` has not bumped the version yet) an upload lands
+        in the round after it, so it is admitted at the version that round starts from."""
+        return self.versions[fragment] + (fragment in self._closing)
 
     # ------------------------------------------------------------ contributions
     def submit(
@@ -170,9 +192,10 @@ class SyncerState(LearnerRoster):
         was admitted at, and nothing changes.
         """
         info = self.session_of(learner_id, session)
-        if upload_id and upload_id in info.uploads:
+        known = self.receipts.admitted(learner_id, upload_id)
+        if known is not None:
             self.emit({"event": "resent", "t": now, "learner": learner_id, "fragment": fragment})
-            return Admission(True, 1.0, 0, False, "already accepted", info.uploads[upload_id])
+            return Admission(True, 1.0, 0, False, "already accepted", known)
         norm = self._check_contribution(
             info,
             fragment,
@@ -217,16 +240,14 @@ class SyncerState(LearnerRoster):
             now,
             nbytes,
             final=final,
+            uploads=[UploadPart(upload_id, steps, tokens)],
         )
         self._into_round(fragment, contribution, now)
         info.contributions += 1
         info.last_tokens = tokens
         info.accepted_at[fragment] = now
-        admission = dataclasses.replace(admission, version=self.versions[fragment])
-        if upload_id:
-            info.uploads[upload_id] = admission.version
-            for old in list(info.uploads)[:-REMEMBERED_UPLOADS]:
-                del info.uploads[old]
+        admission = dataclasses.replace(admission, version=self.admission_version(fragment))
+        self.receipts.admit(learner_id, upload_id, fragment, admission.version)
         self.norms.record(fragment, norm, steps, learner_id)
         return admission
 
@@ -372,6 +393,8 @@ class SyncerState(LearnerRoster):
         if round_ is None:
             round_ = self.rounds[t.fragment] = FragmentRound(opened_at=None)
         round_.opened_at, round_.asked = now, frozenset(live)
+        if round_.first_opened_at is None:
+            round_.first_opened_at = now
         self._note_quorum(round_, now)
         return RoundRequest(t.fragment, self.versions[t.fragment], frozenset(live)), t.next_at
 
@@ -406,16 +429,35 @@ class SyncerState(LearnerRoster):
         answered = round_.answered()
         if not expected:  # the learners it asked are gone: nobody else will answer
             answered = frozenset(round_.contributions)
+        estimates = self.estimates()
         d = decide_round(
             now,
-            OpenRound(answered, round_.opened_at, round_.quorum_at),
+            OpenRound(
+                answered,
+                round_.opened_at,
+                round_.quorum_at,
+                held=len(round_.contributions),
+                first_opened_at=round_.first_opened_at,
+            ),
             expected,
             quorum=self.config.quorum,
             gamma=self.config.gamma,
             tau=self.config.tau,
-            estimates=self.estimates(),
+            estimates=estimates,
+            max_open_s=self._longest_wait(estimates),
         )
         return d.close, d.wait_until, d.reason
+
+    def _longest_wait(self, estimates: Estimates) -> float:
+        """How long a round holding a quorum may wait for answers: one cycle of the clock
+        (``H`` fleet steps, when the fragment's turn comes again), at least τ steps; the
+        lease before any step estimate exists."""
+        period = tick_period(
+            estimates.step_s, sync_every=self.config.sync_every, fragments=len(self.served)
+        )
+        if period is None:
+            return self.config.lease_s
+        return max(period * len(self.served), self.config.tau * estimates.step_s)
 
     def poll(self, now: float) -> tuple[list[Commit], float | None]:
         """Close every round that should close at ``now`` and commit it (``close_rounds``,
@@ -425,8 +467,7 @@ class SyncerState(LearnerRoster):
         be decided again (``None``: only a new arrival or liveness change can close one).
         """
         closing, wake = self.close_rounds(now)
-        commits = [self.apply(c, c.merge(), now) for c in closing]
-        return [c for c in commits if c is not None], wake
+        return [self.apply(c, c.merge(), now) for c in closing], wake
 
     def close_rounds(self, now: float) -> tuple[list[Closing], float | None]:
         """Take every round that should close at ``now`` out of the open rounds, with what
@@ -437,8 +478,8 @@ class SyncerState(LearnerRoster):
         closing, wake = [], None
         for fragment in sorted(self.rounds):
             close, wait_until, reason = self._decide(now, fragment, live)
-            if close and (c := self._close(fragment, reason, now, live)) is not None:
-                closing.append(c)
+            if close:
+                closing.append(self._close(fragment, reason, now, live))
             elif wait_until is not None:
                 wake = wait_until if wake is None else min(wake, wait_until)
         return closing, wake
@@ -503,31 +544,60 @@ class SyncerState(LearnerRoster):
         info = self.learners.get(learner_id)
         return info.verdicts if info is not None else deque()
 
-    def _close(self, fragment: int, reason: str, now: float, live: set[str]) -> Closing | None:
+    def _close(self, fragment: int, reason: str, now: float, live: set[str]) -> Closing:
         round_ = self.rounds.pop(fragment)
-        contribs, excluded, cosines = self._consensus(
-            sorted(round_.contributions.values(), key=lambda c: c.learner_id)
-        )
-        if not contribs:  # only a suspect's delta: nothing to merge, no version
-            self.emit({"event": "dropped", "t": now, "fragment": fragment, "excluded": excluded})
-            return None
+        everyone = sorted(round_.contributions.values(), key=lambda c: c.learner_id)
+        contribs, excluded, cosines = self._consensus(everyone)
+        left_out = [c for c in everyone if c.learner_id in excluded]
         raw = [c.weight if self.config.weighting == "tokens" else c.discount for c in contribs]
+        self._closing.add(fragment)
         return Closing(
             fragment,
             round_,
             reason,
             contribs,
-            weights=cap_weights(raw, self.config.weight_cap),
+            left_out,
+            weights=cap_weights(raw, self.config.weight_cap) if contribs else [],
             excluded=excluded,
             cosines=cosines,
-            share=self._share(fragment, round_, contribs, live, now),
+            share=self._share(fragment, round_, contribs, live, now) if contribs else 1.0,
             is_embedding=self._is_embedding,
             piece_layout=self.layout.fragments[fragment],
         )
 
-    def apply(self, closing: Closing, merged: torch.Tensor, now: float) -> Commit:
-        """Take the outer step of a closed round with its merged delta: the new version."""
+    def apply(self, closing: Closing, merged: torch.Tensor | None, now: float) -> Commit:
+        """Take the outer step of a closed round with its merged delta: the new version. A
+        dropped round (``merged`` None: the direction check left every contribution out)
+        keeps the version and value; its commit only carries the log of what was left out."""
         fragment, round_, contribs = closing.fragment, closing.round, closing.contributions
+        self._closing.discard(fragment)
+        admitted = self.versions[fragment]
+        log = CommitLog(
+            fragment,
+            admitted if merged is None else admitted + 1,
+            admitted,
+            {c.learner_id: list(c.uploads) for c in contribs},
+            {c.learner_id: list(c.uploads) for c in closing.left_out},
+        )
+        self.history[fragment].append(log)
+        self.receipts.settle(log)
+        history = [entry.to_json() for entry in self.history[fragment]]
+        uploads = {
+            "uploads": log.to_json()["merged"],
+            "excluded_uploads": log.to_json()["excluded"],
+        }
+        if merged is None:
+            record = {
+                "event": "dropped",
+                "t": now,
+                "fragment": fragment,
+                "version": admitted,
+                "excluded": closing.excluded,
+                **uploads,
+            }
+            params = self.params[fragment].clone()
+            state = self.outer.fragment_state(fragment)
+            return Commit(fragment, admitted, params, state, record, log, history, changed=False)
         self.last_commit_at[fragment] = now
         self.outer.step(fragment, self.params[fragment], merged)
         self._param_norms.pop(fragment, None)
@@ -554,6 +624,7 @@ class SyncerState(LearnerRoster):
             "excluded": closing.excluded,
             "cosines": closing.cosines,
             "delta_norm": float(merged.norm()),
+            **uploads,
         }
         return Commit(
             fragment,
@@ -561,6 +632,8 @@ class SyncerState(LearnerRoster):
             self.params[fragment].clone(),
             self.outer.fragment_state(fragment),
             record,
+            log,
+            history,
         )
 
 

@@ -4,12 +4,16 @@ Layout of a state directory::
 
     meta.json                  layout (names, shapes, pieces), its hash, the config used
     fragments/p007.safetensors Θ_7, momentum_7, wire_7 (what learners hold); metadata:
-                               version, sha256 of the tensors
+                               version, the fragment's last commit logs (which uploads
+                               each commit merged or left out, ``diloco.syncer.receipts``),
+                               sha256 of all of it
 
 A commit writes only its own fragment (1/P of the model): to a temp file, fsync, rename,
-fsync of the directory. A crash leaves either the old file or the new one. Files are
-safetensors (no pickle); each carries a SHA-256 of its tensor bytes, fragment id and version,
-so a corrupt file is detected at start and reported (naming the file), never silently loaded.
+fsync of the directory. A crash leaves either the old file or the new one, and what a commit
+merged is in the same file as its value, so the two cannot disagree. Files are safetensors (no
+pickle); each carries a SHA-256 of its tensor bytes, fragment id, version and commit logs, so
+a corrupt file is detected at start and reported (naming the file), never silently loaded.
+Temporary files a crash left behind are removed when the directory is opened again.
 
 The **event tape** is an append-only JSONL file: one record per decision (join, leave,
 round, refusal, injected fault, ...). Lines are written with a single ``write`` on an
@@ -18,17 +22,22 @@ round, refusal, injected fault, ...). Lines are written with a single ``write`` 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.syncer.receipts import CommitLog
+
+log = logging.getLogger(__name__)
 
 _RECOVER = (
     "Restore the file from a backup of the state directory, or start from a fresh --state-dir "
@@ -57,11 +66,15 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def file_digest(tensors: dict[str, torch.Tensor], fragment: str, version: str) -> str:
-    """Checksum stored in a fragment file: its tensors *and* its fragment id and version (a
-    bit flip in the version metadata is as harmful as one in Θ)."""
+def file_digest(
+    tensors: dict[str, torch.Tensor], fragment: str, version: str, commits: str = ""
+) -> str:
+    """Checksum stored in a fragment file: its tensors *and* its fragment id, version and
+    commit logs (a bit flip in the metadata is as harmful as one in Θ)."""
     h = hashlib.sha256(tensor_digest(tensors).encode())
     h.update(f"fragment={fragment};version={version}".encode())
+    if commits:
+        h.update(f";commits={commits}".encode())
     return h.hexdigest()
 
 
@@ -74,11 +87,35 @@ def state_hash(versions: Sequence[int], params: Sequence[torch.Tensor]) -> str:
 
 
 def _fsync_dir(path: Path) -> None:
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file at ``path`` and fsync it; ``OSError`` (disk full, I/O
+    error) if any of it could not be written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            if written <= 0:
+                raise OSError(errno.ENOSPC, f"could not write {path}")
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+TMP_SUFFIX = ".tmp"
+"""Files written under this suffix and renamed into place once synced to disk."""
 
 
 class FragmentStore:
@@ -87,6 +124,7 @@ class FragmentStore:
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.fragment_dir = self.root / "fragments"
+        self._commits: dict[int, list[CommitLog]] = {}
 
     def path(self, fragment: int) -> Path:
         return self.fragment_dir / f"p{fragment:03d}.safetensors"
@@ -96,8 +134,13 @@ class FragmentStore:
     ) -> None:
         """Create the directory, or check that an existing one holds the same model and, for a
         sharded syncer, the same shard (``--shard i/S``; a directory written before shards
-        existed counts as 0/1)."""
+        existed counts as 0/1). Temporary files a crash left behind are removed."""
         self.fragment_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in [
+            *self.root.glob("*" + TMP_SUFFIX),
+            *self.fragment_dir.glob("*" + TMP_SUFFIX),
+        ]:
+            leftover.unlink(missing_ok=True)
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             try:
@@ -118,7 +161,7 @@ class FragmentStore:
                     f"shard {shard[0]}/{shard[1]}; give each shard its own --state-dir"
                 )
             return
-        tmp = meta_path.with_suffix(".tmp")
+        tmp = meta_path.with_suffix(TMP_SUFFIX)
         tmp.write_text(
             json.dumps(
                 {
@@ -130,6 +173,7 @@ class FragmentStore:
                 indent=1,
             )
         )
+        _fsync(tmp)  # on disk before the rename makes it the directory's meta.json
         os.replace(tmp, meta_path)
         _fsync_dir(self.root)
 
@@ -141,36 +185,43 @@ class FragmentStore:
         momentum: dict[str, torch.Tensor],
         *,
         wire: torch.Tensor | None = None,
+        commits: list[dict] | None = None,
     ) -> None:
         """Atomically write fragment ``fragment`` at ``version`` (returns once it is on disk).
 
-        ``wire``: the value learners holding ``version`` hold (``diloco.syncer.service``)."""
+        ``wire``: the value learners holding ``version`` hold (``diloco.syncer.service``);
+        ``commits``: the fragment's last commit logs (``receipts.CommitLog.to_json``), this
+        version's last. Raises ``OSError`` (disk full, I/O error) with the old file intact
+        and no temporary file left."""
         tensors = {"params": params.detach().contiguous()}
         if "momentum" in momentum:
             tensors["momentum"] = momentum["momentum"].detach().contiguous()
         if wire is not None:
             tensors["wire"] = wire.detach().contiguous()
+        logs = json.dumps(commits or [], separators=(",", ":")) if commits else ""
         meta = {
             "fragment": str(fragment),
             "version": str(version),
-            "sha256": file_digest(tensors, str(fragment), str(version)),
+            "sha256": file_digest(tensors, str(fragment), str(version), logs),
         }
+        if logs:
+            meta["commits"] = logs
         final = self.path(fragment)
-        tmp = final.with_name(final.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        fd = os.open(tmp, os.O_RDONLY)
+        tmp = final.with_name(final.name + f".{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+            _write_synced(tmp, save(tensors, metadata=meta))
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(self.fragment_dir)
 
     def load(
         self, fragment: int, numel: int
     ) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None:
         """Return ``(version, params, state)`` of a saved fragment, or ``None``; ``state``
-        holds ``"momentum"`` and ``"wire"`` where they were saved.
+        holds ``"momentum"`` and ``"wire"`` where they were saved. The commit logs saved
+        with it are read by ``load_commits``.
 
         Raises ``StateError`` if the file is corrupt (bad format, checksum, shape).
         """
@@ -186,7 +237,7 @@ class FragmentStore:
         except Exception as exc:  # safetensors raises several types for a damaged file
             raise StateError(f"{path} is corrupt ({exc}). {_RECOVER}") from None
         if meta.get("sha256") != file_digest(
-            tensors, str(meta.get("fragment")), str(meta.get("version"))
+            tensors, str(meta.get("fragment")), str(meta.get("version")), meta.get("commits", "")
         ):
             raise StateError(f"{path} is corrupt: checksum mismatch. {_RECOVER}")
         if meta.get("fragment") != str(fragment) or "params" not in tensors:
@@ -206,32 +257,97 @@ class FragmentStore:
         for name, t in extra.items():
             if t.dtype != torch.float32 or t.shape != params.shape:
                 raise StateError(f"{path}: {name} does not match the parameters' shape or dtype")
+        self._commits[fragment] = _parse_commits(path, meta.get("commits", ""), fragment)
         return version, params, extra
+
+    def load_commits(self, fragment: int) -> list[CommitLog]:
+        """The commit logs saved with the fragment ``load`` read last (oldest first; empty
+        for a file written before logs were kept)."""
+        return list(self._commits.get(fragment, ()))
+
+
+def _parse_commits(path: Path, text: str, fragment: int) -> list[CommitLog]:
+    """The commit logs of a fragment file's metadata (checksummed already)."""
+    if not text:
+        return []
+    try:
+        logs = [CommitLog.from_json(item) for item in json.loads(text)]
+    except (ValueError, TypeError) as exc:
+        raise StateError(f"{path}: unreadable commit logs ({exc}). {_RECOVER}") from None
+    if any(log.fragment != fragment for log in logs):
+        raise StateError(f"{path}: commit logs of another fragment. {_RECOVER}")
+    return logs
 
 
 class EventTape:
-    """Append-only JSONL log of decisions; safe to share between processes."""
+    """Append-only JSONL log of decisions; safe to share between processes.
+
+    ``append`` raises ``OSError`` when the line could not be written whole (disk full):
+    the committer retries its records and fails the syncer when it cannot. A line cut short
+    by such an error is closed by the next append's leading newline, so it stays one
+    unreadable line (skipped by readers) and never swallows the next record.
+    ``try_append`` is for records the run can do without (joins, refusals): it logs the
+    error and goes on."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
+        self._torn = False
+        self.errors = 0
+        """Records ``try_append`` could not write."""
 
     def append(self, record: dict, *, sync: bool = False) -> None:
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
         with self._lock:
             if self._fd < 0:
                 return
-            os.write(self._fd, line)
+            data = b"\n" + line if self._torn else line
+            self._torn = True  # until the whole line is known to be written
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"short write to the event tape {self.path}")
+            self._torn = False
             if sync:
                 os.fsync(self._fd)
+
+    def try_append(self, record: dict) -> bool:
+        """``append``; an ``OSError`` is logged (once per 100) and counted, not raised."""
+        try:
+            self.append(record)
+            return True
+        except OSError as exc:
+            self.errors += 1
+            if self.errors % 100 == 1:
+                log.warning("event tape %s: %s (%d records lost)", self.path, exc, self.errors)
+            return False
 
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def taped_versions_of(path: str | os.PathLike) -> dict[int, int]:
+    """``taped_versions`` of the tape at ``path``, read a line at a time (a restart does not
+    hold the tape in memory); ``{}`` when there is no tape."""
+    from diloco.report.jsonl import parse_lines
+
+    newest: dict[int, int] = {}
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if b'"round"' not in line and b'"recovered"' not in line:
+                    continue  # (most records: decided without parsing them)
+                newest.update(
+                    (p, max(v, newest.get(p, 0)))
+                    for p, v in taped_versions(parse_lines([line])).items()
+                )
+    except FileNotFoundError:
+        return {}
+    return newest
 
 
 def read_tape(path: str | os.PathLike) -> list[dict]:

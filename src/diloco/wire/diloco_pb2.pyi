@@ -161,12 +161,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "versions")
+    __slots__ = ("known", "versions", "dropped_uploads")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_UPLOADS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, known: _Optional[bool] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    dropped_uploads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, known: _Optional[bool] = ..., versions: _Optional[_Iterable[int]] = ..., dropped_uploads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "session")
@@ -207,7 +209,7 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., live: _Optional[bool] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., state: _Optional[str] = ..., contributions: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("syncer_id", "versions", "rounds", "bytes_up", "bytes_down", "learners", "uptime_s", "refused", "fragments", "shard", "num_shards")
+    __slots__ = ("syncer_id", "versions", "rounds", "bytes_up", "bytes_down", "learners", "uptime_s", "refused", "fragments", "shard", "num_shards", "failure")
     SYNCER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +221,7 @@ class StatusReply(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     syncer_id: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     rounds: int
@@ -230,4 +233,5 @@ class StatusReply(_message.Message):
     fragments: _containers.RepeatedScalarFieldContainer[int]
     shard: int
     num_shards: int
-    def __init__(self, syncer_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., rounds: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    failure: str
+    def __init__(self, syncer_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., rounds: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...

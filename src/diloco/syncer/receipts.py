@@ -1,0 +1,147 @@
+"""What the syncer knows of each accepted upload, kept across its own restarts.
+
+Every upload carries an id chosen by its learner and kept across resends. Once the syncer
+has accepted an upload, the upload has a *fate*: it was admitted at version ``a`` of its
+fragment (merged by the commit that makes ``a + 1``), then either merged by that commit or
+left out of its round's merge by the direction check (*excluded*: never merged). The
+syncer answers a resend of an accepted upload with the version it was first admitted at, and
+never merges it again; it tells a learner which of its uploads were excluded (the
+``dropped_uploads`` of every heartbeat reply), so the learner counts their steps as dropped
+instead of merged.
+
+**Durability.** What a commit merged and left out (a :class:`CommitLog`: upload ids, steps
+and tokens per learner) is persisted *with* the commit, in the fragment's state file
+(``diloco.syncer.store``), for the last ``PERSISTED_COMMITS`` commits of each fragment. A
+restarted syncer rebuilds the fates of those uploads (:meth:`Receipts.restore`), so
+
+* a resend of an upload a committed round merged (its reply was lost, then the syncer died)
+  is answered, not merged a second time;
+* an upload accepted into a round the dead syncer never committed is unknown to its
+  successor: its resend is a new upload and is merged once; a learner that already had its
+  "accepted" answer returns it to its undelivered progress when it rejoins, because it was
+  admitted at or after the version the successor restored (``docs/algorithm.md``, "Syncer
+  failures").
+
+Pure bookkeeping: no I/O, not thread-safe (the syncer's lock is held).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+REMEMBERED_UPLOADS = 1024
+"""Accepted upload ids remembered per learner (a resend comes within the ~80 s a learner
+keeps resending, ``diloco.learner.uploads.MAX_RESENDS``: far fewer uploads)."""
+PERSISTED_COMMITS = 64
+"""Commits of each fragment whose upload ids are kept in the fragment's state file."""
+REPORTED_DROPS = 64
+"""Most recent excluded upload ids of a learner repeated in each heartbeat reply."""
+
+
+@dataclass(frozen=True)
+class UploadPart:
+    """One accepted upload inside a round's contribution (increments are summed)."""
+
+    upload_id: int
+    steps: int
+    tokens: int
+
+    def to_json(self) -> list[int]:
+        return [self.upload_id, self.steps, self.tokens]
+
+
+@dataclass
+class CommitLog:
+    """What one closed round did with its uploads: ``merged`` and ``excluded`` per learner.
+
+    ``admitted`` is the version the round's uploads were admitted at; ``version`` the version
+    the round made (``admitted + 1``), or ``admitted`` when the direction check left every
+    contribution out and nothing was committed (a *dropped* round)."""
+
+    fragment: int
+    version: int
+    admitted: int
+    merged: dict[str, list[UploadPart]] = field(default_factory=dict)
+    excluded: dict[str, list[UploadPart]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "fragment": self.fragment,
+            "version": self.version,
+            "admitted": self.admitted,
+            "merged": {k: [u.to_json() for u in v] for k, v in sorted(self.merged.items())},
+            "excluded": {k: [u.to_json() for u in v] for k, v in sorted(self.excluded.items())},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> CommitLog:
+        """Parse what ``to_json`` wrote; ``ValueError`` if it is malformed."""
+        try:
+            return cls(
+                int(data["fragment"]),
+                int(data["version"]),
+                int(data["admitted"]),
+                {str(k): [UploadPart(*map(int, u)) for u in v] for k, v in data["merged"].items()},
+                {
+                    str(k): [UploadPart(*map(int, u)) for u in v]
+                    for k, v in data["excluded"].items()
+                },
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"malformed commit log: {exc!r}") from None
+
+
+@dataclass
+class Fate:
+    fragment: int
+    admitted: int
+    excluded: bool = False
+
+
+class Receipts:
+    """Per learner, the fates of its last ``REMEMBERED_UPLOADS`` accepted upload ids."""
+
+    def __init__(self, per_learner: int = REMEMBERED_UPLOADS) -> None:
+        self.per_learner = per_learner
+        self._fates: dict[str, OrderedDict[int, Fate]] = {}
+        self._dropped: dict[str, OrderedDict[int, None]] = {}
+
+    def admitted(self, learner: str, upload_id: int) -> int | None:
+        """The version an accepted upload was admitted at, or None if the id is unknown (or 0,
+        no id)."""
+        fate = self._fates.get(learner, {}).get(upload_id) if upload_id else None
+        return None if fate is None else fate.admitted
+
+    def admit(self, learner: str, upload_id: int, fragment: int, version: int) -> None:
+        """Remember an upload accepted at ``version`` (id 0: the learner gave none)."""
+        if not upload_id:
+            return
+        fates = self._fates.setdefault(learner, OrderedDict())
+        fates[upload_id] = Fate(fragment, version)
+        while len(fates) > self.per_learner:
+            fates.popitem(last=False)
+
+    def settle(self, log: CommitLog) -> None:
+        """Record what a closed round merged and left out."""
+        for learner, parts in log.merged.items():
+            for part in parts:
+                self.admit(learner, part.upload_id, log.fragment, log.admitted)
+        for learner, parts in log.excluded.items():
+            dropped = self._dropped.setdefault(learner, OrderedDict())
+            for part in parts:
+                self.admit(learner, part.upload_id, log.fragment, log.admitted)
+                if part.upload_id:
+                    dropped[part.upload_id] = None
+            while len(dropped) > REPORTED_DROPS:
+                dropped.popitem(last=False)
+
+    def dropped(self, learner: str) -> list[int]:
+        """The learner's most recent excluded upload ids (at most ``REPORTED_DROPS``)."""
+        return list(self._dropped.get(learner, ()))
+
+    def restore(self, logs: Iterable[CommitLog]) -> None:
+        """Rebuild the fates of persisted commits (oldest first)."""
+        for log in sorted(logs, key=lambda c: (c.version, c.fragment)):
+            self.settle(log)

@@ -1,0 +1,296 @@
+"""The syncer's own failures (issue 32, "Nothing lost"): a disk that fills up, a restart
+that finds what its predecessor persisted, a stop while a commit is being written.
+
+Real gRPC on loopback and a real small filesystem (a tmpfs, root only) that fills up; a raw
+client sends uploads so that each test controls exactly which upload id goes where.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import tracemalloc
+
+import grpc
+import pytest
+import torch
+from conftest import wait_until
+from torch import nn
+
+from diloco.algorithm import balanced_fragments, codecs
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.server import SyncerServer
+from diloco.syncer.store import FragmentStore, read_tape
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+P = 2
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+
+
+class Client:
+    """A raw learner: joins, uploads deltas of fragment 0 with the ids it is told."""
+
+    def __init__(self, server: SyncerServer, learner_id: str = "a") -> None:
+        self.layout = server.layout
+        self.learner_id = learner_id
+        self.channel = grpc.insecure_channel(server.address)
+        self.stub = pb_grpc.SyncerStub(self.channel)
+        self.session = self.join()
+
+    def join(self) -> str:
+        tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in self.layout.tensors]
+        reply = self.stub.Join(
+            pb.JoinRequest(
+                learner_id=self.learner_id,
+                layout_hash=self.layout.hash,
+                num_fragments=P,
+                tensors=tensors,
+            ),
+            timeout=5,
+        )
+        self.session = reply.session
+        return reply.session
+
+    def upload(self, upload_id: int, *, fragment: int = 0, steps: int = 4, base: int = 0):
+        n = self.layout.fragments[fragment].numel
+        data = codecs.encode(torch.full((n,), 1e-3), "int4")
+        chunk = pb.UploadChunk(
+            learner_id=self.learner_id,
+            session=self.session,
+            fragment=fragment,
+            base_version=base,
+            steps=steps,
+            tokens=steps * 8,
+            codec="int4",
+            numel=n,
+            chunk_index=0,
+            num_chunks=1,
+            data=data,
+            step_time_s=0.1,
+            upload_id=upload_id,
+        )
+        return self.stub.Upload(iter([chunk]), timeout=5)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def start_syncer(state_dir, tape, **cfg) -> SyncerServer:
+    """A syncer on the learners' schedule (a learner's upload opens its round, which closes
+    at once when it is the only learner): each upload below makes one commit."""
+    model = make_model()
+    layout = balanced_fragments(model.named_parameters(), P)
+    named = dict(model.named_parameters())
+    config = SyncerConfig(**{"schedule": "learner", "norm_guard_k": 0.0, **cfg})
+    return SyncerServer(
+        layout,
+        [layout.gather(p, named) for p in range(P)],
+        config,
+        state_dir=state_dir,
+        tape_path=tape,
+    ).start()
+
+
+def test_a_full_disk_fails_the_syncer_instead_of_leaving_it_half_dead(small_disk):
+    """Defect 1: an OSError from the store used to end the committer thread silently while
+    Join, Heartbeat and Upload kept answering "accepted". Now the commit is retried (bounded)
+    and then the syncer fails: every call is refused UNAVAILABLE, Status says why, the
+    caller's ``on_failure`` hook is told (``diloco syncer`` exits non-zero)."""
+    server = start_syncer(small_disk.path / "state", small_disk.path / "events.jsonl")
+    client = Client(server)
+    try:
+        assert client.upload(11).accepted
+        wait_until(lambda: server.state.versions[0] == 1, timeout=10)
+        small_disk.fill()
+        t0 = time.monotonic()
+        assert client.upload(12).accepted  # admitted in memory: its commit cannot be written
+        wait_until(lambda: server.failure is not None, timeout=15)
+        assert time.monotonic() - t0 < 10  # retried for ~3 s, then failed
+        assert isinstance(server.failure, OSError)
+        for call in (lambda: client.upload(13), client.join):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "No space" in server.status().failure or "ENOSPC" in server.status().failure
+        # what is on disk is the last commit that could be written, whole
+        small_disk.free()
+        version, _, _ = FragmentStore(small_disk.path / "state").load(
+            0, server.layout.fragments[0].numel
+        )
+        assert version == 1
+        assert not list((small_disk.path / "state" / "fragments").glob("*.tmp"))
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_resend_to_a_restarted_syncer_after_its_commit_is_answered_not_merged_again(tmp_path):
+    """Defect 4: accepted upload ids lived only in memory, so an upload whose reply was lost
+    and that was sent again to a restarted syncer after its round had committed was merged a
+    second time. What each commit merged is persisted with it."""
+    state, tape = tmp_path / "state", tmp_path / "events.jsonl"
+    first = start_syncer(state, tape)
+    client = Client(first)
+    try:
+        reply = client.upload(21)
+        assert reply.accepted and reply.current_version == 0
+        wait_until(lambda: first.state.versions[0] == 1, timeout=10)
+    finally:
+        client.close()
+        first.stop()
+    second = start_syncer(state, tape)  # the restarted syncer, on the same state directory
+    client = Client(second)
+    try:
+        again = client.upload(21)  # the resend: its first reply never reached the learner
+        assert again.accepted and again.reason == "already accepted"
+        assert again.current_version == 0  # merged by version 1, which is on disk
+        time.sleep(0.3)
+        assert second.state.versions[0] == 1 and not second.state.rounds
+        fresh = client.upload(22)  # a new upload is merged as usual
+        assert fresh.accepted and fresh.current_version == 1
+        wait_until(lambda: second.state.versions[0] == 2, timeout=10)
+    finally:
+        client.close()
+        second.stop()
+    merged = [
+        uid
+        for r in read_tape(tape)
+        if r["event"] == "round"
+        for parts in r["uploads"].values()
+        for uid, _, _ in parts
+    ]
+    assert sorted(merged) == [21, 22]
+
+
+def test_a_commit_persisted_but_not_taped_is_recovered_with_what_it_merged(tmp_path, small_disk):
+    """Defect 17: a syncer that died between persisting a commit and taping its round left a
+    ``recovered`` record without participants or steps, so the tape alone could not prove
+    what that commit merged. The commit's log is persisted with it (same file, same rename)
+    and the restarted syncer's ``recovered`` record carries it."""
+    state, full_tape = tmp_path / "state", small_disk.path / "events.jsonl"
+    server = start_syncer(state, full_tape)
+    client = Client(server)
+    try:
+        assert client.upload(31, steps=5).accepted
+        wait_until(lambda: server.state.versions[0] == 1, timeout=10)
+        small_disk.fill()  # the tape's disk: the next commit is persisted, its record is not
+        small_disk.pad(full_tape)
+        assert client.upload(32, steps=7).accepted
+        wait_until(lambda: server.failure is not None, timeout=15)
+    finally:
+        client.close()
+        server.stop()
+    small_disk.free()
+    restarted = start_syncer(state, full_tape)
+    restarted.stop()
+    records = read_tape(full_tape)
+    (recovered,) = [r for r in records if r["event"] == "recovered"]
+    assert (recovered["fragment"], recovered["version"], recovered["taped_version"]) == (0, 2, 1)
+    assert recovered["participants"] == ["a"] and recovered["steps"] == [7]
+    assert recovered["uploads"] == {"a": [[32, 7, 56]]}
+
+
+def test_leftover_temporary_files_are_removed_and_meta_is_synced_before_its_rename(
+    tmp_path, monkeypatch
+):
+    """Defect 11 (durability): ``meta.json`` was renamed into place without an fsync, so a
+    power loss could leave an empty one; temporary files of a crash were never removed."""
+    state = tmp_path / "state"
+    (state / "fragments").mkdir(parents=True)
+    leftovers = [state / "meta.tmp", state / "fragments" / "p000.safetensors.99.1.tmp"]
+    for path in leftovers:
+        path.write_bytes(b"half a file")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    server = start_syncer(state, tmp_path / "events.jsonl")
+    server.stop()
+    assert not any(path.exists() for path in leftovers)
+    meta_tmp = str(state / "meta.tmp")
+    renamed = events.index(("replace", meta_tmp))
+    assert ("fsync", meta_tmp) in events[:renamed]
+
+
+class SlowStore(FragmentStore):
+    """A store whose writes hang until released (a stalled disk), counting concurrent ones."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.release = threading.Event()
+        self.writing = 0
+        self.most_at_once = 0
+        self._lock = threading.Lock()
+
+    def save(self, *args, **kwargs) -> None:
+        with self._lock:
+            self.writing += 1
+            self.most_at_once = max(self.most_at_once, self.writing)
+        try:
+            self.release.wait(30)
+            super().save(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.writing -= 1
+
+
+def test_stop_never_publishes_beside_a_committer_still_writing(tmp_path, monkeypatch):
+    """Defect 11 (stop): ``stop`` joined the committer for at most 10 s and then committed
+    the last rounds itself, while the committer could still be inside ``_publish``: two
+    threads moving the same wire image. Now a stop that finds the committer writing leaves
+    the last commits to it."""
+    from diloco.syncer import service as service_module
+
+    monkeypatch.setattr(service_module, "STOP_WAIT_S", 0.5, raising=False)
+    server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl")
+    slow = SlowStore(tmp_path / "state")
+    server.service.store = slow
+    client = Client(server)
+    stopper = threading.Thread(target=server.stop)
+    try:
+        assert client.upload(41).accepted  # its round closes; the commit hangs in the store
+        wait_until(lambda: slow.writing == 1, timeout=10)
+        assert client.upload(43, fragment=1).accepted  # a round the committer cannot reach
+        stopper.start()
+        # the old stop gave up on the committer after 10 s and wrote fragment 1 itself
+        wait_until(lambda: slow.writing == 2 or not stopper.is_alive(), timeout=20)
+        slow.release.set()
+        stopper.join(timeout=20)
+        assert not stopper.is_alive()
+    finally:
+        slow.release.set()
+        client.close()
+    assert slow.most_at_once == 1
+
+
+def test_a_restart_reads_its_tape_without_holding_it_in_memory(tmp_path):
+    """Defect 11 (memory): a restart read the whole event tape into memory to find the
+    versions it records; a long run's tape is hundreds of MB. It is read a line at a time."""
+    tape = tmp_path / "events.jsonl"
+    line = '{"event":"tick","t":1.0,"fragment":0,"version":0,"asked":4,"pad":"' + "x" * 150 + '"}\n'
+    with open(tape, "w") as f:
+        f.write(line * 150_000)  # ~30 MB of records a restart has no use for
+        f.write('{"event":"round","t":2.0,"fragment":0,"version":0}\n')
+    tracemalloc.start()
+    try:
+        server = start_syncer(tmp_path / "state", tape)
+        server.stop()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak / 2**20:.0f} MiB while starting"
