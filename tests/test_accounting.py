@@ -24,6 +24,7 @@ from torch import nn
 
 from diloco.algorithm import balanced_fragments
 from diloco.launch.relay import Relay
+from diloco.learner.corrupt import Corruptor
 from diloco.learner.learner import Learner
 from diloco.learner.snapshot import HostCopies, HostCopy
 from diloco.syncer.config import SyncerConfig
@@ -249,6 +250,54 @@ def test_on_the_syncers_clock_rounds_merge_every_learner(tmp_path):
         len(r["participants"]) for r in clocked
     ]
     assert all(lr.stats["keyframes"] == P for lr in learners)  # deltas after the first pull
+
+
+@pytest.mark.timeout(120)
+def test_a_delta_the_direction_check_leaves_out_is_dropped_in_its_learners_books(tmp_path):
+    """Issue 32, defect 18: one of four learners sends every delta reversed (a sign flip on
+    the wire); the direction check leaves those deltas out of their rounds. Its learner must
+    learn it and count them as dropped: then every learner's books balance against the tape
+    (merged per the round records + unsent + dropped = trained, per fragment)."""
+    server = start_syncer(tmp_path, quorum=4)
+    learners: list[Learner] = []
+
+    def flip_last(learner: Learner) -> None:
+        if learner.learner_id == "l3":
+            learner.link.corruptor = Corruptor("flip")
+
+    try:
+        learners, threads = start_training([server.address] * 4, pace=0.03, prepare=flip_last)
+        for t in threads:
+            t.join(timeout=90)
+        for lr in learners:
+            lr.close(flush=True)
+        deadline = time.monotonic() + 20
+        while any(r.contributions for r in server.state.rounds.values()):
+            assert time.monotonic() < deadline, "rounds did not settle"
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    tape = read_tape(tmp_path / "events.jsonl")
+    rounds = [r for r in tape if r["event"] == "round"]
+    left_out = [r for r in tape if r.get("excluded_uploads", {}).get("l3")]
+    assert len(left_out) >= P, "the flipped learner's deltas were not left out"
+    for i, lr in enumerate(learners):
+        books = lr.accounting()
+        assert books.balanced(), books
+        for p in range(P):
+            merged = merged_steps(rounds, f"l{i}", p)
+            excluded = sum(
+                steps
+                for r in tape
+                if r.get("fragment") == p
+                for _, steps, _ in r.get("excluded_uploads", {}).get(f"l{i}", [])
+            )
+            assert merged + excluded + lr.unsent()[p] == STEPS, (i, p, merged, excluded)
+            # the learner's books say what the tape says (deltas still on their way at
+            # close were merged or left out after it)
+            assert books.merged[p] <= merged and books.dropped[p] <= excluded, (i, p, books)
+            assert books.merged[p] + books.dropped[p] + books.in_flight[p] == merged + excluded
+    assert sum(learners[3].dropped) > 0 and learners[3].counters["excluded"] > 0
 
 
 STEPS_RUN = 1500

@@ -315,3 +315,66 @@ def test_a_copy_that_lands_later_makes_the_delta_as_of_when_it_was_taken():
         assert (job.steps, job.tokens, job.base_version) == (5, 50, 2)
     finally:
         learner.close(flush=False)
+
+
+def test_an_answer_is_settled_before_a_rejoin_reported_after_it():
+    """Issue 32, defect 3: the learner settled every queued rejoin before the upload answers
+    that had arrived earlier. An "accepted" answer from a syncer that then died with the
+    round open was applied after the rejoin to its restarted successor, so the delta stayed
+    on the ledger waiting for a merge that would never hold it (its steps lost). Answers,
+    rejoins and notes are settled in the order they arrived."""
+    model, learner = make_learner()
+    try:
+        v0 = torch.arange(12.0)
+        learner._on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
+        start(model, learner, v0)
+        train(model, learner, 0.5, steps=4)
+        assert learner._queue(0)
+        job = queued_job(learner)
+        # accepted at version 1; then the syncer died before committing that round
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+        learner._on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
+        learner.apply_arrived()
+        assert learner.in_flight() == {}
+        assert learner.steps_since[0] == 4  # undelivered again: it goes out with the next
+        assert learner.accounting().unsent == (4,)
+    finally:
+        learner.close(flush=False)
+
+
+def accepted_then_version_two(model, learner, *, note_first: bool):
+    """Queue 4 steps of fragment 0, have them accepted at version 1, the syncer's note that
+    it left them out of the merge (before or after version 2 is applied), and version 2."""
+    v0 = torch.arange(12.0)
+    start(model, learner, v0)
+    train(model, learner, 0.5, steps=4)
+    learner.local_step += 4  # (``train`` emulates the steps' counters only)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    assert job.upload_id  # named by the learner when queued
+    learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+    if note_first:
+        learner._on_versions("127.0.0.1:1", [], [job.upload_id])
+    learner._on_fragment(0, 2, v0 + 1, frozenset({"other"}))
+    learner.apply_arrived()
+    if not note_first:
+        learner._on_versions("127.0.0.1:1", [2], [job.upload_id, 12345])  # 12345: not ours
+    return learner.accounting()
+
+
+def test_a_delta_the_syncer_left_out_is_counted_as_dropped_not_merged():
+    """Issue 32, defect 18: a delta the direction check leaves out of its round's merge was
+    neither merged nor counted as dropped by its learner (it took the next version as the
+    one merging it), so no accounting could balance while the check was on. The syncer now
+    names left-out upload ids (with the version's download and in heartbeat replies), and
+    the learner counts their steps as dropped, whichever comes first."""
+    for note_first in (True, False):
+        model, learner = make_learner()
+        try:
+            books = accepted_then_version_two(model, learner, note_first=note_first)
+            assert books.trained == 4
+            assert (books.merged, books.dropped, books.in_flight) == ((0,), (4,), (0,))
+            assert books.balanced()
+            assert learner.counters["excluded"] == 1 and learner.counters["merged"] == 0
+        finally:
+            learner.close(flush=False)

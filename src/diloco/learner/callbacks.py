@@ -40,6 +40,8 @@ class LinkCallbacks:
         the uploads it says it left out of their merges go to the training thread."""
         if dropped:
             self._inbox.dropped(Dropped(address, frozenset(dropped)))
+        if not versions:  # (a note that came with a version's download)
+            return
         have = self._inbox.have_versions(self.versions)
         missing = [versions_missing(v, have[p]) for p, v in enumerate(versions[: len(have)])]
         self._down_lags[address] = max((m for m in missing if m is not None), default=0)

@@ -368,6 +368,7 @@ class SyncerLink:
         """Requests, unchanged notes and chunked fragments from the subscription, in order."""
         parts: list[bytes] = []
         contributors: frozenset[str] = frozenset()
+        dropped: frozenset[int] = frozenset()
         for chunk in stream:
             if self._closing.is_set():
                 stream.cancel()
@@ -387,8 +388,11 @@ class SyncerLink:
             if chunk.chunk_index == 0:
                 parts = []
                 contributors = frozenset(chunk.contributors)
+                dropped = frozenset(chunk.dropped_uploads)
             parts.append(chunk.data)
             if chunk.chunk_index + 1 == chunk.num_chunks:
+                if dropped and self.on_versions is not None:  # before the version arrives
+                    self.on_versions(self.address, [], list(dropped))
                 self._arrived(chunk, b"".join(parts), contributors)
 
     def _arrived(self, last_chunk, payload: bytes, contributors: frozenset[str]) -> None:

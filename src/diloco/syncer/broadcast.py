@@ -21,6 +21,7 @@ handler thread takes what is pending and sends it in ``CHUNK_BYTES`` pieces.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,8 @@ class Outgoing:
     contributors: frozenset[str]
     unchanged: bool = False
     """A keyframe without payload: the learner already holds this value (digest matched)."""
+    dropped: frozenset[int] = frozenset()
+    """This stream's learner's upload ids that the versions up to this one left out."""
 
     @property
     def is_delta(self) -> bool:
@@ -129,11 +132,14 @@ class Subscriber:
         delta: bytes | None = None,
         delta_codec: str = "",
         contributors: frozenset[str] = frozenset(),
+        dropped: Mapping[str, frozenset[int]] | None = None,
     ) -> None:
         """Queue ``version`` (see the module docstring): its delta when this stream's
         learner will hold ``version − 1`` (nothing pending, or a pending chain of deltas or
         a confirmation ending there) and the chain stays smaller than a keyframe; else its
-        keyframe, superseding what is pending."""
+        keyframe, superseding what is pending. ``dropped``: per learner, its upload ids
+        this version left out of its merge (this stream carries its own learner's)."""
+        mine = (dropped or {}).get(self.learner_id, frozenset())
         with self.cond:
             chain = self.pending.get(fragment, [])
             ends_at = chain[-1].version if chain else self.held.get(fragment)
@@ -145,13 +151,28 @@ class Subscriber:
                 and sum(len(i.body) for i in chain if i.is_delta) + len(delta) <= keyframe.nbytes
             ):
                 chain.append(
-                    Outgoing(fragment, version, delta, delta_codec, version - 1, contributors)
+                    Outgoing(
+                        fragment,
+                        version,
+                        delta,
+                        delta_codec,
+                        version - 1,
+                        contributors,
+                        dropped=mine,
+                    )
                 )
             else:
                 skipped = frozenset().union(*(item.contributors for item in chain))
+                lost = frozenset().union(*(item.dropped for item in chain))
                 chain = [
                     Outgoing(
-                        fragment, version, keyframe, KEYFRAME_CODEC, -1, contributors | skipped
+                        fragment,
+                        version,
+                        keyframe,
+                        KEYFRAME_CODEC,
+                        -1,
+                        contributors | skipped,
+                        dropped=mine | lost,
                     )
                 ]
             self.pending[fragment] = chain

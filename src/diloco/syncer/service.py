@@ -146,7 +146,11 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
         # Contributors of each fragment's last few versions: a learner catching up after a
         # reconnect must know whether any version it missed merged its own contribution.
-        self._recent: dict[int, list[tuple[int, frozenset[str]]]] = {}
+        self._recent: dict[int, list[tuple[int, frozenset[str], dict]]] = {}
+        self._held_drops: dict[int, dict[str, frozenset[int]]] = {}
+        """Per fragment, upload ids a dropped round left out (nothing was broadcast): they go
+        out with the fragment's next version, the one their learners would take them as
+        merged by."""
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._commit_lock = threading.Lock()
@@ -349,8 +353,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                 if since < 0 and p < len(digests) and digests[p] == keyframe.digest:
                     sub.confirm(p, version)  # it holds exactly this value already
                     continue
-                contributors = self._contributors_since(p, since)
-                sub.offer(p, version, keyframe=keyframe, contributors=contributors)
+                contributors, dropped = self._since(p, since)
+                sub.offer(p, version, keyframe=keyframe, contributors=contributors, dropped=dropped)
         context.add_callback(sub.close)
         try:
             while context.is_active() and not self._stopping.is_set() and not sub.closed:
@@ -372,6 +376,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                             num_chunks=len(pieces),
                             data=bytes(piece),
                             contributors=sorted(item.contributors) if i == 0 else (),
+                            dropped_uploads=sorted(item.dropped) if i == 0 else (),
                             is_delta=item.is_delta,
                             base_version=max(item.base_version, 0),
                             unchanged=item.unchanged,
@@ -612,15 +617,23 @@ class SyncerService(pb_grpc.SyncerServicer):
         record["sync_s"] = round(time.time() - t0, 6)
         record["bytes_delta"] = len(delta)
         _retrying(lambda: self._emit(record, sync=True))
+        dropped = {
+            lid: frozenset(u.upload_id for u in parts) for lid, parts in commit.log.excluded.items()
+        }
         if not commit.changed:
+            held = self._held_drops.setdefault(p, {})
+            for lid, ids in dropped.items():
+                held[lid] = held.get(lid, frozenset()) | ids
             return
+        for lid, ids in self._held_drops.pop(p, {}).items():
+            dropped[lid] = dropped.get(lid, frozenset()) | ids
         keyframe = Keyframe(wire)
         with self.lock:
             self._wire[p] = wire
             contributors = frozenset(commit.record["participants"])
             self._payloads[p] = (commit.version, keyframe, contributors)
             recent = self._recent.setdefault(p, [])
-            recent.append((commit.version, contributors))
+            recent.append((commit.version, contributors, dropped))
             del recent[:-RECENT_VERSIONS]
             for sub in self._subscribers:
                 sub.offer(
@@ -630,13 +643,20 @@ class SyncerService(pb_grpc.SyncerServicer):
                     delta=delta,
                     delta_codec=codec,
                     contributors=contributors,
+                    dropped=dropped,
                 )
             self.state.record_sync_time(time.time() - t0)
 
-    def _contributors_since(self, fragment: int, version: int) -> frozenset[str]:
-        """Everyone merged into ``fragment`` after ``version`` (as far as the recent history
-        goes; empty after a restart)."""
-        return frozenset().union(*(c for v, c in self._recent.get(fragment, ()) if v > version))
+    def _since(self, fragment: int, version: int) -> tuple[frozenset[str], dict]:
+        """Everyone merged into ``fragment`` after ``version``, and per learner the upload
+        ids those versions left out (as far as the recent history goes; nothing after a
+        restart: heartbeat replies then tell learners what was left out)."""
+        newer = [(c, d) for v, c, d in self._recent.get(fragment, ()) if v > version]
+        dropped: dict[str, frozenset[int]] = {}
+        for _, d in newer:
+            for lid, ids in d.items():
+                dropped[lid] = dropped.get(lid, frozenset()) | ids
+        return frozenset().union(*(c for c, _ in newer)), dropped
 
     def wire(self, fragment: int) -> torch.Tensor:
         """A copy of ``W_p``: the value every learner holding the current version holds."""

@@ -73,7 +73,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., have_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "numel", "chunk_index", "num_chunks", "data", "contributors", "is_delta", "base_version", "request", "unchanged")
+    __slots__ = ("fragment", "version", "codec", "numel", "chunk_index", "num_chunks", "data", "contributors", "is_delta", "base_version", "request", "unchanged", "dropped_uploads")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class FragmentChunk(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_UPLOADS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -98,7 +99,8 @@ class FragmentChunk(_message.Message):
     base_version: int
     request: bool
     unchanged: bool
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., contributors: _Optional[_Iterable[str]] = ..., is_delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., request: _Optional[bool] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+    dropped_uploads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., contributors: _Optional[_Iterable[str]] = ..., is_delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., request: _Optional[bool] = ..., unchanged: _Optional[bool] = ..., dropped_uploads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("learner_id", "session", "fragment", "base_version", "steps", "tokens", "codec", "numel", "chunk_index", "num_chunks", "data", "step_time_s", "final", "upload_id")
