@@ -253,11 +253,11 @@ def test_on_the_syncers_clock_rounds_merge_every_learner(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_delta_the_direction_check_leaves_out_is_dropped_in_its_learners_books(tmp_path):
+def test_a_delta_the_direction_check_leaves_out_is_excluded_in_its_learners_books(tmp_path):
     """Issue 32, defect 18: one of four learners sends every delta reversed (a sign flip on
     the wire); the direction check leaves those deltas out of their rounds. Its learner must
-    learn it and count them as dropped: then every learner's books balance against the tape
-    (merged per the round records + unsent + dropped = trained, per fragment)."""
+    learn it and count them as excluded: then every learner's books balance against the tape
+    (merged and excluded per the round records + unsent = trained, per fragment)."""
     server = start_syncer(tmp_path, quorum=4)
     learners: list[Learner] = []
 
@@ -295,9 +295,9 @@ def test_a_delta_the_direction_check_leaves_out_is_dropped_in_its_learners_books
             assert merged + excluded + lr.unsent()[p] == STEPS, (i, p, merged, excluded)
             # the learner's books say what the tape says (deltas still on their way at
             # close were merged or left out after it)
-            assert books.merged[p] <= merged and books.dropped[p] <= excluded, (i, p, books)
-            assert books.merged[p] + books.dropped[p] + books.in_flight[p] == merged + excluded
-    assert sum(learners[3].dropped) > 0 and learners[3].counters["excluded"] > 0
+            assert books.merged[p] <= merged and books.excluded[p] <= excluded, (i, p, books)
+            assert books.merged[p] + books.excluded[p] + books.in_flight[p] == merged + excluded
+    assert sum(learners[3].excluded_steps) > 0 and learners[3].counters["excluded"] > 0
 
 
 STEPS_RUN = 1500

@@ -367,13 +367,13 @@ def test_a_delta_the_syncer_left_out_is_counted_as_dropped_not_merged():
     neither merged nor counted as dropped by its learner (it took the next version as the
     one merging it), so no accounting could balance while the check was on. The syncer now
     names left-out upload ids (with the version's download and in heartbeat replies), and
-    the learner counts their steps as dropped, whichever comes first."""
+    the learner counts their steps as excluded, whichever comes first."""
     for note_first in (True, False):
         model, learner = make_learner()
         try:
             books = accepted_then_version_two(model, learner, note_first=note_first)
             assert books.trained == 4
-            assert (books.merged, books.dropped, books.in_flight) == ((0,), (4,), (0,))
+            assert (books.merged, books.excluded, books.in_flight) == ((0,), (4,), (0,))
             assert books.balanced()
             assert learner.counters["excluded"] == 1 and learner.counters["merged"] == 0
         finally:

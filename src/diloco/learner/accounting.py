@@ -7,9 +7,10 @@ learner's step count, and each of them is in exactly one of
 * ``in_flight``: in a delta the syncer accepted whose merge has not come back yet;
 * ``unsent``: not yet in a delta the syncer accepted (the undelivered progress, and deltas
   queued or sent without an answer): after ``close``, the *unsent tail*;
-* ``dropped``: thrown away on purpose (a norm-guard reset, the paper's overwrite rule, the
-  steps trained before the fragment first arrived, a delta the syncer's direction check
-  left out of its merge).
+* ``dropped``: thrown away on purpose by the learner (a norm-guard reset, the paper's
+  overwrite rule, the steps trained before the fragment first arrived);
+* ``excluded``: in a delta the syncer accepted and then left out of its round's merge (its
+  direction check): never merged.
 
 ``Learner.accounting()`` returns it; ``balanced`` checks the identity. A checker that reads
 the syncer's event tape finds the same ``merged`` steps in its ``round`` records (the
@@ -30,15 +31,14 @@ class Accounting:
     in_flight: tuple[int, ...]
     unsent: tuple[int, ...]
     dropped: tuple[int, ...]
+    excluded: tuple[int, ...]
 
     def balanced(self) -> bool:
-        """Every trained step of every fragment is in exactly one of the four columns."""
-        return all(
-            m + f + u + d == self.trained
-            for m, f, u, d in zip(
-                self.merged, self.in_flight, self.unsent, self.dropped, strict=True
-            )
+        """Every trained step of every fragment is in exactly one of the five columns."""
+        columns = zip(
+            self.merged, self.in_flight, self.unsent, self.dropped, self.excluded, strict=True
         )
+        return all(sum(c) == self.trained for c in columns)
 
     def to_dict(self) -> dict:
         return {
@@ -47,4 +47,5 @@ class Accounting:
             "in_flight": list(self.in_flight),
             "unsent": list(self.unsent),
             "dropped": list(self.dropped),
+            "excluded": list(self.excluded),
         }

@@ -141,10 +141,12 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self.tokens_since = [0] * P
         self.dropped = [0] * P
         """Per fragment, trained steps thrown away on purpose (a norm-guard reset, the
-        paper's overwrite rule, a delta the syncer left out of its merge): every trained
-        step is merged, in flight, unsent, or counted here (``accounting``)."""
+        paper's overwrite rule): every trained step is merged, in flight, unsent, excluded
+        or counted here (``accounting``)."""
         self.merged_steps = [0] * P
         """Per fragment, trained steps in deltas merged back (``accounting``)."""
+        self.excluded_steps = [0] * P
+        """Per fragment, trained steps in deltas the syncer left out of their merges."""
         self._merged_recent: OrderedDict[int, tuple[int, int]] = OrderedDict()
         """Upload id -> (fragment, steps) of the last ``MERGED_REMEMBERED`` merged deltas."""
         self._upload_ids = itertools.count(secrets.randbits(40) << 20)
@@ -346,10 +348,10 @@ class Learner(LinkCallbacks, Stopping, Restoring):
 
     def _count_merged(self, p: int, entries) -> None:
         """Count deltas that left the ledger with version ``p``'s arrival: merged, or
-        dropped when the syncer said its direction check left them out."""
+        excluded when the syncer said its direction check left them out."""
         for e in entries:
             if e.excluded:
-                self.dropped[p] += e.steps
+                self.excluded_steps[p] += e.steps
                 self.counters["excluded"] += 1
                 continue
             self.merged_steps[p] += e.steps
@@ -362,7 +364,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
     def _on_dropped(self, note: Dropped) -> None:
         """The syncer left these uploads out of their rounds' merges: an entry still on the
         ledger is marked (dropped when its version arrives), one already counted as merged
-        is moved to dropped. Ids this learner does not know (or took care of) are ignored."""
+        is moved to excluded. Ids this learner does not know (or took care of) are ignored."""
         for upload_id in note.upload_ids:
             entry = self._ledger.find_upload(upload_id)
             if entry is not None:
@@ -372,7 +374,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             if known is not None:
                 p, steps = known
                 self.merged_steps[p] -= steps
-                self.dropped[p] += steps
+                self.excluded_steps[p] += steps
                 self.counters["merged"] -= 1
                 self.counters["excluded"] += 1
 
@@ -546,6 +548,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             tuple(in_flight),
             tuple(unsent),
             tuple(self.dropped),
+            tuple(self.excluded_steps),
         )
 
     def in_flight(self) -> dict[int, int]:

@@ -32,6 +32,7 @@ class Restoring:
             "ledger": self._ledger.state(),
             "merged_steps": list(self.merged_steps),
             "dropped": list(self.dropped),
+            "excluded_steps": list(self.excluded_steps),
             "syncer_ids": dict(self._syncer_ids),
             "layout_hash": self.layout.hash,
         }
@@ -77,4 +78,5 @@ class Restoring:
         self._ledger.load(state.get("ledger", []), [f.numel for f in self.layout.fragments])
         self.merged_steps = [int(v) for v in state.get("merged_steps", [0] * P)]
         self.dropped = [int(v) for v in state.get("dropped", [0] * P)]
+        self.excluded_steps = [int(v) for v in state.get("excluded_steps", [0] * P)]
         self._syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}
