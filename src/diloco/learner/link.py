@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
+FIRST_BACKOFF_S = 0.1
+"""The first pause before reconnecting (then doubled while joins fail; ``_link_loop``)."""
 
 
 @dataclass
@@ -219,11 +221,15 @@ class SyncerLink:
 
     # ---------------------------------------------------------------- threads
     def _link_loop(self) -> None:
-        backoff = 0.1
+        """Join, listen, and when the link ends retry with a backoff that doubles (up to
+        ``max_backoff_s``) while joins fail and starts over once one succeeded: a link lost
+        after a successful (re)join (a syncer killed again) retries at once, not after the
+        backoff grown while the syncer was down before."""
+        backoff = FIRST_BACKOFF_S
         while not self._closing.is_set():
+            joins = self.stats.connects
             try:
                 self._connect_and_listen()
-                backoff = 0.1
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if (
@@ -253,6 +259,8 @@ class SyncerLink:
                 log.warning("link error: %r", exc)
             self.connected.clear()
             self._end_channels(forget=True)
+            if self.stats.connects > joins:  # joined this time: start over
+                backoff = FIRST_BACKOFF_S
             if self._closing.wait(backoff):
                 return
             backoff = min(backoff * 2, self.max_backoff_s)
