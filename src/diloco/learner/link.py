@@ -26,7 +26,7 @@ from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.corrupt import Corruptor
-from diloco.learner.pacing import UploadMeter, backlog_seconds
+from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
 from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -93,7 +93,9 @@ class SyncerLink:
         said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused join).
         The default insists that this one syncer owns every fragment, so a learner given a
         single shard of a sharded syncer fails with a clear error (``diloco.learner.shards``
-        passes its own check when it fans out to several shards)."""
+        passes its own check when it fans out to several shards). ``rpc_timeout_s``: the
+        deadline of a join, and the least an upload gets (a big upload on a slow link gets
+        more: ``diloco.learner.pacing.upload_deadline_s``)."""
         self.address = address
         self.learner_id = learner_id
         self.layout = layout
@@ -470,9 +472,10 @@ class SyncerLink:
                     upload_id=job.upload_id,
                 )
 
-        self.meter.began(len(payload))
         try:
-            reply = stub.Upload(chunks(), timeout=self.rpc_timeout_s, metadata=self.metadata)
+            deadline = upload_deadline_s(len(payload), self.meter.rate_Bps, self.rpc_timeout_s)
+            self.meter.began(len(payload))
+            reply = stub.Upload(chunks(), timeout=deadline, metadata=self.metadata)
         except grpc.RpcError as exc:
             self.meter.ended(delivered=False)
             code = exc.code() if hasattr(exc, "code") else None
