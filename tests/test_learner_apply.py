@@ -315,3 +315,33 @@ def test_a_copy_that_lands_later_makes_the_delta_as_of_when_it_was_taken():
         assert (job.steps, job.tokens, job.base_version) == (5, 50, 2)
     finally:
         learner.close(flush=False)
+
+
+def test_versions_waiting_for_an_answer_are_held_as_a_bounded_exact_chain():
+    """A delta of p on the wire and no answer (a slow link): every version of p that arrives
+    waits. The waiting chain is coalesced exactly into one entry (bounded memory), and once
+    applied the learner holds bit for bit the value the whole chain gives."""
+    from diloco.learner.inbox import MAX_WAITING_CHAIN
+
+    model, learner = make_learner()
+    try:
+        v0 = torch.randn(12)
+        start(model, learner, v0)
+        train(model, learner, 1.0)
+        learner._queue(0)
+        job = queued_job(learner)  # on the wire, no answer
+        expected = v0
+        gen = torch.Generator().manual_seed(1)
+        for v in range(2, 52):
+            d = torch.randn(12, generator=gen) * 1e-3
+            expected = expected + d
+            learner._on_fragment(0, v, d, frozenset({f"l{v % 3}"}), v - 1)
+            learner.step(tokens=10)
+            assert learner.versions[0] == 1  # waits for the answer
+            assert len(learner._inbox._arrived[0]) <= MAX_WAITING_CHAIN + 1
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+        learner.apply_arrived()
+        assert learner.versions[0] == 51 and torch.equal(learner.anchors[0], expected)
+        assert learner._ledger.find(0, job.job_id) is None  # merged back
+    finally:
+        learner.close(flush=False)

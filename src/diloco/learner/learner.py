@@ -40,7 +40,7 @@ from diloco.algorithm.fragments import (
 from diloco.learner.callbacks import LinkCallbacks
 from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
-from diloco.learner.inbox import Inbox, Rejoin
+from diloco.learner.inbox import Inbox, Rejoin, bounded, follow
 from diloco.learner.ledger import Ledger, Outgoing
 from diloco.learner.link import UploadJob
 from diloco.learner.pacing import Pace
@@ -255,7 +255,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         it). With ``rebase_foreign`` off (a merge without ours) or ``rebase_own`` off (with
         ours) the paper's rule: overwrite, ``θ ← G' − Σ ledger`` (α-mixed by ``alpha``),
         counters 0. An arrival that does not fit the value held is dropped and the fragment
-        resynced (a keyframe is asked for).
+        resynced (a keyframe is asked for). A waiting chain longer than ``MAX_WAITING_CHAIN``
+        is kept as the one value it gives (``inbox.bounded``).
         """
         arrived = self._inbox.take_arrived()
         # Taken after the arrivals: a job still queued now was not on the wire when any of
@@ -270,7 +271,9 @@ class Learner(LinkCallbacks, Stopping, Restoring):
                 waiting[p] = chain  # on the wire: its answer says whether these merged it
             else:
                 ready[p] = chain
-        self._inbox.put_back(waiting)
+        self._inbox.put_back(
+            {p: bounded(chain, self.versions[p], self.anchors[p]) for p, chain in waiting.items()}
+        )
         self.last_applied, self._reset_now = sorted(self._reset_now), set()
         self._touch(ready)
         with torch.no_grad():
@@ -289,17 +292,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         return len(self.last_applied)
 
     def _follow(self, p: int, chain) -> tuple[int, torch.Tensor] | None:
-        """The value at the end of ``chain`` on top of what this learner holds, or ``None``
-        if a delta does not start from the version it holds (exactly as the syncer adds)."""
-        version, value = self.versions[p], self.anchors[p]
-        for v, base, tensor, _ in chain:
-            if base < 0:
-                version, value = v, tensor
-            elif value is not None and base == version:
-                version, value = v, value + tensor
-            else:
-                return None
-        return (version, value) if value is not None else None
+        """The value at the end of ``chain`` on top of what this learner holds (``follow``)."""
+        return follow(chain, self.versions[p], self.anchors[p])
 
     def _apply(self, p: int, version: int, value: torch.Tensor) -> None:
         held = self.anchors[p]
