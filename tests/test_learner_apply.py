@@ -317,6 +317,43 @@ def test_a_copy_that_lands_later_makes_the_delta_as_of_when_it_was_taken():
         learner.close(flush=False)
 
 
+def test_a_guard_reset_drops_a_snapshot_whose_copy_is_still_on_its_way():
+    """CUDA (diloco.learner.snapshot): a norm-guard reset while p's copy to the host is in
+    flight. The reset throws away all progress beyond ``G − ledger``, the snapshot's too: its
+    delta, made later from the pre-reset θ, would go out and the next delta would carry its
+    reverse."""
+    from diloco.learner.snapshot import HostCopy
+
+    model, learner = make_learner()
+    try:
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 1.0, steps=2)
+        learner._queue(0)
+        refused = queued_job(learner)  # on the wire, no answer yet
+        event = HeldEvent()
+        learner._host_copies.take = lambda p: HostCopy(
+            learner.layout.gather(p, learner.params), event
+        )
+        train(model, learner, 0.5, steps=2)
+        assert learner._queue(0) and 0 in learner._copying
+        learner._on_result(refused, UploadResult("guard"))
+        learner.apply_arrived()  # the reset: θ back to G
+        assert torch.equal(weight(model), torch.zeros(12))
+        event.landed = True
+        learner._send_copied()
+        jobs = []
+        job = learner.link.withdraw(0)
+        if job is not None:
+            jobs.append(job)  # sent: the next delta is made against it
+        train(model, learner, 0.25, steps=1)
+        assert learner._queue(0)
+        jobs.append(queued_job(learner))
+        assert [(j.steps, j.delta.tolist()) for j in jobs] == [(1, [-0.25] * 12)]
+        assert learner.dropped[0] == 4 and learner.unsent() == [1]  # 5 trained in all
+    finally:
+        learner.close(flush=False)
+
+
 def test_versions_waiting_for_an_answer_are_held_as_a_bounded_exact_chain():
     """A delta of p on the wire and no answer (a slow link): every version of p that arrives
     waits. The waiting chain is coalesced exactly into one entry (bounded memory), and once

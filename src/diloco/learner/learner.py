@@ -335,12 +335,17 @@ class Learner(LinkCallbacks, Stopping, Restoring):
 
     def _reset(self, p: int) -> bool:
         """After the syncer's norm guard refused a delta of ``p``: drop the fragment's
-        undelivered progress (back to ``G_p − Σ ledger``, counters 0). The delta only grows
+        undelivered progress (back to ``G_p − Σ ledger``, counters 0), and a snapshot of ``p``
+        whose copy to the host is still on its way with it (its delta would be made from the θ
+        thrown away, and the next delta would carry its reverse). The delta only grows
         while it is refused, so without this an honest learner whose delta once looked too
         large (a fragment not synced for many steps) would never be accepted again; a learner
         with corrupt values is brought back the same way. Returns whether ``p`` changed."""
         if self.anchors[p] is None:
             return False
+        snapshot = self._copying.pop(p, None)  # its θ is thrown away too: so is its delta
+        if snapshot is not None:
+            self.dropped[p] += snapshot.steps
         self._overwrite(p, self.anchors[p])
         self._awaited.pop(p, None)
         self.guard_resets += 1
