@@ -317,6 +317,33 @@ def test_a_copy_that_lands_later_makes_the_delta_as_of_when_it_was_taken():
         learner.close(flush=False)
 
 
+def undelivered(model, learner):
+    """``u = (G − Σ ledger) − θ`` of fragment 0."""
+    on_its_way = learner._ledger.on_its_way(0)
+    held = learner.anchors[0] - (on_its_way if on_its_way is not None else 0)
+    return held - weight(model)
+
+
+def test_the_quantization_residual_survives_a_merge_applied_in_the_same_step():
+    """Accepted, the ledger keeps what the syncer decoded: the residual ``delta − sent`` is
+    undelivered progress although no step was trained since (``steps_since`` 0). A version
+    applied right after (same step) must keep it, not overwrite it (error feedback)."""
+    model, learner = make_learner()
+    try:
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 1.0)
+        learner._queue(0)
+        job = queued_job(learner)
+        sent = job.delta * 0.9  # the syncer decoded less than was queued
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+        learner._on_fragment(0, 2, torch.full((12,), 3.0), frozenset({"me"}))
+        learner.apply_arrived()  # settles the acceptance, then applies version 2
+        assert learner.versions[0] == 2 and learner.steps_since[0] == 0
+        assert torch.allclose(undelivered(model, learner), job.delta - sent)
+    finally:
+        learner.close(flush=False)
+
+
 def test_a_guard_reset_drops_a_snapshot_whose_copy_is_still_on_its_way():
     """CUDA (diloco.learner.snapshot): a norm-guard reset while p's copy to the host is in
     flight. The reset throws away all progress beyond ``G − ledger``, the snapshot's too: its

@@ -141,6 +141,10 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self._syncer_ids: dict[str, str] = {}
         """The syncer instance (per address) this learner's ledger was admitted by."""
         self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
+        self._residual: set[int] = set()
+        """Fragments whose undelivered progress holds the quantization residual of an accepted
+        delta (decoded other than queued), though maybe no step: a new value is rebased onto
+        it, never written over (``_apply``), until it goes out or is dropped."""
         self._copying: dict[int, Snapshot] = {}
         """Fragments queued whose parameters are still on their way to the host (a CUDA
         learner, ``diloco.learner.snapshot``): their delta is made when the copy lands."""
@@ -303,8 +307,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         rebase = self.config.rebase_own if own else self.config.rebase_foreign
         if held is None:
             self.layout.scatter(p, value, self.params)
-        elif rebase and self.steps_since[p] == 0:  # no undelivered progress: exactly G' − ledger
-            self._overwrite(p, value)
+        elif rebase and self.steps_since[p] == 0 and p not in self._residual:
+            self._overwrite(p, value)  # no undelivered progress: exactly G' − ledger
         elif rebase:
             shift = value - held
             for e in merged:
@@ -332,6 +336,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             self.dropped[p] += self.steps_since[p]
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
+        self._residual.discard(p)
 
     def _reset(self, p: int) -> bool:
         """After the syncer's norm guard refused a delta of ``p``: drop the fragment's
@@ -369,6 +374,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             if entry is None:
                 continue
             if result.outcome == "accepted":
+                if not torch.equal(entry.delta, result.sent):
+                    self._residual.add(job.fragment)  # error feedback: delta − sent is in u_p
                 entry.admitted, entry.delta = result.admitted, result.sent
                 continue
             self._return(job.fragment, entry)
@@ -419,6 +426,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         )
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
+        self._residual.discard(p)  # it goes out in this delta
         self._awaited.setdefault(p, (self.local_step, self.versions[p]))
         if snapshot.copy.ready():
             self._send(p, snapshot)
