@@ -344,6 +344,22 @@ def test_the_quantization_residual_survives_a_merge_applied_in_the_same_step():
         learner.close(flush=False)
 
 
+def test_steps_before_the_first_arrival_are_dropped_by_it():
+    """The first arrival of a fragment overwrites the learner's own initial values: the steps
+    trained on them are thrown away (``dropped``), not sent as weight without a delta."""
+    model, learner = make_learner()
+    try:
+        for _ in range(3):
+            learner.step(tokens=10)  # nothing is sent: the fragment was never received
+        learner._on_fragment(0, 1, torch.arange(12.0), frozenset())
+        learner.apply_arrived()
+        assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
+        assert learner.dropped[0] == 3
+        assert learner.local_step == learner.unsent()[0] + learner.dropped[0]  # none merged
+    finally:
+        learner.close(flush=False)
+
+
 def test_a_guard_reset_drops_a_snapshot_whose_copy_is_still_on_its_way():
     """CUDA (diloco.learner.snapshot): a norm-guard reset while p's copy to the host is in
     flight. The reset throws away all progress beyond ``G − ledger``, the snapshot's too: its

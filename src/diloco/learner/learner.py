@@ -258,9 +258,11 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         *merged* are this learner's accepted deltas the new version holds (admitted before
         it). With ``rebase_foreign`` off (a merge without ours) or ``rebase_own`` off (with
         ours) the paper's rule: overwrite, ``θ ← G' − Σ ledger`` (α-mixed by ``alpha``),
-        counters 0. An arrival that does not fit the value held is dropped and the fragment
-        resynced (a keyframe is asked for). A waiting chain longer than ``MAX_WAITING_CHAIN``
-        is kept as the one value it gives (``inbox.bounded``).
+        counters 0. The first value of a fragment overwrites the learner's own initial values:
+        the steps trained on them are thrown away (counted in ``dropped``, counters 0). An
+        arrival that does not fit the value held is dropped and the fragment resynced (a
+        keyframe is asked for). A waiting chain longer than ``MAX_WAITING_CHAIN`` is kept as
+        the one value it gives (``inbox.bounded``).
         """
         arrived = self._inbox.take_arrived()
         # Taken after the arrivals: a job still queued now was not on the wire when any of
@@ -305,8 +307,10 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self.counters["merged"] += len(merged)
         own = bool(merged)
         rebase = self.config.rebase_own if own else self.config.rebase_foreign
-        if held is None:
+        if held is None:  # over the learner's own initial values: their steps are lost
             self.layout.scatter(p, value, self.params)
+            self.dropped[p] += self.steps_since[p]
+            self.steps_since[p] = self.tokens_since[p] = 0
         elif rebase and self.steps_since[p] == 0 and p not in self._residual:
             self._overwrite(p, value)  # no undelivered progress: exactly G' − ledger
         elif rebase:
