@@ -342,6 +342,33 @@ def test_an_answer_is_settled_before_a_rejoin_reported_after_it():
         learner.close(flush=False)
 
 
+def undelivered(model, learner):
+    """``u = (G − Σ ledger) − θ`` of fragment 0."""
+    on_its_way = learner._ledger.on_its_way(0)
+    held = learner.anchors[0] - (on_its_way if on_its_way is not None else 0)
+    return held - weight(model)
+
+
+def test_the_quantization_residual_survives_a_merge_applied_in_the_same_step():
+    """Accepted, the ledger keeps what the syncer decoded: the residual ``delta − sent`` is
+    undelivered progress although no step was trained since (``steps_since`` 0). A version
+    applied right after (same step) must keep it, not overwrite it (error feedback)."""
+    model, learner = make_learner()
+    try:
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 1.0)
+        learner._queue(0)
+        job = queued_job(learner)
+        sent = job.delta * 0.9  # the syncer decoded less than was queued
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+        learner._on_fragment(0, 2, torch.full((12,), 3.0), frozenset({"me"}))
+        learner.apply_arrived()  # settles the acceptance, then applies version 2
+        assert learner.versions[0] == 2 and learner.steps_since[0] == 0
+        assert torch.allclose(undelivered(model, learner), job.delta - sent)
+    finally:
+        learner.close(flush=False)
+
+
 def accepted_then_version_two(model, learner, *, note_first: bool):
     """Queue 4 steps of fragment 0, have them accepted at version 1, the syncer's note that
     it left them out of the merge (before or after version 2 is applied), and version 2."""
@@ -378,3 +405,86 @@ def test_a_delta_the_syncer_left_out_is_counted_as_dropped_not_merged():
             assert learner.counters["excluded"] == 1 and learner.counters["merged"] == 0
         finally:
             learner.close(flush=False)
+
+
+def test_steps_before_the_first_arrival_are_dropped_by_it():
+    """The first arrival of a fragment overwrites the learner's own initial values: the steps
+    trained on them are thrown away (``dropped``), not sent as weight without a delta."""
+    model, learner = make_learner()
+    try:
+        for _ in range(3):
+            learner.step(tokens=10)  # nothing is sent: the fragment was never received
+        learner._on_fragment(0, 1, torch.arange(12.0), frozenset())
+        learner.apply_arrived()
+        assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
+        assert learner.dropped[0] == 3
+        assert learner.local_step == learner.unsent()[0] + learner.dropped[0]  # none merged
+    finally:
+        learner.close(flush=False)
+
+
+def test_a_guard_reset_drops_a_snapshot_whose_copy_is_still_on_its_way():
+    """CUDA (diloco.learner.snapshot): a norm-guard reset while p's copy to the host is in
+    flight. The reset throws away all progress beyond ``G − ledger``, the snapshot's too: its
+    delta, made later from the pre-reset θ, would go out and the next delta would carry its
+    reverse."""
+    from diloco.learner.snapshot import HostCopy
+
+    model, learner = make_learner()
+    try:
+        start(model, learner, torch.zeros(12))
+        train(model, learner, 1.0, steps=2)
+        learner._queue(0)
+        refused = queued_job(learner)  # on the wire, no answer yet
+        event = HeldEvent()
+        learner._host_copies.take = lambda p: HostCopy(
+            learner.layout.gather(p, learner.params), event
+        )
+        train(model, learner, 0.5, steps=2)
+        assert learner._queue(0) and 0 in learner._copying
+        learner._on_result(refused, UploadResult("guard"))
+        learner.apply_arrived()  # the reset: θ back to G
+        assert torch.equal(weight(model), torch.zeros(12))
+        event.landed = True
+        learner._send_copied()
+        jobs = []
+        job = learner.link.withdraw(0)
+        if job is not None:
+            jobs.append(job)  # sent: the next delta is made against it
+        train(model, learner, 0.25, steps=1)
+        assert learner._queue(0)
+        jobs.append(queued_job(learner))
+        assert [(j.steps, j.delta.tolist()) for j in jobs] == [(1, [-0.25] * 12)]
+        assert learner.dropped[0] == 4 and learner.unsent() == [1]  # 5 trained in all
+    finally:
+        learner.close(flush=False)
+
+
+def test_versions_waiting_for_an_answer_are_held_as_a_bounded_exact_chain():
+    """A delta of p on the wire and no answer (a slow link): every version of p that arrives
+    waits. The waiting chain is coalesced exactly into one entry (bounded memory), and once
+    applied the learner holds bit for bit the value the whole chain gives."""
+    from diloco.learner.inbox import MAX_WAITING_CHAIN
+
+    model, learner = make_learner()
+    try:
+        v0 = torch.randn(12)
+        start(model, learner, v0)
+        train(model, learner, 1.0)
+        learner._queue(0)
+        job = queued_job(learner)  # on the wire, no answer
+        expected = v0
+        gen = torch.Generator().manual_seed(1)
+        for v in range(2, 52):
+            d = torch.randn(12, generator=gen) * 1e-3
+            expected = expected + d
+            learner._on_fragment(0, v, d, frozenset({f"l{v % 3}"}), v - 1)
+            learner.step(tokens=10)
+            assert learner.versions[0] == 1  # waits for the answer
+            assert len(learner._inbox._arrived[0]) <= MAX_WAITING_CHAIN + 1
+        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+        learner.apply_arrived()
+        assert learner.versions[0] == 51 and torch.equal(learner.anchors[0], expected)
+        assert learner._ledger.find(0, job.job_id) is None  # merged back
+    finally:
+        learner.close(flush=False)

@@ -17,6 +17,41 @@ import torch
 Chain = list[tuple[int, int, torch.Tensor, frozenset[str]]]
 """``(version, base_version, tensor, contributors)`` in stream order; base -1: a keyframe."""
 
+MAX_WAITING_CHAIN = 4
+"""A chain that waits (its fragment has a delta on the wire without an answer) longer than
+this is kept as the one value it gives (``bounded``): a slow upload must not let a
+fragment's versions pile up as fp32 deltas without bound."""
+
+
+def follow(
+    chain: Chain, version: int, value: torch.Tensor | None
+) -> tuple[int, torch.Tensor] | None:
+    """The version and value at the end of ``chain`` on top of ``value`` at ``version`` (what
+    the learner holds), adding each delta in turn exactly as the syncer added it; ``None`` if
+    a delta does not start from the version before it (or nothing is held to add it to)."""
+    for v, base, tensor, _ in chain:
+        if base < 0:
+            version, value = v, tensor
+        elif value is not None and base == version:
+            version, value = v, value + tensor
+        else:
+            return None
+    return (version, value) if value is not None else None
+
+
+def bounded(chain: Chain, version: int, value: torch.Tensor | None) -> Chain:
+    """``chain``, or when longer than ``MAX_WAITING_CHAIN`` one keyframe-like entry: the value
+    it gives on top of ``value`` at ``version`` (``follow``: bit for bit what applying the
+    chain gives), its contributors unioned. A chain that does not fit is kept as it is (it
+    is resynced when applied)."""
+    if len(chain) <= MAX_WAITING_CHAIN:
+        return chain
+    followed = follow(chain, version, value)
+    if followed is None:
+        return chain
+    contributors = frozenset().union(*(item[3] for item in chain))
+    return [(followed[0], -1, followed[1], contributors)]
+
 
 @dataclass(frozen=True)
 class Rejoin:

@@ -44,7 +44,7 @@ from diloco.learner.accounting import Accounting
 from diloco.learner.callbacks import LinkCallbacks
 from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
-from diloco.learner.inbox import Dropped, Inbox, Rejoin
+from diloco.learner.inbox import Dropped, Inbox, Rejoin, bounded, follow
 from diloco.learner.ledger import Ledger, Outgoing
 from diloco.learner.link import UploadJob
 from diloco.learner.pacing import Pace
@@ -158,6 +158,10 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self._syncer_ids: dict[str, str] = {}
         """The syncer instance (per address) this learner's ledger was admitted by."""
         self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
+        self._residual: set[int] = set()
+        """Fragments whose undelivered progress holds the quantization residual of an accepted
+        delta (decoded other than queued), though maybe no step: a new value is rebased onto
+        it, never written over (``_apply``), until it goes out or is dropped."""
         self._copying: dict[int, Snapshot] = {}
         """Fragments queued whose parameters are still on their way to the host (a CUDA
         learner, ``diloco.learner.snapshot``): their delta is made when the copy lands."""
@@ -279,8 +283,11 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         *merged* are this learner's accepted deltas the new version holds (admitted before
         it). With ``rebase_foreign`` off (a merge without ours) or ``rebase_own`` off (with
         ours) the paper's rule: overwrite, ``θ ← G' − Σ ledger`` (α-mixed by ``alpha``),
-        counters 0. An arrival that does not fit the value held is dropped and the fragment
-        resynced (a keyframe is asked for).
+        counters 0. The first value of a fragment overwrites the learner's own initial values:
+        the steps trained on them are thrown away (counted in ``dropped``, counters 0). An
+        arrival that does not fit the value held is dropped and the fragment resynced (a
+        keyframe is asked for). A waiting chain longer than ``MAX_WAITING_CHAIN`` is kept as
+        the one value it gives (``inbox.bounded``).
         """
         arrived = self._inbox.take_arrived()
         # Taken after the arrivals: a job still queued now was not on the wire when any of
@@ -295,7 +302,9 @@ class Learner(LinkCallbacks, Stopping, Restoring):
                 waiting[p] = chain  # on the wire: its answer says whether these merged it
             else:
                 ready[p] = chain
-        self._inbox.put_back(waiting)
+        self._inbox.put_back(
+            {p: bounded(chain, self.versions[p], self.anchors[p]) for p, chain in waiting.items()}
+        )
         self.last_applied, self._reset_now = sorted(self._reset_now), set()
         self._touch(ready)
         with torch.no_grad():
@@ -314,17 +323,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         return len(self.last_applied)
 
     def _follow(self, p: int, chain) -> tuple[int, torch.Tensor] | None:
-        """The value at the end of ``chain`` on top of what this learner holds, or ``None``
-        if a delta does not start from the version it holds (exactly as the syncer adds)."""
-        version, value = self.versions[p], self.anchors[p]
-        for v, base, tensor, _ in chain:
-            if base < 0:
-                version, value = v, tensor
-            elif value is not None and base == version:
-                version, value = v, value + tensor
-            else:
-                return None
-        return (version, value) if value is not None else None
+        """The value at the end of ``chain`` on top of what this learner holds (``follow``)."""
+        return follow(chain, self.versions[p], self.anchors[p])
 
     def _apply(self, p: int, version: int, value: torch.Tensor) -> None:
         held = self.anchors[p]
@@ -332,10 +332,12 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self._count_merged(p, merged)
         own = bool(merged)
         rebase = self.config.rebase_own if own else self.config.rebase_foreign
-        if held is None:
+        if held is None:  # over the learner's own initial values: their steps are lost
             self.layout.scatter(p, value, self.params)
-        elif rebase and self.steps_since[p] == 0:  # no undelivered progress: exactly G' − ledger
-            self._overwrite(p, value)
+            self.dropped[p] += self.steps_since[p]
+            self.steps_since[p] = self.tokens_since[p] = 0
+        elif rebase and self.steps_since[p] == 0 and p not in self._residual:
+            self._overwrite(p, value)  # no undelivered progress: exactly G' − ledger
         elif rebase:
             shift = value - held
             for e in merged:
@@ -395,15 +397,21 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             self.dropped[p] += self.steps_since[p]
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
+        self._residual.discard(p)
 
     def _reset(self, p: int) -> bool:
         """After the syncer's norm guard refused a delta of ``p``: drop the fragment's
-        undelivered progress (back to ``G_p − Σ ledger``, counters 0). The delta only grows
+        undelivered progress (back to ``G_p − Σ ledger``, counters 0), and a snapshot of ``p``
+        whose copy to the host is still on its way with it (its delta would be made from the θ
+        thrown away, and the next delta would carry its reverse). The delta only grows
         while it is refused, so without this an honest learner whose delta once looked too
         large (a fragment not synced for many steps) would never be accepted again; a learner
         with corrupt values is brought back the same way. Returns whether ``p`` changed."""
         if self.anchors[p] is None:
             return False
+        snapshot = self._copying.pop(p, None)  # its θ is thrown away too: so is its delta
+        if snapshot is not None:
+            self.dropped[p] += snapshot.steps
         self._overwrite(p, self.anchors[p])
         self._awaited.pop(p, None)
         self.guard_resets += 1
@@ -431,6 +439,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             if entry is None:
                 continue
             if result.outcome == "accepted":
+                if not torch.equal(entry.delta, result.sent):
+                    self._residual.add(job.fragment)  # error feedback: delta − sent is in u_p
                 entry.admitted, entry.delta = result.admitted, result.sent
                 continue
             self._return(job.fragment, entry)
@@ -481,6 +491,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         )
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
+        self._residual.discard(p)  # it goes out in this delta
         self._awaited.setdefault(p, (self.local_step, self.versions[p]))
         if snapshot.copy.ready():
             self._send(p, snapshot)

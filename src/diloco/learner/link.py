@@ -26,7 +26,7 @@ from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.corrupt import Corruptor
-from diloco.learner.pacing import UploadMeter, backlog_seconds
+from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
 from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
+FIRST_BACKOFF_S = 0.1
+"""The first pause before reconnecting (then doubled while joins fail; ``_link_loop``)."""
 
 
 @dataclass
@@ -92,7 +94,9 @@ class SyncerLink:
         said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused join).
         The default insists that this one syncer owns every fragment, so a learner given a
         single shard of a sharded syncer fails with a clear error (``diloco.learner.shards``
-        passes its own check when it fans out to several shards)."""
+        passes its own check when it fans out to several shards). ``rpc_timeout_s``: the
+        deadline of a join, and the least an upload gets (a big upload on a slow link gets
+        more: ``diloco.learner.pacing.upload_deadline_s``)."""
         self.address = address
         self.learner_id = learner_id
         self.layout = layout
@@ -220,11 +224,15 @@ class SyncerLink:
 
     # ---------------------------------------------------------------- threads
     def _link_loop(self) -> None:
-        backoff = 0.1
+        """Join, listen, and when the link ends retry with a backoff that doubles (up to
+        ``max_backoff_s``) while joins fail and starts over once one succeeded: a link lost
+        after a successful (re)join (a syncer killed again) retries at once, not after the
+        backoff grown while the syncer was down before."""
+        backoff = FIRST_BACKOFF_S
         while not self._closing.is_set():
+            joins = self.stats.connects
             try:
                 self._connect_and_listen()
-                backoff = 0.1
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if (
@@ -254,6 +262,8 @@ class SyncerLink:
                 log.warning("link error: %r", exc)
             self.connected.clear()
             self._end_channels(forget=True)
+            if self.stats.connects > joins:  # joined this time: start over
+                backoff = FIRST_BACKOFF_S
             if self._closing.wait(backoff):
                 return
             backoff = min(backoff * 2, self.max_backoff_s)
@@ -467,9 +477,10 @@ class SyncerLink:
                     upload_id=job.upload_id,
                 )
 
-        self.meter.began(len(payload))
         try:
-            reply = stub.Upload(chunks(), timeout=self.rpc_timeout_s, metadata=self.metadata)
+            deadline = upload_deadline_s(len(payload), self.meter.rate_Bps, self.rpc_timeout_s)
+            self.meter.began(len(payload))
+            reply = stub.Upload(chunks(), timeout=deadline, metadata=self.metadata)
         except grpc.RpcError as exc:
             self.meter.ended(delivered=False)
             code = exc.code() if hasattr(exc, "code") else None

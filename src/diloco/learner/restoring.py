@@ -28,6 +28,7 @@ class Restoring:
             "versions": list(self.versions),
             "steps_since": list(self.steps_since),
             "tokens_since": list(self.tokens_since),
+            "residual": sorted(self._residual),
             "anchors": [a.clone() if a is not None else torch.empty(0) for a in self.anchors],
             "ledger": self._ledger.state(),
             "merged_steps": list(self.merged_steps),
@@ -68,6 +69,7 @@ class Restoring:
         self.versions = [int(v) for v in state["versions"]]
         self.steps_since = [int(v) for v in state["steps_since"]]
         self.tokens_since = [int(v) for v in state["tokens_since"]]
+        self._residual = {int(p) for p in state.get("residual", ()) if 0 <= int(p) < P}
         self.anchors = [
             a.clone() if v >= 0 and a.numel() == self.layout.fragments[p].numel else None
             for p, (a, v) in enumerate(zip(state["anchors"], self.versions, strict=True))
