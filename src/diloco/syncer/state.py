@@ -32,6 +32,7 @@ from diloco.algorithm.guard import (
     check_norm,
     consensus_cosines,
     plausible_steps,
+    secret_generator,
 )
 from diloco.algorithm.merge import cap_weights, is_embedding_name
 from diloco.algorithm.outer import NesterovOuter, round_share
@@ -489,7 +490,7 @@ class SyncerState(LearnerRoster):
             suspects = {c.learner_id for c in contribs if is_suspect(self._verdicts(c.learner_id))}
             kept = [c for c in contribs if c.learner_id not in suspects]
             return kept, dict.fromkeys(sorted(suspects), "suspect"), {}
-        cosines = consensus_cosines([c.delta for c in contribs])
+        cosines = consensus_cosines([c.delta for c in contribs], secret_generator())
         by_id = {c.learner_id: round(cos, 4) for c, cos in zip(contribs, cosines, strict=True)}
         kept = [c for c in contribs if by_id[c.learner_id] >= floor]
         if not kept:
