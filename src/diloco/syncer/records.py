@@ -99,6 +99,8 @@ class Contribution:
     increments: int = 1
     """Uploads summed into this contribution (a late one and the answer to this round)."""
     final: bool = False
+    norm: float = 0.0
+    """``‖delta‖``; summed from increments, the sum of their norms (an upper bound)."""
 
     @property
     def weight(self) -> float:
@@ -116,6 +118,7 @@ class Contribution:
         self.arrived_at = other.arrived_at
         self.nbytes += other.nbytes
         self.increments += other.increments
+        self.norm += other.norm
         self.final = self.final or other.final
 
 

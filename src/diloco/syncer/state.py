@@ -218,6 +218,7 @@ class SyncerState(LearnerRoster):
             now,
             nbytes,
             final=final,
+            norm=norm,
         )
         self._into_round(fragment, contribution, now)
         info.contributions += 1
@@ -530,6 +531,7 @@ class SyncerState(LearnerRoster):
         """Take the outer step of a closed round with its merged delta: the new version."""
         fragment, round_, contribs = closing.fragment, closing.round, closing.contributions
         self.last_commit_at[fragment] = now
+        param_norm = self._param_norm(fragment)  # ‖Θ_p‖ the round's norms were judged by
         self.outer.step(fragment, self.params[fragment], merged)
         self._param_norms.pop(fragment, None)
         self.versions[fragment] += 1
@@ -543,6 +545,8 @@ class SyncerState(LearnerRoster):
             "weights": [round(w, 6) for w in closing.weights],
             "staleness": [self.versions[fragment] - 1 - c.base_version for c in contribs],
             "steps": [c.steps for c in contribs],
+            "norms": [round(c.norm, 6) for c in contribs],
+            "param_norm": round(param_norm, 6),
             "tokens": sum(c.tokens for c in contribs),
             "tokens_by_learner": {c.learner_id: c.tokens for c in contribs},
             "bytes_up": sum(c.nbytes for c in contribs),
