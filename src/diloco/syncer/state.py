@@ -253,7 +253,8 @@ class SyncerState(LearnerRoster):
         """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,
         a fragment another shard owns, bad counters, a base version that is not committed, a
         norm the guard refuses (judged over the steps the syncer's clock makes plausible,
-        ``plausible_steps``). Returns the delta's norm."""
+        ``plausible_steps``, and with what the learner's contribution already holds in the
+        open round). Returns the delta's norm."""
         if info.observer:
             raise Refused("PERMISSION_DENIED", "observers cannot contribute")
         self.check_owned(fragment)
@@ -270,13 +271,18 @@ class SyncerState(LearnerRoster):
         steps = plausible_steps(
             counters["steps"], now - since, self.fleet_step_s(), slack=self.config.sync_every
         )
+        round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
+        earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
         verdict = check_norm(
             norm,
             steps,
             self.norms.reference(fragment, self.config.norm_guard_min_history),
             self._param_norm(fragment),
+            size_reference=self.norms.size_reference(fragment, self.config.norm_guard_min_history),
+            held=earlier.norm if earlier is not None else 0.0,
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
+            max_ratio=self.config.norm_guard_max_ratio,
             sync_every=self.config.sync_every if self.config.schedule == "syncer" else 0,
         )
         if not verdict.accept:
