@@ -65,7 +65,7 @@ def test_history_keeps_a_window_of_per_step_norms_per_fragment_and_learner():
     assert h.of(0) == {} and h.reference(0, min_history=1) is None
 
 
-def make_state(**cfg):
+def make_state(joined_at=0.0, **cfg):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
     layout = balanced_fragments(model.named_parameters(), 1)
@@ -82,7 +82,7 @@ def make_state(**cfg):
             layout_hash=layout.hash,
             num_fragments=1,
             observer=False,
-            now=0.0,
+            now=joined_at,
         )
     return state, layout
 
@@ -133,8 +133,80 @@ def test_the_fragment_bound_follows_the_steps_a_delta_covers():
     # 10 x ||theta|| at H steps, in proportion to the steps a delta covers, at least 1/4 of it
     assert check_norm(9.0, 24, None, 1.0, sync_every=24).accept
     assert not check_norm(9.0, 6, None, 1.0, sync_every=24).accept
-    assert check_norm(90.0, 240, None, 1.0, sync_every=24).accept  # many steps, a larger bound
-    assert not check_norm(101.0, 240, None, 1.0, sync_every=24).accept
+    assert check_norm(30.0, 72, None, 1.0, sync_every=24).accept  # many steps, a larger bound
+    assert not check_norm(30.1, 72, None, 1.0, sync_every=24).accept
+    # ... up to the ceiling max_ratio (32), whatever the steps: 100 x at 240 steps no longer
+    assert check_norm(31.9, 240, None, 1.0, sync_every=24).accept
+    assert not check_norm(90.0, 240, None, 1.0, sync_every=24).accept
     assert check_norm(2.4, 6, None, 1.0, sync_every=24).accept
     assert check_norm(2.4, 1, None, 1.0, sync_every=24).accept  # the floor: 1/4 of the bound
     assert check_norm(9.0, 6, None, 1.0).accept  # without H: the plain bound
+
+
+def test_no_claimed_step_count_lifts_a_delta_past_the_ceiling_or_the_fleets_sizes():
+    v = check_norm(33.0, 1 << 24, None, 1.0, sync_every=24)
+    assert not v.accept and "32 x the fragment's own norm" in v.reason
+    # With history, the size of the fragment's recent contributions bounds it (k = 20)
+    v = check_norm(9.0, 1 << 24, None, 1.0, size_reference=0.1, sync_every=24)
+    assert not v.accept and "whatever the steps" in v.reason
+    assert check_norm(1.9, 1 << 24, None, 1.0, size_reference=0.1, sync_every=24).accept
+    # An upload is judged with what the learner's contribution already holds in the round.
+    v = check_norm(1.9, 24, None, 1.0, size_reference=0.1, held=0.2)
+    assert not v.accept and "0.2 already in the round" in v.reason
+    v = check_norm(0.5, 1, None, 1.0, held=9.6, sync_every=24)  # 1/4 x 10 x 1.0 bound
+    assert not v.accept and "own norm" in v.reason
+
+
+def test_honest_deltas_at_the_measured_maxima_are_accepted():
+    # tiny recipe, 3 learners (2 slowed 3x): a first delta of 8.73 x its fragment's norm
+    # over 151 steps, before the fragment has any history; accepted whatever steps it claims
+    for steps in (151, 1 << 24):
+        assert check_norm(8.73, steps, None, 1.0, sync_every=24).accept
+    # tiny recipe, 2 learners: 3.64 x the largest median of the recent ones, over 259 steps
+    assert check_norm(3.64, 259, 0.01, 1.0, size_reference=1.0, sync_every=24).accept
+
+
+def test_the_size_reference_is_the_largest_median_over_learners():
+    h = NormHistory(1, window=32)
+    for x in (1.0, 2.0, 3.0):
+        h.record(0, x, steps=1, learner="slow")
+    assert h.size_reference(0, min_history=4) is None and h.size_reference(0) == 2.0
+    for _ in range(5):  # a faster learner brings more steps per round: larger deltas
+        h.record(0, 8.0, steps=4, learner="fast")
+        h.record(0, 0.0, steps=4, learner="zeros")
+    assert h.size_reference(0) == 8.0 and h.reference(0) == 2.0  # per step: (2.0, 2.0)
+    h.forget("fast")
+    assert h.size_reference(0) == 2.0
+
+
+def test_a_huge_delta_claiming_2_24_steps_from_a_learner_that_just_joined_is_refused():
+    # The syncer's clock at 10 ms steps: a few seconds after its join the time bound on
+    # claimed steps (plausible_steps) allows ~1,200, so the step-scaled checks allowed it.
+    state, layout = make_state(joined_at=100.0, schedule="syncer", sync_every=24)
+    n = layout.fragments[0].numel
+    gen = torch.Generator().manual_seed(3)
+    theta = float(state.params[0].norm())
+
+    def upload(lid, delta, steps, now):
+        return state.submit(
+            lid,
+            state.learners[lid].session,
+            fragment=0,
+            base_version=state.versions[0],
+            steps=steps,
+            tokens=10 * steps,
+            delta=delta,
+            step_time_s=0.01,
+            nbytes=4 * n,
+            now=now,
+        )
+
+    for i in range(4):  # the honest learner's history: ~0.07 x the fragment's norm
+        assert upload("good", 0.01 * torch.randn(n, generator=gen), 24, 100.5 + 0.5 * i).accept
+    before = state.digest()
+    huge = torch.randn(n, generator=gen)
+    huge *= 9.0 * theta / huge.norm()
+    with pytest.raises(Refused) as info:
+        upload("bad", huge, 1 << 24, 103.0)
+    assert info.value.code == "OUT_OF_RANGE" and "whatever the steps" in info.value.message
+    assert state.digest() == before

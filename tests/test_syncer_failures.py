@@ -294,3 +294,18 @@ def test_a_restart_reads_its_tape_without_holding_it_in_memory(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 8 << 20, f"peak {peak / 2**20:.0f} MiB while starting"
+
+
+def test_a_tape_line_cut_short_by_a_full_disk_does_not_swallow_the_next_record(tmp_path):
+    """A syncer that could write only part of a record (disk full) and then died left a
+    line without its newline; the next syncer's first record was appended to it and lost
+    with it (seen in a torture run: a ``start`` record unreadable)."""
+    from diloco.syncer.store import EventTape
+
+    tape_path = tmp_path / "events.jsonl"
+    tape_path.write_text('{"event":"round","fragment":0,"version":1}\n{"event":"sta')
+    tape = EventTape(tape_path)
+    tape.append({"event": "start", "versions": [1]})
+    tape.close()
+    records = read_tape(tape_path)
+    assert [r["event"] for r in records] == ["round", "start"]

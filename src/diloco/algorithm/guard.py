@@ -3,7 +3,7 @@
 Why: one learner with silent data corruption (a flipped exponent bit, a broken accelerator)
 can send a finite outer gradient a thousand times too large. RDA averages *norms*, so such a
 contribution moves the global fragment by hundreds of times a normal step and wrecks the run
-for everyone. The guard compares each contribution with two references and refuses outliers
+for everyone. The guard compares each contribution with three references and refuses outliers
 before they enter a round (a pure function, :func:`check_norm`):
 
 1. **Against its fragment's recent contributions, learner by learner.** A delta's size grows
@@ -21,13 +21,30 @@ before they enter a round (a pure function, :func:`check_norm`):
    honest outer gradient moves a fragment by many times its own size; this is the only check
    while a fragment has no history yet (the first contributions, or after a syncer restart,
    since the history is not persisted), and it caps what a learner that inflates its step
-   counter could push through check 1. Skipped while ``‖Θ_p‖ = 0``.
+   counter could push through check 1. On the syncer's clock the bound follows the steps a
+   delta covers (``check_norm``), but never beyond ``max_ratio · ‖Θ_p‖``, whatever the steps
+   claimed. Skipped while ``‖Θ_p‖ = 0``.
+3. **Against the size of its fragment's recent contributions, whatever steps it claims**
+   (since 2026-11-26): refused if ``‖Δ‖`` (plus what the learner's contribution already
+   holds in the open round, so splitting a delta into many uploads gains nothing) is above
+   ``k ×`` the *largest* of the learners' median recent accepted norms of the fragment
+   (``NormHistory.size_reference``). Steps are claims: checks 1 and 2 judged a 9 × ‖Θ_p‖
+   delta claiming 2^24 steps (bounded only by ``plausible_steps``, thousands of steps a few
+   seconds after a join at 10 ms steps) ordinary. The largest median, not the upper median,
+   because learners differ in speed and a fast one brings more steps per round (replayed on
+   a tape of a mixed fleet, honest sizes reached 38 × the upper median). Measured with the
+   guard in place (5 runs of ``DEFAULT_MAX_RATIO``, 16,144 uploads, none refused):
+   honest sizes at most 3.64 × the reference (tiny, 2 learners; p99 1.98), 2.05 × on the
+   default recipe (p99 1.57). A learner's own median counts (a fast learner's honest
+   deltas are many times a slow one's), so a learner that grows its deltas upload by upload
+   raises its reference with them: check 3 stops a jump (a 9 × ‖Θ_p‖ delta from a learner
+   that just joined, a run that diverges at once), check 2's ceiling bounds every one.
 
-Defaults: ``k = 20``, ``param_ratio = 10``, ``window = 32``, ``min_history = 3``. Measured on
-the tiny recipe, honest per-step norms of one fragment vary by up to ~9× early on (the lr
-warm-up ramps while the first sends cover 1 to 24 steps) and honest deltas reach ~2× ‖Θ_p‖;
-corruption by ×1000 is far outside both. ``k = 0`` disables the guard (non-finite norms are
-still refused).
+Defaults: ``k = 20``, ``param_ratio = 10``, ``max_ratio = 32``, ``window = 32``,
+``min_history = 3``. Measured on the tiny recipe, honest per-step norms of one fragment vary
+by up to ~9× early on (the lr warm-up ramps while the first sends cover 1 to 24 steps);
+honest sizes and ``‖Δ‖ / ‖Θ_p‖`` as above and in ``DEFAULT_MAX_RATIO``; corruption by ×1000
+is far outside all three. ``k = 0`` disables the guard (non-finite norms are still refused).
 
 **Refuse, not clip.** Clipping keeps the corrupt *direction* and gives it a normal size and a
 full weight; refusing keeps the merge clean and costs only one contribution (the learner's
@@ -41,6 +58,7 @@ right scale). Weighted averaging with honest learners bounds its effect (docs/se
 from __future__ import annotations
 
 import math
+import secrets
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -48,9 +66,24 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_K = 20.0
-"""Refuse a per-step norm above ``k ×`` the fragment's running median."""
+"""Refuse a per-step norm above ``k ×`` the fragment's running median (check 1), a norm above
+``k ×`` the largest of its learners' median norms (check 3)."""
 DEFAULT_PARAM_RATIO = 10.0
-"""Refuse ``‖Δ‖ > param_ratio · ‖Θ_p‖``."""
+"""Refuse ``‖Δ‖ > param_ratio · ‖Θ_p‖`` (on the syncer's clock: scaled by the steps covered)."""
+DEFAULT_MAX_RATIO = 32.0
+"""Refuse ``‖Δ‖ > max_ratio · ‖Θ_p‖`` whatever steps the contribution claims.
+
+Measured 2026-11-26 (``diloco run --eval-every 0``, 1 min, 2-core machine; ``‖Δ‖ / ‖Θ_p‖``
+of every accepted contribution, from the ``round`` records' ``norms`` / ``param_norm``):
+tiny recipe, 2 learners: max 5.97, p99 0.62; tiny, 4 learners: max 4.98, p99 1.17; tiny, 3
+learners, 2 of them slowed 3×: max 8.73, p99 0.87; tiny, 3 learners, ``--chaos
+kill:mtbf=20s,down=2-5s``: max 11.98, p99 1.08; default recipe, 2 learners, 1.5 min: max
+0.86, p99 0.49. Every value above 1.6 is in a fragment's first two commits, while the
+fragment is still at its initialization (small weights) and a delta covers 57-227 steps
+(at most 0.083 ‖Θ_p‖ per step): an honest delta of 9 ‖Θ_p‖ is possible there. 32 is 2.7 ×
+the largest measured (at the steepest growth, a first delta of ~380 steps; the longest
+honest delta seen covered 297). Once the fragment has history, check 3 is the tighter
+bound."""
 DEFAULT_WINDOW = 32
 """Accepted per-step norms remembered per fragment."""
 DEFAULT_MIN_HISTORY = 3
@@ -71,35 +104,45 @@ def check_norm(
     reference: float | None,
     param_norm: float,
     *,
+    size_reference: float | None = None,
+    held: float = 0.0,
     k: float = DEFAULT_K,
     param_ratio: float = DEFAULT_PARAM_RATIO,
+    max_ratio: float = DEFAULT_MAX_RATIO,
     sync_every: int = 0,
 ) -> NormVerdict:
     """Decide whether a contribution of L2 norm ``norm`` covering ``steps`` inner steps may
     enter its fragment's round.
 
     ``reference`` is the fragment's reference per-step norm (``NormHistory.reference``;
-    ``None`` while it has too little history), ``param_norm`` is ``‖Θ_p‖`` of the current global fragment. With ``sync_every`` (H) the
-    bound of check 2 follows the steps a delta covers: ``param_ratio · max(steps / H, 1/4) ·
-    ‖Θ_p‖``. On the syncer's clock a delta covers however many steps the learner did since
-    it last sent the fragment: a learner whose delta was refused answers the next round with
-    only a few steps (a corrupted short delta slipped under the plain bound while the
-    fragment had no history), and when the syncer cannot tick as fast as steps are taken (the
-    ``tiny`` recipe, ~10 ms steps) an honest delta covers hundreds of steps (one of 258 steps
-    exceeded the plain bound). Pure: same inputs, same verdict.
+    ``None`` while it has too little history), ``size_reference`` its reference norm
+    (``NormHistory.size_reference``; ``None`` alike), ``held`` the norm the learner's
+    contribution already holds in the open round (its earlier increments: the sizes are
+    judged on ``held + norm``), ``param_norm`` is ``‖Θ_p‖`` of the current global fragment.
+    With ``sync_every`` (H) the bound of check 2 follows the steps a delta covers:
+    ``min(param_ratio · max(steps / H, 1/4), max_ratio) · ‖Θ_p‖``. On the syncer's clock a
+    delta covers however many steps the learner did since it last sent the fragment: a
+    learner whose delta was refused answers the next round with only a few steps (a
+    corrupted short delta slipped under the plain bound while the fragment had no history),
+    and when the syncer cannot tick as fast as steps are taken (the ``tiny`` recipe, ~10 ms
+    steps) an honest delta covers hundreds of steps (one of 258 steps exceeded the plain
+    bound). ``max_ratio`` and check 3 do not depend on ``steps``, a claim. Pure: same
+    inputs, same verdict.
     """
     if not math.isfinite(norm) or norm < 0:  # overflowed float32, or garbage
         return NormVerdict(False, f"delta norm {norm} is not a finite non-negative number")
     if k <= 0:
         return NormVerdict(True, "norm guard disabled")
+    size = held + norm
     ratio = param_ratio
     if sync_every > 0:
         ratio *= max(steps / sync_every, 0.25)
-    if param_norm > 0 and norm > ratio * param_norm:
+    ratio = min(ratio, max_ratio)
+    if param_norm > 0 and size > ratio * param_norm:
         return NormVerdict(
             False,
-            f"delta norm {norm:.4g} over {steps} steps exceeds {ratio:.3g} x the fragment's "
-            f"own norm {param_norm:.4g}",
+            f"delta norm {size:.4g} over {steps} steps exceeds {ratio:.3g} x the fragment's "
+            f"own norm {param_norm:.4g}" + _held(held),
         )
     per_step = norm / max(steps, 1)
     if reference is not None and reference > 0 and per_step > k * reference:
@@ -108,7 +151,18 @@ def check_norm(
             f"delta norm per step {per_step:.4g} ({norm:.4g} over {steps} steps) exceeds "
             f"{k:g} x the median {reference:.4g} of the learners' recent accepted ones",
         )
-    return NormVerdict(True, f"delta norm {norm:.4g} within bounds")
+    if size_reference is not None and size_reference > 0 and size > k * size_reference:
+        return NormVerdict(
+            False,
+            f"delta norm {size:.4g} exceeds {k:g} x the largest median {size_reference:.4g} "
+            f"of the learners' recent accepted ones, whatever the steps (claimed {steps})"
+            + _held(held),
+        )
+    return NormVerdict(True, f"delta norm {size:.4g} within bounds")
+
+
+def _held(held: float) -> str:
+    return f" (with {held:.4g} already in the round)" if held else ""
 
 
 def plausible_steps(steps: int, elapsed_s: float, fleet_step_s: float | None, *, slack: int) -> int:
@@ -134,13 +188,15 @@ def plausible_steps(steps: int, elapsed_s: float, fleet_step_s: float | None, *,
 
 
 class NormHistory:
-    """The last ``window`` accepted non-zero per-step norms of every fragment, per learner."""
+    """The last ``window`` accepted non-zero norms of every fragment, per learner: per step
+    (check 1) and whole (check 3)."""
 
     def __init__(self, num_fragments: int, window: int = DEFAULT_WINDOW) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 (got {window})")
         self.window = window
         self._norms: list[dict[str, deque[float]]] = [{} for _ in range(num_fragments)]
+        self._sizes: list[dict[str, deque[float]]] = [{} for _ in range(num_fragments)]
 
     def of(self, fragment: int) -> dict[str, tuple[float, ...]]:
         """Each learner's remembered per-step norms of ``fragment`` (oldest first)."""
@@ -148,43 +204,91 @@ class NormHistory:
 
     def record(self, fragment: int, norm: float, steps: int, learner: str = "") -> None:
         """Remember an accepted norm; a zero one is not remembered (it says nothing of scale)."""
-        per_step = float(norm) / max(steps, 1)
-        if per_step > 0:
-            queue = self._norms[fragment].setdefault(learner, deque(maxlen=self.window))
-            queue.append(per_step)
+        if norm > 0:
+            for table, value in ((self._norms, float(norm) / max(steps, 1)), (self._sizes, norm)):
+                queue = table[fragment].setdefault(learner, deque(maxlen=self.window))
+                queue.append(float(value))
 
     def forget(self, learner: str) -> None:
         """Drop a learner's norms (its id was forgotten by the syncer)."""
-        for by_learner in self._norms:
+        for by_learner in (*self._norms, *self._sizes):
             by_learner.pop(learner, None)
 
     def reference(self, fragment: int, min_history: int = DEFAULT_MIN_HISTORY) -> float | None:
         """The upper median over learners of each learner's median per-step norm, or ``None``
         while the fragment has fewer than ``min_history`` remembered norms in all."""
-        by_learner = self._norms[fragment]
+        medians = self._medians(self._norms[fragment], min_history)
+        return statistics.median_high(medians) if medians else None
+
+    def size_reference(self, fragment: int, min_history: int = DEFAULT_MIN_HISTORY) -> float | None:
+        """The largest over learners of each learner's median accepted norm (whole, not per
+        step), or ``None`` while the fragment has fewer than ``min_history`` of them."""
+        medians = self._medians(self._sizes[fragment], min_history)
+        return max(medians) if medians else None
+
+    @staticmethod
+    def _medians(by_learner: dict[str, deque[float]], min_history: int) -> list[float]:
         if sum(len(q) for q in by_learner.values()) < max(min_history, 1):
-            return None
-        return statistics.median_high(statistics.median(q) for q in by_learner.values() if q)
+            return []
+        return [statistics.median(q) for q in by_learner.values() if q]
 
 
+DIRECTION_WHOLE = 1 << 17
+"""Fragments of at most this many values are compared whole by the direction check.
+
+Measured (2026-11-26, one CPU thread of the 2-core dev machine, median + cosines of M
+deltas, best of 7): whole 131,072 values 10 / 15 / 20 ms at M = 4 / 6 / 8, 262,144 values
+19 / 32 / 38 ms, 1e6 values 77 / 118 / 155 ms, 1e7 values 1.5 / 3.3 s (M = 4 / 8); a random
+sample of 65,536 costs 5-12 ms at any size up to 1e6, 19-30 ms at 1e7. Up to 2^17 the whole
+comparison costs at most twice the sample's, beyond it grows without bound, and the check
+runs under the syncer's lock."""
 DIRECTION_SAMPLE = 1 << 16
-"""Values of a fragment the direction check compares (evenly strided when it has more)."""
+"""Values a larger fragment is compared on, at indices drawn afresh for every round."""
 
 
-def consensus_cosines(deltas: list[torch.Tensor]) -> list[float]:
+def secret_generator() -> torch.Generator:
+    """A generator seeded from the operating system's entropy (``secrets``), never from
+    anything a learner knows or sends: the direction check's indices for one round."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
+
+def direction_sample(numel: int, generator: torch.Generator) -> torch.Tensor | None:
+    """The indices the direction check compares a fragment of ``numel`` values on: ``None``
+    (the whole vector) up to ``DIRECTION_WHOLE``, else ``DIRECTION_SAMPLE`` indices drawn
+    uniformly (with replacement) from ``generator``. Pure: same generator state, same
+    indices. Why random: the fragment size is public, so a delta that agrees with the round
+    on fixed (evenly strided) indices and is reversed elsewhere passed a check on those
+    (cosine +0.98 there, −0.5 in truth); on indices it cannot predict, its sampled cosine is
+    an unbiased estimate of the true one (±~0.01 at 65,536 values)."""
+    if numel <= DIRECTION_WHOLE:
+        return None
+    return torch.randint(numel, (DIRECTION_SAMPLE,), generator=generator)
+
+
+def consensus_cosines(
+    deltas: list[torch.Tensor], generator: torch.Generator | None = None
+) -> list[float]:
     """Each delta's cosine with the coordinate-wise median of all of them.
 
     The direction check of a round (``SyncerConfig.direction_floor``): a median has no use
     for the merge weights, which are claims, and a minority cannot move it, so a delta that
     points away from what most of the round agrees on (a reversed or an unrelated one, at any
     size and any claimed weight) has a negative cosine while the honest majority's are
-    positive. Fragments larger than ``DIRECTION_SAMPLE`` values are compared on an evenly
-    strided sample of that many. Needs at least 3 deltas (a median of two is their mean).
+    positive. Fragments of at most ``DIRECTION_WHOLE`` values are compared whole, larger ones
+    on ``direction_sample(numel, generator)`` (pass a fresh ``secret_generator()`` per round;
+    required for them). Needs at least 3 deltas (a median of two is their mean).
     """
     if len(deltas) < 3:
         raise ValueError(f"the direction check needs at least 3 deltas, got {len(deltas)}")
-    stride = max(1, -(-deltas[0].numel() // DIRECTION_SAMPLE))
-    sample = torch.stack([d.reshape(-1)[::stride].float() for d in deltas])
+    numel = deltas[0].numel()
+    if numel > DIRECTION_WHOLE and generator is None:
+        raise ValueError(
+            f"a fragment of {numel} values is compared on a random sample: pass a generator "
+            "(guard.secret_generator())"
+        )
+    indices = direction_sample(numel, generator) if generator is not None else None
+    flat = [d.reshape(-1) for d in deltas]
+    sample = torch.stack([(f if indices is None else f[indices]).float() for f in flat])
     median = sample.median(dim=0).values
     cosines = torch.nn.functional.cosine_similarity(sample, median.unsqueeze(0), dim=1)
     return [float(c) for c in cosines]

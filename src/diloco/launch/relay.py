@@ -13,15 +13,22 @@ keeps running and training; bytes are always copied unchanged:
   until the time is up (one-way latency, without a bandwidth cap);
 - ``throttle(bytes_per_s)`` makes the relay a link of that rate each way (0: off), shared by
   all its connections as a real link is: each block is delivered once the link has carried it
-  and everything queued on that direction before it.
+  and everything queued on that direction before it;
+- ``lose_replies(probability)``: the first block the syncer sends back after a request of at
+  least ``REQUEST_BYTES`` (an upload, not a heartbeat) is lost with that probability, and the
+  connection cut: the syncer handled the request, the learner never hears its answer.
 """
 
 from __future__ import annotations
 
 import queue
+import random
 import socket
 import threading
 import time
+
+REQUEST_BYTES = 512
+"""``lose_replies``: a request this large or larger (an upload's chunks) has a reply to lose."""
 
 
 class Relay:
@@ -40,6 +47,10 @@ class Relay:
         self._rate = 0.0
         self._free_at = {"up": 0.0, "down": 0.0}
         """When each direction of the throttled link has carried everything queued on it."""
+        self._loss = 0.0
+        self._random = random.Random(0)
+        self.replies_lost = 0
+        """Replies ``lose_replies`` threw away."""
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -85,6 +96,12 @@ class Relay:
             raise ValueError("bytes_per_s must be >= 0")
         self._rate = float(bytes_per_s)
 
+    def lose_replies(self, probability: float, seed: int = 0) -> None:
+        """Lose the reply to a large request with ``probability`` (0: never), seeded."""
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError("probability must be in [0, 1]")
+        self._loss, self._random = probability, random.Random(seed)
+
     def heal(self) -> None:
         """End a partition or a delay now."""
         self._blocked_until = 0.0
@@ -116,10 +133,13 @@ class Relay:
             client.settimeout(None)
             with self._lock:
                 self._conns.update((client, upstream))
+            asked = [0]  # request bytes the client sent since the syncer last answered
             for a, b, way in ((client, upstream, "up"), (upstream, client, "down")):
                 pipe: queue.SimpleQueue = queue.SimpleQueue()
                 threading.Thread(target=self._read, args=(a, b, pipe), daemon=True).start()
-                threading.Thread(target=self._write, args=(a, b, pipe, way), daemon=True).start()
+                threading.Thread(
+                    target=self._write, args=(a, b, pipe, way, asked), daemon=True
+                ).start()
 
     def _read(self, src: socket.socket, dst: socket.socket, pipe: queue.SimpleQueue) -> None:
         """Reads ``src`` and queues each block with the time it may be written; None at the end
@@ -133,10 +153,16 @@ class Relay:
             pipe.put(None)
 
     def _write(
-        self, src: socket.socket, dst: socket.socket, pipe: queue.SimpleQueue, way: str
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        pipe: queue.SimpleQueue,
+        way: str,
+        asked: list[int],
     ) -> None:
         """Writes queued blocks to ``dst`` in order, each no earlier than its due time (and,
-        throttled, than the link has carried it)."""
+        throttled, than the link has carried it); ``asked`` counts the request bytes of the
+        connection not answered yet (``lose_replies``)."""
         try:
             while (item := pipe.get()) is not None:
                 due, data = item
@@ -144,11 +170,26 @@ class Relay:
                     time.sleep(wait)
                 if (wait := self._carried(way, len(data)) - time.monotonic()) > 0:
                     time.sleep(wait)
+                if way == "up":
+                    asked[0] += len(data)
+                elif self._lose(asked):
+                    return  # (the finally cuts the connection: the reply is lost)
                 dst.sendall(data)
         except OSError:
             pass
         finally:
             self._forget(src, dst)
+
+    def _lose(self, asked: list[int]) -> bool:
+        """Whether the block the syncer sends now is lost: an answer to a large request,
+        with the ``lose_replies`` probability."""
+        large, asked[0] = asked[0] >= REQUEST_BYTES, 0
+        if not large or self._loss <= 0.0:
+            return False
+        with self._lock:
+            lost = self._random.random() < self._loss
+            self.replies_lost += lost
+        return lost
 
     def _carried(self, way: str, nbytes: int) -> float:
         """When the throttled link has carried ``nbytes`` more on ``way`` (now: no throttle)."""

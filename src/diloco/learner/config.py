@@ -36,6 +36,10 @@ class LearnerConfig:
     the newest upload the syncer accepted. With it, a learner restored from a checkpoint drops
     the checkpointed progress it had delivered after that checkpoint instead of sending it
     twice. Keep it beside the checkpoint; None: no log (a restore may resend some progress)."""
+    journal_file: str | None = None
+    """Where to append the upload journal (``diloco.learner.journal``): a line for every
+    upload before it is sent, so an audit can tell whose steps each merged upload carried,
+    across crashes. None: no journal."""
     learner_id: str | None = None
     """Identity at the syncer; default ``<hostname>-<pid>``. Keep it across restarts to rejoin."""
     cpu_threads: int | None = None

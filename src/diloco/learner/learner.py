@@ -45,6 +45,7 @@ from diloco.learner.callbacks import LinkCallbacks
 from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Dropped, Inbox, Rejoin, bounded, follow
+from diloco.learner.journal import UploadJournal
 from diloco.learner.ledger import Ledger, Outgoing
 from diloco.learner.link import UploadJob
 from diloco.learner.pacing import Pace
@@ -118,6 +119,9 @@ class Learner(LinkCallbacks, Stopping, Restoring):
                 self._drop_delivered(self.delivery.read())
         elif self.delivery is not None:
             self.delivery.clear()
+        self.journal = (
+            UploadJournal(cfg.journal_file, self.local_step) if cfg.journal_file else None
+        )
         self._host_copies = HostCopies(self.layout, self.params)
         self.link = self._open_link(syncer, link_options)
         self.before_touch: Callable[[list[int]], None] | None = None
@@ -517,6 +521,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         entry = self._ledger.add(
             p, delta, snapshot.steps, snapshot.tokens, snapshot.local_step, upload_id
         )
+        if self.journal is not None:  # before it can reach the syncer
+            self.journal.queued(upload_id, p, entry.steps, entry.tokens, snapshot.local_step)
         self.link.submit(
             UploadJob(
                 p,

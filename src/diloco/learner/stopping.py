@@ -94,3 +94,5 @@ class Stopping:
         self._state = "closed"
         self._closed = True
         self.link.close()
+        if self.journal is not None:
+            self.journal.close()

@@ -174,6 +174,7 @@ class LearnerProcess:
             tls_key=config.security.tls_key,
             # beside the checkpoint: what was delivered after it is not sent again on restore
             delivery_file=str(workdir / DELIVERY_LOG) if workdir and self.leader else None,
+            journal_file=str(workdir / UPLOAD_JOURNAL) if workdir and self.leader else None,
         )
 
     def make_learner(self, saved: dict | None):
@@ -335,6 +336,7 @@ class LearnerProcess:
 
 CHECKPOINT = "checkpoint.pt"
 DELIVERY_LOG = "delivered.json"  # diloco.learner.delivery
+UPLOAD_JOURNAL = "uploads.jsonl"  # diloco.learner.journal
 
 
 def on_device(batch, device):
@@ -462,8 +464,14 @@ def write_final_state(workdir: Path, learner) -> None:
         json.dumps(
             {
                 "versions": learner.versions,
+                "life": getattr(getattr(learner, "journal", None), "life", None),
                 "unsent": learner.unsent(),
                 "dropped": list(getattr(learner, "dropped", [])),
+                **(
+                    {"accounting": learner.accounting().to_dict()}
+                    if hasattr(learner, "accounting")
+                    else {}
+                ),
                 **learner.stats,
             },
             indent=1,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from diloco.algorithm.codecs import CODECS
 from diloco.algorithm.guard import (
     DEFAULT_K,
+    DEFAULT_MAX_RATIO,
     DEFAULT_MIN_HISTORY,
     DEFAULT_PARAM_RATIO,
     DEFAULT_WINDOW,
@@ -81,9 +82,15 @@ class SyncerConfig:
     """Sanity bound on ``steps`` in a contribution."""
     norm_guard_k: float = option(DEFAULT_K, flag="--norm-guard", metavar="K")
     """Refuse a contribution whose norm per inner step exceeds k × the running median of its
-    fragment's accepted ones (see ``diloco.algorithm.guard``). 0 disables the guard."""
+    fragment's accepted ones, or whose norm exceeds k × the largest of the learners' median
+    accepted norms of the fragment, whatever steps it claims (see ``diloco.algorithm.guard``).
+    0 disables the guard."""
     norm_guard_param_ratio: float = DEFAULT_PARAM_RATIO
-    """Refuse a contribution whose norm exceeds this × the fragment's own norm ‖Θ_p‖."""
+    """Refuse a contribution whose norm exceeds this × the fragment's own norm ‖Θ_p‖ (on the
+    syncer's clock, × the H-steps it covers, at least 1/4)."""
+    norm_guard_max_ratio: float = DEFAULT_MAX_RATIO
+    """... but never more than this × ‖Θ_p‖, whatever steps it claims (the measurements
+    behind it: ``diloco.algorithm.guard.DEFAULT_MAX_RATIO``)."""
     norm_guard_window: int = DEFAULT_WINDOW
     """Accepted per-step norms per fragment the running median is taken over."""
     norm_guard_min_history: int = DEFAULT_MIN_HISTORY
@@ -132,6 +139,11 @@ class SyncerConfig:
         if not self.norm_guard_param_ratio > 0:
             raise ValueError(
                 f"norm_guard_param_ratio must be > 0 (got {self.norm_guard_param_ratio})"
+            )
+        if not self.norm_guard_max_ratio >= self.norm_guard_param_ratio:
+            raise ValueError(
+                f"norm_guard_max_ratio ({self.norm_guard_max_ratio}) must be >= "
+                f"norm_guard_param_ratio ({self.norm_guard_param_ratio}): raise it too"
             )
         if not self.norm_guard_k >= 0:
             raise ValueError(f"norm_guard_k must be >= 0 (0 disables it; got {self.norm_guard_k})")

@@ -113,7 +113,7 @@ def serve(config: ServiceConfig) -> int:
     while not stop.wait(0.5) and server.failure is None:
         if outputs.watch is not None:  # only with --dashboard
             outputs.update(status_rows(server.status()))
-    server.stop(grace=1.0)
+    server.stop(grace=1.0 if server.failure is None else 0.0)  # (failed: every call refused)
     outputs.close()
     if server.failure is not None:
         print(

@@ -97,6 +97,8 @@ class Contribution:
     final: bool = False
     uploads: list[UploadPart] = field(default_factory=list)
     """The uploads summed into it (id, steps, tokens each): persisted with the commit."""
+    norm: float = 0.0
+    """``‖delta‖``; summed from increments, the sum of their norms (an upper bound)."""
 
     @property
     def weight(self) -> float:
@@ -114,6 +116,7 @@ class Contribution:
         self.arrived_at = other.arrived_at
         self.nbytes += other.nbytes
         self.increments += other.increments
+        self.norm += other.norm
         self.final = self.final or other.final
         self.uploads = self.uploads + other.uploads
 

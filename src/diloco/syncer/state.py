@@ -32,6 +32,7 @@ from diloco.algorithm.guard import (
     check_norm,
     consensus_cosines,
     plausible_steps,
+    secret_generator,
 )
 from diloco.algorithm.merge import cap_weights, is_embedding_name
 from diloco.algorithm.outer import NesterovOuter, round_share
@@ -241,6 +242,7 @@ class SyncerState(LearnerRoster):
             nbytes,
             final=final,
             uploads=[UploadPart(upload_id, steps, tokens)],
+            norm=norm,
         )
         self._into_round(fragment, contribution, now)
         info.contributions += 1
@@ -272,7 +274,8 @@ class SyncerState(LearnerRoster):
         """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,
         a fragment another shard owns, bad counters, a base version that is not committed, a
         norm the guard refuses (judged over the steps the syncer's clock makes plausible,
-        ``plausible_steps``). Returns the delta's norm."""
+        ``plausible_steps``, and with what the learner's contribution already holds in the
+        open round). Returns the delta's norm."""
         if info.observer:
             raise Refused("PERMISSION_DENIED", "observers cannot contribute")
         self.check_owned(fragment)
@@ -289,13 +292,18 @@ class SyncerState(LearnerRoster):
         steps = plausible_steps(
             counters["steps"], now - since, self.fleet_step_s(), slack=self.config.sync_every
         )
+        round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
+        earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
         verdict = check_norm(
             norm,
             steps,
             self.norms.reference(fragment, self.config.norm_guard_min_history),
             self._param_norm(fragment),
+            size_reference=self.norms.size_reference(fragment, self.config.norm_guard_min_history),
+            held=earlier.norm if earlier is not None else 0.0,
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
+            max_ratio=self.config.norm_guard_max_ratio,
             sync_every=self.config.sync_every if self.config.schedule == "syncer" else 0,
         )
         if not verdict.accept:
@@ -530,7 +538,7 @@ class SyncerState(LearnerRoster):
             suspects = {c.learner_id for c in contribs if is_suspect(self._verdicts(c.learner_id))}
             kept = [c for c in contribs if c.learner_id not in suspects]
             return kept, dict.fromkeys(sorted(suspects), "suspect"), {}
-        cosines = consensus_cosines([c.delta for c in contribs])
+        cosines = consensus_cosines([c.delta for c in contribs], secret_generator())
         by_id = {c.learner_id: round(cos, 4) for c, cos in zip(contribs, cosines, strict=True)}
         kept = [c for c in contribs if by_id[c.learner_id] >= floor]
         if not kept:
@@ -599,6 +607,7 @@ class SyncerState(LearnerRoster):
             state = self.outer.fragment_state(fragment)
             return Commit(fragment, admitted, params, state, record, log, history, changed=False)
         self.last_commit_at[fragment] = now
+        param_norm = self._param_norm(fragment)  # ‖Θ_p‖ the round's norms were judged by
         self.outer.step(fragment, self.params[fragment], merged)
         self._param_norms.pop(fragment, None)
         self.versions[fragment] += 1
@@ -612,6 +621,8 @@ class SyncerState(LearnerRoster):
             "weights": [round(w, 6) for w in closing.weights],
             "staleness": [self.versions[fragment] - 1 - c.base_version for c in contribs],
             "steps": [c.steps for c in contribs],
+            "norms": [round(c.norm, 6) for c in contribs],
+            "param_norm": round(param_norm, 6),
             "tokens": sum(c.tokens for c in contribs),
             "tokens_by_learner": {c.learner_id: c.tokens for c in contribs},
             "bytes_up": sum(c.nbytes for c in contribs),

@@ -294,7 +294,7 @@ class EventTape:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
-        self._torn = False
+        self._torn = not _ends_a_line(self.path)  # an earlier process's line cut short
         self.errors = 0
         """Records ``try_append`` could not write."""
 
@@ -328,6 +328,16 @@ class EventTape:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether the file is empty or its last byte ends a line."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def taped_versions_of(path: str | os.PathLike) -> dict[int, int]:

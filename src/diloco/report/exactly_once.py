@@ -1,0 +1,254 @@
+"""The exactly-once audit: from a syncer's event tape and its learners' upload journals, prove
+that every trained step reached the global model at most once, and exactly once where the
+learner lived to tell (a pure function, :func:`audit`).
+
+What it reads:
+
+* the **tape** (``diloco.syncer.store``): every ``round`` record names, per learner, the
+  upload ids the commit merged (``uploads``) and left out (``excluded_uploads``); ``dropped``
+  records name uploads a round left out without committing; a ``recovered`` record written
+  by a restarted syncer carries the commit logs of versions its predecessor persisted but
+  never taped (``commits``);
+* each learner's **journal** (``diloco.learner.journal``): the life and steps of every
+  upload id, written before the upload left;
+* each learner's **final accounting** (``final.json`` of its last life, when it stopped
+  cleanly): steps trained, unsent at exit, dropped on purpose;
+* optionally the **versions on disk** at the end and the times the syncer was **down**.
+
+What it asserts (each failure is one line in ``Audit.problems``):
+
+1. no (fragment, version) is committed twice, and every version from 1 to the last is on
+   some record (a commit the tape cannot account for is a problem);
+2. the versions on disk are the tape's last commits;
+3. no upload id is merged (or left out) twice, and each one is in its learner's journal with
+   the same steps;
+4. per learner life that stopped cleanly, per fragment: steps merged + left out (tape) +
+   unsent + dropped (its own accounting) = steps trained: **exactly once**;
+5. per life that was killed, per fragment: steps merged + left out ≤ the last step it
+   journaled: **at most once** (what it had not delivered when it died is lost with it: the
+   learner's crash, not the protocol's);
+6. the longest time the syncer was serving without a commit is within ``stall_bound_s``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Audit:
+    problems: list[str] = field(default_factory=list)
+    commits: int = 0
+    uploads_merged: int = 0
+    uploads_excluded: int = 0
+    lives: int = 0
+    lives_killed: int = 0
+    steps_trained: int = 0
+    """Steps trained by the lives that stopped cleanly (summed over learners)."""
+    steps_lost_at_kills: int = 0
+    """Steps of killed lives that never reached the syncer (summed over their fragments'
+    last journaled steps minus what was merged): what the crashes cost."""
+    longest_stall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"ok": self.ok}
+
+
+@dataclass
+class _Commit:
+    fragment: int
+    version: int
+    changed: bool
+    merged: dict[str, list[list[int]]]
+    excluded: dict[str, list[list[int]]]
+
+
+def commits_of(tape: Iterable[dict]) -> list[_Commit]:
+    """Every commit log the tape holds: ``round`` and ``dropped`` records, and the persisted
+    logs of ``recovered`` records (in tape order)."""
+    found = []
+    for r in tape:
+        event = r.get("event")
+        if event == "round":
+            found.append(
+                _Commit(
+                    r["fragment"],
+                    r["version"],
+                    True,
+                    r.get("uploads", {}),
+                    r.get("excluded_uploads", {}),
+                )
+            )
+        elif event == "dropped" and "excluded_uploads" in r:
+            found.append(_Commit(r["fragment"], r["version"], False, {}, r["excluded_uploads"]))
+        elif event == "recovered":
+            for log in r.get("commits", []):
+                changed = log["version"] == log["admitted"] + 1
+                found.append(
+                    _Commit(
+                        log["fragment"], log["version"], changed, log["merged"], log["excluded"]
+                    )
+                )
+    return found
+
+
+def audit(
+    tape: list[dict],
+    journals: Mapping[str, list[dict]],
+    finals: Mapping[str, dict | None],
+    *,
+    disk_versions: Mapping[int, int] | None = None,
+    down: Iterable[tuple[float, float]] = (),
+    window: tuple[float, float] | None = None,
+    stall_bound_s: float | None = None,
+) -> Audit:
+    """Check the run (see the module docstring). ``finals[learner]``: the ``final.json`` of
+    its last life (None: it did not stop cleanly); ``window``: the time span in which commits
+    are expected (for the stall check), ``down``: spans in which the syncer was not serving."""
+    result = Audit()
+    commits = commits_of(tape)
+    _check_versions(commits, disk_versions, result)
+    merged, excluded = _uploads(commits, result)
+    for learner, journal in sorted(journals.items()):
+        _check_learner(learner, journal, finals.get(learner), merged, excluded, result)
+    if window is not None and stall_bound_s is not None:
+        times = sorted(r["t"] for r in tape if r.get("event") == "round" and "t" in r)
+        result.longest_stall_s = round(longest_stall(times, window, list(down)), 3)
+        if result.longest_stall_s > stall_bound_s:
+            result.problems.append(
+                f"no commit for {result.longest_stall_s:.1f} s while the syncer was serving "
+                f"(bound {stall_bound_s:g} s)"
+            )
+    return result
+
+
+def _check_versions(commits, disk_versions, result: Audit) -> None:
+    seen: dict[int, set[int]] = defaultdict(set)
+    for c in commits:
+        if not c.changed:
+            continue
+        result.commits += 1
+        if c.version in seen[c.fragment]:
+            result.problems.append(f"fragment {c.fragment} version {c.version} committed twice")
+        seen[c.fragment].add(c.version)
+    for p, versions in sorted(seen.items()):
+        missing = sorted(set(range(1, max(versions) + 1)) - versions)
+        if missing:
+            result.problems.append(f"fragment {p}: versions {missing[:5]} are on no record")
+    for p, v in sorted((disk_versions or {}).items()):
+        taped = max(seen.get(p, {0}))
+        if v != taped:
+            result.problems.append(f"fragment {p} is at version {v} on disk, {taped} on the tape")
+
+
+def _uploads(commits, result: Audit):
+    """``(merged, excluded)``: per learner, upload id -> (fragment, steps)."""
+    merged: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
+    excluded: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
+    for c in commits:
+        for kind, parts_by_learner, into in (
+            ("merged", c.merged, merged),
+            ("left out", c.excluded, excluded),
+        ):
+            for learner, parts in parts_by_learner.items():
+                for upload_id, steps, _tokens in parts:
+                    if not upload_id:
+                        continue
+                    if upload_id in merged[learner] or upload_id in excluded[learner]:
+                        result.problems.append(
+                            f"{learner}'s upload {upload_id} {kind} again in fragment "
+                            f"{c.fragment} version {c.version}"
+                        )
+                        continue
+                    into[learner][upload_id] = (c.fragment, steps)
+    result.uploads_merged = sum(len(m) for m in merged.values())
+    result.uploads_excluded = sum(len(m) for m in excluded.values())
+    return merged, excluded
+
+
+def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> None:
+    lives: dict[str, dict] = {}
+    order: list[str] = []
+    for line in journal:
+        life = line.get("life")
+        if life is None:
+            continue
+        if life not in lives:
+            lives[life] = {"uploads": {}, "last_step": defaultdict(int)}
+            order.append(life)
+        if "u" in line:
+            lives[life]["uploads"][line["u"]] = (line["p"], line["steps"])
+            step = lives[life]["last_step"]
+            step[line["p"]] = max(step[line["p"]], line["step"])
+    owner = {u: life for life, info in lives.items() for u in info["uploads"]}
+    delivered: dict[str, dict[int, int]] = {life: defaultdict(int) for life in lives}
+    for source in (merged.get(learner, {}), excluded.get(learner, {})):
+        for upload_id, (p, steps) in source.items():
+            life = owner.get(upload_id)
+            if life is None:
+                result.problems.append(f"{learner}: upload {upload_id} is in no journal")
+                continue
+            if lives[life]["uploads"][upload_id] != (p, steps):
+                result.problems.append(
+                    f"{learner}: upload {upload_id} has {(p, steps)} on the tape, "
+                    f"{lives[life]['uploads'][upload_id]} in the journal"
+                )
+            delivered[life][p] += steps
+    result.lives += len(order)
+    last = order[-1] if order else None
+    clean = final is not None and final.get("life") == last
+    for life in order:
+        if life == last and clean:
+            _check_clean(learner, final, delivered[life], result)
+            continue
+        result.lives_killed += 1
+        for p, steps in delivered[life].items():
+            bound = lives[life]["last_step"][p]
+            if steps > bound:
+                result.problems.append(
+                    f"{learner} (a killed life): fragment {p} delivered {steps} steps of the "
+                    f"{bound} it had trained when it last sent it"
+                )
+        for p, bound in lives[life]["last_step"].items():
+            result.steps_lost_at_kills += max(0, bound - delivered[life].get(p, 0))
+    if final is not None and not clean:
+        result.problems.append(f"{learner}: final.json is not from its last life")
+
+
+def _check_clean(learner, final, delivered, result: Audit) -> None:
+    books = final.get("accounting")
+    if books is None:
+        result.problems.append(f"{learner}: final.json has no accounting")
+        return
+    trained = books["trained"]
+    result.steps_trained += trained
+    for p, (unsent, dropped) in enumerate(zip(books["unsent"], books["dropped"], strict=True)):
+        tape = delivered.get(p, 0)
+        if tape + unsent + dropped != trained:
+            result.problems.append(
+                f"{learner}: fragment {p}: {tape} steps merged or left out (tape) + {unsent} "
+                f"unsent + {dropped} dropped != {trained} trained"
+            )
+
+
+def longest_stall(
+    commits: list[float], window: tuple[float, float], down: list[tuple[float, float]]
+) -> float:
+    """The longest span inside ``window`` without a commit, not counting the time the syncer
+    was down (``down`` spans). ``commits``: sorted commit times.
+
+    >>> longest_stall([2.0, 3.0], (0.0, 10.0), [(4.0, 8.0)])
+    3.0
+    """
+    marks = [window[0], *[t for t in commits if window[0] <= t <= window[1]], window[1]]
+    longest = 0.0
+    for a, b in zip(marks, marks[1:], strict=False):
+        outage = sum(max(0.0, min(b, d1) - max(a, d0)) for d0, d1 in down)
+        longest = max(longest, b - a - outage)
+    return longest

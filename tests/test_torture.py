@@ -1,0 +1,122 @@
+"""The torture run (issue 32): a real syncer process SIGKILLed and restarted on its state
+directory, its disk filled up, learners killed and partitioned, upload replies lost; then
+the exactly-once audit of the tape against the learners' journals and books
+(``diloco.launch.torture``, ``diloco.report.exactly_once``). ``benchmarks/bench_torture.py``
+runs 50 seeds; this is one short schedule, plus the audit's own tests on made-up tapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from diloco.launch.torture import STALL_BOUND_S, Torture, TortureSpec, fault_schedule
+from diloco.report.exactly_once import audit, longest_stall
+
+
+def ci_spec() -> TortureSpec:
+    """A 30-second schedule with every fault kind where the disk stays full long enough to
+    fail a committing syncer (6-8 s, beyond its ~3 s of retries) and no kill of the syncer
+    comes within 4 s before the disk fills or 10 s after (so it is up and committing when
+    the disk fills, and fails and exits by itself)."""
+    for seed in range(100):
+        spec = TortureSpec(seed=seed, seconds=30.0, disk_full_s=(6.0, 8.0))
+        faults = fault_schedule(spec)
+        (disk,) = [f for f in faults if f.kind == "disk-full"]
+        kills = [f for f in faults if f.kind == "syncer-kill"]
+        if all(k.at + k.down_s + 4.0 < disk.at or k.at > disk.at + 10.0 for k in kills):
+            return spec
+    raise AssertionError("no seed below 100 fits")
+
+
+@pytest.fixture(scope="module")
+def tortured(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("the torture run fills a tmpfs: it needs root")
+    return Torture(ci_spec(), tmp_path_factory.mktemp("torture")).run()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_step_reaches_the_global_model_exactly_once_through_the_faults(tortured):
+    assert tortured.audit.ok, "\n".join(tortured.audit.problems)
+    assert tortured.audit.commits > 100 and tortured.audit.uploads_merged > 100
+
+
+@pytest.mark.slow
+def test_every_fault_of_the_schedule_happened(tortured):
+    kinds = [f.kind for f in tortured.faults]
+    assert tortured.syncer_starts >= 1 + kinds.count("syncer-kill") + 1  # + the disk's
+    assert tortured.syncer_failures >= 1  # it exited non-zero when its disk was full
+    assert tortured.learner_kills == kinds.count("learner-kill")
+    assert 1 <= tortured.audit.lives_killed <= tortured.learner_kills  # (one may not have
+    # journaled yet: killed while it was starting)
+    assert tortured.replies_lost > 0
+
+
+@pytest.mark.slow
+def test_the_run_never_stalled_while_the_syncer_served(tortured):
+    assert tortured.audit.longest_stall_s <= STALL_BOUND_S
+
+
+def test_the_schedule_is_a_pure_function_of_the_spec():
+    spec = TortureSpec(seed=7)
+    assert fault_schedule(spec) == fault_schedule(spec)
+    assert fault_schedule(spec) != fault_schedule(TortureSpec(seed=8))
+    kinds = [f.kind for f in fault_schedule(spec)]
+    assert sorted(set(kinds)) == ["disk-full", "learner-kill", "partition", "syncer-kill"]
+
+
+# The audit itself must be able to fail: made-up tapes with each defect it looks for.
+
+
+def round_record(p, v, uploads, t=0.0):
+    return {"event": "round", "t": t, "fragment": p, "version": v, "uploads": uploads}
+
+
+def journal(life, *uploads):
+    return [{"life": life, "start": 0}] + [
+        {"life": life, "u": u, "p": p, "steps": s, "tokens": 8 * s, "step": at}
+        for u, p, s, at in uploads
+    ]
+
+
+def books(trained, unsent, dropped=(0,), life="A"):
+    return {
+        "life": life,
+        "accounting": {"trained": trained, "unsent": list(unsent), "dropped": list(dropped)},
+    }
+
+
+def test_the_audit_passes_an_exact_run_and_names_each_defect():
+    tape = [round_record(0, 1, {"a": [[1, 4, 32]]}), round_record(0, 2, {"a": [[2, 3, 24]]})]
+    journals = {"a": journal("A", (1, 0, 4, 4), (2, 0, 3, 7))}
+    assert audit(tape, journals, {"a": books(9, [2])}).ok  # 4 + 3 merged + 2 unsent = 9
+    twice = [*tape, round_record(0, 3, {"a": [[2, 3, 24]]})]
+    assert any("again" in p for p in audit(twice, journals, {"a": books(9, [2])}).problems)
+    assert any(
+        "twice" in p
+        for p in audit([*tape, round_record(0, 2, {})], journals, {"a": books(9, [2])}).problems
+    )
+    gap = [tape[0], round_record(0, 3, {"a": [[2, 3, 24]]})]
+    assert any("no record" in p for p in audit(gap, journals, {"a": books(9, [2])}).problems)
+    lost = audit(tape, journals, {"a": books(10, [2])}).problems  # one step nowhere
+    assert any("!= 10 trained" in p for p in lost)
+    disk = audit(tape, journals, {"a": books(9, [2])}, disk_versions={0: 3}).problems
+    assert any("on disk" in p for p in disk)
+    stranger = audit(tape, {"a": journal("A", (1, 0, 4, 4))}, {"a": books(9, [2])}).problems
+    assert any("no journal" in p for p in stranger)
+
+
+def test_a_killed_life_may_lose_its_tail_but_never_deliver_a_step_twice():
+    journals = {"a": journal("K", (1, 0, 4, 4), (2, 0, 4, 6)) + journal("A", (3, 0, 5, 5))}
+    finals = {"a": books(5, [0], life="A")}
+    fine = [round_record(0, 1, {"a": [[1, 4, 32]]}), round_record(0, 2, {"a": [[3, 5, 40]]})]
+    assert audit(fine, journals, finals).ok  # the killed life lost upload 2 (2 steps of 6)
+    doubled = [round_record(0, 1, {"a": [[1, 4, 32], [2, 4, 32]]}), fine[1]]
+    assert any("killed" in p for p in audit(doubled, journals, finals).problems)
+
+
+def test_stalls_are_measured_only_while_the_syncer_serves():
+    assert longest_stall([2.0, 3.0], (0.0, 10.0), [(4.0, 8.0)]) == 3.0
+    assert longest_stall([], (0.0, 10.0), []) == 10.0
