@@ -12,6 +12,12 @@ Lines::
 
     {"life": "9f2c…", "start": 0, "t": 1700000000.0}          a life begins at this step
     {"life": "9f2c…", "u": 123, "p": 3, "steps": 24, "tokens": 3072, "step": 96}
+    {"life": "9f2c…", "settled": 123, "how": "accepted", "v": 7}  the syncer's answer
+    {"life": "9f2c…", "settled": 123, "how": "merged", "v": 8}    the version holding it
+    {"life": "9f2c…", "settled": 123, "how": "returned"}          its progress goes out again
+
+``settled`` lines are what the learner concluded (``how``: accepted, merged, excluded,
+returned, dropped); the audit compares them with the tape.
 
 The journal is for audits; a full disk or another I/O error is logged once and the learner
 goes on training without it.
@@ -44,6 +50,11 @@ class UploadJournal:
         """Record an upload before it is handed to the link."""
         record = {"life": self.life, "u": upload_id, "p": fragment, "steps": steps}
         self._write({**record, "tokens": tokens, "step": step})
+
+    def settled(self, upload_id: int, how: str, version: int | None = None) -> None:
+        """Record what the learner concluded about an upload (see the module docstring)."""
+        record = {"life": self.life, "settled": upload_id, "how": how}
+        self._write(record if version is None else {**record, "v": version})
 
     def _write(self, record: dict) -> None:
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()

@@ -333,7 +333,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
     def _apply(self, p: int, version: int, value: torch.Tensor) -> None:
         held = self.anchors[p]
         merged = self._ledger.take_merged(p, version)
-        self._count_merged(p, merged)
+        self._count_merged(p, merged, version)
         own = bool(merged)
         rebase = self.config.rebase_own if own else self.config.rebase_foreign
         if held is None:  # over the learner's own initial values: their steps are lost
@@ -352,10 +352,15 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self.anchors[p] = value
         self.versions[p] = version
 
-    def _count_merged(self, p: int, entries) -> None:
+    def _journal_settled(self, upload_id: int, how: str, version: int | None = None) -> None:
+        if self.journal is not None and upload_id:
+            self.journal.settled(upload_id, how, version)
+
+    def _count_merged(self, p: int, entries, version: int = -1) -> None:
         """Count deltas that left the ledger with version ``p``'s arrival: merged, or
         excluded when the syncer said its direction check left them out."""
         for e in entries:
+            self._journal_settled(e.upload_id, "excluded" if e.excluded else "merged", version)
             if e.excluded:
                 self.excluded_steps[p] += e.steps
                 self.counters["excluded"] += 1
@@ -443,6 +448,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             if entry is None:
                 continue
             if result.outcome == "accepted":
+                self._journal_settled(entry.upload_id, "accepted", result.admitted)
                 if not torch.equal(entry.delta, result.sent):
                     self._residual.add(job.fragment)  # error feedback: delta − sent is in u_p
                 entry.admitted, entry.delta = result.admitted, result.sent
@@ -454,6 +460,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
     def _return(self, p: int, entry: Outgoing) -> None:
         """Take ``entry`` off the ledger: its progress is undelivered again (sent next time)."""
         self._ledger.remove(p, entry)
+        self._journal_settled(entry.upload_id, "returned")
         self.steps_since[p] += entry.steps
         self.tokens_since[p] += entry.tokens
         self.counters["returned"] += 1

@@ -23,7 +23,8 @@ What it asserts (each failure is one line in ``Audit.problems``):
 3. no upload id is merged (or left out) twice, and each one is in its learner's journal with
    the same steps;
 4. per learner life that stopped cleanly, per fragment: steps merged + left out (tape) +
-   unsent + dropped (its own accounting) = steps trained: **exactly once**;
+   unsent + dropped (its own accounting) = steps trained: **exactly once**; and every upload
+   a learner took as merged (its journal's ``settled`` lines) was merged by a commit;
 5. per life that was killed, per fragment: steps merged + left out ≤ the last step it
    journaled: **at most once** (what it had not delivered when it died is lost with it: the
    learner's crash, not the protocol's);
@@ -184,6 +185,8 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
             order.append(life)
         if "u" in line:
             lives[life]["uploads"][line["u"]] = (line["p"], line["steps"])
+        if line.get("how") == "merged":
+            lives[life].setdefault("took", {})[line["settled"]] = line.get("v")
             step = lives[life]["last_step"]
             step[line["p"]] = max(step[line["p"]], line["step"])
     owner = {u: life for life, info in lives.items() for u in info["uploads"]}
@@ -200,6 +203,14 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
                     f"{lives[life]['uploads'][upload_id]} in the journal"
                 )
             delivered[life][p] += steps
+    on_tape = set(merged.get(learner, {})) | set(excluded.get(learner, {}))
+    for life in order:
+        for upload_id, version in lives[life].get("took", {}).items():
+            if upload_id not in on_tape:
+                result.problems.append(
+                    f"{learner}: took upload {upload_id} as merged by version {version}, "
+                    "which no commit merged"
+                )
     result.lives += len(order)
     last = order[-1] if order else None
     clean = final is not None and final.get("life") == last
