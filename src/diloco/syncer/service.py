@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import torch
@@ -35,11 +35,12 @@ from diloco.syncer.limits import (
     FIRST_CHUNK_S,
     MIN_UPLOAD_BPS,
     SHORT_CALL_THREADS,
-    SUBSCRIPTIONS_PER_LEARNER,
-    UPLOADS_PER_LEARNER,
+    Caller,
     LimitExceeded,
+    Slot,
     StreamLimits,
     Watchdog,
+    stream_limits,
 )
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import (
@@ -56,16 +57,6 @@ MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
 """gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
 MAX_REASON_CHARS = 500
 """Refusal messages are cut to this length (they may quote what a client sent)."""
-
-
-def stream_limits(max_learners: int) -> StreamLimits:
-    """The stream caps of a syncer sized for ``max_learners``: that many uploads and that
-    many subscriptions (+8 for observers) at once, and per learner ``UPLOADS_PER_LEARNER``
-    and ``SUBSCRIPTIONS_PER_LEARNER``."""
-    return StreamLimits(
-        {"upload": max_learners, "subscribe": max_learners + 8},
-        {"upload": UPLOADS_PER_LEARNER, "subscribe": SUBSCRIPTIONS_PER_LEARNER},
-    )
 
 
 def pool_threads(limits: StreamLimits) -> int:
@@ -104,7 +95,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.tape = tape
         self.lock = threading.Lock()
         self.started_at = time.time()
-        self._subscribers: set[Subscriber] = set()
+        self._subscribers: dict[Subscriber, Callable[[], None]] = {}
+        """Every subscription whose handler runs, and how to end it (give its place back,
+        cancel its call): a newer subscription of the same learner does (``_replace``)."""
         # Latest version of each fragment, its keyframe (W_p), who that version merged.
         self._payloads: dict[int, tuple[int, Keyframe, frozenset[str]]] = {}
         self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
@@ -170,13 +163,11 @@ class SyncerService(pb_grpc.SyncerServicer):
                 f"the token is learner {who!r}'s; it cannot act as {learner_id[:64]!r}",
             )
 
-    def _caller(self, context: grpc.ServicerContext) -> tuple[str, bool]:
-        """``(key, is_learner)`` the stream limits count a call under: the learner id of its
-        own token, else its network address (``ipv4:1.2.3.4:port`` without the port)."""
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        """Whom the stream limits count a call against: the learner id of its own token,
+        else its connection and address (``diloco.syncer.limits.Caller``)."""
         who = auth.caller_identity(context.invocation_metadata(), self.secret)
-        if who:
-            return who, True
-        return "address " + context.peer().rsplit(":", 1)[0], False
+        return Caller(context.peer(), learner=who or None)
 
     # --------------------------------------------------------------------- RPCs
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
@@ -238,18 +229,17 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.check_caller(context, request.learner_id)
             with self.lock:
                 info = self.state.session_of(request.learner_id, request.session)
-            caller, is_learner = self._caller(context)
-            with self.limits.hold("subscribe", caller, learner=is_learner):
-                yield from self._stream(context, info, have, digests)
+            yield from self._stream(context, info, self._caller(context), have, digests)
         except LimitExceeded as exc:
             err = Refused("RESOURCE_EXHAUSTED", str(exc))
             return self._refuse(context, request.learner_id, err, "Subscribe")
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Subscribe")
 
-    def _stream(self, context, info, have: list[int], digests: list[str]):
-        """One subscription's life: what the learner lacks, then requests and new versions
-        until the stream ends. A newer stream of the same learner closes this one."""
+    def _stream(self, context, info, caller: Caller, have: list[int], digests: list[str]):
+        """One subscription's life: it takes the place of the learner's older ones
+        (``_replace``; ``LimitExceeded`` over a cap), sends what the learner lacks, then
+        requests and new versions until the stream ends."""
         sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
         if any(digests):  # hash the values to compare with here, not under the lock
             with self.lock:
@@ -257,9 +247,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             for keyframe in latest:
                 keyframe.digest  # noqa: B018 (computed once, then kept)
         with self.lock:
-            for older in [s for s in self._subscribers if s.learner_id == info.learner_id]:
-                older.close()
-            self._subscribers.add(sub)
+            slot = self._replace(sub, caller, context)
             for p, (version, keyframe, _) in self._payloads.items():
                 since = have[p] if p < len(have) else -1
                 if since == version:
@@ -298,21 +286,40 @@ class SyncerService(pb_grpc.SyncerServicer):
                         info.bytes_down += len(item.payload)
                         self.state.bytes_down += len(item.payload)
         finally:
+            slot.release()
             with self.lock:
-                self._subscribers.discard(sub)
+                self._subscribers.pop(sub, None)
                 if not any(s.session == sub.session for s in self._subscribers):
                     self.state.leave(
                         sub.learner_id, sub.session, now=time.time(), reason="stream closed"
                     )
             self._wake.set()
 
+    def _replace(self, sub: Subscriber, caller: Caller, context) -> Slot:
+        """Register ``sub`` in the place of its learner's older subscriptions (lock held).
+
+        Each older one is closed, its place under the stream caps given back at once and its
+        call cancelled: a handler blocked in a send on a dead connection (a vanished VM,
+        before keepalive notices) ends now instead of holding the learner's only place. Then
+        ``sub`` takes its own place (``LimitExceeded`` over a cap: nothing registered)."""
+        for older in [s for s in self._subscribers if s.learner_id == sub.learner_id]:
+            older.close()
+            self._subscribers[older]()
+        slot = self.limits.take("subscribe", caller)
+
+        def end() -> None:
+            slot.release()
+            context.cancel()
+
+        self._subscribers[sub] = end
+        return slot
+
     def Upload(
         self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext
     ) -> pb.UploadReply:
         who: dict[str, str] = {}
         try:
-            caller, is_learner = self._caller(context)
-            with self.limits.hold("upload", caller, learner=is_learner):
+            with self.limits.hold("upload", self._caller(context)):
                 header, payload = self._receive(request_iterator, context, who)
             numel = self.state.layout.fragments[header.fragment].numel
             try:
