@@ -332,6 +332,29 @@ def test_a_learner_token_cannot_take_over_another_learners_id(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_learner_token_cannot_heartbeat_or_leave_for_another_learner(tmp_path):
+    server = make_server(tmp_path, config(), token=SECRET, learner_tokens=True)
+    alice = Peer(server, "alice", token=auth.learner_token(SECRET, "alice"))
+    mallory = Peer(server, "alice", token=auth.learner_token(SECRET, "mallory"))
+    try:
+        alice.join()
+        mallory.session = alice.session  # mallory knows alice's session
+        before = server.service.state_digest()
+        for call in (mallory.heartbeat, mallory.leave):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert server.service.state_digest() == before
+        info = server.state.learners["alice"]
+        assert info.connected and info.live and info.state == "joined"
+        assert [r["rpc"] for r in refusals(tmp_path)] == ["Heartbeat", "Leave"]
+        assert alice.heartbeat() and alice.upload(0, torch.ones(numel(server, 0))).accepted
+    finally:
+        alice.close(), mallory.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
 def test_ids_that_joined_and_left_do_not_lock_out_new_learners(tmp_path):
     server = make_server(tmp_path, config(max_learner_ids=16))
     try:

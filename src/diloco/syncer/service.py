@@ -396,6 +396,12 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
+        """A learner's heartbeat: ``known=False`` for an unknown session; a token that may
+        not act as ``learner_id`` is refused ``PERMISSION_DENIED`` (nothing changes)."""
+        try:
+            self.check_caller(context, request.learner_id)
+        except Refused as err:
+            return self._refuse(context, request.learner_id, err, "Heartbeat")
         sps = request.steps_per_s
         with self.lock:
             try:
@@ -413,6 +419,12 @@ class SyncerService(pb_grpc.SyncerServicer):
             return pb.HeartbeatReply(known=True, versions=self.state.versions)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        """A learner leaves (unknown sessions change nothing); a token that may not act as
+        ``learner_id`` is refused ``PERMISSION_DENIED``."""
+        try:
+            self.check_caller(context, request.learner_id)
+        except Refused as err:
+            return self._refuse(context, request.learner_id, err, "Leave")
         with self.lock:
             self.state.leave(request.learner_id, request.session, now=time.time(), reason="left")
         self._wake.set()
