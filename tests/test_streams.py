@@ -21,7 +21,7 @@ from diloco.launch.relay import Relay
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.limits import UPLOADS_PER_CONNECTION
 from diloco.syncer.server import SyncerServer
-from diloco.wire import auth
+from diloco.wire import auth, keepalive
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
@@ -238,3 +238,21 @@ def test_one_address_of_silent_uploads_cannot_lock_out_the_others(tmp_path):
             c.close()
         relay.close()
         server.stop()
+
+
+# ---------------------------------------------------------------------------- keepalive
+def test_the_keepalive_pings_of_a_learner_are_welcome_at_the_syncer():
+    client, server = dict(keepalive.client_options()), dict(keepalive.server_options())
+    interval = client["grpc.keepalive_time_ms"]
+    # The server accepts pings at the client's pace (else it answers GOAWAY too_many_pings).
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] < interval
+    assert client["grpc.keepalive_permit_without_calls"] == 1
+    assert client["grpc.http2.max_pings_without_data"] == 0
+    assert (
+        server["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+    )
+    # A dead peer is found within a minute, far sooner than TCP's ~15 min (gRPC waits for a
+    # keepalive ping's answer as long as for any ping's: the ping timeout).
+    for options in (client, server):
+        wait = max(options["grpc.keepalive_timeout_ms"], options["grpc.http2.ping_timeout_ms"])
+        assert options["grpc.keepalive_time_ms"] + wait <= 60_000
