@@ -523,3 +523,28 @@ def test_an_inflated_step_count_does_not_let_a_huge_delta_through(tmp_path):
     finally:
         alice.close(), mallory.close()
         server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_undeclared_learner_cannot_inflate_its_tokens_per_step_later(tmp_path):
+    server = make_server(tmp_path, config(gamma=0.0))
+    mallory = Peer(server, "mallory")
+    try:
+        mallory.join(tokens_per_step=0)  # 0: not declared
+        ones = torch.ones(numel(server, 0))
+        assert mallory.upload(0, 1e-3 * ones, steps=24, tokens=240).accepted  # 10 per step
+        for rejoin in (False, True):  # the bound is kept across rejoins
+            if rejoin:
+                mallory.join(tokens_per_step=0)
+            before = server.state.learners["mallory"].contributions
+            with pytest.raises(grpc.RpcError) as info:
+                mallory.upload(0, 1e-3 * ones, steps=24, tokens=24_000)  # 1000 per step
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "tokens per step" in info.value.details()
+            assert server.state.learners["mallory"].contributions == before
+            # The same batch as before is always accepted (and a little more, or less).
+            for tokens in (240, 480, 24):
+                assert mallory.upload(0, 1e-3 * ones, steps=24, tokens=tokens).accepted
+    finally:
+        mallory.close()
+        server.stop()
