@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import math
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from diloco.dashboard.prometheus import exposition
-from diloco.dashboard.server import DashboardServer, json_safe
+from diloco.dashboard.server import MAX_CONNECTIONS, DashboardServer, json_safe
 from diloco.dashboard.tensorboard import ScalarLog
 from diloco.dashboard.watch import MAX_POINTS, RunWatch
 from diloco.report.tally import JsonlFollower, TapeTally, tape_metrics
@@ -217,6 +219,60 @@ def test_the_dashboard_is_read_only(served):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=5)
     assert refused.value.code == 405
+
+
+@pytest.mark.timeout(60)
+def test_slow_clients_are_cut_at_the_deadline_and_cannot_starve_health():
+    threads_before = threading.active_count()
+    server = DashboardServer(dict, bind="127.0.0.1:0", token=SECRET, deadline_s=1.5).start()
+    base = f"http://127.0.0.1:{server.port}"
+    stop = threading.Event()
+    slow = []  # slowloris: more connections than the cap, each sending a byte every 0.2 s
+
+    def dribble():
+        while not stop.wait(0.2):
+            for s in slow:
+                try:
+                    s.send(b"X")
+                except OSError:
+                    pass
+
+    dribbler = threading.Thread(target=dribble, daemon=True)
+    try:
+        for _ in range(MAX_CONNECTIONS + 8):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nX-Slow: ")
+            slow.append(s)
+        t0 = time.monotonic()
+        dribbler.start()
+        time.sleep(0.5)
+        # at most the cap holds a thread (+1: the serving loop, +1: the dribbler)
+        assert threading.active_count() - threads_before <= MAX_CONNECTIONS + 2
+        # /healthz answers a new client within a few seconds (503 while the cap is full)
+        while (status := _status(base + "/healthz")) != 200:
+            assert time.monotonic() - t0 < 5.0, f"/healthz still answers {status}"
+            time.sleep(0.1)
+        # every slow connection is closed by the deadline, however it paces its bytes
+        for s in slow:
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - t0 < 1.5 + 3.0
+    finally:
+        stop.set()
+        for s in slow:
+            s.close()
+        server.stop()
+
+
+def _status(url) -> int | str:
+    """The status of a GET, or the error's name when the connection was cut."""
+    try:
+        return get(url)[0]
+    except (urllib.error.URLError, ConnectionError) as e:
+        return type(e).__name__
 
 
 def test_the_dashboard_refuses_a_network_address_without_a_token_a_busy_port_and_nonsense():

@@ -332,6 +332,29 @@ def test_a_learner_token_cannot_take_over_another_learners_id(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_learner_token_cannot_heartbeat_or_leave_for_another_learner(tmp_path):
+    server = make_server(tmp_path, config(), token=SECRET, learner_tokens=True)
+    alice = Peer(server, "alice", token=auth.learner_token(SECRET, "alice"))
+    mallory = Peer(server, "alice", token=auth.learner_token(SECRET, "mallory"))
+    try:
+        alice.join()
+        mallory.session = alice.session  # mallory knows alice's session
+        before = server.service.state_digest()
+        for call in (mallory.heartbeat, mallory.leave):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert server.service.state_digest() == before
+        info = server.state.learners["alice"]
+        assert info.connected and info.live and info.state == "joined"
+        assert [r["rpc"] for r in refusals(tmp_path)] == ["Heartbeat", "Leave"]
+        assert alice.heartbeat() and alice.upload(0, torch.ones(numel(server, 0))).accepted
+    finally:
+        alice.close(), mallory.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
 def test_ids_that_joined_and_left_do_not_lock_out_new_learners(tmp_path):
     server = make_server(tmp_path, config(max_learner_ids=16))
     try:
@@ -499,4 +522,29 @@ def test_an_inflated_step_count_does_not_let_a_huge_delta_through(tmp_path):
         assert alice.upload(0, 0.01 * torch.randn(numel(server, 0), generator=gen)).accepted
     finally:
         alice.close(), mallory.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_undeclared_learner_cannot_inflate_its_tokens_per_step_later(tmp_path):
+    server = make_server(tmp_path, config(gamma=0.0))
+    mallory = Peer(server, "mallory")
+    try:
+        mallory.join(tokens_per_step=0)  # 0: not declared
+        ones = torch.ones(numel(server, 0))
+        assert mallory.upload(0, 1e-3 * ones, steps=24, tokens=240).accepted  # 10 per step
+        for rejoin in (False, True):  # the bound is kept across rejoins
+            if rejoin:
+                mallory.join(tokens_per_step=0)
+            before = server.state.learners["mallory"].contributions
+            with pytest.raises(grpc.RpcError) as info:
+                mallory.upload(0, 1e-3 * ones, steps=24, tokens=24_000)  # 1000 per step
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "tokens per step" in info.value.details()
+            assert server.state.learners["mallory"].contributions == before
+            # The same batch as before is always accepted (and a little more, or less).
+            for tokens in (240, 480, 24):
+                assert mallory.upload(0, 1e-3 * ones, steps=24, tokens=tokens).accepted
+    finally:
+        mallory.close()
         server.stop()

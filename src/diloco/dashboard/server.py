@@ -14,6 +14,12 @@ viewer token derived from it, ``diloco.wire.auth.viewer_token``) every route but
 ``authorization`` setting), as ``?token=TOKEN`` (the printed link; the page then keeps it in
 an HTTP-only cookie and drops it from the address bar), or as that cookie; without a token
 the server refuses to bind anything but a loopback address (``auth.check_bind``).
+
+``/healthz`` answers anyone, so the server bounds what any client can hold: at most
+``MAX_CONNECTIONS`` connections are served at once (one thread each; one more is answered
+503 and closed on the accepting thread, without a thread of its own), and each connection is
+cut ``CONNECTION_DEADLINE_S`` after it was accepted, however slowly it sends its request or
+reads its answer.
 """
 
 from __future__ import annotations
@@ -22,17 +28,33 @@ import hmac
 import json
 import math
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
+from diloco.syncer.limits import Watchdog
 from diloco.wire import auth
 
 COOKIE = "diloco_token"
-REQUEST_TIMEOUT_S = 10.0
-"""A client that sends nothing for this long is disconnected."""
+MAX_CONNECTIONS = 32
+"""Connections served at once, each on a thread of its own; more are answered 503 at once. A
+page polls once a second and Prometheus scrapes every few seconds, each with a short
+connection: room for many viewers, while a flood of connections holds at most this many."""
+CONNECTION_DEADLINE_S = 10.0
+"""A connection is closed this long after it was accepted, whatever it is doing: a request
+is a few hundred bytes and an answer fits the socket's buffers, while a timeout per read
+would let a client that sends a byte every 9 s hold its thread forever."""
+BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: 22\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+    b"busy: try again later\n"
+)
+"""The whole answer to a connection over ``MAX_CONNECTIONS``."""
 SECURITY_HEADERS = {
     "Cache-Control": "no-store",
     "X-Content-Type-Options": "nosniff",
@@ -59,17 +81,18 @@ class DashboardServer:
         *,
         bind: str = "127.0.0.1:0",
         token: str | None = None,
+        deadline_s: float = CONNECTION_DEADLINE_S,
     ) -> None:
+        """``deadline_s``: a connection is cut this long after it was accepted."""
         host, port = auth.split_address(bind, what="the dashboard address")
         auth.check_bind(bind, token)
         self._accepted = [] if token is None else [token, auth.viewer_token(token)]
         self.viewer_token = auth.viewer_token(token) if token else None
         handler = _handler(snapshot, self._accepted)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("_Server", (ThreadingHTTPServer,), {"address_family": family})
-        server_class.daemon_threads = True
-        server_class.allow_reuse_address = False
+        server_class = type("_Server", (_BoundedServer,), {"address_family": family})
         self._httpd = server_class((host, port), handler)
+        self._httpd.deadline_s = deadline_s
         self.host = host
         self.port = self._httpd.server_address[1]
         self._thread: threading.Thread | None = None
@@ -98,6 +121,62 @@ class DashboardServer:
             self._thread.join(timeout=5.0)
             self._thread = None
         self._httpd.server_close()
+        self._httpd.watchdog.close()
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A ``ThreadingHTTPServer`` with at most ``MAX_CONNECTIONS`` handler threads, each
+    connection cut at its deadline (see the module docstring)."""
+
+    daemon_threads = True
+    allow_reuse_address = False
+    deadline_s = CONNECTION_DEADLINE_S
+    request_queue_size = MAX_CONNECTIONS  # a burst waits to be accepted, its SYNs not dropped
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # binds first: a busy port leaves no thread behind
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.watchdog = Watchdog()
+
+    def process_request(self, request, client_address) -> None:
+        """On the accepting thread: a free slot gets a handler thread and a deadline, a
+        connection over the cap is answered ``BUSY`` and closed."""
+        if not self._slots.acquire(blocking=False):
+            request.setblocking(False)
+            try:
+                request.send(BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        deadline = self.watchdog.arm(time.monotonic() + self.deadline_s, partial(_cut, request))
+        threading.Thread(
+            target=self._serve,
+            args=(request, client_address, deadline),
+            name="dashboard-request",
+            daemon=True,
+        ).start()
+
+    def handle_error(self, request, client_address) -> None:
+        """A connection cut at its deadline or by its client (a failed read or write) is not
+        an error worth a traceback on the run's terminal; anything else is."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+    def _serve(self, request, client_address, deadline: int) -> None:
+        try:
+            self.process_request_thread(request, client_address)  # handles, then closes
+        finally:
+            self.watchdog.disarm(deadline)
+            self._slots.release()
+
+
+def _cut(request: socket.socket) -> None:
+    """End a connection at its deadline: its handler's blocked read or write fails now."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
 
 
 def page() -> bytes:
@@ -107,7 +186,7 @@ def page() -> bytes:
 
 def _handler(snapshot: Callable[[], dict], accepted: list[str]):
     class Handler(BaseHTTPRequestHandler):
-        timeout = REQUEST_TIMEOUT_S
+        timeout = CONNECTION_DEADLINE_S  # per read or write; the deadline bounds the total
         server_version = "diloco-dashboard"
         sys_version = ""
 

@@ -32,11 +32,14 @@ REQUEST_BYTES = 512
 
 
 class Relay:
-    """Listens on ``127.0.0.1:0`` and forwards every connection to ``target`` (``host:port``)."""
+    """Listens on ``127.0.0.1:0`` and forwards every connection to ``target`` (``host:port``),
+    from the local address ``source`` when given (e.g. ``127.0.0.2``: the target then sees
+    the relayed connections come from another host)."""
 
-    def __init__(self, target: str, *, name: str = "relay") -> None:
+    def __init__(self, target: str, *, name: str = "relay", source: str | None = None) -> None:
         host, _, port = target.rpartition(":")
         self.target = (host, int(port))
+        self.source = (source, 0) if source else None
         self.name = name
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
@@ -125,7 +128,9 @@ class Relay:
                 _close(client)
                 continue
             try:
-                upstream = socket.create_connection(self.target, timeout=2)
+                upstream = socket.create_connection(
+                    self.target, timeout=2, source_address=self.source
+                )
             except OSError:
                 _close(client)  # syncer down: the learner sees a refused connection
                 continue

@@ -30,6 +30,7 @@ from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_
 from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire import keepalive
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +325,7 @@ class SyncerLink:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *keepalive.client_options(),  # a dead syncer is noticed within 35 s
         ]
         own_connection = [*options, ("grpc.use_local_subchannel_pool", 1)]
         with self._channel_lock:

@@ -33,6 +33,11 @@ def is_suspect(verdicts) -> bool:
 
 MAX_STEP_TIME_S = 3600.0
 """Upper bound (exclusive) of a step time a learner may report, in uploads and heartbeats."""
+UNDECLARED_SLACK = 4
+"""A learner that declared no tokens per step at join may claim at most this many times the
+tokens per step of its first accepted contribution (``tokens_per_step_bound``): room for
+batches whose token count varies (unpadded sequences), while a claim 100 times its first
+one, which would multiply its merge weight by 10,000, is refused."""
 
 
 class Refused(Exception):
@@ -68,6 +73,9 @@ class LearnerInfo:
     bytes_down: int = 0
     tokens_per_step: int = 0
     """Declared at join (batch × sequence); 0: not declared. Claims above it are refused."""
+    learned_tokens_per_step: int = 0
+    """Without a declared value: the bound learned from this id's first accepted
+    contribution (``learn_tokens_per_step``; kept across rejoins); 0 before it."""
     step_s: float | None = None
     """This learner's measured step time (heartbeats, uploads): the syncer's clock's pace."""
     tokens_per_s: float | None = None
@@ -226,6 +234,26 @@ def update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> Non
     )
 
 
+def tokens_per_step_bound(info: LearnerInfo) -> int:
+    """The most tokens per step ``info``'s learner may claim beyond the syncer-wide
+    ``max_tokens_per_step`` (0: none yet): what it declared at join, else what it learned.
+
+    A learner that declares nothing (``LearnerConfig.tokens_per_step`` 0) is bounded by its
+    own first accepted contribution: ``UNDECLARED_SLACK`` × that contribution's tokens per
+    step, fixed for its id from then on (a rejoin keeps it), so it cannot raise its claims,
+    and with them its merge weight ``tokens²/steps``, once it has contributed. A learner
+    with a constant batch always claims the same tokens per step and is never refused.
+    """
+    return info.tokens_per_step or info.learned_tokens_per_step
+
+
+def learn_tokens_per_step(info: LearnerInfo, *, tokens: int, steps: int) -> None:
+    """After an accepted contribution: an undeclared learner without a bound yet gets one
+    (``tokens_per_step_bound``)."""
+    if not info.tokens_per_step and not info.learned_tokens_per_step:
+        info.learned_tokens_per_step = UNDECLARED_SLACK * -(-tokens // steps)
+
+
 def check_counters(
     info: LearnerInfo,
     config,
@@ -239,8 +267,8 @@ def check_counters(
 ) -> None:
     """Raise ``Refused`` unless a contribution's shape, counters, step time and values are
     within bounds: the length of its fragment, ``1 <= steps``, ``1 <= tokens``, the sanity
-    bounds of ``config`` (a ``SyncerConfig``), at most the tokens per step ``info`` declared
-    at join, finite values."""
+    bounds of ``config`` (a ``SyncerConfig``), at most the tokens per step ``info``'s learner
+    may claim (``tokens_per_step_bound``), finite values."""
     expected = numel
     if delta.dim() != 1 or delta.numel() != expected:
         raise Refused(
@@ -257,11 +285,17 @@ def check_counters(
             "INVALID_ARGUMENT",
             f"tokens must be in [1, steps*{config.max_tokens_per_step}], got {tokens}",
         )
-    if info.tokens_per_step and tokens > steps * info.tokens_per_step:
+    bound = tokens_per_step_bound(info)
+    if bound and tokens > steps * bound:
+        why = (
+            "this learner declared at join"
+            if info.tokens_per_step
+            else f"this learner may claim ({UNDECLARED_SLACK} x its first contribution's; "
+            "declare tokens_per_step at join for batches that vary more)"
+        )
         raise Refused(
             "INVALID_ARGUMENT",
-            f"{tokens} tokens in {steps} steps is more than the {info.tokens_per_step} "
-            "tokens per step this learner declared at join",
+            f"{tokens} tokens in {steps} steps is more than the {bound} tokens per step {why}",
         )
     if not (step_time_s >= 0 and step_time_s < MAX_STEP_TIME_S):
         raise Refused(

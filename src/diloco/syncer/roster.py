@@ -39,7 +39,8 @@ class LearnerRoster:
         A learner that joins again gets a new session; its previous one is forgotten. When
         the table holds ``max_learner_ids`` ids, a new id takes the place of the one gone the
         longest (``_longest_gone``); only a table of live ids refuses it.
-        ``tokens_per_step`` (0: not declared) bounds the tokens per step it may claim.
+        ``tokens_per_step`` (0: not declared: its first contribution sets the bound,
+        ``records.tokens_per_step_bound``) bounds the tokens per step it may claim.
         """
         check_id(learner_id)
         if not 0 <= tokens_per_step <= self.config.max_tokens_per_step:
@@ -91,6 +92,7 @@ class LearnerRoster:
             )
             info.accepted_at, info.first_joined_at = old.accepted_at, old.first_joined_at
             info.verdicts = old.verdicts
+            info.learned_tokens_per_step = old.learned_tokens_per_step
         self.learners[learner_id] = info
         self.emit(
             {

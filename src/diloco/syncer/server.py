@@ -35,7 +35,7 @@ from diloco.syncer.store import (
     taped_versions_of,
     untaped,
 )
-from diloco.wire import auth
+from diloco.wire import auth, keepalive
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
 __all__ = ["CHUNK_BYTES", "SyncerServer", "SyncerService"]
@@ -185,6 +185,7 @@ class SyncerServer:
                 # gRPC shares a port with another server by default (SO_REUSEPORT): a second
                 # syncer on a busy port would serve half of the connections, silently
                 ("grpc.so_reuseport", 0),
+                *keepalive.server_options(),  # a half-open connection ends within 35 s
             ],
             interceptors=list(interceptors),
         )

@@ -45,11 +45,12 @@ from diloco.syncer.limits import (
     FIRST_CHUNK_S,
     MIN_UPLOAD_BPS,
     SHORT_CALL_THREADS,
-    SUBSCRIPTIONS_PER_LEARNER,
-    UPLOADS_PER_LEARNER,
+    Caller,
     LimitExceeded,
+    Slot,
     StreamLimits,
     Watchdog,
+    stream_limits,
 )
 from diloco.syncer.state import Commit, Refused, SyncerState, fragment_digest
 from diloco.syncer.store import (
@@ -91,16 +92,6 @@ def _retrying(write: Callable[[], None]) -> None:
             pause *= 2
 
 
-def stream_limits(max_learners: int) -> StreamLimits:
-    """The stream caps of a syncer sized for ``max_learners``: that many uploads and that
-    many subscriptions (+8 for observers) at once, and per learner ``UPLOADS_PER_LEARNER``
-    and ``SUBSCRIPTIONS_PER_LEARNER``."""
-    return StreamLimits(
-        {"upload": max_learners, "subscribe": max_learners + 8},
-        {"upload": UPLOADS_PER_LEARNER, "subscribe": SUBSCRIPTIONS_PER_LEARNER},
-    )
-
-
 def pool_threads(limits: StreamLimits) -> int:
     """Threads the gRPC pool needs: every stream cap plus ``SHORT_CALL_THREADS``."""
     return sum(limits.caps.values()) + SHORT_CALL_THREADS
@@ -140,7 +131,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.tape = tape
         self.lock = threading.Lock()
         self.started_at = time.time()
-        self._subscribers: set[Subscriber] = set()
+        self._subscribers: dict[Subscriber, Callable[[], None]] = {}
+        """Every subscription whose handler runs, and how to end it (give its place back,
+        cancel its call): a newer subscription of the same learner does (``_replace``)."""
         # Latest version of each fragment, its keyframe (W_p), who that version merged.
         self._payloads: dict[int, tuple[int, Keyframe, frozenset[str]]] = {}
         self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
@@ -254,13 +247,11 @@ class SyncerService(pb_grpc.SyncerServicer):
                 f"the token is learner {who!r}'s; it cannot act as {learner_id[:64]!r}",
             )
 
-    def _caller(self, context: grpc.ServicerContext) -> tuple[str, bool]:
-        """``(key, is_learner)`` the stream limits count a call under: the learner id of its
-        own token, else its network address (``ipv4:1.2.3.4:port`` without the port)."""
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        """Whom the stream limits count a call against: the learner id of its own token,
+        else its connection and address (``diloco.syncer.limits.Caller``)."""
         who = auth.caller_identity(context.invocation_metadata(), self.secret)
-        if who:
-            return who, True
-        return "address " + context.peer().rsplit(":", 1)[0], False
+        return Caller(context.peer(), learner=who or None)
 
     # --------------------------------------------------------------------- RPCs
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
@@ -324,18 +315,17 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.check_caller(context, request.learner_id)
             with self.lock:
                 info = self.state.session_of(request.learner_id, request.session)
-            caller, is_learner = self._caller(context)
-            with self.limits.hold("subscribe", caller, learner=is_learner):
-                yield from self._stream(context, info, have, digests)
+            yield from self._stream(context, info, self._caller(context), have, digests)
         except LimitExceeded as exc:
             err = Refused("RESOURCE_EXHAUSTED", str(exc))
             return self._refuse(context, request.learner_id, err, "Subscribe")
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Subscribe")
 
-    def _stream(self, context, info, have: list[int], digests: list[str]):
-        """One subscription's life: what the learner lacks, then requests and new versions
-        until the stream ends. A newer stream of the same learner closes this one."""
+    def _stream(self, context, info, caller: Caller, have: list[int], digests: list[str]):
+        """One subscription's life: it takes the place of the learner's older ones
+        (``_replace``; ``LimitExceeded`` over a cap), sends what the learner lacks, then
+        requests and new versions until the stream ends."""
         sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
         if any(digests):  # hash the values to compare with here, not under the lock
             with self.lock:
@@ -343,9 +333,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             for keyframe in latest:
                 keyframe.digest  # noqa: B018 (computed once, then kept)
         with self.lock:
-            for older in [s for s in self._subscribers if s.learner_id == info.learner_id]:
-                older.close()
-            self._subscribers.add(sub)
+            slot = self._replace(sub, caller, context)
             for p, (version, keyframe, _) in self._payloads.items():
                 since = have[p] if p < len(have) else -1
                 if since == version:
@@ -385,13 +373,33 @@ class SyncerService(pb_grpc.SyncerServicer):
                         info.bytes_down += len(item.payload)
                         self.state.bytes_down += len(item.payload)
         finally:
+            slot.release()
             with self.lock:
-                self._subscribers.discard(sub)
+                self._subscribers.pop(sub, None)
                 if not any(s.session == sub.session for s in self._subscribers):
                     self.state.leave(
                         sub.learner_id, sub.session, now=time.time(), reason="stream closed"
                     )
             self._wake.set()
+
+    def _replace(self, sub: Subscriber, caller: Caller, context) -> Slot:
+        """Register ``sub`` in the place of its learner's older subscriptions (lock held).
+
+        Each older one is closed, its place under the stream caps given back at once and its
+        call cancelled: a handler blocked in a send on a dead connection (a vanished VM,
+        before keepalive notices) ends now instead of holding the learner's only place. Then
+        ``sub`` takes its own place (``LimitExceeded`` over a cap: nothing registered)."""
+        for older in [s for s in self._subscribers if s.learner_id == sub.learner_id]:
+            older.close()
+            self._subscribers[older]()
+        slot = self.limits.take("subscribe", caller)
+
+        def end() -> None:
+            slot.release()
+            context.cancel()
+
+        self._subscribers[sub] = end
+        return slot
 
     def Upload(
         self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext
@@ -399,8 +407,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.check_alive(context)
         who: dict[str, str] = {}
         try:
-            caller, is_learner = self._caller(context)
-            with self.limits.hold("upload", caller, learner=is_learner):
+            with self.limits.hold("upload", self._caller(context)):
                 header, payload = self._receive(request_iterator, context, who)
             numel = self.state.layout.fragments[header.fragment].numel
             try:
@@ -477,7 +484,13 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
+        """A learner's heartbeat: ``known=False`` for an unknown session; a token that may
+        not act as ``learner_id`` is refused ``PERMISSION_DENIED`` (nothing changes)."""
         self.check_alive(context)
+        try:
+            self.check_caller(context, request.learner_id)
+        except Refused as err:
+            return self._refuse(context, request.learner_id, err, "Heartbeat")
         sps = request.steps_per_s
         with self.lock:
             try:
@@ -499,7 +512,13 @@ class SyncerService(pb_grpc.SyncerServicer):
             )
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        """A learner leaves (unknown sessions change nothing); a token that may not act as
+        ``learner_id`` is refused ``PERMISSION_DENIED``."""
         self.check_alive(context)
+        try:
+            self.check_caller(context, request.learner_id)
+        except Refused as err:
+            return self._refuse(context, request.learner_id, err, "Leave")
         with self.lock:
             self.state.leave(request.learner_id, request.session, now=time.time(), reason="left")
         self._wake.set()

@@ -60,6 +60,7 @@ from diloco.syncer.records import (
     RoundRequest,
     check_counters,
     is_suspect,
+    learn_tokens_per_step,
     state_digest,
 )
 from diloco.syncer.roster import LearnerRoster
@@ -247,6 +248,7 @@ class SyncerState(LearnerRoster):
         self._into_round(fragment, contribution, now)
         info.contributions += 1
         info.last_tokens = tokens
+        learn_tokens_per_step(info, tokens=tokens, steps=steps)
         info.accepted_at[fragment] = now
         admission = dataclasses.replace(admission, version=self.admission_version(fragment))
         self.receipts.admit(learner_id, upload_id, fragment, admission.version)

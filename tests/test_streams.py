@@ -1,0 +1,258 @@
+"""What one peer may hold of the syncer's streams, over real gRPC on loopback.
+
+A learner's newer subscription replaces its older one at once, also when the older one is
+stuck on a dead connection (a preempted VM back elsewhere); calls without a learner's own
+token are capped per TCP connection and per remote address, so one peer holding silent
+uploads cannot lock the others out (``diloco.syncer.limits``, docs/security.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from diloco.algorithm import balanced_fragments, codecs
+from diloco.launch.relay import Relay
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.limits import UPLOADS_PER_CONNECTION
+from diloco.syncer.server import SyncerServer
+from diloco.wire import auth, keepalive
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+P = 2
+SECRET = "stream-limits-secret-0123456789"
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+"""A channel with these options gets a TCP connection of its own (not shared in-process)."""
+
+
+def make_server(tmp_path, width: int = 16, **kwargs) -> SyncerServer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 8))
+    layout = balanced_fragments(model.named_parameters(), P)
+    named = dict(model.named_parameters())
+    params = [layout.gather(p, named) for p in range(P)]
+    config = SyncerConfig(up_codec="fp32", schedule="learner", quorum=1)
+    return SyncerServer(
+        layout, params, config, tape_path=tmp_path / "events.jsonl", **kwargs
+    ).start()
+
+
+class Client:
+    """One learner id speaking the wire protocol on a channel of its own."""
+
+    def __init__(self, server: SyncerServer, learner_id: str, token: str, address=None):
+        self.server, self.learner_id = server, learner_id
+        self.channel = grpc.insecure_channel(address or server.address, options=OWN_CONNECTION)
+        self.stub = pb_grpc.SyncerStub(self.channel)
+        self.metadata = auth.call_metadata(token)
+        self.session = ""
+
+    def join(self) -> None:
+        layout = self.server.layout
+        tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in layout.tensors]
+        request = pb.JoinRequest(
+            learner_id=self.learner_id,
+            layout_hash=layout.hash,
+            num_fragments=P,
+            tensors=tensors,
+        )
+        self.session = self.stub.Join(request, timeout=5, metadata=self.metadata).session
+
+    def subscribe(self, session: str | None = None):
+        request = pb.SubscribeRequest(learner_id=self.learner_id, session=session or self.session)
+        return self.stub.Subscribe(request, timeout=60, metadata=self.metadata)
+
+    def upload(self, fragment: int = 0) -> pb.UploadReply:
+        numel = self.server.layout.fragments[fragment].numel
+        chunk = pb.UploadChunk(
+            learner_id=self.learner_id,
+            session=self.session,
+            fragment=fragment,
+            base_version=self.server.state.versions[fragment],
+            steps=24,
+            tokens=240,
+            codec="fp32",
+            numel=numel,
+            chunk_index=0,
+            num_chunks=1,
+            data=codecs.encode(1e-3 * torch.ones(numel), "fp32"),
+            step_time_s=0.1,
+        )
+        return self.stub.Upload(iter([chunk]), timeout=10, metadata=self.metadata)
+
+    def silent_uploads(self, n: int, release: threading.Event) -> list:
+        """``n`` upload streams that send no chunk until ``release`` is set."""
+
+        def never():
+            release.wait(60)
+            return
+            yield
+
+        return [
+            self.stub.Upload.future(never(), timeout=60, metadata=self.metadata) for _ in range(n)
+        ]
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def streams_of(server: SyncerServer, learner_id: str) -> int:
+    """Subscribe handlers of ``learner_id`` still running on the syncer's pool."""
+    with server.service.lock:
+        return sum(s.learner_id == learner_id for s in server.service._subscribers)
+
+
+# ------------------------------------------------------------------------ resubscribing
+@pytest.mark.timeout(90)
+def test_a_learner_resubscribes_while_its_old_stream_hangs_on_a_dead_connection(tmp_path):
+    # 2 fragments of 2M values: their keyframes (16 MB) are far more than the HTTP/2
+    # windows, so the old stream's handler blocks in a send once its link freezes.
+    server = make_server(tmp_path, width=2048, token=SECRET, learner_tokens=True)
+    token = auth.learner_token(SECRET, "alice")
+    relay = Relay(server.address, name="frozen")
+    old = Client(server, "alice", token, address=relay.address)
+    new = Client(server, "alice", token)
+    try:
+        old.join()
+        stream = old.subscribe()
+        next(stream)  # the stream is up and sending keyframes
+        relay.delay(600, 600)  # then the VM vanishes: not a byte either way, no FIN, no RST
+        time.sleep(1.0)
+        assert streams_of(server, "alice") == 1
+        # The VM is back elsewhere: it joins again and subscribes from a fresh connection.
+        new.join()
+        t0 = time.monotonic()
+        fresh = new.subscribe()
+        next(fresh)  # admitted (it was refused RESOURCE_EXHAUSTED: the old stream held the cap)
+        assert time.monotonic() - t0 < 5.0
+        assert server.service.limits.open("subscribe") == 1
+        # The old stream's handler, stuck in a send on the dead connection, is ended.
+        wait_until(lambda: streams_of(server, "alice") == 1, 10, "the old stream to end")
+        assert server.state.learners["alice"].connected
+        fresh.cancel()
+    finally:
+        relay.close()
+        old.close(), new.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_learner_cannot_hold_more_subscriptions_than_its_cap(tmp_path):
+    server = make_server(tmp_path, token=SECRET, learner_tokens=True, max_learners=8)
+    mallory = Client(server, "mallory", auth.learner_token(SECRET, "mallory"))
+    try:
+        mallory.join()
+        streams = []
+        for _ in range(12):
+            streams.append(mallory.subscribe())
+            next(streams[-1])  # each newer one is admitted ...
+            assert server.service.limits.open("subscribe") == 1  # ... in the older one's place
+        # Every older stream is ended by the syncer; only the newest is served.
+        for stream in streams[:-1]:
+            with pytest.raises(grpc.RpcError) as ended:
+                for _ in stream:
+                    pass
+            assert ended.value.code() == grpc.StatusCode.CANCELLED
+        wait_until(lambda: streams_of(server, "mallory") == 1, 10, "the older streams to end")
+        streams[-1].cancel()
+        wait_until(lambda: server.service.limits.open("subscribe") == 0, 10, "the last to end")
+    finally:
+        mallory.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------- callers without an id
+@pytest.mark.timeout(60)
+def test_one_connection_of_silent_uploads_cannot_lock_out_the_others(tmp_path):
+    server = make_server(tmp_path, token=SECRET)  # the shared token: no learner identity
+    server.service.first_chunk_s = 30.0
+    mallory = Client(server, "mallory", SECRET)
+    alice = Client(server, "alice", SECRET)
+    release = threading.Event()
+    try:
+        mallory.join()
+        calls = mallory.silent_uploads(150, release)  # 64 would fill the syncer's cap
+        wait_until(
+            lambda: server.service.limits.open("upload") >= UPLOADS_PER_CONNECTION,
+            10,
+            "the silent uploads to be held",
+        )
+        time.sleep(0.5)
+        assert server.service.limits.open("upload") == UPLOADS_PER_CONNECTION
+        alice.join()
+        assert alice.upload().accepted  # was RESOURCE_EXHAUSTED: 64 streams open, the cap
+        refused = [c for c in calls if c.done() and c.exception() is not None]
+        assert len(refused) == 150 - UPLOADS_PER_CONNECTION
+        assert {c.exception().code() for c in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    finally:
+        release.set()
+        mallory.close(), alice.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_one_address_of_silent_uploads_cannot_lock_out_the_others(tmp_path):
+    server = make_server(tmp_path, token=SECRET)
+    server.service.first_chunk_s = 30.0
+    address_cap = server.service.limits.per_scope["address"]["upload"]
+    assert address_cap < server.service.limits.caps["upload"]
+    relay = Relay(server.address, name="other-host", source="127.0.0.2")
+    mallory = [Client(server, "mallory", SECRET, address=relay.address) for _ in range(20)]
+    neighbours = [Client(server, f"neighbour-{i}", SECRET) for i in range(3)]
+    release = threading.Event()
+    try:
+        mallory[0].join()
+        calls = []  # 20 connections from 127.0.0.2, as many silent uploads as each may hold
+        for m in mallory:
+            m.session = mallory[0].session
+            calls += m.silent_uploads(UPLOADS_PER_CONNECTION, release)
+        wait_until(
+            lambda: server.service.limits.open("upload") >= address_cap,
+            10,
+            "the silent uploads to be held",
+        )
+        time.sleep(0.5)
+        assert server.service.limits.open("upload") == address_cap
+        # Learners on another host (here 127.0.0.1, several of them) are served.
+        for peer in neighbours:
+            peer.join()
+            assert peer.upload().accepted  # was RESOURCE_EXHAUSTED: 64 streams open, the cap
+        assert sum(c.done() for c in calls) == len(calls) - address_cap
+    finally:
+        release.set()
+        for c in (*mallory, *neighbours):
+            c.close()
+        relay.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- keepalive
+def test_the_keepalive_pings_of_a_learner_are_welcome_at_the_syncer():
+    client, server = dict(keepalive.client_options()), dict(keepalive.server_options())
+    interval = client["grpc.keepalive_time_ms"]
+    # The server accepts pings at the client's pace (else it answers GOAWAY too_many_pings).
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] < interval
+    assert client["grpc.keepalive_permit_without_calls"] == 1
+    assert client["grpc.http2.max_pings_without_data"] == 0
+    assert (
+        server["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+    )
+    # A dead peer is found within a minute, far sooner than TCP's ~15 min (gRPC waits for a
+    # keepalive ping's answer as long as for any ping's: the ping timeout).
+    for options in (client, server):
+        wait = max(options["grpc.keepalive_timeout_ms"], options["grpc.http2.ping_timeout_ms"])
+        assert options["grpc.keepalive_time_ms"] + wait <= 60_000
