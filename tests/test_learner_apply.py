@@ -488,3 +488,69 @@ def test_versions_waiting_for_an_answer_are_held_as_a_bounded_exact_chain():
         assert learner._ledger.find(0, job.job_id) is None  # merged back
     finally:
         learner.close(flush=False)
+
+
+def test_an_answer_reported_after_the_rejoin_to_a_restarted_syncer_is_judged_by_it():
+    """Found by the torture run: the link's sender thread may report the "accepted" answer
+    of a syncer that then died *after* the link thread reported the rejoin to its restarted
+    successor (two threads). Settled in that order, the delta waited for a merge by a syncer
+    that never held it, and its steps were counted as merged (55 to 73 steps of a fragment
+    lost, twice in 30 runs). An answer names the syncer instance that gave it: one from an
+    instance the learner already saw replaced is judged by its successor's restored
+    versions, as the rejoin judges the answers settled before it."""
+    model, learner = make_learner()
+    try:
+        v0 = torch.arange(12.0)
+        learner._on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
+        start(model, learner, v0)
+        train(model, learner, 0.5, steps=4)
+        assert learner._queue(0)
+        job = queued_job(learner)
+        learner._on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
+        accepted = UploadResult(
+            "accepted", admitted=1, sent=job.delta.clone(), syncer_id="first-syncer"
+        )
+        learner._on_result(job, accepted)  # reported late, by the other thread
+        learner.apply_arrived()
+        assert learner.in_flight() == {} and learner.steps_since[0] == 4  # sent again
+        # the same late answer with an admission the successor's disk holds was merged
+        train(model, learner, 0.5, steps=2)
+        assert learner._queue(0)
+        job = queued_job(learner)
+        learner._on_rejoin("127.0.0.1:1", "third-syncer", [3], (0,))  # restored version 3
+        merged_before = UploadResult(
+            "accepted", admitted=1, sent=job.delta.clone(), syncer_id="its-successor"
+        )
+        learner._on_result(job, merged_before)
+        learner.apply_arrived()
+        assert learner.in_flight() == {0: 1} and learner.steps_since[0] == 0
+    finally:
+        learner.close(flush=False)
+
+
+def test_a_rejoin_past_a_syncer_it_never_saw_returns_what_that_syncer_did_not_commit():
+    """Found by the torture run: accepted at version 2 by a syncer that died with the round
+    open; a second syncer (this learner never reached it) committed version 3 of the
+    fragment without the delta and died too; the third restored version 3. Judged by
+    versions (2 < 3), the delta looked merged and its steps were lost. The restarted
+    syncer now lists the learner's upload ids its commit logs hold: the delta is not among
+    them, so it goes out again; one that is listed stays, to be merged by its version."""
+    model, learner = make_learner()
+    try:
+        learner._on_rejoin("127.0.0.1:1", "first", [0], (0,))
+        start(model, learner, torch.arange(12.0))
+        kept, lost = [], []
+        for admitted, out in ((2, lost), (1, kept)):
+            train(model, learner, 0.5, steps=3)
+            assert learner._queue(0)
+            job = queued_job(learner)
+            learner._on_result(job, UploadResult("accepted", admitted=admitted, sent=job.delta))
+            out.append(job.upload_id)
+        learner.apply_arrived()
+        learner._on_rejoin("127.0.0.1:1", "third", [3], (0,), kept, [0])
+        learner.apply_arrived()
+        on_the_ledger = {e.upload_id for _, e in learner._ledger.items()}
+        assert on_the_ledger == set(kept)
+        assert learner.steps_since[0] == 3  # the lost delta's steps go out again
+    finally:
+        learner.close(flush=False)

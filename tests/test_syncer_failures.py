@@ -254,9 +254,9 @@ def test_stop_never_publishes_beside_a_committer_still_writing(tmp_path, monkeyp
     the last rounds itself, while the committer could still be inside ``_publish``: two
     threads moving the same wire image. Now a stop that finds the committer writing leaves
     the last commits to it."""
-    from diloco.syncer import service as service_module
+    from diloco.syncer import committer
 
-    monkeypatch.setattr(service_module, "STOP_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(committer, "STOP_WAIT_S", 0.5)
     server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl")
     slow = SlowStore(tmp_path / "state")
     server.service.store = slow

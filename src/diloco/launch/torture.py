@@ -377,7 +377,10 @@ class Torture:
             relay.close()
         if self.disk is not None:
             # keep what the audit reads, then give the memory back
-            shutil.copytree(self.disk.path / "state", self.workdir / "state", dirs_exist_ok=True)
+            if (self.disk.path / "state").exists():
+                shutil.copytree(
+                    self.disk.path / "state", self.workdir / "state", dirs_exist_ok=True
+                )
             self.disk.unmount()
 
     # ------------------------------------------------------------------- audit

@@ -54,8 +54,25 @@ class LinkCallbacks:
                 log.warning("delivery log %s: %s", self.delivery.path, exc)
         self._inbox.answer(job, result)
 
-    def _on_rejoin(self, address: str, syncer_id: str, versions: list[int], fragments) -> None:
-        self._inbox.rejoin(Rejoin(address, syncer_id, list(versions), tuple(fragments)))
+    def _on_rejoin(
+        self,
+        address: str,
+        syncer_id: str,
+        versions: list[int],
+        fragments,
+        committed=(),
+        logged_from=(),
+    ) -> None:
+        self._inbox.rejoin(
+            Rejoin(
+                address,
+                syncer_id,
+                list(versions),
+                tuple(fragments),
+                frozenset(committed),
+                tuple(logged_from),
+            )
+        )
 
     def _have_versions(self) -> list[int]:
         """What this learner will hold once it applied what arrived (the syncer sends deltas

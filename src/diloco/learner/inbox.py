@@ -55,12 +55,16 @@ def bounded(chain: Chain, version: int, value: torch.Tensor | None) -> Chain:
 
 @dataclass(frozen=True)
 class Rejoin:
-    """A (re)join: which syncer instance, the versions it reported, the fragments it owns."""
+    """A (re)join: which syncer instance, the versions it reported, the fragments it owns,
+    this learner's upload ids its commit logs hold and, per fragment, the version the oldest
+    of those logs admitted at (-1: none)."""
 
     address: str
     syncer_id: str
     versions: list[int]
     fragments: tuple[int, ...]
+    committed: frozenset[int] = frozenset()
+    logged_from: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -40,16 +40,16 @@ from diloco.algorithm.fragments import (
     balanced_fragments,
     due_fragments,
 )
-from diloco.learner.accounting import Accounting
 from diloco.learner.callbacks import LinkCallbacks
 from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
-from diloco.learner.inbox import Dropped, Inbox, Rejoin, bounded, follow
+from diloco.learner.inbox import Inbox, Rejoin, bounded, follow
 from diloco.learner.journal import UploadJournal
-from diloco.learner.ledger import Ledger, Outgoing
+from diloco.learner.ledger import Ledger
 from diloco.learner.link import UploadJob
 from diloco.learner.pacing import Pace
 from diloco.learner.restoring import Restoring
+from diloco.learner.settling import Settling
 from diloco.learner.shards import open_link
 from diloco.learner.snapshot import HostCopies, Snapshot
 from diloco.learner.stopping import Stopping
@@ -57,12 +57,8 @@ from diloco.wire.auth import client_link_options
 
 log = logging.getLogger(__name__)
 
-MERGED_REMEMBERED = 4096
-"""Merged upload ids a learner remembers, so a later note that the syncer left one out of its
-merge (``Dropped``) moves its steps from merged to dropped."""
 
-
-class Learner(LinkCallbacks, Stopping, Restoring):
+class Learner(LinkCallbacks, Settling, Stopping, Restoring):
     """Wraps a model whose parameters are trained by the user's own optimizer.
 
     ``step`` is called once per inner optimizer step, after ``optimizer.step()``. It never
@@ -152,7 +148,7 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self.excluded_steps = [0] * P
         """Per fragment, trained steps in deltas the syncer left out of their merges."""
         self._merged_recent: OrderedDict[int, tuple[int, int]] = OrderedDict()
-        """Upload id -> (fragment, steps) of the last ``MERGED_REMEMBERED`` merged deltas."""
+        """Upload id -> (fragment, steps) of the last merged deltas (``settling``)."""
         self._upload_ids = itertools.count(secrets.randbits(40) << 20)
         """Ids of this learner's uploads (random base: a restarted learner never reuses one)."""
         self.applied = 0
@@ -161,6 +157,8 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self._ledger = Ledger()
         self._syncer_ids: dict[str, str] = {}
         """The syncer instance (per address) this learner's ledger was admitted by."""
+        self._successors: dict[str, Rejoin] = {}
+        """A replaced syncer instance's id -> the rejoin to its successor (what it restored)."""
         self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
         self._residual: set[int] = set()
         """Fragments whose undelivered progress holds the quantization residual of an accepted
@@ -352,43 +350,6 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self.anchors[p] = value
         self.versions[p] = version
 
-    def _journal_settled(self, upload_id: int, how: str, version: int | None = None) -> None:
-        if self.journal is not None and upload_id:
-            self.journal.settled(upload_id, how, version)
-
-    def _count_merged(self, p: int, entries, version: int = -1) -> None:
-        """Count deltas that left the ledger with version ``p``'s arrival: merged, or
-        excluded when the syncer said its direction check left them out."""
-        for e in entries:
-            self._journal_settled(e.upload_id, "excluded" if e.excluded else "merged", version)
-            if e.excluded:
-                self.excluded_steps[p] += e.steps
-                self.counters["excluded"] += 1
-                continue
-            self.merged_steps[p] += e.steps
-            self.counters["merged"] += 1
-            if e.upload_id:
-                self._merged_recent[e.upload_id] = (p, e.steps)
-                while len(self._merged_recent) > MERGED_REMEMBERED:
-                    self._merged_recent.popitem(last=False)
-
-    def _on_dropped(self, note: Dropped) -> None:
-        """The syncer left these uploads out of their rounds' merges: an entry still on the
-        ledger is marked (dropped when its version arrives), one already counted as merged
-        is moved to excluded. Ids this learner does not know (or took care of) are ignored."""
-        for upload_id in note.upload_ids:
-            entry = self._ledger.find_upload(upload_id)
-            if entry is not None:
-                entry.excluded = True
-                continue
-            known = self._merged_recent.pop(upload_id, None)
-            if known is not None:
-                p, steps = known
-                self.merged_steps[p] -= steps
-                self.excluded_steps[p] += steps
-                self.counters["merged"] -= 1
-                self.counters["excluded"] += 1
-
     def _overwrite(self, p: int, value: torch.Tensor, *, drops: bool = True) -> None:
         """The paper's rule: θ_p ← G'_p − Σ ledger (α = 0) or α-mixed; counters 0. The steps
         of the undelivered progress thrown away are counted in ``dropped`` (unless
@@ -432,50 +393,6 @@ class Learner(LinkCallbacks, Stopping, Restoring):
         self.counters["resyncs"] += 1
         self._inbox.ask_keyframe(p)
         self.link.reconnect()
-
-    # ----------------------------------------------------------------- ledger
-    def _settle(self) -> None:
-        """Apply what the link reported since the last call (training thread only)."""
-        for answer in self._inbox.take_answers():  # in the order they were reported
-            if isinstance(answer, Rejoin):
-                self._on_syncer(answer)
-                continue
-            if isinstance(answer, Dropped):
-                self._on_dropped(answer)
-                continue
-            job, result = answer
-            entry = self._ledger.find(job.fragment, job.job_id)
-            if entry is None:
-                continue
-            if result.outcome == "accepted":
-                self._journal_settled(entry.upload_id, "accepted", result.admitted)
-                if not torch.equal(entry.delta, result.sent):
-                    self._residual.add(job.fragment)  # error feedback: delta − sent is in u_p
-                entry.admitted, entry.delta = result.admitted, result.sent
-                continue
-            self._return(job.fragment, entry)
-            if result.outcome == "guard" and self._reset(job.fragment):
-                self._reset_now.add(job.fragment)  # an island sends it to its other ranks
-
-    def _return(self, p: int, entry: Outgoing) -> None:
-        """Take ``entry`` off the ledger: its progress is undelivered again (sent next time)."""
-        self._ledger.remove(p, entry)
-        self._journal_settled(entry.upload_id, "returned")
-        self.steps_since[p] += entry.steps
-        self.tokens_since[p] += entry.tokens
-        self.counters["returned"] += 1
-
-    def _on_syncer(self, rejoin: Rejoin) -> None:
-        """A (re)join: a syncer that restarted lost its open rounds, so accepted deltas it
-        had not committed (admitted at or after the version it restored) are returned."""
-        known = self._syncer_ids.get(rejoin.address)
-        self._syncer_ids[rejoin.address] = rejoin.syncer_id
-        if known is None or known == rejoin.syncer_id:
-            return
-        for p in rejoin.fragments:
-            for e in [e for e in self._ledger.of(p) if e.admitted is not None]:
-                if p < len(rejoin.versions) and e.admitted >= rejoin.versions[p]:
-                    self._return(p, e)
 
     def _queue(self, p: int, *, final: bool = False) -> bool:
         """Queue fragment ``p``'s undelivered progress; True if a delta was queued. A delta
@@ -554,26 +471,6 @@ class Learner(LinkCallbacks, Stopping, Restoring):
             + (self._copying[p].steps if p in self._copying else 0)
             for p in range(self.layout.num_fragments)
         ]
-
-    def accounting(self) -> Accounting:
-        """Where every trained step went, per fragment: merged, in flight (accepted, its
-        merge not back yet), unsent, dropped (``diloco.learner.accounting``). Call it from
-        the training thread (between steps, or after ``close``)."""
-        self._settle()
-        unsent = self.unsent()
-        P = self.layout.num_fragments
-        in_flight = [0] * P
-        for p, e in self._ledger.items():
-            if e.admitted is not None:
-                in_flight[p] += e.steps
-        return Accounting(
-            self.local_step,
-            tuple(self.merged_steps),
-            tuple(in_flight),
-            tuple(unsent),
-            tuple(self.dropped),
-            tuple(self.excluded_steps),
-        )
 
     def in_flight(self) -> dict[int, int]:
         """Deltas on their way per fragment (queued, sent, or accepted and not merged back)."""

@@ -76,7 +76,7 @@ class SyncerLink:
         on_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
         on_request: Callable[[int, int], None] | None = None,
         on_result: Callable[[UploadJob, UploadResult], None] | None = None,
-        on_rejoin: Callable[[str, str, list[int], tuple[int, ...]], None] | None = None,
+        on_rejoin: Callable[..., None] | None = None,
         on_versions: Callable[[str, list[int], list[int]], None] | None = None,
         tokens_per_step: int = 0,
         have_digests: Callable[[], list[str]] | None = None,
@@ -85,7 +85,9 @@ class SyncerLink:
         contributors, base_version)``: a keyframe (``base_version`` -1, the value) or a delta
         on top of ``base_version``. ``on_request(p, version)``: the syncer's clock asks for
         p. ``on_result(job, result)``: the answer to every submitted upload (not withdrawn
-        ones). ``on_rejoin(address, syncer_id, versions, fragments)``: after every join.
+        ones). ``on_rejoin(address, syncer_id, versions, fragments, committed, logged_from)``:
+        after every join (``committed``: this learner's upload ids the syncer's commit logs
+        hold; ``logged_from``: per fragment, the version the oldest log admitted at).
         ``on_versions(address, versions, dropped)``: the syncer's current versions and the
         ids of this learner's uploads it left out of their merges, with every heartbeat's
         reply (it travels on the control connection, not behind downloads).
@@ -137,6 +139,7 @@ class SyncerLink:
         self._session = ""
         self._heartbeat_s = 1.0
         self._stub: pb_grpc.SyncerStub | None = None
+        self._joined: tuple = (None, "", "")
         self._channels: list[grpc.Channel] = []
         """The control channel (join, uploads, heartbeats) and the download channel (the
         subscription), each its own TCP connection (``_open_channel``)."""
@@ -365,6 +368,9 @@ class SyncerLink:
             reply.num_shards or 1,
         )
         self._stub, self._session = stub, reply.session  # so that a refusal can leave cleanly
+        self._joined = (stub, reply.session, reply.syncer_id)
+        """What an upload is sent with, read at once: the stub, session and syncer instance
+        of the last join (an answer names the instance that gave it)."""
         self._on_join(self, info)  # may raise ShardError: fatal
         self.shard_info, self._owned = info, frozenset(info.fragments)
         self.joined_versions = list(reply.versions)
@@ -373,7 +379,14 @@ class SyncerLink:
         self.sync_every = reply.sync_every
         self.stats.connects += 1
         if self.on_rejoin is not None:
-            self.on_rejoin(self.address, reply.syncer_id, list(reply.versions), info.fragments)
+            self.on_rejoin(
+                self.address,
+                reply.syncer_id,
+                list(reply.versions),
+                info.fragments,
+                list(reply.committed_uploads),
+                list(reply.logged_from),
+            )
         return reply
 
     def _listen(self, stream) -> None:
@@ -445,8 +458,8 @@ class SyncerLink:
                 self.queue.done(job)
 
     def _upload(self, job: UploadJob) -> UploadResult:
-        stub = self._stub
-        if stub is None:
+        stub, session, syncer_id = self._joined
+        if stub is None or self._stub is None:
             self.stats.uploads_failed += 1
             return UploadResult("failed")
         corrupt = self.corruptor is not None and self.corruptor.active(time.time())
@@ -464,7 +477,7 @@ class SyncerLink:
             for i, piece in enumerate(pieces):
                 yield pb.UploadChunk(
                     learner_id=self.learner_id,
-                    session=self._session,
+                    session=session,
                     fragment=job.fragment,
                     base_version=job.base_version,
                     steps=job.steps,
@@ -508,7 +521,7 @@ class SyncerLink:
         # next upload. A corrupted upload counts as what the learner meant to send: the damage
         # (broken hardware, or an attacker's lie) is not fed back into its own progress.
         sent = codecs.decode(meant, job.delta.numel(), self.up_codec)
-        return UploadResult("accepted", reply.current_version, sent)
+        return UploadResult("accepted", reply.current_version, sent, syncer_id)
 
     def _heartbeat_loop(self) -> None:
         while not self._closing.wait(self._heartbeat_s):

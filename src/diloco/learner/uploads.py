@@ -62,11 +62,13 @@ class UploadResult:
     """The answer to one upload: ``outcome`` is ``accepted`` (``admitted`` is the fragment's
     version at admission, ``sent`` the delta as the syncer decoded it), ``guard`` (the norm
     guard refused it), ``stale`` (too stale, resync), ``refused`` (another refusal) or
-    ``failed`` (no answer: connection lost, timeout)."""
+    ``failed`` (no answer: connection lost, timeout). ``syncer_id``: the syncer instance that
+    answered (its answer may reach the learner after the rejoin to a successor)."""
 
     outcome: str
     admitted: int = -1
     sent: torch.Tensor | None = None
+    syncer_id: str = ""
 
 
 class UploadQueue:

@@ -185,10 +185,10 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
             order.append(life)
         if "u" in line:
             lives[life]["uploads"][line["u"]] = (line["p"], line["steps"])
-        if line.get("how") == "merged":
-            lives[life].setdefault("took", {})[line["settled"]] = line.get("v")
             step = lives[life]["last_step"]
             step[line["p"]] = max(step[line["p"]], line["step"])
+        if line.get("how") == "merged":
+            lives[life].setdefault("took", {})[line["settled"]] = line.get("v")
     owner = {u: life for life, info in lives.items() for u in info["uploads"]}
     delivered: dict[str, dict[int, int]] = {life: defaultdict(int) for life in lives}
     for source in (merged.get(learner, {}), excluded.get(learner, {})):

@@ -97,7 +97,8 @@ class CommitLog:
 class Fate:
     fragment: int
     admitted: int
-    excluded: bool = False
+    committed: bool = False
+    """A closed round merged it or left it out (its log is persisted with that commit)."""
 
 
 class Receipts:
@@ -114,12 +115,14 @@ class Receipts:
         fate = self._fates.get(learner, {}).get(upload_id) if upload_id else None
         return None if fate is None else fate.admitted
 
-    def admit(self, learner: str, upload_id: int, fragment: int, version: int) -> None:
+    def admit(
+        self, learner: str, upload_id: int, fragment: int, version: int, committed: bool = False
+    ) -> None:
         """Remember an upload accepted at ``version`` (id 0: the learner gave none)."""
         if not upload_id:
             return
         fates = self._fates.setdefault(learner, OrderedDict())
-        fates[upload_id] = Fate(fragment, version)
+        fates[upload_id] = Fate(fragment, version, committed)
         while len(fates) > self.per_learner:
             fates.popitem(last=False)
 
@@ -127,15 +130,19 @@ class Receipts:
         """Record what a closed round merged and left out."""
         for learner, parts in log.merged.items():
             for part in parts:
-                self.admit(learner, part.upload_id, log.fragment, log.admitted)
+                self.admit(learner, part.upload_id, log.fragment, log.admitted, True)
         for learner, parts in log.excluded.items():
             dropped = self._dropped.setdefault(learner, OrderedDict())
             for part in parts:
-                self.admit(learner, part.upload_id, log.fragment, log.admitted)
+                self.admit(learner, part.upload_id, log.fragment, log.admitted, True)
                 if part.upload_id:
                     dropped[part.upload_id] = None
             while len(dropped) > REPORTED_DROPS:
                 dropped.popitem(last=False)
+
+    def committed(self, learner: str) -> list[int]:
+        """The learner's upload ids that closed rounds merged or left out (remembered ones)."""
+        return [u for u, fate in self._fates.get(learner, {}).items() if fate.committed]
 
     def dropped(self, learner: str) -> list[int]:
         """The learner's most recent excluded upload ids (at most ``REPORTED_DROPS``)."""

@@ -1,0 +1,95 @@
+"""Torture: N seeded schedules of syncer kills, a full disk, learner kills, partitions and
+lost replies against real processes, each audited for exactly-once accounting.
+
+Run (as root: the syncer's disk is a tmpfs that fills up):
+``.venv/bin/python benchmarks/bench_torture.py --seeds 0-49 --out /tmp/torture``
+
+Each seed is one ``diloco.launch.torture.Torture`` run (a ``diloco syncer`` process and three
+``diloco learner`` processes of the tiny recipe, each behind its own relay; ``--seconds`` of
+training with faults, then every fault healed and everyone stopped cleanly) followed by the
+audit of ``diloco.report.exactly_once``. Writes ``SEED/result.json`` per seed and
+``summary.json``, prints one Markdown table row per seed and the totals, and exits 1 if any
+audit found a problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from diloco.launch.torture import STALL_BOUND_S, Torture, TortureSpec
+
+
+def seeds_of(text: str) -> list[int]:
+    """``"0-49"`` or ``"1,5,7"``."""
+    if "-" in text:
+        first, last = text.split("-")
+        return list(range(int(first), int(last) + 1))
+    return [int(s) for s in text.split(",")]
+
+
+def row(seed: int, r: dict) -> str:
+    a = r["audit"]
+    kinds = [f["kind"] for f in r["faults"]]
+    return (
+        f"| {seed} | {kinds.count('syncer-kill')} | {r['syncer_failures']} | "
+        f"{r['learner_kills']} | {kinds.count('partition')} | {r['replies_lost']} | "
+        f"{a['commits']} | {a['uploads_merged']} | {a['steps_trained']} | "
+        f"{a['steps_lost_at_kills']} | {a['longest_stall_s']:.1f} | "
+        f"{'exact' if a['ok'] else 'FAILED'} |"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="0-49", help="a range LOW-HIGH or a list a,b,c")
+    parser.add_argument("--seconds", type=float, default=30.0, help="training time per run")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--keep", action="store_true", help="keep every run's files")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(
+        "| seed | syncer kills | syncer failed (disk) | learner kills | partitions | "
+        "replies lost | commits | uploads merged | steps (clean lives) | steps lost at "
+        "kills | longest stall s | audit |"
+    )
+    print("|" + "---|" * 12)
+    results = {}
+    for seed in seeds_of(args.seeds):
+        workdir = args.out / str(seed)
+        result = Torture(TortureSpec(seed=seed, seconds=args.seconds), workdir).run()
+        r = result.to_dict()
+        (workdir / "result.json").write_text(json.dumps(r, indent=1))
+        results[seed] = r
+        print(row(seed, r), flush=True)
+        if r["audit"]["ok"] and not args.keep:  # a failed run's files are kept
+            for name in ("learners", "state"):
+                shutil.rmtree(workdir / name, ignore_errors=True)
+    failed = [s for s, r in results.items() if not r["audit"]["ok"]]
+    stalls = [r["audit"]["longest_stall_s"] for r in results.values()]
+    summary = {
+        "seeds": len(results),
+        "exact": len(results) - len(failed),
+        "failed_seeds": failed,
+        "syncer_kills": sum(
+            [f["kind"] for f in r["faults"]].count("syncer-kill") for r in results.values()
+        ),
+        "syncer_failures": sum(r["syncer_failures"] for r in results.values()),
+        "learner_kills": sum(r["learner_kills"] for r in results.values()),
+        "replies_lost": sum(r["replies_lost"] for r in results.values()),
+        "commits": sum(r["audit"]["commits"] for r in results.values()),
+        "uploads_merged": sum(r["audit"]["uploads_merged"] for r in results.values()),
+        "longest_stall_s": {"median": statistics.median(stalls), "max": max(stalls)},
+        "stall_bound_s": STALL_BOUND_S,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""How a learner settles what the syncer told it: upload answers, rejoins to a restarted
+syncer, notes of deltas left out of their merges, and the accounting that results (a mixin
+of ``diloco.learner.learner.Learner``; training thread only).
+
+Everything the link's threads report goes through the inbox and is settled here *in the
+order it was reported*: an answer from a syncer that then died must be settled before the
+rejoin to its successor, which returns what that syncer accepted and never committed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.learner.accounting import Accounting
+from diloco.learner.inbox import Dropped, Rejoin
+from diloco.learner.ledger import Outgoing
+
+MERGED_REMEMBERED = 4096
+"""Merged upload ids a learner remembers, so a later note that the syncer left one out of its
+merge (``Dropped``) moves its steps from merged to excluded."""
+
+
+def committed_before(rejoin: Rejoin, p: int, admitted: int, upload_id: int) -> bool:
+    """Whether the commits a restarted syncer restored hold (merged, or left out) a delta of
+    fragment ``p`` that an earlier instance accepted at version ``admitted``.
+
+    Its commit logs say it for deltas admitted since the oldest log (``logged_from``): held
+    iff the upload id is listed, however many instances came and went in between. An older
+    delta is judged by the versions: held iff a restored version is past its admission (a
+    syncer that died with the round open restores the version it was admitted at).
+
+    >>> r = Rejoin("a", "s", [5], (0,), frozenset({7}), (3,))
+    >>> committed_before(r, 0, 4, 7), committed_before(r, 0, 4, 8), committed_before(r, 0, 2, 8)
+    (True, False, True)
+    """
+    if upload_id and upload_id in rejoin.committed:
+        return True
+    logged = rejoin.logged_from[p] if p < len(rejoin.logged_from) else -1
+    if upload_id and logged >= 0 and admitted >= logged:
+        return False
+    return p < len(rejoin.versions) and admitted < rejoin.versions[p]
+
+
+class Settling:
+    """The settling half of ``Learner`` (it uses the learner's inbox, ledger, counters,
+    journal and the per-fragment step counts)."""
+
+    def _settle(self) -> None:
+        """Apply what the link reported since the last call (training thread only)."""
+        for answer in self._inbox.take_answers():  # in the order they were reported
+            if isinstance(answer, Rejoin):
+                self._on_syncer(answer)
+                continue
+            if isinstance(answer, Dropped):
+                self._on_dropped(answer)
+                continue
+            job, result = answer
+            entry = self._ledger.find(job.fragment, job.job_id)
+            if entry is None:
+                continue
+            dead = result.outcome == "accepted" and self._answered_by_the_dead(
+                job.fragment, entry, result
+            )
+            if dead:
+                self._return(job.fragment, entry)  # its round died with that syncer
+                continue
+            if result.outcome == "accepted":
+                self._journal_settled(entry.upload_id, "accepted", result.admitted)
+                if not torch.equal(entry.delta, result.sent):
+                    self._residual.add(job.fragment)  # error feedback: delta − sent is in u_p
+                entry.admitted, entry.delta = result.admitted, result.sent
+                continue
+            self._return(job.fragment, entry)
+            if result.outcome == "guard" and self._reset(job.fragment):
+                self._reset_now.add(job.fragment)  # an island sends it to its other ranks
+
+    def _answered_by_the_dead(self, p: int, entry: Outgoing, result) -> bool:
+        """Whether an "accepted" answer came from a syncer instance this learner has already
+        seen replaced, for a delta its commits did not hold (``committed_before`` with the
+        successor's rejoin): the sender thread may report an answer after the link thread
+        reported the rejoin that followed it."""
+        successor = self._successors.get(result.syncer_id) if result.syncer_id else None
+        if successor is None or p not in successor.fragments:
+            return False
+        return not committed_before(successor, p, result.admitted, entry.upload_id)
+
+    def _return(self, p: int, entry: Outgoing) -> None:
+        """Take ``entry`` off the ledger: its progress is undelivered again (sent next time)."""
+        self._ledger.remove(p, entry)
+        self._journal_settled(entry.upload_id, "returned")
+        self.steps_since[p] += entry.steps
+        self.tokens_since[p] += entry.tokens
+        self.counters["returned"] += 1
+
+    def _on_syncer(self, rejoin: Rejoin) -> None:
+        """A (re)join: a syncer that restarted lost its open rounds, so an accepted delta
+        its commits did not hold (``committed_before``) is returned and sent again."""
+        known = self._syncer_ids.get(rejoin.address)
+        self._syncer_ids[rejoin.address] = rejoin.syncer_id
+        if known is None or known == rejoin.syncer_id:
+            return
+        self._successors.setdefault(known, rejoin)
+        for p in rejoin.fragments:
+            for e in [e for e in self._ledger.of(p) if e.admitted is not None]:
+                if not committed_before(rejoin, p, e.admitted, e.upload_id):
+                    self._return(p, e)
+
+    def _journal_settled(self, upload_id: int, how: str, version: int | None = None) -> None:
+        if self.journal is not None and upload_id:
+            self.journal.settled(upload_id, how, version)
+
+    def _count_merged(self, p: int, entries, version: int = -1) -> None:
+        """Count deltas that left the ledger with version ``p``'s arrival: merged, or
+        excluded when the syncer said its direction check left them out."""
+        for e in entries:
+            self._journal_settled(e.upload_id, "excluded" if e.excluded else "merged", version)
+            if e.excluded:
+                self.excluded_steps[p] += e.steps
+                self.counters["excluded"] += 1
+                continue
+            self.merged_steps[p] += e.steps
+            self.counters["merged"] += 1
+            if e.upload_id:
+                self._merged_recent[e.upload_id] = (p, e.steps)
+                while len(self._merged_recent) > MERGED_REMEMBERED:
+                    self._merged_recent.popitem(last=False)
+
+    def _on_dropped(self, note: Dropped) -> None:
+        """The syncer left these uploads out of their rounds' merges: an entry still on the
+        ledger is marked (dropped when its version arrives), one already counted as merged
+        is moved to excluded. Ids this learner does not know (or took care of) are ignored."""
+        for upload_id in note.upload_ids:
+            entry = self._ledger.find_upload(upload_id)
+            if entry is not None:
+                entry.excluded = True
+                continue
+            known = self._merged_recent.pop(upload_id, None)
+            if known is not None:
+                p, steps = known
+                self.merged_steps[p] -= steps
+                self.excluded_steps[p] += steps
+                self.counters["merged"] -= 1
+                self.counters["excluded"] += 1
+
+    def accounting(self) -> Accounting:
+        """Where every trained step went, per fragment: merged, in flight (accepted, its
+        merge not back yet), unsent, dropped (``diloco.learner.accounting``). Call it from
+        the training thread (between steps, or after ``close``)."""
+        self._settle()
+        unsent = self.unsent()
+        P = self.layout.num_fragments
+        in_flight = [0] * P
+        for p, e in self._ledger.items():
+            if e.admitted is not None:
+                in_flight[p] += e.steps
+        return Accounting(
+            self.local_step,
+            tuple(self.merged_steps),
+            tuple(in_flight),
+            tuple(unsent),
+            tuple(self.dropped),
+            tuple(self.excluded_steps),
+        )

@@ -1,0 +1,182 @@
+"""How the syncer closes a round and commits it: which contributions the merge keeps (the
+direction check), their weights and share, and the commit with its log (a mixin of
+``diloco.syncer.state.SyncerState``: ``close_rounds`` there decides *when*, this *how*).
+
+A closed round becomes a ``Closing`` under the syncer's lock; its merge (the costly part)
+runs outside it; ``apply`` then takes the outer step, bumps the version and returns the
+``Commit`` with the ``CommitLog`` of what the round merged and left out, which is persisted
+with the commit (``diloco.syncer.receipts``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+import torch
+
+from diloco.algorithm.guard import consensus_cosines, secret_generator
+from diloco.algorithm.merge import cap_weights, is_embedding_name
+from diloco.algorithm.outer import round_share
+from diloco.syncer.receipts import CommitLog
+from diloco.syncer.records import Closing, Commit, Contribution, FragmentRound, is_suspect
+
+
+class RoundClosing:
+    """The closing half of ``SyncerState`` (it uses the state's config, layout, rounds,
+    learners, outer optimizer, versions, history and receipts)."""
+
+    def _is_embedding(self, name: str) -> bool:
+        """Merged by weighted mean: every tensor under ``merge_rule="mean"``, else the
+        embeddings (RDA for the rest)."""
+        if self.config.merge_rule == "mean":
+            return True
+        if self.embeddings is not None:
+            return name in self.embeddings
+        return is_embedding_name(name)
+
+    def _share(self, fragment: int, round_: FragmentRound, kept, live: set[str], now) -> float:
+        """The factor this round's merged delta is scaled by (``SyncerConfig.outer_scale``).
+
+        An absent live learner that contributed recently (``recent_contributors``) is
+        expected to bring what its measured throughput trained since the fragment's previous
+        commit (its last contribution's tokens before a throughput is known), at most
+        ``weight_cap`` times the round's median contribution: an id that never contributes,
+        or one that claims a huge throughput, cannot shrink the others' step."""
+        if self.config.outer_scale == "none" or self.config.wait_for_all:
+            return 1.0  # a synchronous round holds everyone by construction
+        counted = self.recent_contributors(now)
+        absent = sorted((live & counted) - set(round_.contributions))
+        since = now - self.last_commit_at.get(fragment, now)
+        here = [c.tokens for c in kept]  # (a contribution the direction check left out: none)
+        most = self.config.weight_cap * statistics.median(here) or float("inf")
+        expected = []
+        for lid in absent:
+            info = self.learners[lid]
+            rate = info.tokens_per_s
+            guess = rate * since if rate and since > 0 else info.last_tokens
+            expected.append(None if guess is None else min(guess, most))
+        return round_share(here, expected)
+
+    def _consensus(self, contribs: list[Contribution]) -> tuple[list[Contribution], dict, dict]:
+        """``(kept, excluded, cosines)``: the contributions the merge keeps, ``{learner:
+        cosine}`` of those it leaves out and of every one (empty when the check did not run).
+        In a round of 3 or more, those whose cosine with the round's coordinate-wise median
+        is below ``direction_floor`` are left out (all are kept if none would remain), and
+        each learner's verdict is remembered; in a smaller round a *suspect* learner
+        (``records.is_suspect``) is left out (``"suspect"``), even when that leaves none."""
+        floor = self.config.direction_floor
+        if floor <= -1.0:
+            return contribs, {}, {}
+        if len(contribs) < 3:  # too few to check: a suspect learner is left out
+            suspects = {c.learner_id for c in contribs if is_suspect(self._verdicts(c.learner_id))}
+            kept = [c for c in contribs if c.learner_id not in suspects]
+            return kept, dict.fromkeys(sorted(suspects), "suspect"), {}
+        cosines = consensus_cosines([c.delta for c in contribs], secret_generator())
+        by_id = {c.learner_id: round(cos, 4) for c, cos in zip(contribs, cosines, strict=True)}
+        kept = [c for c in contribs if by_id[c.learner_id] >= floor]
+        if not kept:
+            return contribs, {}, by_id
+        for lid, cos in by_id.items():
+            self._verdicts(lid).append(cos < floor)
+        return kept, {lid: cos for lid, cos in by_id.items() if cos < floor}, by_id
+
+    def _verdicts(self, learner_id: str):
+        """The learner's recent direction-check verdicts (empty for an id no longer known)."""
+        info = self.learners.get(learner_id)
+        return info.verdicts if info is not None else deque()
+
+    def _close(self, fragment: int, reason: str, now: float, live: set[str]) -> Closing:
+        round_ = self.rounds.pop(fragment)
+        everyone = sorted(round_.contributions.values(), key=lambda c: c.learner_id)
+        contribs, excluded, cosines = self._consensus(everyone)
+        left_out = [c for c in everyone if c.learner_id in excluded]
+        raw = [c.weight if self.config.weighting == "tokens" else c.discount for c in contribs]
+        self._closing.add(fragment)
+        return Closing(
+            fragment,
+            round_,
+            reason,
+            contribs,
+            left_out,
+            weights=cap_weights(raw, self.config.weight_cap) if contribs else [],
+            excluded=excluded,
+            cosines=cosines,
+            share=self._share(fragment, round_, contribs, live, now) if contribs else 1.0,
+            is_embedding=self._is_embedding,
+            piece_layout=self.layout.fragments[fragment],
+        )
+
+    def apply(self, closing: Closing, merged: torch.Tensor | None, now: float) -> Commit:
+        """Take the outer step of a closed round with its merged delta: the new version. A
+        dropped round (``merged`` None: the direction check left every contribution out)
+        keeps the version and value; its commit only carries the log of what was left out."""
+        fragment, round_, contribs = closing.fragment, closing.round, closing.contributions
+        self._closing.discard(fragment)
+        admitted = self.versions[fragment]
+        log = CommitLog(
+            fragment,
+            admitted if merged is None else admitted + 1,
+            admitted,
+            {c.learner_id: list(c.uploads) for c in contribs},
+            {c.learner_id: list(c.uploads) for c in closing.left_out},
+        )
+        self.history[fragment].append(log)
+        self.receipts.settle(log)
+        history = [entry.to_json() for entry in self.history[fragment]]
+        uploads = {
+            "uploads": log.to_json()["merged"],
+            "excluded_uploads": log.to_json()["excluded"],
+        }
+        if merged is None:
+            record = {
+                "event": "dropped",
+                "t": now,
+                "fragment": fragment,
+                "version": admitted,
+                "excluded": closing.excluded,
+                **uploads,
+            }
+            params = self.params[fragment].clone()
+            state = self.outer.fragment_state(fragment)
+            return Commit(fragment, admitted, params, state, record, log, history, changed=False)
+        self.last_commit_at[fragment] = now
+        param_norm = self._param_norm(fragment)  # ‖Θ_p‖ the round's norms were judged by
+        self.outer.step(fragment, self.params[fragment], merged)
+        self._param_norms.pop(fragment, None)
+        self.versions[fragment] += 1
+        self.rounds_committed += 1
+        record = {
+            "event": "round",
+            "t": now,
+            "fragment": fragment,
+            "version": self.versions[fragment],
+            "participants": [c.learner_id for c in contribs],
+            "weights": [round(w, 6) for w in closing.weights],
+            "staleness": [self.versions[fragment] - 1 - c.base_version for c in contribs],
+            "steps": [c.steps for c in contribs],
+            "norms": [round(c.norm, 6) for c in contribs],
+            "param_norm": round(param_norm, 6),
+            "tokens": sum(c.tokens for c in contribs),
+            "tokens_by_learner": {c.learner_id: c.tokens for c in contribs},
+            "bytes_up": sum(c.nbytes for c in contribs),
+            "opened_at": round_.opened_at,
+            "wait_s": round(now - (round_.opened_at or now), 6),
+            "asked": len(round_.asked) if round_.asked is not None else None,
+            "increments": [c.increments for c in contribs],
+            "reason": closing.reason,
+            "share": round(closing.share, 6),
+            "excluded": closing.excluded,
+            "cosines": closing.cosines,
+            "delta_norm": float(merged.norm()),
+            **uploads,
+        }
+        return Commit(
+            fragment,
+            self.versions[fragment],
+            self.params[fragment].clone(),
+            self.outer.fragment_state(fragment),
+            record,
+            log,
+            history,
+        )

@@ -1,0 +1,248 @@
+"""The syncer's committer: its clock, closing rounds, persisting and broadcasting commits,
+and what happens when it cannot (a mixin of ``diloco.syncer.service.SyncerService``).
+
+One committer thread runs the syncer's clock (opens rounds and queues their requests),
+closes rounds, merges them outside the lock, writes each commit to disk, appends it to the
+tape and only then hands the new fragment to every subscriber.
+
+**When the committer fails.** A commit it cannot persist (disk full, I/O error: an
+``OSError`` from the store or the tape) is retried ``PERSIST_ATTEMPTS`` times over about
+``PERSIST_RETRY_S`` seconds; then the syncer has *failed*: ``failure`` says why, every RPC is
+answered ``UNAVAILABLE``, ``Status`` reports it, subscriptions end and ``on_failure`` is called
+(the syncer process exits non-zero, so whatever supervises it restarts it from its state
+directory). Nothing it answered after the last persisted commit can be lost: an upload it
+accepted and did not commit is returned to its learner's progress at rejoin, because the
+restarted syncer reports the versions on disk. A syncer never stays up unable to commit.
+
+**What learners hold.** For every fragment the committer keeps the wire image ``W_p``: the
+value every learner holding version v holds, bit for bit. A commit sends ``d = Θ_p − W_p``
+in the down codec and moves ``W_p`` by the decoded ``d̂`` (the rounding stays in ``Θ_p − W_p``
+and goes out with the next delta); a learner applies the same ``W + d̂``. ``W_p`` is persisted
+with the commit, so a restarted syncer goes on sending deltas its learners can apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from diloco.algorithm import codecs
+from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe
+from diloco.syncer.state import Commit, fragment_digest
+
+log = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 500
+"""Refusal messages are cut to this length (they may quote what a client sent)."""
+
+PERSIST_ATTEMPTS = 5
+"""Tries of a commit's write (store, then tape) before the syncer gives up and fails."""
+PERSIST_RETRY_S = 0.2
+"""Pause before the second try; it doubles before each later one (0.2 + 0.4 + 0.8 + 1.6 s)."""
+STOP_WAIT_S = 10.0
+"""How long ``stop`` waits for the committer to finish the commit it is writing."""
+
+
+def _retrying(write: Callable[[], None]) -> None:
+    """``write()``, tried again after an ``OSError`` (``PERSIST_ATTEMPTS`` tries, pauses from
+    ``PERSIST_RETRY_S`` doubling); the last error is raised."""
+    pause = PERSIST_RETRY_S
+    for attempt in range(PERSIST_ATTEMPTS):
+        try:
+            return write()
+        except OSError as exc:
+            if attempt + 1 == PERSIST_ATTEMPTS:
+                raise
+            log.warning("could not persist a commit (%s); trying again in %.1f s", exc, pause)
+            time.sleep(pause)
+            pause *= 2
+
+
+class Committer:
+    """The committer half of ``SyncerService`` (it uses the service's state, lock, store,
+    tape, subscribers, wire images and payloads)."""
+
+    def stop(self) -> None:
+        """Stop the committer; then commit what waits for learners that are all gone (the
+        rounds ``poll`` closes now), so progress flushed by the last learners is kept. A
+        committer still writing a commit after ``STOP_WAIT_S`` (a stalled disk) is left to
+        it, and nothing more is committed here; a failed syncer commits nothing more."""
+        self._stopping.set()
+        self._wake.set()
+        for sub in list(self._subscribers):
+            sub.close()
+        if self._committer.is_alive():
+            self._committer.join(timeout=STOP_WAIT_S)
+        self.watchdog.close()
+        if self.failure is not None or not self._commit_lock.acquire(timeout=1.0):
+            return
+        try:
+            now = time.time()
+            with self.lock:
+                commits, _ = self.state.poll(now)
+            for commit in commits:
+                self._publish(commit, now)
+        except Exception as exc:  # (the disk failed on the last commits: said, not raised)
+            self._fail(exc)
+        finally:
+            self._commit_lock.release()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The syncer cannot do its job: refuse everything from now on, end the streams,
+        tell ``on_failure`` (once)."""
+        with self.lock:
+            if self.failure is not None:
+                return
+            self.failure = exc
+        self._stopping.set()
+        for sub in list(self._subscribers):
+            sub.close()
+        self._note({"event": "failed", "t": time.time(), "error": repr(exc)[:300]})
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
+    def check_alive(self, context: grpc.ServicerContext) -> None:
+        """Answer ``UNAVAILABLE`` (and return nothing) once the syncer has failed."""
+        if self.failure is not None:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the syncer failed and is restarting: {self.failure!r}"[:MAX_REASON_CHARS],
+            )
+
+    def _emit(self, record: dict, sync: bool = False) -> None:
+        """Append a record the run needs (a commit's): ``OSError`` when it cannot be written."""
+        if self.tape is not None:
+            self.tape.append(record, sync=sync)
+
+    def _note(self, record: dict) -> None:
+        """Append a record the run can do without (a tick): never raises."""
+        if self.tape is not None:
+            self.tape.try_append(record)
+
+    # ------------------------------------------------------------------ helpers
+    def _commit_loop(self) -> None:
+        """The committer thread: the clock's ticks, closing rounds, commits. Any error here
+        fails the syncer (``_fail``): it never keeps answering without committing."""
+        try:
+            self._run_clock()
+        except Exception as exc:
+            log.exception("the syncer's committer failed")
+            self._fail(exc)
+
+    def _run_clock(self) -> None:
+        wake_at: float | None = None
+        while not self._stopping.is_set():
+            timeout = 0.25 if wake_at is None else min(0.25, max(0.0, wake_at - time.time()))
+            self._wake.wait(timeout)
+            self._wake.clear()
+            with self._commit_lock:
+                if self._stopping.is_set():
+                    return
+                t0 = time.time()
+                with self.lock:
+                    request, tick_at = self.state.tick(t0)
+                    if request is not None:
+                        self._ask(request)
+                    closing, wake_at = self.state.close_rounds(t0)
+                if tick_at is not None:
+                    wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
+                for round_ in closing:
+                    merged = round_.merge()  # the costly part, while uploads go on
+                    with self.lock:
+                        commit = self.state.apply(round_, merged, t0)
+                    self._publish(commit, t0)
+
+    def _ask(self, request) -> None:
+        """Queue the clock's request on the streams of the learners it asks (lock held)."""
+        for sub in self._subscribers:
+            if not sub.observer and sub.learner_id in request.asked:
+                sub.request(request.fragment, request.version)
+        self._note(
+            {
+                "event": "tick",
+                "t": time.time(),
+                "fragment": request.fragment,
+                "version": request.version,
+                "asked": len(request.asked),
+            }
+        )
+
+    def _publish(self, commit: Commit, t0: float) -> None:
+        """Persist, then record, then broadcast one commit (in that order); a dropped round
+        is persisted (its log) and recorded only.
+
+        The broadcast is the delta from the wire image (see the module docstring); the
+        committer is the only thread that moves ``W_p``, one commit at a time. Raises
+        ``OSError`` when the commit cannot be persisted or recorded (after retries)."""
+        p = commit.fragment
+        codec = self.state.config.down_codec
+        if commit.changed:
+            delta = codecs.encode(commit.params - self._wire[p], codec)
+            wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
+        else:
+            delta, wire = b"", self._wire[p]
+        if self.store is not None:
+            _retrying(
+                lambda: self.store.save(
+                    p,
+                    commit.version,
+                    commit.params,
+                    commit.momentum,
+                    wire=wire,
+                    commits=commit.history,
+                )
+            )
+        record = dict(commit.record)
+        record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
+        record["sync_s"] = round(time.time() - t0, 6)
+        record["bytes_delta"] = len(delta)
+        _retrying(lambda: self._emit(record, sync=True))
+        dropped = {
+            lid: frozenset(u.upload_id for u in parts) for lid, parts in commit.log.excluded.items()
+        }
+        if not commit.changed:
+            held = self._held_drops.setdefault(p, {})
+            for lid, ids in dropped.items():
+                held[lid] = held.get(lid, frozenset()) | ids
+            return
+        for lid, ids in self._held_drops.pop(p, {}).items():
+            dropped[lid] = dropped.get(lid, frozenset()) | ids
+        keyframe = Keyframe(wire)
+        with self.lock:
+            self._wire[p] = wire
+            contributors = frozenset(commit.record["participants"])
+            self._payloads[p] = (commit.version, keyframe, contributors)
+            recent = self._recent.setdefault(p, [])
+            recent.append((commit.version, contributors, dropped))
+            del recent[:-RECENT_VERSIONS]
+            for sub in self._subscribers:
+                sub.offer(
+                    p,
+                    commit.version,
+                    keyframe=keyframe,
+                    delta=delta,
+                    delta_codec=codec,
+                    contributors=contributors,
+                    dropped=dropped,
+                )
+            self.state.record_sync_time(time.time() - t0)
+
+    def _since(self, fragment: int, version: int) -> tuple[frozenset[str], dict]:
+        """Everyone merged into ``fragment`` after ``version``, and per learner the upload
+        ids those versions left out (as far as the recent history goes; nothing after a
+        restart: heartbeat replies then tell learners what was left out)."""
+        newer = [(c, d) for v, c, d in self._recent.get(fragment, ()) if v > version]
+        dropped: dict[str, frozenset[int]] = {}
+        for _, d in newer:
+            for lid, ids in d.items():
+                dropped[lid] = dropped.get(lid, frozenset()) | ids
+        return frozenset().union(*(c for c, _ in newer)), dropped
+
+    def wire(self, fragment: int) -> torch.Tensor:
+        """A copy of ``W_p``: the value every learner holding the current version holds."""
+        with self.lock:
+            return self._wire[fragment].clone()
