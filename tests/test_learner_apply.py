@@ -554,3 +554,51 @@ def test_a_rejoin_past_a_syncer_it_never_saw_returns_what_that_syncer_did_not_co
         assert learner.steps_since[0] == 3  # the lost delta's steps go out again
     finally:
         learner.close(flush=False)
+
+
+def test_a_delta_accepted_by_the_syncer_it_rejoins_is_not_returned():
+    """Found by review: the link published the new instance's session before it reported
+    the rejoin, so an answer of that very instance could be settled before the rejoin to it
+    and judged as a dead syncer's (returned, then merged twice). Answers name their
+    instance; a rejoin leaves what its own instance accepted alone."""
+    model, learner = make_learner()
+    try:
+        learner._on_rejoin("127.0.0.1:1", "old", [0], (0,))
+        start(model, learner, torch.arange(12.0))
+        train(model, learner, 0.5, steps=3)
+        assert learner._queue(0)
+        job = queued_job(learner)
+        answer = UploadResult("accepted", admitted=1, sent=job.delta, syncer_id="new")
+        learner._on_result(job, answer)
+        learner.apply_arrived()
+        learner._on_rejoin("127.0.0.1:1", "new", [1], (0,), [], [0])
+        learner.apply_arrived()
+        assert learner.in_flight() == {0: 1} and learner.steps_since[0] == 0
+    finally:
+        learner.close(flush=False)
+
+
+def test_a_restored_delta_without_an_answer_is_sent_again_as_it_was():
+    """Found by review: a learner restored (without a delivery log) from a checkpoint taken
+    while an upload waited for its answer kept that delta on its ledger with no upload to
+    answer it: arrivals of the fragment waited for it forever. It is resumed: sent again
+    with its upload id, so the syncer answers it with its first verdict if it had it."""
+    model, learner = make_learner()
+    try:
+        start(model, learner, torch.arange(12.0))
+        train(model, learner, 0.5, steps=3)
+        assert learner._queue(0)  # sent, no answer yet
+        saved = learner.state_dict()
+        upload_id = learner.link.queue._jobs[0].upload_id
+    finally:
+        learner.close(flush=False)
+    model2 = torch.nn.Linear(4, 3, bias=False)
+    restored = diloco.Learner(
+        model2, syncer="127.0.0.1:1", fragments=1, learner_id="me", state=saved
+    )
+    try:
+        (resumed,) = restored.link.queue._resends
+        assert resumed.upload_id == upload_id and resumed.steps == 3
+        assert [e.upload_id for _, e in restored._ledger.items()] == [upload_id]
+    finally:
+        restored.close(flush=False)

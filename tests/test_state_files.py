@@ -81,8 +81,9 @@ def test_a_commit_persisted_but_not_taped_is_recorded_at_restart(tmp_path):
     with a version the tape never saw: it writes a ``recovered`` record for it, once."""
     import json
 
+    from diloco.syncer.receipts import CommitLog, UploadPart
     from diloco.syncer.state import fragment_digest
-    from diloco.syncer.store import read_tape, taped_versions, untaped
+    from diloco.syncer.store import Taped, read_tape, taped_versions
 
     store, layout, params = saved_store(tmp_path)  # fragment 0 persisted at version 3
     tape = tmp_path / "events.jsonl"
@@ -99,4 +100,9 @@ def test_a_commit_persisted_but_not_taped_is_recorded_at_restart(tmp_path):
     starts = [r for r in records if r["event"] == "start"]
     assert len(starts) == 2 and records.index(recovered) < records.index(starts[0])
     assert taped_versions(records) == {0: 3}
-    assert untaped([0, 1], [3, 5], {0: 3}) == [1]  # pure: restored fragments ahead of the tape
+    # pure: which persisted commit logs the tape holds (a commit by its version, a dropped
+    # round, which keeps the version, by the uploads it left out)
+    taped = Taped({0: 3}, {(0, 7)})
+    assert taped.holds(CommitLog(0, 3, 2)) and not taped.holds(CommitLog(0, 4, 3))
+    assert taped.holds(CommitLog(0, 3, 3, {}, {"a": [UploadPart(7, 1, 1)]}))
+    assert not taped.holds(CommitLog(0, 3, 3, {}, {"a": [UploadPart(8, 1, 1)]}))

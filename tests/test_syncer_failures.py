@@ -81,6 +81,12 @@ class Client:
         self.channel.close()
 
 
+def on_disk(server: SyncerServer, state_dir) -> int:
+    """The version of fragment 0 in the state directory (0: none yet)."""
+    loaded = FragmentStore(state_dir).load(0, server.layout.fragments[0].numel)
+    return loaded[0] if loaded is not None else 0
+
+
 def start_syncer(state_dir, tape, **cfg) -> SyncerServer:
     """A syncer on the learners' schedule (a learner's upload opens its round, which closes
     at once when it is the only learner): each upload below makes one commit."""
@@ -106,7 +112,7 @@ def test_a_full_disk_fails_the_syncer_instead_of_leaving_it_half_dead(small_disk
     client = Client(server)
     try:
         assert client.upload(11).accepted
-        wait_until(lambda: server.state.versions[0] == 1, timeout=10)
+        wait_until(lambda: on_disk(server, small_disk.path / "state") == 1, timeout=10)
         small_disk.fill()
         t0 = time.monotonic()
         assert client.upload(12).accepted  # admitted in memory: its commit cannot be written
@@ -178,7 +184,7 @@ def test_a_commit_persisted_but_not_taped_is_recovered_with_what_it_merged(tmp_p
     client = Client(server)
     try:
         assert client.upload(31, steps=5).accepted
-        wait_until(lambda: server.state.versions[0] == 1, timeout=10)
+        wait_until(lambda: on_disk(server, state) == 1, timeout=10)
         small_disk.fill()  # the tape's disk: the next commit is persisted, its record is not
         small_disk.pad(full_tape)
         assert client.upload(32, steps=7).accepted
@@ -309,3 +315,90 @@ def test_a_tape_line_cut_short_by_a_full_disk_does_not_swallow_the_next_record(t
     tape.close()
     records = read_tape(tape_path)
     assert [r["event"] for r in records] == ["round", "start"]
+
+
+def test_a_restarted_syncer_remembers_every_upload_its_commit_logs_hold():
+    """Found by review: receipts kept 1024 ids per learner while the logs persisted for P =
+    24 fragments hold up to 64 x 24: a restarted syncer forgot the uploads of the first
+    fragments it restored (a resend merged again, a rejoining learner told they were not)."""
+    from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog, Receipts, UploadPart
+
+    logs = [
+        CommitLog(p, v + 1, v, {"a": [UploadPart(1000 * p + v + 1, 4, 32)]})
+        for p in range(24)
+        for v in range(PERSISTED_COMMITS)
+    ]
+    receipts = Receipts()
+    receipts.restore(logs)
+    assert len(receipts.committed("a")) == 24 * PERSISTED_COMMITS
+    assert receipts.admitted("a", 1, fragment=0) == 0  # fragment 0's oldest log
+
+
+def test_a_tape_record_whose_fsync_failed_is_not_written_twice(tmp_path, monkeypatch):
+    """Found by review: the committer retries a record whose write succeeded but whose fsync
+    failed (EIO, ENOSPC on delayed allocation): the retry appended it a second time."""
+    from diloco.syncer.store import EventTape
+
+    tape = EventTape(tmp_path / "events.jsonl")
+    real, calls = os.fsync, []
+
+    def failing_once(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_once)
+    record = {"event": "round", "fragment": 0, "version": 1}
+    with pytest.raises(OSError):
+        tape.append(record, sync=True)
+    tape.append(record, sync=True)  # the committer's retry
+    tape.close()
+    assert [r["version"] for r in read_tape(tmp_path / "events.jsonl")] == [1]
+
+
+def test_a_commit_that_hangs_on_its_disk_fails_the_syncer(tmp_path, monkeypatch):
+    """Found by review: a disk that hangs instead of failing (a blocking fsync) held the
+    committer forever while the syncer kept answering: a stall without end. A commit still
+    being written after ``COMMIT_DEADLINE_S`` fails the syncer as a write error does."""
+    from diloco.syncer import committer
+
+    monkeypatch.setattr(committer, "COMMIT_DEADLINE_S", 1.0)
+    server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl")
+    slow = SlowStore(tmp_path / "state")
+    server.service.store = slow
+    client = Client(server)
+    try:
+        assert client.upload(51).accepted
+        wait_until(lambda: server.failure is not None, timeout=10)
+        assert isinstance(server.failure, TimeoutError)
+    finally:
+        slow.release.set()
+        client.close()
+        server.stop()
+
+
+def test_a_dropped_round_persisted_but_not_taped_is_recovered(tmp_path):
+    """Found by review: a round the direction check left empty keeps the version, so a
+    restart that compared versions only never taped the uploads it left out (their
+    learners' books then disagreed with the tape). Persisted logs the tape lacks are
+    recovered by their uploads."""
+    from diloco.syncer.receipts import CommitLog, UploadPart
+
+    state, tape = tmp_path / "state", tmp_path / "events.jsonl"
+    first = start_syncer(state, tape)
+    client = Client(first)
+    try:
+        assert client.upload(61).accepted
+        wait_until(lambda: on_disk(first, state) == 1, timeout=10)
+    finally:
+        client.close()
+        first.stop()
+    # what a killed syncer left: a dropped round's log persisted, its record never taped
+    store = FragmentStore(state)
+    version, params, extra = store.load(0, first.layout.fragments[0].numel)
+    logs = store.load_commits(0) + [CommitLog(0, 1, 1, {}, {"a": [UploadPart(62, 3, 24)]})]
+    store.save(0, version, params, extra, wire=extra["wire"], commits=[g.to_json() for g in logs])
+    start_syncer(state, tape).stop()
+    (recovered,) = [r for r in read_tape(tape) if r["event"] == "recovered"]
+    assert recovered["commits"] == [logs[-1].to_json()]

@@ -324,3 +324,25 @@ def test_an_upload_accepted_while_its_fragment_is_merged_names_the_version_that_
     (commit,), _ = state.poll(1.3)  # the round that holds it
     assert commit.record["participants"] == ["a"] and commit.record["steps"] == [3]
     assert admission.version + 1 == commit.version == 2
+
+
+def test_an_upload_during_a_dropped_rounds_close_is_admitted_at_the_kept_version():
+    """Found by review: a round whose contributions the direction check all left out keeps
+    the version; an upload accepted while it was closing was answered as admitted one
+    version later than the commit that then merged it."""
+    state, layout, _ = make_state(quorum=1)
+    n = layout.fragments[0].numel
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    state.learners["a"].verdicts.extend([True] * 4)  # a suspect: left out of small rounds
+    submit(state, "a", sa, 0, torch.full((n,), 1.0), now=1.0)
+    state.leave("b", sb, now=1.0)  # (so that a's round closes at once)
+    (closing,), _ = state.close_rounds(1.0)
+    assert not closing.contributions  # dropped
+    sb = join(state, "b", layout, now=1.05)
+    admission = submit(state, "b", sb, 0, torch.full((n,), 2.0), now=1.1)
+    commit = state.apply(closing, closing.merge(), 1.2)
+    assert not commit.changed and state.versions[0] == 0
+    state.leave("a", sa, now=1.3)
+    (commit,), _ = state.poll(1.3)
+    assert commit.record["participants"] == ["b"]
+    assert admission.version + 1 == commit.version == 1

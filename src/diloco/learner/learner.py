@@ -120,9 +120,35 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
         )
         self._host_copies = HostCopies(self.layout, self.params)
         self.link = self._open_link(syncer, link_options)
+        self._resume_unanswered()
         self.before_touch: Callable[[list[int]], None] | None = None
         """Called with the fragments this learner is about to read or change in the model's
         parameters (a sharded island brings its mirror of them up to date here)."""
+
+    def _resume_unanswered(self) -> None:
+        """After a restore: deltas the checkpoint holds without an answer are sent again as
+        they were, with their upload ids, so the syncer answers one it accepted before with
+        its first verdict and merges one it never saw once. A delta from before upload ids
+        (id 0) is returned to the undelivered progress."""
+        for p, e in self._ledger.items():
+            if e.admitted is not None:
+                continue
+            if not e.upload_id:
+                self._return(p, e)
+                continue
+            base = e.base_version if e.base_version >= 0 else self.versions[p]
+            job = UploadJob(
+                p,
+                base,
+                e.steps,
+                e.tokens,
+                e.delta,
+                0.0,
+                e.local_step,
+                job_id=e.job_id,
+                upload_id=e.upload_id,
+            )
+            self.link.resume(job)
 
     def _touch(self, fragments) -> None:
         if self.before_touch is not None and fragments:
@@ -151,6 +177,8 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
         """Upload id -> (fragment, steps) of the last merged deltas (``settling``)."""
         self._upload_ids = itertools.count(secrets.randbits(40) << 20)
         """Ids of this learner's uploads (random base: a restarted learner never reuses one)."""
+        self.journal: UploadJournal | None = None
+        """The upload journal (``LearnerConfig.journal_file``), opened once restored."""
         self.applied = 0
         self.last_applied: list[int] = []  # fragments changed by the last apply_arrived()
         self._inbox = Inbox()  # what the link's threads hand to the training thread
@@ -445,6 +473,7 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
         entry = self._ledger.add(
             p, delta, snapshot.steps, snapshot.tokens, snapshot.local_step, upload_id
         )
+        entry.base_version = self.versions[p]
         if self.journal is not None:  # before it can reach the syncer
             self.journal.queued(upload_id, p, entry.steps, entry.tokens, snapshot.local_step)
         self.link.submit(
@@ -471,6 +500,12 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
             + (self._copying[p].steps if p in self._copying else 0)
             for p in range(self.layout.num_fragments)
         ]
+
+    def unanswered_uploads(self) -> list[tuple[int, int, int]]:
+        """``(upload id, fragment, steps)`` of the deltas sent without an answer yet: counted
+        in ``unsent``, although the syncer may have merged them (an audit checks them by id
+        against its tape)."""
+        return [(e.upload_id, p, e.steps) for p, e in self._ledger.items() if e.admitted is None]
 
     def in_flight(self) -> dict[int, int]:
         """Deltas on their way per fragment (queued, sent, or accepted and not merged back)."""

@@ -36,6 +36,10 @@ class Outgoing:
     admitted: int | None = None
     upload_id: int = 0
     """Its id on the wire (kept across resends; the syncer's receipts use it)."""
+    syncer_id: str = ""
+    """The syncer instance that accepted it ("" before an answer)."""
+    base_version: int = -1
+    """The version of the fragment it was computed against (what it is sent with)."""
     excluded: bool = False
     """The syncer said it left this delta out of its round's merge (the direction check):
     when the version after ``admitted`` is applied it leaves the ledger as dropped, not
@@ -128,6 +132,8 @@ class Ledger:
                 "admitted": -2 if e.admitted is None else e.admitted,
                 "upload_id": e.upload_id,
                 "excluded": e.excluded,
+                "syncer_id": e.syncer_id,
+                "base_version": e.base_version,
             }
             for p, e in self.items()
         ]
@@ -148,5 +154,7 @@ class Ledger:
                 int(item.get("upload_id", 0)),
             )
             entry.excluded = bool(item.get("excluded", False))
+            entry.syncer_id = str(item.get("syncer_id", ""))
+            entry.base_version = int(item.get("base_version", -1))
             admitted = int(item["admitted"])
             entry.admitted = None if admitted < -1 else admitted

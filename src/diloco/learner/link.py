@@ -170,6 +170,10 @@ class SyncerLink:
         if replaced is not None:
             self._answer(replaced, UploadResult("failed"))
 
+    def resume(self, job: UploadJob) -> None:
+        """Send a job whose answer is unknown again as it was (``UploadQueue.resume``)."""
+        self.queue.resume(job)
+
     def withdraw(self, fragment: int) -> UploadJob | None:
         """Take back the queued, not yet sent job of ``fragment`` (None if there is none: it
         was sent or is being sent, and will be answered)."""
@@ -368,9 +372,6 @@ class SyncerLink:
             reply.num_shards or 1,
         )
         self._stub, self._session = stub, reply.session  # so that a refusal can leave cleanly
-        self._joined = (stub, reply.session, reply.syncer_id)
-        """What an upload is sent with, read at once: the stub, session and syncer instance
-        of the last join (an answer names the instance that gave it)."""
         self._on_join(self, info)  # may raise ShardError: fatal
         self.shard_info, self._owned = info, frozenset(info.fragments)
         self.joined_versions = list(reply.versions)
@@ -387,6 +388,9 @@ class SyncerLink:
                 list(reply.committed_uploads),
                 list(reply.logged_from),
             )
+        # What an upload is sent with, read at once (stub, session, syncer instance), set only
+        # now: an answer of this instance must be reported after the rejoin to it.
+        self._joined = (stub, reply.session, reply.syncer_id)
         return reply
 
     def _listen(self, stream) -> None:

@@ -45,8 +45,8 @@ class Restoring:
         whose upload queued after the checkpoint was accepted is dropped (delivered)."""
         with torch.no_grad():
             for p, e in self._ledger.items():
-                if e.admitted is not None:
-                    continue
+                if e.admitted is not None or e.upload_id:
+                    continue  # (one with an upload id is sent again as it was: resumed)
                 if accepted_at.get(p, -1) >= e.local_step:
                     e.admitted = -1  # merged by the first version that arrives
                 else:

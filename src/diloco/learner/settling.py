@@ -66,6 +66,7 @@ class Settling:
                 continue
             if result.outcome == "accepted":
                 self._journal_settled(entry.upload_id, "accepted", result.admitted)
+                entry.syncer_id = result.syncer_id
                 if not torch.equal(entry.delta, result.sent):
                     self._residual.add(job.fragment)  # error feedback: delta − sent is in u_p
                 entry.admitted, entry.delta = result.admitted, result.sent
@@ -102,6 +103,8 @@ class Settling:
         self._successors.setdefault(known, rejoin)
         for p in rejoin.fragments:
             for e in [e for e in self._ledger.of(p) if e.admitted is not None]:
+                if e.syncer_id and e.syncer_id == rejoin.syncer_id:
+                    continue  # accepted by this very instance
                 if not committed_before(rejoin, p, e.admitted, e.upload_id):
                     self._return(p, e)
 

@@ -121,6 +121,8 @@ class ShardedLink:
             for address in self.addresses
         ]
         self.connected = _AllConnected(self.links)
+        self._resumed: list[UploadJob] = []
+        """Jobs to resume on the shard that owns them, once it has said which it owns."""
 
     # ------------------------------------------------------------------ public
     def start(self) -> ShardedLink:
@@ -213,6 +215,15 @@ class ShardedLink:
             return
         link.submit(job)
 
+    def resume(self, job: UploadJob) -> None:
+        """``SyncerLink.resume`` on the owner shard's link (once it joined, if not yet)."""
+        with self._lock:
+            link = self.owner(job.fragment)
+            if link is None:
+                self._resumed.append(job)
+                return
+        link.resume(job)
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait (bounded by ``timeout`` in all) until every shard's uploads have gone out."""
         deadline = time.monotonic() + timeout
@@ -255,3 +266,7 @@ class ShardedLink:
                         if p in seen:
                             check_cover(self.layout.num_fragments, [seen[p], other])
                         seen[p] = other
+            mine = [job for job in self._resumed if job.fragment in info.fragments]
+            self._resumed = [job for job in self._resumed if job.fragment not in info.fragments]
+        for job in mine:
+            link.resume(job)

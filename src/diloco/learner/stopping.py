@@ -58,6 +58,15 @@ class Stopping:
             time.sleep(0.02)
         return not pending
 
+    def _await_link(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until the link is connected again; True if it is."""
+        deadline = time.monotonic() + timeout
+        while not self.link.connected.is_set():
+            if time.monotonic() >= deadline or self.link.error is not None:
+                return False
+            time.sleep(0.05)
+        return True
+
     def _drain_timeout(self) -> float:
         """``drain_timeout_s``; on the syncer's clock at least one and a half of its cycles
         (H fleet steps, estimated by this learner's own step time), at most 30 s: flushed
@@ -76,6 +85,9 @@ class Stopping:
         """Optionally flush, leave the syncer and stop the background threads (bounded)."""
         if self._closed:
             return
+        if flush and not self.link.connected.is_set():
+            # (a syncer restarting: its successor settles what the dead one accepted)
+            self._await_link(self.config.flush_timeout_s)
         if flush and self.link.connected.is_set():
             t0 = time.monotonic()
             flushed = self.flush()

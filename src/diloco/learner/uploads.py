@@ -147,6 +147,15 @@ class UploadQueue:
             job.upload_id = job.upload_id or next(self._upload_ids)
             return job
 
+    def resume(self, job: UploadJob) -> None:
+        """Queue a job whose answer is unknown (a delta a restored learner's checkpoint holds
+        without an answer) to go as a resend, before new jobs, with its upload id: the
+        syncer answers it with its first verdict if it accepted it before."""
+        with self.cond:
+            job.resend_at = 0.0
+            self._resends.append(job)
+            self.cond.notify()
+
     def send_again(
         self, job: UploadJob, stopping: threading.Event
     ) -> tuple[bool, UploadJob | None]:

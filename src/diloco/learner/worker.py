@@ -468,7 +468,10 @@ def write_final_state(workdir: Path, learner) -> None:
                 "unsent": learner.unsent(),
                 "dropped": list(getattr(learner, "dropped", [])),
                 **(
-                    {"accounting": learner.accounting().to_dict()}
+                    {
+                        "accounting": learner.accounting().to_dict(),
+                        "unanswered": learner.unanswered_uploads(),
+                    }
                     if hasattr(learner, "accounting")
                     else {}
                 ),

@@ -216,7 +216,7 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
     clean = final is not None and final.get("life") == last
     for life in order:
         if life == last and clean:
-            _check_clean(learner, final, delivered[life], result)
+            _check_clean(learner, final, delivered[life], on_tape, result)
             continue
         result.lives_killed += 1
         for p, steps in delivered[life].items():
@@ -232,14 +232,20 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
         result.problems.append(f"{learner}: final.json is not from its last life")
 
 
-def _check_clean(learner, final, delivered, result: Audit) -> None:
+def _check_clean(learner, final, delivered, on_tape, result: Audit) -> None:
     books = final.get("accounting")
     if books is None:
         result.problems.append(f"{learner}: final.json has no accounting")
         return
     trained = books["trained"]
     result.steps_trained += trained
+    # sent without an answer: counted unsent by the learner, merged if the tape says so
+    heard_of = defaultdict(int)
+    for upload_id, p, steps in final.get("unanswered", []):
+        if upload_id in on_tape:
+            heard_of[p] += steps
     for p, (unsent, dropped) in enumerate(zip(books["unsent"], books["dropped"], strict=True)):
+        unsent -= heard_of.get(p, 0)
         tape = delivered.get(p, 0)
         if tape + unsent + dropped != trained:
             result.problems.append(

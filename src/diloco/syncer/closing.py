@@ -92,7 +92,8 @@ class RoundClosing:
         contribs, excluded, cosines = self._consensus(everyone)
         left_out = [c for c in everyone if c.learner_id in excluded]
         raw = [c.weight if self.config.weighting == "tokens" else c.discount for c in contribs]
-        self._closing.add(fragment)
+        if contribs:  # (a dropped round keeps the version: uploads meanwhile are admitted at it)
+            self._closing.add(fragment)
         return Closing(
             fragment,
             round_,
@@ -121,8 +122,7 @@ class RoundClosing:
             {c.learner_id: list(c.uploads) for c in contribs},
             {c.learner_id: list(c.uploads) for c in closing.left_out},
         )
-        self.history[fragment].append(log)
-        self.receipts.settle(log)
+        self.history[fragment].append(log)  # (its receipts are settled once it is on disk)
         history = [entry.to_json() for entry in self.history[fragment]]
         uploads = {
             "uploads": log.to_json()["merged"],

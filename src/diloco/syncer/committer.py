@@ -43,6 +43,9 @@ PERSIST_ATTEMPTS = 5
 """Tries of a commit's write (store, then tape) before the syncer gives up and fails."""
 PERSIST_RETRY_S = 0.2
 """Pause before the second try; it doubles before each later one (0.2 + 0.4 + 0.8 + 1.6 s)."""
+COMMIT_DEADLINE_S = 120.0
+"""A commit still being written after this long (a disk that hangs instead of failing) fails
+the syncer, like a write error does: it never stays up without committing."""
 STOP_WAIT_S = 10.0
 """How long ``stop`` waits for the committer to finish the commit it is writing."""
 
@@ -154,7 +157,16 @@ class Committer:
                     merged = round_.merge()  # the costly part, while uploads go on
                     with self.lock:
                         commit = self.state.apply(round_, merged, t0)
-                    self._publish(commit, t0)
+                    self._publish_in_time(commit, t0)
+
+    def _publish_in_time(self, commit: Commit, t0: float) -> None:
+        """``_publish``, failing the syncer if it takes longer than ``COMMIT_DEADLINE_S``."""
+        hung = TimeoutError(f"a commit was still being written after {COMMIT_DEADLINE_S:g} s")
+        handle = self.watchdog.arm(time.monotonic() + COMMIT_DEADLINE_S, lambda: self._fail(hung))
+        try:
+            self._publish(commit, t0)
+        finally:
+            self.watchdog.disarm(handle)
 
     def _ask(self, request) -> None:
         """Queue the clock's request on the streams of the learners it asks (lock held)."""
@@ -201,6 +213,8 @@ class Committer:
         record["sync_s"] = round(time.time() - t0, 6)
         record["bytes_delta"] = len(delta)
         _retrying(lambda: self._emit(record, sync=True))
+        with self.lock:  # on disk: resends are answered from it, drops reported
+            self.state.receipts.settle(commit.log)
         dropped = {
             lid: frozenset(u.upload_id for u in parts) for lid, parts in commit.log.excluded.items()
         }

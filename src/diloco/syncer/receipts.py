@@ -31,11 +31,13 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-REMEMBERED_UPLOADS = 1024
-"""Accepted upload ids remembered per learner (a resend comes within the ~80 s a learner
-keeps resending, ``diloco.learner.uploads.MAX_RESENDS``: far fewer uploads)."""
 PERSISTED_COMMITS = 64
 """Commits of each fragment whose upload ids are kept in the fragment's state file."""
+REMEMBERED_UPLOADS = 4 * PERSISTED_COMMITS
+"""Accepted upload ids remembered per learner and fragment: every upload of the persisted
+commit logs (a learner has one contribution per round, rarely more than a few uploads summed
+in it), so a restarted syncer forgets none of them (a resend comes within the ~80 s a
+learner keeps resending, ``diloco.learner.uploads.MAX_RESENDS``: far fewer uploads)."""
 REPORTED_DROPS = 64
 """Most recent excluded upload ids of a learner repeated in each heartbeat reply."""
 
@@ -102,17 +104,18 @@ class Fate:
 
 
 class Receipts:
-    """Per learner, the fates of its last ``REMEMBERED_UPLOADS`` accepted upload ids."""
+    """Per learner and fragment, the fates of its last ``REMEMBERED_UPLOADS`` accepted
+    upload ids."""
 
-    def __init__(self, per_learner: int = REMEMBERED_UPLOADS) -> None:
-        self.per_learner = per_learner
-        self._fates: dict[str, OrderedDict[int, Fate]] = {}
+    def __init__(self, per_fragment: int = REMEMBERED_UPLOADS) -> None:
+        self.per_fragment = per_fragment
+        self._fates: dict[tuple[str, int], OrderedDict[int, Fate]] = {}
         self._dropped: dict[str, OrderedDict[int, None]] = {}
 
-    def admitted(self, learner: str, upload_id: int) -> int | None:
-        """The version an accepted upload was admitted at, or None if the id is unknown (or 0,
-        no id)."""
-        fate = self._fates.get(learner, {}).get(upload_id) if upload_id else None
+    def admitted(self, learner: str, upload_id: int, fragment: int) -> int | None:
+        """The version an accepted upload of ``fragment`` was admitted at, or None if the id
+        is unknown (or 0, no id)."""
+        fate = self._fates.get((learner, fragment), {}).get(upload_id) if upload_id else None
         return None if fate is None else fate.admitted
 
     def admit(
@@ -121,9 +124,9 @@ class Receipts:
         """Remember an upload accepted at ``version`` (id 0: the learner gave none)."""
         if not upload_id:
             return
-        fates = self._fates.setdefault(learner, OrderedDict())
+        fates = self._fates.setdefault((learner, fragment), OrderedDict())
         fates[upload_id] = Fate(fragment, version, committed)
-        while len(fates) > self.per_learner:
+        while len(fates) > self.per_fragment:
             fates.popitem(last=False)
 
     def settle(self, log: CommitLog) -> None:
@@ -142,7 +145,13 @@ class Receipts:
 
     def committed(self, learner: str) -> list[int]:
         """The learner's upload ids that closed rounds merged or left out (remembered ones)."""
-        return [u for u, fate in self._fates.get(learner, {}).items() if fate.committed]
+        return [
+            u
+            for (who, _), fates in self._fates.items()
+            if who == learner
+            for u, fate in fates.items()
+            if fate.committed
+        ]
 
     def dropped(self, learner: str) -> list[int]:
         """The learner's most recent excluded upload ids (at most ``REPORTED_DROPS``)."""

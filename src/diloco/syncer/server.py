@@ -31,9 +31,9 @@ from diloco.syncer.store import (
     EventTape,
     FragmentStore,
     StateError,
+    Taped,
+    read_taped,
     state_hash,
-    taped_versions_of,
-    untaped,
 )
 from diloco.wire import auth, keepalive
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -129,7 +129,7 @@ class SyncerServer:
         """The tape, the store, the restored state and the service (``service_options`` go
         to ``SyncerService``); returns what ``_emit_start`` needs: ``(restored, the newest
         version of each fragment the tape records)``."""
-        taped = taped_versions_of(tape_path) if tape_path else {}
+        taped = read_taped(tape_path) if tape_path else Taped()
         self.tape = EventTape(tape_path) if tape_path else None
         emit = self.tape.try_append if self.tape else (lambda record: None)
         self.store = FragmentStore(state_dir) if state_dir else None
@@ -224,14 +224,16 @@ class SyncerServer:
         kwargs.setdefault("embeddings", embedding_parameter_names(model))
         return cls(layout, params, config, **kwargs)
 
-    def _emit_start(self, restored: dict, taped: dict[int, int]) -> None:
+    def _emit_start(self, restored: dict, taped: Taped) -> None:
         """The ``start`` record, after a ``recovered`` record for every restored commit whose
         round record a crash kept off the tape (so the tape accounts for every version and
         what it merged: the commit logs persisted with the fragment say it)."""
         if self.tape is None:
             return
-        for p in untaped(list(restored), self.state.versions, taped):
-            self.tape.append(recovered_record(self.state, p, taped.get(p, 0)))
+        for p in sorted(restored):
+            missing = [log for log in self.state.history[p] if not taped.holds(log)]
+            if missing or self.state.versions[p] > taped.versions.get(p, 0):
+                self.tape.append(recovered_record(self.state, p, taped, missing))
         self.tape.append(
             {
                 "event": "start",
@@ -313,14 +315,14 @@ class SyncerServer:
         self.stop()
 
 
-def recovered_record(state: SyncerState, fragment: int, taped_version: int) -> dict:
-    """The tape record of a commit persisted before a crash whose ``round`` record was not
-    written: its version and digest, and from each persisted commit log the tape lacks
-    (versions after ``taped_version``) what it merged and left out: ``commits``, and the
-    ``participants``, ``steps`` and ``uploads`` of the restored version (as a ``round``
-    record has them)."""
+def recovered_record(state: SyncerState, fragment: int, taped: Taped, logs) -> dict:
+    """The tape record of what a crash kept off the tape: commits persisted before it whose
+    ``round`` record was not written (and dropped rounds whose ``dropped`` record was not):
+    the restored version and digest, the persisted commit logs the tape lacks (``commits``:
+    what each merged and left out), and the ``participants``, ``steps`` and ``uploads`` of
+    the restored version (as a ``round`` record has them)."""
     version = state.versions[fragment]
-    logs = [log for log in state.history[fragment] if log.version > taped_version]
+    taped_version = taped.versions.get(fragment, 0)
     newest = next((log for log in reversed(logs) if log.version == version), None)
     merged = newest.merged if newest is not None else {}
     return {

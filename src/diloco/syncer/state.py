@@ -199,7 +199,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         was admitted at, and nothing changes.
         """
         info = self.session_of(learner_id, session)
-        known = self.receipts.admitted(learner_id, upload_id)
+        known = self.receipts.admitted(learner_id, upload_id, fragment)
         if known is not None:
             self.emit({"event": "resent", "t": now, "learner": learner_id, "fragment": fragment})
             return Admission(True, 1.0, 0, False, "already accepted", known)

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -295,6 +296,8 @@ class EventTape:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
         self._torn = not _ends_a_line(self.path)  # an earlier process's line cut short
+        self._unsynced: bytes | None = None
+        """The last line written whose fsync failed: appended again, it is only synced."""
         self.errors = 0
         """Records ``try_append`` could not write."""
 
@@ -303,14 +306,17 @@ class EventTape:
         with self._lock:
             if self._fd < 0:
                 return
-            data = b"\n" + line if self._torn else line
-            self._torn = True  # until the whole line is known to be written
-            written = os.write(self._fd, data)
-            if written != len(data):
-                raise OSError(errno.ENOSPC, f"short write to the event tape {self.path}")
-            self._torn = False
+            if line != self._unsynced:
+                data = b"\n" + line if self._torn else line
+                self._torn = True  # until the whole line is known to be written
+                written = os.write(self._fd, data)
+                if written != len(data):
+                    raise OSError(errno.ENOSPC, f"short write to the event tape {self.path}")
+                self._torn = False
+            self._unsynced = line if sync else None
             if sync:
-                os.fsync(self._fd)
+                os.fsync(self._fd)  # (raising: a retry of this record only syncs it)
+            self._unsynced = None
 
     def try_append(self, record: dict) -> bool:
         """``append``; an ``OSError`` is logged (once per 100) and counted, not raised."""
@@ -340,24 +346,49 @@ def _ends_a_line(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-def taped_versions_of(path: str | os.PathLike) -> dict[int, int]:
-    """``taped_versions`` of the tape at ``path``, read a line at a time (a restart does not
-    hold the tape in memory); ``{}`` when there is no tape."""
+@dataclass
+class Taped:
+    """What a tape records of the commits: the newest version of each fragment (``round``
+    and ``recovered`` records) and ``(fragment, upload id)`` of every upload a ``dropped``
+    record (or a recovered log of one) names."""
+
+    versions: dict[int, int] = field(default_factory=dict)
+    dropped: set[tuple[int, int]] = field(default_factory=set)
+
+    def holds(self, log: CommitLog) -> bool:
+        """Whether the tape has a record of this persisted commit log."""
+        if log.version > log.admitted:  # a commit: by its version
+            return log.version <= self.versions.get(log.fragment, 0)
+        ids = {(log.fragment, u.upload_id) for parts in log.excluded.values() for u in parts}
+        return ids <= self.dropped  # a dropped round (no version): by its uploads
+
+
+def read_taped(path: str | os.PathLike) -> Taped:
+    """``Taped`` of the tape at ``path``, read a line at a time (a restart does not hold the
+    tape in memory); empty when there is no tape."""
     from diloco.report.jsonl import parse_lines
 
-    newest: dict[int, int] = {}
+    taped = Taped()
     try:
         with open(path, "rb") as f:
             for line in f:
-                if b'"round"' not in line and b'"recovered"' not in line:
+                if not any(k in line for k in (b'"round"', b'"recovered"', b'"dropped"')):
                     continue  # (most records: decided without parsing them)
-                newest.update(
-                    (p, max(v, newest.get(p, 0)))
-                    for p, v in taped_versions(parse_lines([line])).items()
-                )
+                for r in parse_lines([line]):
+                    for p, v in taped_versions([r]).items():
+                        taped.versions[p] = max(v, taped.versions.get(p, 0))
+                    if r.get("event") == "dropped":
+                        for parts in r.get("excluded_uploads", {}).values():
+                            taped.dropped.update((int(r["fragment"]), int(u[0])) for u in parts)
+                    for log in r.get("commits", []) if r.get("event") == "recovered" else []:
+                        if log["version"] == log["admitted"]:
+                            for parts in log["excluded"].values():
+                                taped.dropped.update(
+                                    (int(log["fragment"]), int(u[0])) for u in parts
+                                )
     except FileNotFoundError:
-        return {}
-    return newest
+        pass
+    return taped
 
 
 def read_tape(path: str | os.PathLike) -> list[dict]:
@@ -377,10 +408,3 @@ def taped_versions(records: list[dict]) -> dict[int, int]:
             p, v = int(r["fragment"]), int(r["version"])
             newest[p] = max(v, newest.get(p, 0))
     return newest
-
-
-def untaped(restored: Sequence[int], versions: Sequence[int], taped: dict[int, int]) -> list[int]:
-    """Restored fragments whose stored version is ahead of the tape: the syncer died after
-    persisting a commit and before appending its round record (a commit is persisted first,
-    then recorded, then broadcast)."""
-    return [p for p in sorted(restored) if versions[p] > taped.get(p, 0)]
