@@ -36,7 +36,7 @@ def row(seed: int, r: dict) -> str:
     a = r["audit"]
     kinds = [f["kind"] for f in r["faults"]]
     return (
-        f"| {seed} | {kinds.count('syncer-kill')} | {r['syncer_failures']} | "
+        f"| {seed} | {r['syncer_kills']} | {r['syncer_failures']} | "
         f"{r['learner_kills']} | {kinds.count('partition')} | {r['replies_lost']} | "
         f"{a['commits']} | {a['uploads_merged']} | {a['steps_trained']} | "
         f"{a['steps_lost_at_kills']} | {a['longest_stall_s']:.1f} | "
@@ -75,9 +75,7 @@ def main() -> int:
         "seeds": len(results),
         "exact": len(results) - len(failed),
         "failed_seeds": failed,
-        "syncer_kills": sum(
-            [f["kind"] for f in r["faults"]].count("syncer-kill") for r in results.values()
-        ),
+        "syncer_kills": sum(r["syncer_kills"] for r in results.values()),
         "syncer_failures": sum(r["syncer_failures"] for r in results.values()),
         "learner_kills": sum(r["learner_kills"] for r in results.values()),
         "replies_lost": sum(r["replies_lost"] for r in results.values()),

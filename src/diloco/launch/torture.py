@@ -120,6 +120,8 @@ class TortureResult:
     """Times the syncer exited on its own (the disk filled up), not killed by the run."""
     learner_kills: int
     """Learner processes killed (a kill may hit a restarted one before it journaled)."""
+    syncer_kills: int
+    """Syncer processes killed (a kill that finds the syncer down already does nothing)."""
     replies_lost: int
     commits: int
     seconds: float
@@ -132,6 +134,7 @@ class TortureResult:
             "syncer_starts": self.syncer_starts,
             "syncer_failures": self.syncer_failures,
             "learner_kills": self.learner_kills,
+            "syncer_kills": self.syncer_kills,
             "replies_lost": self.replies_lost,
             "commits": self.commits,
             "seconds": round(self.seconds, 1),
@@ -188,6 +191,7 @@ class Torture:
         self.syncer_starts = 0
         self.syncer_failures = 0
         self.learner_kills = 0
+        self.syncer_kills = 0
         self._t0 = time.time()
         self._log_path = self.workdir / "torture.jsonl"
 
@@ -309,6 +313,7 @@ class Torture:
         if fault.kind == "syncer-kill" and self.syncer is not None and self.syncer.running:
             self.syncer.signal(signal.SIGKILL)
             self.syncer.proc.wait(timeout=10)
+            self.syncer_kills += 1
             self._syncer_went_down()
             restarts.append((now + fault.down_s, "syncer", -1))
         elif fault.kind == "disk-full" and self.disk is not None:
@@ -421,6 +426,7 @@ class Torture:
             self.syncer_starts,
             self.syncer_failures,
             self.learner_kills,
+            self.syncer_kills,
             sum(r.replies_lost for r in self.relays),
             verdict.commits,
             0.0,

@@ -125,31 +125,6 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
         """Called with the fragments this learner is about to read or change in the model's
         parameters (a sharded island brings its mirror of them up to date here)."""
 
-    def _resume_unanswered(self) -> None:
-        """After a restore: deltas the checkpoint holds without an answer are sent again as
-        they were, with their upload ids, so the syncer answers one it accepted before with
-        its first verdict and merges one it never saw once. A delta from before upload ids
-        (id 0) is returned to the undelivered progress."""
-        for p, e in self._ledger.items():
-            if e.admitted is not None:
-                continue
-            if not e.upload_id:
-                self._return(p, e)
-                continue
-            base = e.base_version if e.base_version >= 0 else self.versions[p]
-            job = UploadJob(
-                p,
-                base,
-                e.steps,
-                e.tokens,
-                e.delta,
-                0.0,
-                e.local_step,
-                job_id=e.job_id,
-                upload_id=e.upload_id,
-            )
-            self.link.resume(job)
-
     def _touch(self, fragments) -> None:
         if self.before_touch is not None and fragments:
             self.before_touch(sorted(fragments))
@@ -500,12 +475,6 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
             + (self._copying[p].steps if p in self._copying else 0)
             for p in range(self.layout.num_fragments)
         ]
-
-    def unanswered_uploads(self) -> list[tuple[int, int, int]]:
-        """``(upload id, fragment, steps)`` of the deltas sent without an answer yet: counted
-        in ``unsent``, although the syncer may have merged them (an audit checks them by id
-        against its tape)."""
-        return [(e.upload_id, p, e.steps) for p, e in self._ledger.items() if e.admitted is None]
 
     def in_flight(self) -> dict[int, int]:
         """Deltas on their way per fragment (queued, sent, or accepted and not merged back)."""

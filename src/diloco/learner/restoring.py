@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from diloco.learner.delivery import already_delivered
+from diloco.learner.uploads import UploadJob
 
 
 class Restoring:
@@ -57,6 +58,31 @@ class Restoring:
                 self.merged_steps[p] += self.steps_since[p]  # delivered before the restart
                 self._overwrite(p, self.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
+
+    def _resume_unanswered(self) -> None:
+        """After a restore: deltas the checkpoint holds without an answer are sent again as
+        they were, with their upload ids, so the syncer answers one it accepted before with
+        its first verdict and merges one it never saw once. A delta from before upload ids
+        (id 0) is returned to the undelivered progress."""
+        for p, e in self._ledger.items():
+            if e.admitted is not None:
+                continue
+            if not e.upload_id:
+                self._return(p, e)
+                continue
+            base = e.base_version if e.base_version >= 0 else self.versions[p]
+            job = UploadJob(
+                p,
+                base,
+                e.steps,
+                e.tokens,
+                e.delta,
+                0.0,
+                e.local_step,
+                job_id=e.job_id,
+                upload_id=e.upload_id,
+            )
+            self.link.resume(job)
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("layout_hash") != self.layout.hash:

@@ -164,3 +164,9 @@ class Settling:
             tuple(self.dropped),
             tuple(self.excluded_steps),
         )
+
+    def unanswered_uploads(self) -> list[tuple[int, int, int]]:
+        """``(upload id, fragment, steps)`` of the deltas sent without an answer yet: counted
+        in ``unsent``, although the syncer may have merged them (an audit checks them by id
+        against its tape)."""
+        return [(e.upload_id, p, e.steps) for p, e in self._ledger.items() if e.admitted is None]
