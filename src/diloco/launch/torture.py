@@ -190,6 +190,8 @@ class Torture:
         self._down_since: float | None = None
         self.syncer_starts = 0
         self.syncer_failures = 0
+        self._serving = False
+        self._port_file = self.workdir / "syncer.port"
         self.learner_kills = 0
         self.syncer_kills = 0
         self._t0 = time.time()
@@ -210,31 +212,38 @@ class Torture:
             f.write(json.dumps(record) + "\n")
 
     # --------------------------------------------------------------- processes
-    def _start_syncer(self) -> None:
-        port_file = self.workdir / "syncer.port"
-        port_file.unlink(missing_ok=True)
-        bind = self.address or "127.0.0.1:0"
+    def _start_syncer(self, *, wait: bool = False) -> None:
+        """Start the syncer process (on the address it had, if any); ``wait``: until it
+        serves or exits (60 s at most). Otherwise ``_check_serving`` notices it serving, so
+        the schedule goes on while it starts."""
+        self._port_file.unlink(missing_ok=True)
         argv = diloco_command(
             "syncer",
             "--recipe=tiny",
-            f"--bind={bind}",
+            f"--bind={self.address or '127.0.0.1:0'}",
             f"--state-dir={self.state_dir}",
-            f"--port-file={port_file}",
+            f"--port-file={self._port_file}",
             "--exit-with-parent",
         )
         self.syncer = Child("syncer", argv, self.workdir / "syncer.log")
         self.syncer_starts += 1
+        self._serving = False
         deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if self.syncer.poll() is not None or time.monotonic() > deadline:
-                self._log("syncer-start-failed", code=self.syncer.poll())
-                return  # (it could not start: the disk is still full; tried again later)
+        while wait and not self._check_serving() and self.syncer.running:
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.05)
-        self.address = port_file.read_text().strip()
-        self._log("syncer-serving", address=self.address)
-        if self._down_since is not None:
-            self.down.append((self._down_since, time.time()))
-            self._down_since = None
+
+    def _check_serving(self) -> bool:
+        """Whether the syncer serves (noticing the moment it starts to)."""
+        if not self._serving and self.syncer is not None and self._port_file.exists():
+            self._serving = True
+            self.address = self._port_file.read_text().strip()
+            self._log("syncer-serving", address=self.address)
+            if self._down_since is not None:
+                self.down.append((self._down_since, time.time()))
+                self._down_since = None
+        return self._serving
 
     def _syncer_went_down(self) -> None:
         if self._down_since is None:
@@ -264,8 +273,8 @@ class Torture:
         use_disk = any(f.kind == "disk-full" for f in self.faults)
         self.disk = SmallDisk(self.workdir / "disk") if use_disk else None
         try:
-            self._start_syncer()
-            if not self.address:
+            self._start_syncer(wait=True)
+            if not self._serving:
                 raise RuntimeError(f"the syncer did not start:\n{self.syncer.tail()}")
             self.relays = [
                 Relay(self.address, name=f"relay-l{i}") for i in range(self.spec.learners)
@@ -331,11 +340,12 @@ class Torture:
             restarts.append((now + fault.down_s, "heal", fault.target))
 
     def _keep_syncer_up(self, now: float, restarts: list) -> None:
-        """Start the syncer again when it exited on its own (its disk filled up) or its kill's
-        down time is over (``restarts`` holds those)."""
+        """Start the syncer again when it exited on its own (its disk filled up, or a start
+        on a full disk) or its kill's down time is over (``restarts`` holds those)."""
         due_kill = [r for r in restarts if r[1] == "syncer" and r[0] <= now]
         for r in due_kill:
             restarts.remove(r)
+        self._check_serving()
         if self.syncer is not None and self.syncer.running:
             return
         if self.syncer is not None and not due_kill and self._down_since is None:
@@ -343,6 +353,8 @@ class Torture:
             self._log("syncer-exited", code=code)
             self.syncer_failures += code == FAILED  # it failed by itself: its disk
             self._syncer_went_down()
+        elif self.syncer is not None and not self._serving and not due_kill:
+            self._log("syncer-start-failed", code=self.syncer.poll())
         if any(r[1] == "syncer" for r in restarts):
             return  # a kill's down time is not over yet
         self._start_syncer()
@@ -352,11 +364,13 @@ class Torture:
             self.disk.free()
         for relay in self.relays:
             relay.heal()
-        deadline = time.monotonic() + 60
-        while self.syncer is None or not self.syncer.running:
+        deadline = time.monotonic() + 90
+        while not (self.syncer is not None and self.syncer.running and self._check_serving()):
             if time.monotonic() > deadline:
-                raise RuntimeError("the syncer does not come back")
-            self._start_syncer()
+                raise RuntimeError(f"the syncer does not come back:\n{self.syncer.tail()}")
+            if self.syncer is None or not self.syncer.running:
+                self._start_syncer(wait=True)
+            time.sleep(0.05)
         for i, child in enumerate(self.learners):
             if child is None or not child.running:
                 self._start_learner(i)
