@@ -6,7 +6,7 @@ merged values that arrive (the link's thread). glibc gives each thread that cont
 allocator an arena of its own and keeps the buffers freed in it for reuse, so each thread's
 working set of such buffers stays resident: measured at 50M parameters, a plain training loop
 peaks at 1.20 GB and the same loop with the Learner at 1.45x that with default arenas, 1.24x
-with one arena (``benchmarks/RESULTS.md``, "What the Learner costs"); giving the memory back
+with one arena (``benchmarks/HISTORY.md``, "What the Learner costs"); giving the memory back
 with ``malloc_trim`` instead cost up to 12% of the steps/s (every freed page is faulted in
 again). ``mallopt(M_ARENA_MAX, n)`` is a setting of the whole process, so the Learner changes
 it only when asked (``LearnerConfig.malloc_arenas``; ``diloco learner`` asks for 1); the
