@@ -27,7 +27,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 from diloco.launch.relay import Relay
 from diloco.report.exactly_once import Audit, audit
 from diloco.report.jsonl import read_jsonl
+from diloco.runtime.disk import SmallDisk
 from diloco.runtime.procs import Child, diloco_command
 from diloco.syncer.process import FAILED
 
@@ -141,37 +141,6 @@ class TortureResult:
         }
 
 
-class SmallDisk:
-    """A tmpfs of ``DISK_BYTES`` at ``path`` (root only) that can be filled and freed."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(path)], check=True
-        )
-        self._filler = path / ".filler"
-
-    def fill(self) -> None:
-        fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            size = 1 << 20
-            while size:
-                try:
-                    if os.write(fd, bytes(size)) < size:
-                        size //= 2
-                except OSError:
-                    size //= 2
-        finally:
-            os.close(fd)
-
-    def free(self) -> None:
-        self._filler.unlink(missing_ok=True)
-
-    def unmount(self) -> None:
-        subprocess.run(["umount", "-l", str(self.path)], check=False)
-
-
 class Torture:
     """One torture run in ``workdir`` (see the module docstring)."""
 
@@ -271,7 +240,7 @@ class Torture:
         t_start = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
         use_disk = any(f.kind == "disk-full" for f in self.faults)
-        self.disk = SmallDisk(self.workdir / "disk") if use_disk else None
+        self.disk = SmallDisk(self.workdir / "disk", DISK_BYTES) if use_disk else None
         try:
             self._start_syncer(wait=True)
             if not self._serving:
