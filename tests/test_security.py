@@ -262,7 +262,7 @@ def test_syncer_security_flags(tmp_path, monkeypatch):
 
     from diloco.config import add_options, from_namespace
     from diloco.config.common import ServerSecurityConfig
-    from diloco.syncer.process import server_security
+    from diloco.launch.syncer_process import server_security
 
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     parser = argparse.ArgumentParser()

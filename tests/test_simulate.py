@@ -31,7 +31,7 @@ from diloco.sim.modes import (
     quorum_table,
     speed_factor,
 )
-from diloco.sim.twin import MachineConstants, measure_constants, predict, twin_report
+from diloco.sim.twin import MachineConstants, RunFacts, measure_constants, predict, twin_report
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -251,7 +251,9 @@ def test_cli_rejects_bad_input_with_exit_2(argv):
 
 
 def test_twin_prediction_of_one_known_kill():
-    config = RunConfig(learners=1, minutes=1.0, chaos="kill:at=20s,down=5s")
+    config = RunFacts(
+        learners=1, minutes=1.0, chaos="kill:at=20s,down=5s", seed=0, sync_every=24, quorum=1
+    )
     c = MachineConstants(startup_s=0.0, restart_s=5.0, steps_per_s=12.0)
     # lost: 12 undelivered steps (H = 24) = 1 s before the kill; down 5 s + restart 5 s after it
     assert predict(config, c, seed=0) == pytest.approx(1 - 11 / 60)
@@ -280,9 +282,8 @@ def test_dp_counts_every_failure_and_ignores_recovery_times():
     assert a == b
 
 
-def _fake_run(tmp_path, *, seed: int = 0, legacy: bool = False):
-    """A run directory as ``diloco run`` leaves it: one learner killed once at 20 s
-    (``legacy``: its ``config.json`` in the flat format of runs before 2026-11-25)."""
+def _fake_run(tmp_path, *, seed: int = 0):
+    """A run directory as ``diloco run`` leaves it: one learner killed once at 20 s."""
     run = tmp_path / "run"
     (run / "syncer").mkdir(parents=True)
     (run / "learners" / "learner-0").mkdir(parents=True)
@@ -290,9 +291,6 @@ def _fake_run(tmp_path, *, seed: int = 0, legacy: bool = False):
         learners=1, minutes=1.0, recipe=RecipeConfig(seed=seed), chaos="kill:at=20s,down=5s"
     )
     data = to_dict(config)
-    if legacy:
-        flat = {"learners": 1, "minutes": 1.0, "seed": seed, "chaos": config.chaos}
-        data = {**flat, "sync_every": 24, "quorum": 1, "lease": 5.0, "func": None}
     (run / "config.json").write_text(json.dumps(data))
     launch = 1000.0
     tape = [
@@ -317,9 +315,8 @@ def _fake_run(tmp_path, *, seed: int = 0, legacy: bool = False):
     return run
 
 
-@pytest.mark.parametrize("legacy", [False, True])
-def test_twin_measures_constants_and_reports(tmp_path, legacy):
-    run = _fake_run(tmp_path, legacy=legacy)
+def test_twin_measures_constants_and_reports(tmp_path):
+    run = _fake_run(tmp_path)
     c = measure_constants(run)
     assert (c.startup_s, c.restart_s, c.steps_per_s) == (4.0, 3.0, 10.0)
     assert c.speed_ratio == pytest.approx(1.0)

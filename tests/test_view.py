@@ -14,7 +14,7 @@ from diloco.launch.view import LiveView, clock, progress, render, rich_frame
 DOCTESTED = [
     "diloco.launch.view",
     "diloco.runtime.training",
-    "diloco.config.schema",
+    "diloco.runtime.schema",
     "diloco.wire.auth",
     "diloco.syncer.records",
 ]

@@ -38,7 +38,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from diloco.report.units import parse_duration
+from diloco.runtime.units import parse_duration
 
 KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill", "syncer-hang", "corrupt")
 SYNCER_KINDS = ("syncer-kill", "syncer-hang")

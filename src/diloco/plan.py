@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from diloco.config.common import ProtocolConfig
+from diloco.wire.protocol import ProtocolConfig
 
 
 @dataclass(frozen=True, kw_only=True)

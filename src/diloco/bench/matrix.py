@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.config.common import ProtocolConfig
 from diloco.syncer.config import SyncerConfig
+from diloco.wire.protocol import ProtocolConfig
 
 MODES = ("decoupled", "sync", "dp")
 CONDITIONS = ("clean", "chaos", "slow")

@@ -41,7 +41,7 @@ def run_one(spec: mx.RunSpec, runs_dir: Path, budget: mx.Budget, log) -> dict | 
         shutil.rmtree(run_dir)
     t0 = time.time()
     if spec.peer:
-        from diloco.bench.peer import run_peer
+        from diloco.baselines.torchft.bench_peer import run_peer
 
         try:
             summary = run_peer(spec, run_dir, budget)
@@ -74,7 +74,7 @@ def run_one(spec: mx.RunSpec, runs_dir: Path, budget: mx.Budget, log) -> dict | 
 
 
 def read_curve(run_dir: Path) -> list[dict]:
-    from diloco.report.jsonl import read_jsonl
+    from diloco.runtime.jsonl import read_jsonl
 
     return [
         {k: rec.get(k) for k in ("t", "tokens", "val_loss")}

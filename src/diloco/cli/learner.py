@@ -1,4 +1,4 @@
-"""``diloco learner``: one learner process (``diloco.learner.worker``).
+"""``diloco learner``: one learner process (``diloco.launch.learner_worker``).
 
 Every setting is a field of ``diloco.config.worker.WorkerConfig`` and a flag; ``--config FILE``
 reads them from a JSON file (as ``diloco run`` writes one per learner) and flags given beside
@@ -12,7 +12,7 @@ from diloco.config.worker import WorkerConfig
 
 
 def _runner():
-    from diloco.learner.worker import run
+    from diloco.launch.learner_worker import run
 
     return run
 

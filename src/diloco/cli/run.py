@@ -13,6 +13,7 @@ from diloco.config.run import RunConfig, load_run_config
 
 
 def _runner():
+    import diloco.baselines.dp  # noqa: F401 (registers --mode dp with the launcher)
     from diloco.launch.run import run
 
     return run

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from diloco.report.units import parse_duration
+from diloco.runtime.units import parse_duration
 from diloco.sim.defaults import (
     ASSUMED_RECOVERY_KIND,
     ASSUMED_SLICE_CHIPS,
@@ -34,7 +34,7 @@ from diloco.sim.defaults import (
 
 
 def parse_seconds(text: str) -> float:
-    """A duration flag (``diloco.report.units``: 90s, 15m, 2h, 7d, 1y) in seconds."""
+    """A duration flag (``diloco.runtime.units``: 90s, 15m, 2h, 7d, 1y) in seconds."""
     try:
         return parse_duration(text)
     except ValueError as exc:
@@ -214,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     cells = summarize(results)
     if args.plot:
-        from diloco.report.sim_plot import plot_goodput
+        from diloco.sim.plot import plot_goodput
 
         plot_goodput(cells, args.plot)
     if args.json:

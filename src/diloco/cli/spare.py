@@ -19,8 +19,8 @@ def warm_up() -> None:
 
     import diloco.baselines.dp.worker  # noqa: F401
     import diloco.cli  # noqa: F401
+    import diloco.launch.learner_worker  # noqa: F401
     import diloco.learner.learner  # noqa: F401
-    import diloco.learner.worker  # noqa: F401
     import diloco.recipes  # noqa: F401
 
 

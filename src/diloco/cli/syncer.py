@@ -12,7 +12,7 @@ from diloco.config.service import ServiceConfig
 
 
 def _runner():
-    from diloco.syncer.process import serve
+    from diloco.launch.syncer_process import serve
 
     return serve
 

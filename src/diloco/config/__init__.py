@@ -1,17 +1,12 @@
 """Run configuration: keyword-only dataclasses, the one place each setting and default lives.
 
-``diloco.config.schema`` turns them into flags and files; the component dataclasses live with
+``diloco.runtime.schema`` turns them into flags and files; the component dataclasses live with
 their components (``SyncerConfig`` in ``diloco.syncer.config``, ...) and the ones every process
 of a run shares live here (``diloco.config.common``).
 """
 
-from diloco.config.common import (
-    ClientSecurityConfig,
-    ProtocolConfig,
-    RecipeConfig,
-    ServerSecurityConfig,
-)
-from diloco.config.schema import (
+from diloco.config.common import ClientSecurityConfig, RecipeConfig, ServerSecurityConfig
+from diloco.runtime.schema import (
     ConfigError,
     add_options,
     field_docs,
@@ -22,6 +17,7 @@ from diloco.config.schema import (
     options,
     to_dict,
 )
+from diloco.wire.protocol import ProtocolConfig
 
 __all__ = [
     "ClientSecurityConfig",

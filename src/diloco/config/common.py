@@ -1,11 +1,12 @@
-"""Settings shared by several processes of a run: the recipe, P and H (every process must
-agree on these), where learners train, and how they reach the syncer."""
+"""Settings shared by several processes of a run: the recipe, where learners train, and how
+they reach the syncer (P and H, which every process must agree on, are the protocol's:
+``diloco.wire.protocol.ProtocolConfig``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.config.schema import option
+from diloco.runtime.schema import option
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -28,23 +29,6 @@ class RecipeConfig:
     def __post_init__(self) -> None:
         if self.inner_lr is not None and not self.inner_lr > 0:
             raise ValueError(f"--inner-lr must be > 0 (got {self.inner_lr})")
-
-
-@dataclass(kw_only=True, frozen=True)
-class ProtocolConfig:
-    """How the model is cut and how often each piece is synchronised."""
-
-    fragments: int = option(24, metavar="P")
-    """P: fragments the model is cut into (the syncer and every learner must agree)."""
-    sync_every: int = option(24, metavar="H")
-    """H: inner steps between two synchronisations of one fragment (the syncer's clock opens
-    each fragment's round once per H fleet steps)."""
-
-    def __post_init__(self) -> None:
-        if self.fragments < 1 or self.sync_every < 1:
-            raise ValueError(
-                f"fragments and sync_every must be >= 1 (got {self.fragments}, {self.sync_every})"
-            )
 
 
 DEVICES = ("cpu", "cuda", "auto")

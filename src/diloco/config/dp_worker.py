@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.config.common import RecipeConfig
-from diloco.config.schema import option
 from diloco.runtime.cadence import AUTO, parse_every
+from diloco.runtime.schema import option
 
 
 @dataclass(kw_only=True)

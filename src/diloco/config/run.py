@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.config.common import DeviceConfig, ProtocolConfig, RecipeConfig
-from diloco.config.schema import option
+from diloco.config.common import DeviceConfig, RecipeConfig
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
+from diloco.runtime.schema import option
 from diloco.syncer.config import SyncerConfig
+from diloco.wire.protocol import ProtocolConfig
 
 MODES = ("decoupled", "sync", "dp")
 """``diloco run --mode``: decoupled rounds, synchronous DiLoCo, or the data-parallel baseline."""
@@ -147,38 +148,11 @@ class RunConfig:
 
 
 def load_run_config(path) -> RunConfig:
-    """A run directory's ``config.json`` as a ``RunConfig``.
-
-    Runs made before the configuration had sections (2026-11-25) wrote the command's flat flag
-    values; their keys are placed in their sections (``seed`` -> ``recipe.seed``, ``quorum`` ->
-    ``syncer.quorum``, ...) and the keys that no longer exist are ignored.
-    """
+    """A run directory's ``config.json`` as a ``RunConfig`` (``ConfigError`` naming the key
+    that does not fit)."""
     import json
     from pathlib import Path
 
-    from diloco.config.schema import from_dict, options
+    from diloco.runtime.schema import from_dict
 
-    data = json.loads(Path(path).read_text())
-    if any(isinstance(v, dict) for v in data.values()):
-        return from_dict(RunConfig, data)
-    nested: dict = {"recipe": {}, "protocol": {}, "syncer": {}, "ray": {}}
-    homes = {
-        "recipe": RecipeConfig,
-        "protocol": ProtocolConfig,
-        "syncer": SyncerConfig,
-        "ray": RayConfig,
-    }
-    own = {f.name for f in options(RunConfig)}
-    for key, value in data.items():
-        home = next((s for s, cls in homes.items() if key in {f.name for f in options(cls)}), None)
-        if home is not None:
-            nested[home][key] = value
-        elif key in own:
-            nested[key] = value
-    if "lease" in data:  # the flag's old destination
-        nested["syncer"]["lease_s"] = data["lease"]
-    if "norm_guard" in data:
-        nested["syncer"]["norm_guard_k"] = data["norm_guard"]
-    if nested.get("batch_size") == 0:
-        nested["batch_size"] = None
-    return from_dict(RunConfig, nested)
+    return from_dict(RunConfig, json.loads(Path(path).read_text()))

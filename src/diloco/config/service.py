@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from diloco.config.common import ProtocolConfig, RecipeConfig, ServerSecurityConfig
-from diloco.config.schema import option
+from diloco.config.common import RecipeConfig, ServerSecurityConfig
+from diloco.runtime.schema import option
 from diloco.syncer.config import SyncerConfig
+from diloco.wire.protocol import ProtocolConfig
 
 
 @dataclass(kw_only=True)

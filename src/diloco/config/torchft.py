@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.config.common import ProtocolConfig, RecipeConfig
-from diloco.config.schema import option
+from diloco.config.common import RecipeConfig
+from diloco.runtime.schema import option
 from diloco.syncer.config import SyncerConfig
+from diloco.wire.protocol import ProtocolConfig
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -5,15 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.chaos import CORRUPT_HOWS
-from diloco.config.common import (
-    ClientSecurityConfig,
-    DeviceConfig,
-    ProtocolConfig,
-    RecipeConfig,
-)
-from diloco.config.schema import option
+from diloco.config.common import ClientSecurityConfig, DeviceConfig, RecipeConfig
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
+from diloco.runtime.schema import option
+from diloco.wire.protocol import ProtocolConfig
 
 
 @dataclass(kw_only=True)

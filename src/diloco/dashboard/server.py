@@ -37,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
-from diloco.syncer.limits import Watchdog
+from diloco.runtime.watchdog import Watchdog
 from diloco.wire import auth
 
 COOKIE = "diloco_token"

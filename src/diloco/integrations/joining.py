@@ -3,8 +3,8 @@ how they leave the syncer at the end."""
 
 from __future__ import annotations
 
-from diloco.config.common import ProtocolConfig
 from diloco.learner.learner import Learner
+from diloco.wire.protocol import ProtocolConfig
 
 
 class JoinsAsLearner:

@@ -49,7 +49,7 @@ def parse_assignments(values: list[str], flag: str, learners: int, cast) -> dict
 def parse_additions(values: list[str]) -> list[tuple[float, int]]:
     """``["90s:2", "3m:1"]`` -> ``[(90.0, 2), (180.0, 1)]`` (seconds, learners), sorted by
     time; ``ValueError`` naming ``--add-learners`` for anything else."""
-    from diloco.report.units import parse_duration
+    from diloco.runtime.units import parse_duration
 
     out = []
     for item in values:

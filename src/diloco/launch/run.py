@@ -38,6 +38,7 @@ from diloco.launch.children import (
     write_config,
 )
 from diloco.launch.loop import append_metric, finished_rows, supervise
+from diloco.launch.modes import registered
 from diloco.launch.outputs import open_outputs, run_watch
 from diloco.launch.syncers import StatusClient, syncer_commands, syncer_names
 from diloco.launch.wan import WAN_BIND_HOST, check_wan, on_link, wan_section
@@ -75,10 +76,9 @@ def prepare(config: RunConfig) -> Prepared:
     corrupt = {w.index: w for w in corruptions(clauses, config.learners)}
     token = load_token(config.token_file)
     check_shards(config, clauses)
-    if config.mode == "dp":
-        from diloco.baselines.dp.run import check_chaos
-
-        check_chaos(clauses)
+    mode = registered(config.mode)
+    if mode is not None:
+        mode.check_chaos(clauses)
     ray_backend.check_config(config, {c.kind for c in clauses})
     check_wan(config, clauses)
     check_additions(config, plans)
@@ -147,12 +147,12 @@ def run(config: RunConfig) -> int:
             outputs.close()
             return abandon(made)
     write_config(run_dir / "config.json", config)
+    write_command(run_dir / COMMAND_FILE, config)
     tape = EventTape(run_dir / "syncer" / "events.jsonl")
     try:
-        if config.mode == "dp":
-            from diloco.baselines.dp.run import run_dp
-
-            return run_dp(
+        mode = registered(config.mode)
+        if mode is not None:  # (the data-parallel baseline: diloco.baselines.dp)
+            return mode.run(
                 config,
                 recipe=prep.recipe,
                 plans=prep.plans,
@@ -167,6 +167,20 @@ def run(config: RunConfig) -> int:
         outputs.close()
         if fabric is not None:
             fabric.close()
+
+
+COMMAND_FILE = "command.txt"
+"""The run's own command as flags (``diloco report`` shows how to repeat a run with it)."""
+
+
+def write_command(path: Path, config: RunConfig) -> None:
+    """``diloco run`` with the flags that make ``config`` (the paths and secrets left out)."""
+    import shlex
+
+    from diloco.runtime.schema import command_flags
+
+    flags = command_flags(config, skip=("name", "runs_dir", "token_file", "json", "no_view"))
+    path.write_text(shlex.join(["diloco", "run", *flags]) + "\n")
 
 
 class Launch:
@@ -343,7 +357,7 @@ class Launch:
     def finish(self, stopped_by: str) -> int:
         """Stop the learners (they flush), score the final global model, stop the syncer,
         write and print the summary; returns the exit status."""
-        from diloco.report.results import summarize
+        from diloco.launch.results import summarize
         from diloco.report.summary import format_summary
 
         config, sup = self.config, self.sup

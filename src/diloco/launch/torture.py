@@ -32,11 +32,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diloco.launch.relay import Relay
+from diloco.launch.syncer_process import FAILED
 from diloco.report.exactly_once import Audit, audit
-from diloco.report.jsonl import read_jsonl
 from diloco.runtime.disk import SmallDisk
+from diloco.runtime.jsonl import read_jsonl
 from diloco.runtime.procs import Child, diloco_command
-from diloco.syncer.process import FAILED
 
 FAULT_KINDS = ("syncer-kill", "disk-full", "learner-kill", "partition")
 STALL_BOUND_S = 20.0

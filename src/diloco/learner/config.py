@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.config.common import ProtocolConfig
 from diloco.learner.pacing import DEFAULT_LAG_STEPS, DEFAULT_MAX_STRETCH
+from diloco.wire.protocol import ProtocolConfig
 
 
 @dataclass(kw_only=True)

@@ -31,11 +31,10 @@ from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire import keepalive
+from diloco.wire.protocol import CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
 FIRST_BACKOFF_S = 0.1
 """The first pause before reconnecting (then doubled while joins fail; ``_link_loop``)."""
 

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from diloco.syncer.limits import FIRST_CHUNK_S, MIN_UPLOAD_BPS
+from diloco.wire.protocol import syncer_upload_deadline_s
 
 DEFAULT_MAX_STRETCH = 4
 """A fragment's period on a slow link is at most this many times H."""
@@ -94,12 +94,12 @@ def upload_deadline_s(nbytes: int, rate_Bps: float | None, base_s: float) -> flo
     """How long an upload of ``nbytes`` payload bytes may take before the learner gives up on
     it (and sends it again): ``base_s`` (the link's ``rpc_timeout_s``), or longer for a big
     upload on a slow link: its bytes at ``UPLOAD_RATE_SHARE`` of the rate measured on this
-    link's uploads, at most the syncer's own deadline for it (``FIRST_CHUNK_S`` plus its
-    size at ``MIN_UPLOAD_BPS``, ``diloco.syncer.limits``: past it the syncer cancels the
+    link's uploads, at most the syncer's own deadline for it
+    (``diloco.wire.protocol.syncer_upload_deadline_s``: past it the syncer cancels the
     upload anyway), which is also the deadline before any rate is measured. With a fixed
     deadline a 22 MB int4 fragment (1B parameters, P = 24) on 5 Mbit/s (35 s) was given up
     at 30 s, every time. Pure."""
-    syncers = FIRST_CHUNK_S + nbytes / MIN_UPLOAD_BPS
+    syncers = syncer_upload_deadline_s(nbytes)
     need = nbytes / (UPLOAD_RATE_SHARE * rate_Bps) if rate_Bps else syncers
     return max(base_s, min(need, syncers))
 

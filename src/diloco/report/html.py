@@ -173,16 +173,9 @@ def commands(run: RunFiles) -> list[str]:
                 ]
             )
         )
-        try:
-            from diloco.config.run import load_run_config
-            from diloco.config.schema import command_flags
-
-            config = load_run_config(run.path / "config.json")
-            flags = command_flags(
-                config, skip=("name", "runs_dir", "token_file", "json", "no_view")
-            )
-            out.append(shlex.join(["diloco", "run", *flags]))
-        except (ValueError, OSError):
+        try:  # the same run as flags, written by the launcher (``command.txt``)
+            out.append((run.path / "command.txt").read_text().strip())
+        except OSError:
             pass
     out.append(shlex.join(["diloco", "report", str(run.path)]))
     return out

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.report.goodput import schedule_down
-from diloco.report.jsonl import read_jsonl
 from diloco.report.tally import ProgressTally, TapeTally
+from diloco.runtime.jsonl import read_jsonl
 
 
 class NotARun(ValueError):

@@ -18,7 +18,7 @@ from array import array
 from collections import Counter, defaultdict
 
 from diloco.report.goodput import commit_gaps, schedule_down, time_goodput, uptime
-from diloco.report.jsonl import parse_lines
+from diloco.runtime.jsonl import parse_lines
 
 
 class JsonlFollower:

@@ -6,7 +6,7 @@ syncer parse the same command line) do not import the simulator to build their p
 
 from __future__ import annotations
 
-from diloco.report.units import YEAR_S as YEAR_S  # one definition, re-exported
+from diloco.runtime.units import YEAR_S as YEAR_S  # one definition, re-exported
 
 RECOVERY_KINDS = ("fixed", "exponential", "lognormal")
 MODES = ("dp", "dp-elastic", "decoupled")

@@ -32,9 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from diloco.chaos import parse_spec, schedule
-from diloco.config.run import RunConfig, load_run_config
-from diloco.report.jsonl import read_jsonl
 from diloco.report.tally import learner_speed
+from diloco.runtime.jsonl import read_jsonl
 from diloco.sim.failures import merge_outages
 from diloco.sim.grid import mean_ci
 from diloco.sim.modes import elastic_accounting
@@ -65,7 +64,34 @@ REFERENCE_CONSTANTS = MachineConstants(
 )
 
 
-def load_run(run_dir: str | Path) -> tuple[RunConfig, list[dict], dict | None]:
+@dataclass(frozen=True)
+class RunFacts:
+    """What the twin needs of a run's configuration (read from its ``config.json``)."""
+
+    learners: int
+    minutes: float
+    chaos: str | None
+    seed: int
+    sync_every: int
+    quorum: int
+
+    @classmethod
+    def from_config(cls, doc: dict) -> RunFacts:
+        """From a run's ``config.json`` (``ValueError`` if a key is missing)."""
+        try:
+            return cls(
+                int(doc["learners"]),
+                float(doc["minutes"]),
+                doc.get("chaos"),
+                int(doc["recipe"]["seed"]),
+                int(doc["protocol"]["sync_every"]),
+                int(doc["syncer"]["quorum"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"config.json lacks {exc}: not a run of this version") from None
+
+
+def load_run(run_dir: str | Path) -> tuple[RunFacts, list[dict], dict | None]:
     """The run's configuration (``config.json``), its event tape and ``summary.json`` (None if
     missing)."""
     run = Path(run_dir)
@@ -74,21 +100,19 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, list[dict], dict | None]:
         raise FileNotFoundError(
             f"{run}: not a diloco run directory (need config.json and syncer/events.jsonl)"
         )
-    config = load_run_config(config_path)
+    config = RunFacts.from_config(json.loads(config_path.read_text()))
     records = read_jsonl(tape_path, missing_ok=False)
     summary_path = run / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     return config, records, summary
 
 
-def launch_time(config: RunConfig, records: list[dict]) -> float | None:
+def launch_time(config: RunFacts, records: list[dict]) -> float | None:
     """The run's launch time on the tape's clock, from its first chaos record and schedule."""
     chaos = [r for r in records if r.get("event") == "chaos"]
     if not chaos or not config.chaos:
         return None
-    planned = schedule(
-        parse_spec(config.chaos), config.learners, config.minutes * 60, config.recipe.seed
-    )
+    planned = schedule(parse_spec(config.chaos), config.learners, config.minutes * 60, config.seed)
     return float(chaos[0]["t"]) - planned[0].t
 
 
@@ -142,12 +166,12 @@ def measure_constants(run_dir: str | Path) -> MachineConstants:
     )
 
 
-def predict(config: RunConfig, constants: MachineConstants, seed: int) -> float:
+def predict(config: RunFacts, constants: MachineConstants, seed: int) -> float:
     """Predicted goodput of a run with ``config`` under chaos seed ``seed``."""
     m = config.learners
     horizon = config.minutes * 60
-    sync_every = config.protocol.sync_every
-    quorum = min(config.syncer.quorum, m)
+    sync_every = config.sync_every
+    quorum = min(config.quorum, m)
     events = schedule(parse_spec(config.chaos or ""), m, horizon, seed)
     lost_s = 0.5 * sync_every / constants.steps_per_s
     sid, start, end = [], [], []
@@ -175,7 +199,7 @@ def twin_report(run_dir: str | Path, constants: MachineConstants, seeds: int = 2
     config, _, summary = load_run(run_dir)
     if not config.chaos:
         raise ValueError(f"{run_dir}: the run has no --chaos spec to predict from")
-    own_seed = config.recipe.seed
+    own_seed = config.seed
     own = predict(config, constants, own_seed)
     others = np.array([predict(config, constants, own_seed + 1 + k) for k in range(seeds)])
     mean, ci = mean_ci(others)

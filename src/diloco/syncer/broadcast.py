@@ -28,9 +28,7 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import fragment_digest
-
-CHUNK_BYTES = 1 << 20
-"""Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
+from diloco.wire.protocol import CHUNK_BYTES
 
 KEYFRAME_CODEC = "fp32"
 """Keyframes carry W exactly, so a learner holding version v holds exactly W(v)."""

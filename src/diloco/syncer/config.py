@@ -13,8 +13,8 @@ from diloco.algorithm.guard import (
     DEFAULT_WINDOW,
 )
 from diloco.algorithm.rounds import SCHEDULES
-from diloco.config.common import ProtocolConfig
-from diloco.config.schema import option
+from diloco.runtime.schema import option
+from diloco.wire.protocol import ProtocolConfig
 
 MERGE_RULES = ("rda", "mean")
 """How a round's deltas are merged (``SyncerConfig.merge_rule``); ``mean`` is an ablation."""

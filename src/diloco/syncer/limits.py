@@ -14,7 +14,7 @@ syncer therefore
   own half-open stream;
 * cancels an upload whose first chunk has not arrived within ``FIRST_CHUNK_S``, or that is
   still arriving when its size at ``MIN_UPLOAD_BPS`` would have been done
-  (:class:`Watchdog`, one thread for all deadlines).
+  (``diloco.runtime.watchdog.Watchdog``, one thread for all deadlines).
 
 A caller (:class:`Caller`) is its learner id when it presented its own token
 (``diloco.wire.auth``). A call made with the shared token names no one the syncer can trust,
@@ -25,19 +25,13 @@ address, while several learners behind one address (one host, a NAT) still fit.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-FIRST_CHUNK_S = 20.0
-"""An upload whose first chunk has not arrived after this many seconds is cancelled."""
-MIN_UPLOAD_BPS = 16_000.0
-"""An upload may take ``FIRST_CHUNK_S`` plus its size at this rate (bytes/s, 128 kbit/s)."""
+from diloco.wire.protocol import FIRST_CHUNK_S, MIN_UPLOAD_BPS  # noqa: F401 (re-exported)
+
 UPLOADS_PER_LEARNER = 4
 """Uploads one learner (identified by its own token) may have open at once."""
 SUBSCRIPTIONS_PER_LEARNER = 1
@@ -171,48 +165,3 @@ class StreamLimits:
     def open(self, kind: str) -> int:
         with self._lock:
             return self._total[kind]
-
-
-class Watchdog:
-    """Runs an action at a deadline unless the deadline is disarmed first (one thread)."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int]] = []
-        self._actions: dict[int, Callable[[], None]] = {}
-        self._ids = itertools.count()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="stream-watchdog", daemon=True)
-        self._thread.start()
-
-    def arm(self, deadline: float, action: Callable[[], None]) -> int:
-        """Run ``action`` at ``deadline`` (``time.monotonic()`` seconds); returns a handle."""
-        with self._cond:
-            handle = next(self._ids)
-            self._actions[handle] = action
-            heapq.heappush(self._heap, (deadline, handle))
-            self._cond.notify()
-            return handle
-
-    def disarm(self, handle: int) -> None:
-        with self._cond:
-            self._actions.pop(handle, None)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(wait)
-                if self._closed:
-                    return
-                _, handle = heapq.heappop(self._heap)
-                action = self._actions.pop(handle, None)
-            if action is not None:
-                action()

@@ -17,11 +17,8 @@ import torch
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
-from diloco.config.common import ProtocolConfig
-from diloco.syncer.broadcast import CHUNK_BYTES
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.service import (
-    MAX_MESSAGE_BYTES,
     SyncerService,
     pool_threads,
     stream_limits,
@@ -37,6 +34,7 @@ from diloco.syncer.store import (
 )
 from diloco.wire import auth, keepalive
 from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.protocol import CHUNK_BYTES, MAX_MESSAGE_BYTES, ProtocolConfig
 
 __all__ = ["CHUNK_BYTES", "SyncerServer", "SyncerService"]
 

@@ -22,7 +22,8 @@ import grpc
 import torch
 
 from diloco.algorithm import codecs
-from diloco.syncer.broadcast import CHUNK_BYTES, Keyframe, Subscriber, chunk_payload
+from diloco.runtime.watchdog import Watchdog
+from diloco.syncer.broadcast import Keyframe, Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
 from diloco.syncer.limits import (
     FIRST_CHUNK_S,
@@ -32,7 +33,6 @@ from diloco.syncer.limits import (
     LimitExceeded,
     Slot,
     StreamLimits,
-    Watchdog,
     stream_limits,
 )
 from diloco.syncer.state import Refused, SyncerState
@@ -47,9 +47,6 @@ from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
-"""gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
 
 
 def pool_threads(limits: StreamLimits) -> int:
@@ -372,7 +369,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
 
         def on_header(nbytes: int) -> None:
             self.watchdog.disarm(handle[0])
-            deadline = started + self.first_chunk_s + nbytes / MIN_UPLOAD_BPS
+            deadline = started + self.first_chunk_s + nbytes / MIN_UPLOAD_BPS  # (protocol)
             handle[0] = self.watchdog.arm(deadline, context.cancel)
 
         try:

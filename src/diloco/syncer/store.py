@@ -366,7 +366,7 @@ class Taped:
 def read_taped(path: str | os.PathLike) -> Taped:
     """``Taped`` of the tape at ``path``, read a line at a time (a restart does not hold the
     tape in memory); empty when there is no tape."""
-    from diloco.report.jsonl import parse_lines
+    from diloco.runtime.jsonl import parse_lines
 
     taped = Taped()
     try:
@@ -394,7 +394,7 @@ def read_taped(path: str | os.PathLike) -> Taped:
 def read_tape(path: str | os.PathLike) -> list[dict]:
     """All complete records of a tape (a torn last line from a crash is skipped); raises
     ``OSError`` if there is no tape."""
-    from diloco.report.jsonl import read_jsonl
+    from diloco.runtime.jsonl import read_jsonl
 
     return read_jsonl(path, missing_ok=False)
 

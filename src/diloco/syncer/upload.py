@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 from threading import Lock
 
 from diloco.algorithm import codecs
-from diloco.syncer.broadcast import CHUNK_BYTES
 from diloco.syncer.state import Refused, SyncerState
 from diloco.wire import diloco_pb2 as pb
+from diloco.wire.protocol import CHUNK_BYTES
 
 
 def receive_upload(

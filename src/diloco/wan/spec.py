@@ -8,7 +8,7 @@ name)::
     rate=none                     unshaped (the harness, but no rate limit)
 
 ``rate``: a number with ``bit``, ``kbit``, ``mbit`` or ``gbit`` (per second, decimal units as
-``tc`` reads them), or ``none``. ``rtt``: a duration (``diloco.report.units``; ``0`` for none).
+``tc`` reads them), or ``none``. ``rtt``: a duration (``diloco.runtime.units``; ``0`` for none).
 A learner's link is shaped to ``rate`` in each direction (``up`` and ``down`` set them apart);
 ``rtt`` is the round trip between the learner and the syncer.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.report.units import parse_duration
+from diloco.runtime.units import parse_duration
 
 RATE_UNITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
 """Rate suffixes in bits per second (longest match first)."""

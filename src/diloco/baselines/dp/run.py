@@ -392,8 +392,8 @@ def append_metric(run_dir: Path, started: float, evaluator: SnapshotEvaluator, l
 
 def summarize_dp(config, run_dir: Path, plans, sup, facts: dict) -> dict:
     """``summary.json`` of a data-parallel run: the same fields as the DiLoCo modes'."""
+    from diloco.launch.results import learner_row, read_progress
     from diloco.report.dp_metrics import dp_metrics
-    from diloco.report.results import learner_row, read_progress
     from diloco.report.summary import add_scores, build_summary
     from diloco.syncer.store import read_tape
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from diloco.config.common import ProtocolConfig
+from diloco.wire.protocol import ProtocolConfig
 
 TORCHFT_PACKAGE = "torchft-nightly"
 TORCHFT_PIN = "2026.10.26"
@@ -409,7 +409,7 @@ def _wait_replicas(replicas, timeout: float) -> dict[int, int | None]:
 
 
 def _read_progress(path: Path) -> list[dict]:
-    from diloco.report.jsonl import read_jsonl
+    from diloco.runtime.jsonl import read_jsonl
 
     return read_jsonl(path)
 

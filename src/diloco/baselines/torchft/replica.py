@@ -6,7 +6,7 @@
 ``python -m diloco.cli.torchft_replica replica --config FILE``
     (a :class:`diloco.config.torchft.ReplicaConfig`: ``index``, ``workdir``, ...) runs one replica group (one process, world size 1, gloo on CPU). It hosts its own
     ``TCPStore`` on a free port, builds torchft's ``Manager`` (synchronous quorum, as DiLoCo
-    requires) and trains the recipe exactly like our learner (:mod:`diloco.learner.worker`:
+    requires) and trains the recipe exactly like our learner (:mod:`diloco.launch.learner_worker`:
     same model init, AdamW, lr schedule, gradient clipping, per-learner data stream, ``--slow``
     emulation) under ``torchft.local_sgd.DiLoCo``: every ``sync_every`` inner steps (every
     ``sync_every / fragments`` with streaming fragments) the pseudo-gradients are all-reduced

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from diloco.launch.syncers import is_syncer
-from diloco.report.jsonl import read_jsonl
+from diloco.runtime.jsonl import read_jsonl
 
 
 def summarize(config, run_dir, plans, sup, facts: dict) -> dict:

@@ -237,7 +237,7 @@ def command_flags(obj: Any, *, skip: Sequence[str] = ()) -> list[str]:
     order. Pure; hidden options are included (a command line that reproduces a run must carry
     them too).
 
-    >>> from diloco.config.common import ProtocolConfig
+    >>> from diloco.wire.protocol import ProtocolConfig
     >>> command_flags(ProtocolConfig(sync_every=64))
     ['--sync-every', '64']
     """

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diloco.config.common import ProtocolConfig
 from diloco.syncer.config import SyncerConfig
+from diloco.wire.protocol import ProtocolConfig
 
 
 def peer_kwargs(spec, budget) -> dict:

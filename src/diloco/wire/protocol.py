@@ -1,0 +1,46 @@
+"""What the syncer and its learners must agree on: the protocol's settings and constants.
+
+``ProtocolConfig`` (P, the fragments the model is cut into, and H, the sync period) is owned
+here once and composed by every configuration that needs it (the syncer's, the learner
+process's, the launcher's). A learner checks P at join (the layout hash) and takes H from the
+syncer's join reply: the syncer's clock owns it. The wire constants are those both ends size
+their messages and deadlines with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco.runtime.schema import option
+
+CHUNK_BYTES = 1 << 20
+"""Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
+MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
+"""gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
+FIRST_CHUNK_S = 20.0
+"""The syncer cancels an upload whose first chunk has not arrived after this many seconds."""
+MIN_UPLOAD_BPS = 16_000.0
+"""An upload may take ``FIRST_CHUNK_S`` plus its size at this rate (bytes/s, 128 kbit/s)."""
+
+
+def syncer_upload_deadline_s(nbytes: int) -> float:
+    """The longest the syncer lets an upload of ``nbytes`` take (it cancels it then): the
+    learner never waits longer for one either."""
+    return FIRST_CHUNK_S + nbytes / MIN_UPLOAD_BPS
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProtocolConfig:
+    """How the model is cut and how often each piece is synchronised."""
+
+    fragments: int = option(24, metavar="P")
+    """P: fragments the model is cut into (the syncer and every learner must agree)."""
+    sync_every: int = option(24, metavar="H")
+    """H: inner steps between two synchronisations of one fragment (the syncer's clock opens
+    each fragment's round once per H fleet steps)."""
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1 or self.sync_every < 1:
+            raise ValueError(
+                f"fragments and sync_every must be >= 1 (got {self.fragments}, {self.sync_every})"
+            )
