@@ -343,7 +343,18 @@ class Torture:
         for i, child in enumerate(self.learners):
             if child is None or not child.running:
                 self._start_learner(i)
-        time.sleep(8.0)  # every learner joins again and contributes
+        deadline = time.monotonic() + 120
+        while not all(self._contributing(i) for i in range(self.spec.learners)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("a learner does not come back to train")
+            time.sleep(0.2)
+        time.sleep(3.0)  # a few rounds with everyone
+
+    def _contributing(self, i: int) -> bool:
+        """Whether learner i's current life has sent an upload (its journal says so)."""
+        lines = read_jsonl(self.learner_dir(i) / "uploads.jsonl")
+        lives = [line["life"] for line in lines if "start" in line]
+        return bool(lives) and any(line.get("life") == lives[-1] and "u" in line for line in lines)
 
     def _stop_learners(self) -> None:
         for child in self.learners:
@@ -401,6 +412,7 @@ class Torture:
             down=self.down,
             window=(started + 5.0, window_end),
             stall_bound_s=STALL_BOUND_S,
+            stopped_cleanly=True,
         )
         return TortureResult(
             self.spec,

@@ -108,16 +108,21 @@ def audit(
     down: Iterable[tuple[float, float]] = (),
     window: tuple[float, float] | None = None,
     stall_bound_s: float | None = None,
+    stopped_cleanly: bool = False,
 ) -> Audit:
     """Check the run (see the module docstring). ``finals[learner]``: the ``final.json`` of
     its last life (None: it did not stop cleanly); ``window``: the time span in which commits
-    are expected (for the stall check), ``down``: spans in which the syncer was not serving."""
+    are expected (for the stall check), ``down``: spans in which the syncer was not serving;
+    ``stopped_cleanly``: every learner's last life stopped cleanly (its ``final.json`` is a
+    problem when missing)."""
     result = Audit()
     commits = commits_of(tape)
     _check_versions(commits, disk_versions, result)
     merged, excluded = _uploads(commits, result)
     for learner, journal in sorted(journals.items()):
         _check_learner(learner, journal, finals.get(learner), merged, excluded, result)
+        if stopped_cleanly and finals.get(learner) is None:
+            result.problems.append(f"{learner}: its last life did not stop cleanly (no final.json)")
     if window is not None and stall_bound_s is not None:
         times = sorted(r["t"] for r in tape if r.get("event") == "round" and "t" in r)
         result.longest_stall_s = round(longest_stall(times, window, list(down)), 3)
