@@ -33,6 +33,9 @@ import subprocess
 import sys
 import time
 
+from diloco.syncer.config import SyncerConfig
+from diloco.wire.protocol import ProtocolConfig
+
 WARMUP = 5
 
 
@@ -60,8 +63,8 @@ def train(args) -> dict:
     if args.syncer:
         import diloco
 
-        learner = diloco.Learner(model, optimizer, syncer=args.syncer, fragments=24,
-                                 sync_every=24, learner_id="bench",
+        learner = diloco.Learner(model, optimizer, syncer=args.syncer, num_fragments=24,
+                                 learner_id="bench",
                                  malloc_arenas=args.arenas or None)  # fmt: skip
         learner.wait_for_global(timeout=120)
     gen = torch.Generator().manual_seed(0)
@@ -106,7 +109,9 @@ def serve(args) -> None:
     torch.set_num_threads(1)
     model = build(args.layers, args.dim)
     params = sum(p.numel() for p in model.parameters())
-    with SyncerServer.for_model(model, fragments=24) as server:
+    with SyncerServer.for_model(
+        model, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=24))
+    ) as server:
         del model
         print(server.address, flush=True)
         sys.stdin.readline()  # the parent writes a line when the learner is done

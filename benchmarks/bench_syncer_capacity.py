@@ -58,6 +58,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from diloco.wire.protocol import ProtocolConfig
+
 COLS = 1024
 """Columns of every synthetic matrix: the model is ``params / COLS`` rows of 1024 floats."""
 
@@ -96,7 +98,7 @@ def serve(args: argparse.Namespace) -> int:
         heartbeat_s=2.0,
         up_codec="int4",
         schedule=args.schedule,
-        sync_every=args.fragments,
+        protocol=ProtocolConfig(sync_every=args.fragments),
     )
     server = SyncerServer(
         layout,

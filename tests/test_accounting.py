@@ -30,6 +30,7 @@ from diloco.learner.snapshot import HostCopies, HostCopy
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
+from diloco.wire.protocol import ProtocolConfig
 
 P = 4
 LOSE = True
@@ -71,7 +72,8 @@ def start_syncer(tmp_path, **cfg) -> SyncerServer:
     model = make_model(0)
     layout = balanced_fragments(model.named_parameters(), P)
     named = dict(model.named_parameters())
-    config = SyncerConfig(**{"sync_every": 4, "lease_s": 5.0, "heartbeat_s": 0.2, **cfg})
+    base = {"protocol": ProtocolConfig(sync_every=4), "lease_s": 5.0, "heartbeat_s": 0.2}
+    config = SyncerConfig(**{**base, **cfg})
     return SyncerServer(
         layout,
         [layout.gather(p, named) for p in range(P)],
@@ -87,7 +89,7 @@ def start_training(
     ``STEPS`` steps on its own thread."""
     models = [make_model(10 + i) for i in range(len(addresses))]
     learners = [
-        Learner(m, syncer=a, fragments=P, learner_id=f"l{i}", tokens_per_step=8)
+        Learner(m, syncer=a, num_fragments=P, learner_id=f"l{i}", tokens_per_step=8)
         for i, (m, a) in enumerate(zip(models, addresses, strict=True))
     ]
     for lr in learners:
@@ -210,7 +212,9 @@ def test_an_upload_whose_reply_was_lost_is_merged_once(tmp_path):
     server = SyncerServer(
         layout,
         [layout.gather(p, named) for p in range(P)],
-        SyncerConfig(sync_every=4, lease_s=5.0, heartbeat_s=0.2, norm_guard_k=0.0),
+        SyncerConfig(
+            protocol=ProtocolConfig(sync_every=4), lease_s=5.0, heartbeat_s=0.2, norm_guard_k=0.0
+        ),
         tape_path=tmp_path / "events.jsonl",
         interceptors=[lossy],
     ).start()

@@ -30,6 +30,7 @@ from diloco.config.service import ServiceConfig
 from diloco.config.worker import WorkerConfig
 from diloco.launch.children import LearnerPlan, service_config, worker_config
 from diloco.runtime.schema import default_of, sections
+from diloco.syncer.config import SyncerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,27 +96,27 @@ def _all_sections(cls):
 
 def test_the_protocol_defaults_are_written_once():
     """P and H (24) are written in ProtocolConfig only; everything else refers to it."""
-    pattern = re.compile(r"\b(fragments|sync_every)\b[^\n=]*(=|:)\s*(int\s*=\s*)?24\b")
+    pattern = re.compile(r"\b(num_fragments|sync_every)\b[^\n=]*(=|:)\s*(int\s*=\s*)?24\b")
     offenders = []
     for path in SRC.rglob("*.py"):
-        if path.name.startswith("diloco_pb2") or path == SRC / "config" / "common.py":
+        if path.name.startswith("diloco_pb2") or path == SRC / "wire" / "protocol.py":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if (
                 pattern.search(line)
                 and "default=" in line
-                or re.search(r"^\s*(fragments|sync_every)\s*:\s*int\s*=\s*24\b", line)
+                or re.search(r"^\s*(num_fragments|sync_every)\s*:\s*int\s*=\s*24\b", line)
             ):
                 offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
     assert offenders == []
-    assert ProtocolConfig().fragments == 24 and ProtocolConfig().sync_every == 24
+    assert ProtocolConfig().num_fragments == 24 and ProtocolConfig().sync_every == 24
 
 
 def test_a_run_configuration_round_trips_through_json():
     config = RunConfig(learners=3, slow=["1=2"], chaos="kill:mtbf=60s", checkpoint_every=7.5)
     data = json.loads(json.dumps(to_dict(config)))
     assert from_dict(RunConfig, data) == config
-    assert data["syncer"]["quorum"] == 1 and data["protocol"]["fragments"] == 24
+    assert data["syncer"]["quorum"] == 1 and data["syncer"]["protocol"]["num_fragments"] == 24
 
 
 def test_bad_configuration_data_names_the_key():
@@ -151,8 +152,9 @@ def test_service_config_follows_the_mode():
         3,
         0.0,
     )
-    plain = service_config(RunConfig(learners=3, protocol=ProtocolConfig(sync_every=48)))
-    assert plain.syncer.wait_for_all == 0 and plain.syncer.sync_every == 48
+    protocol = ProtocolConfig(sync_every=48)
+    plain = service_config(RunConfig(learners=3, syncer=SyncerConfig(protocol=protocol)))
+    assert plain.syncer.wait_for_all == 0 and plain.syncer.protocol.sync_every == 48
 
 
 def test_flat_values_are_the_parser_destinations():
@@ -205,7 +207,7 @@ OTHER_DEFAULTS = {
             ("dp_bits", "dp_bits"),
             ("bits", "up_bits"),
             ("down_bits", "down_bits"),
-            ("fragments", "fragments"),
+            ("fragments", "num_fragments"),
             ("sync_every", "sync_every"),
             ("tau", "tau"),
             ("utilization", "utilization"),

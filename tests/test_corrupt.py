@@ -27,6 +27,7 @@ from diloco.learner.learner import Learner
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
+from diloco.wire.protocol import ProtocolConfig
 
 STEPS = 300  # per learner: both runs train the same steps whatever the machine's speed
 MINUTES = 2.0  # a safety cap only (both runs normally finish their steps in 7-30 s)
@@ -83,7 +84,13 @@ def _syncer_for(model: nn.Module, tmp_path: Path, *, up_codec: str):
     named = dict(model.named_parameters())
     # On the learners' schedule each step's due fragment is sent at once: these tests count
     # uploads per step. The syncer's clock is exercised by the multi-process tests below.
-    config = SyncerConfig(up_codec=up_codec, lease_s=5, heartbeat_s=0.5, schedule="learner")
+    config = SyncerConfig(
+        up_codec=up_codec,
+        lease_s=5,
+        heartbeat_s=0.5,
+        schedule="learner",
+        protocol=ProtocolConfig(sync_every=2, num_fragments=2),
+    )
     server = SyncerServer(
         layout,
         [layout.gather(p, named) for p in range(2)],
@@ -106,8 +113,7 @@ def test_each_mode_reaches_the_syncer_and_is_handled(tmp_path, how, refused):
         learner = Learner(
             model,
             syncer=server.address,
-            fragments=2,
-            sync_every=2,
+            num_fragments=2,
             learner_id="sdc",
             link_options={"corruptor": Corruptor(how)},
         )
@@ -145,7 +151,7 @@ def test_a_learner_refused_by_the_guard_resyncs_the_fragment_and_is_accepted_aga
     model = _model()
     layout, named, server = _syncer_for(model, tmp_path, up_codec="fp32")
     try:
-        learner = Learner(model, syncer=server.address, fragments=2, sync_every=2)
+        learner = Learner(model, syncer=server.address, num_fragments=2)
         assert learner.wait_for_global(timeout=10)
         global_value = learner.anchors[0].clone()
         jump = torch.full_like(global_value, 100.0)  # far beyond 10x the fragment's norm

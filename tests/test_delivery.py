@@ -43,8 +43,7 @@ def make(tmp_path, state=None):
     learner = diloco.Learner(
         model,
         syncer="127.0.0.1:1",  # nothing listens: the link retries in the background
-        fragments=2,
-        sync_every=4,
+        num_fragments=2,
         learner_id="me",
         delivery_file=str(tmp_path / "delivered.json"),
         state=state,
@@ -80,8 +79,7 @@ def test_a_restore_drops_only_the_progress_delivered_after_the_checkpoint(tmp_pa
     restored = diloco.Learner(
         model2,
         syncer="127.0.0.1:1",
-        fragments=2,
-        sync_every=4,
+        num_fragments=2,
         learner_id="me",
         delivery_file=str(tmp_path / "delivered.json"),
         state=state,

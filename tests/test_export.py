@@ -14,8 +14,10 @@ from torch import nn
 
 from diloco.algorithm import balanced_fragments
 from diloco.recipes import get_recipe
+from diloco.syncer.config import SyncerConfig
 from diloco.syncer.export import ExportError, parameters_by_name, read_state_dirs
 from diloco.syncer.server import SyncerServer
+from diloco.wire.protocol import ProtocolConfig
 
 P = 4
 
@@ -99,7 +101,9 @@ class Tied(nn.Module):
 def test_a_live_syncer_gives_its_global_model_as_a_state_dict(tmp_path):
     torch.manual_seed(0)
     model = Tied()
-    server = SyncerServer.for_model(model, fragments=2).start()
+    server = SyncerServer.for_model(
+        model, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=2))
+    ).start()
     try:
         with server.service.lock:  # stands for committed rounds: the state moved
             for t in server.state.params:

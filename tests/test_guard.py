@@ -10,6 +10,7 @@ from diloco.algorithm import balanced_fragments
 from diloco.algorithm.guard import DEFAULT_K, DEFAULT_PARAM_RATIO, NormHistory, check_norm
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.state import Refused, SyncerState
+from diloco.wire.protocol import ProtocolConfig
 
 
 def test_without_history_only_the_fragments_own_norm_bounds_a_delta():
@@ -182,7 +183,9 @@ def test_the_size_reference_is_the_largest_median_over_learners():
 def test_a_huge_delta_claiming_2_24_steps_from_a_learner_that_just_joined_is_refused():
     # The syncer's clock at 10 ms steps: a few seconds after its join the time bound on
     # claimed steps (plausible_steps) allows ~1,200, so the step-scaled checks allowed it.
-    state, layout = make_state(joined_at=100.0, schedule="syncer", sync_every=24)
+    state, layout = make_state(
+        joined_at=100.0, schedule="syncer", protocol=ProtocolConfig(sync_every=24)
+    )
     n = layout.fragments[0].numel
     gen = torch.Generator().manual_seed(3)
     theta = float(state.params[0].norm())

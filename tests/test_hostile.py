@@ -23,6 +23,7 @@ from diloco.syncer.store import read_tape
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.protocol import ProtocolConfig
 
 P = 2
 SECRET = "hostile-fleet-secret-0123456789"
@@ -199,7 +200,7 @@ def test_a_flood_of_tiny_and_zero_deltas_does_not_poison_the_norm_guard(tmp_path
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("schedule", ["learner", "syncer"])
 def test_a_claimed_slow_step_time_does_not_stall_the_rounds(tmp_path, schedule):
-    server = make_server(tmp_path, config(schedule=schedule, sync_every=4))
+    server = make_server(tmp_path, config(schedule=schedule, protocol=ProtocolConfig(sync_every=4)))
     alice, mallory = Peer(server, "alice"), Peer(server, "mallory")
     try:
         alice.join(), mallory.join()

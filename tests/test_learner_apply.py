@@ -18,7 +18,7 @@ def make_learner(**overrides):
     model = torch.nn.Linear(4, 3, bias=False)
     # No syncer listens on port 1: the link just retries in the background.
     learner = diloco.Learner(
-        model, syncer="127.0.0.1:1", fragments=1, sync_every=4, learner_id="me", **overrides
+        model, syncer="127.0.0.1:1", num_fragments=1, learner_id="me", **overrides
     )
     return model, learner
 
@@ -230,7 +230,7 @@ def test_the_ledger_survives_a_checkpoint():
     finally:
         learner.close(flush=False)
     restored = diloco.Learner(
-        model, syncer="127.0.0.1:1", fragments=1, learner_id="me", state=state
+        model, syncer="127.0.0.1:1", num_fragments=1, learner_id="me", state=state
     )
     try:
         assert restored.in_flight() == {0: 1}
@@ -594,7 +594,7 @@ def test_a_restored_delta_without_an_answer_is_sent_again_as_it_was():
         learner.close(flush=False)
     model2 = torch.nn.Linear(4, 3, bias=False)
     restored = diloco.Learner(
-        model2, syncer="127.0.0.1:1", fragments=1, learner_id="me", state=saved
+        model2, syncer="127.0.0.1:1", num_fragments=1, learner_id="me", state=saved
     )
     try:
         (resumed,) = restored.link.queue._resends

@@ -20,6 +20,7 @@ from diloco.learner.pacing import UPLOAD_RATE_SHARE, upload_deadline_s
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.limits import FIRST_CHUNK_S, MIN_UPLOAD_BPS
 from diloco.syncer.server import SyncerServer
+from diloco.wire.protocol import ProtocolConfig
 
 
 def make_model(numel: int = 300_000) -> nn.Module:
@@ -31,7 +32,9 @@ def start_syncer(model: nn.Module, bind: str = "127.0.0.1:0") -> SyncerServer:
     """A syncer of ``model`` in one fragment (the learner starts from the same values)."""
     layout = balanced_fragments(model.named_parameters(), 1)
     named = dict(model.named_parameters())
-    config = SyncerConfig(sync_every=4, lease_s=5.0, heartbeat_s=0.2, norm_guard_k=0.0)
+    config = SyncerConfig(
+        protocol=ProtocolConfig(sync_every=4), lease_s=5.0, heartbeat_s=0.2, norm_guard_k=0.0
+    )
     return SyncerServer(layout, [layout.gather(0, named)], config, bind=bind).start()
 
 
@@ -67,7 +70,7 @@ def test_an_upload_slower_than_the_base_deadline_is_accepted():
         learner = Learner(
             model,
             syncer=relay.address,
-            fragments=1,
+            num_fragments=1,
             learner_id="slow",
             link_options={"rpc_timeout_s": 1.0},
         )
@@ -101,7 +104,7 @@ def test_a_learner_reconnects_at_once_after_each_of_several_syncer_restarts():
     model = make_model(5_000)
     server = start_syncer(model)
     relay = Relay(server.address)
-    learner = Learner(model, syncer=relay.address, fragments=1, learner_id="l0")
+    learner = Learner(model, syncer=relay.address, num_fragments=1, learner_id="l0")
     delays = []
     try:
         assert learner.wait_for_global(timeout=20)

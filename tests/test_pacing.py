@@ -24,6 +24,7 @@ from diloco.learner.pacing import (
     versions_missing,
 )
 from diloco.syncer.store import read_tape
+from diloco.wire.protocol import ProtocolConfig
 
 
 def test_the_meter_weighs_uploads_by_their_bytes():
@@ -87,7 +88,7 @@ def test_downloads_have_a_connection_of_their_own(tmp_path):
     relay = Relay(server.address)
     learner = None
     try:
-        learner = Learner(make_model(1), syncer=relay.address, fragments=P, learner_id="l0")
+        learner = Learner(make_model(1), syncer=relay.address, num_fragments=P, learner_id="l0")
         assert learner.wait_for_global(timeout=20)  # joined and subscribed
         assert relay.connections == 2
     finally:
@@ -100,7 +101,7 @@ def test_downloads_have_a_connection_of_their_own(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_learner_on_a_slow_link_defers_and_every_step_still_lands_once(tmp_path):
     # a request every other step: the learner on the fast link keeps up with room to spare
-    server = start_syncer(tmp_path, norm_guard_k=0.0, sync_every=8)
+    server = start_syncer(tmp_path, norm_guard_k=0.0, protocol=ProtocolConfig(sync_every=8))
     fast = Relay(server.address, name="fast")
     slow = Relay(server.address, name="slow")
     states: set[str] = set()

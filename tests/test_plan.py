@@ -48,7 +48,7 @@ def test_decoupled_bandwidth_by_hand():
         pytest.approx(1e9 * 16 / 24)
     )
     # few fragments: each (N/P values) must cross within tau steps
-    burst = PlanInputs(params=1e9, step_time_s=1.0, fragments=2, sync_every=24, tau=2.0)
+    burst = PlanInputs(params=1e9, step_time_s=1.0, num_fragments=2, sync_every=24, tau=2.0)
     assert decoupled_bandwidth_bps(burst) == pytest.approx(1e9 * 4 / 4)
 
 

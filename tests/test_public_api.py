@@ -3,16 +3,20 @@
 import torch
 
 import diloco
+from diloco.syncer.config import SyncerConfig
+from diloco.wire.protocol import ProtocolConfig
 
 
 def test_readme_loop_with_for_model_syncer():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with diloco.SyncerServer.for_model(model, fragments=4) as server:
+    with diloco.SyncerServer.for_model(
+        model, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=4))
+    ) as server:
         server.start()
         learner = diloco.Learner(
-            model, optimizer, syncer=server.address, fragments=4, sync_every=4, learner_id="a"
+            model, optimizer, syncer=server.address, num_fragments=4, learner_id="a"
         )
         with learner:
             assert learner.wait_for_global(timeout=30)
@@ -34,12 +38,16 @@ def test_the_learner_leaves_the_processs_thread_count_alone_unless_asked():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with diloco.SyncerServer.for_model(model, fragments=2) as server:
-            with diloco.Learner(model, optimizer, syncer=server.address, fragments=2) as learner:
+        with diloco.SyncerServer.for_model(
+            model, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=2))
+        ) as server:
+            with diloco.Learner(
+                model, optimizer, syncer=server.address, num_fragments=2
+            ) as learner:
                 assert learner.wait_for_global(timeout=30)
                 assert torch.get_num_threads() == 2  # the default: not touched
             with diloco.Learner(
-                model, optimizer, syncer=server.address, fragments=2, cpu_threads=1
+                model, optimizer, syncer=server.address, num_fragments=2, cpu_threads=1
             ):
                 assert torch.get_num_threads() == 1  # asked for
     finally:

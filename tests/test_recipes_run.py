@@ -15,6 +15,8 @@ from torch import nn
 
 from diloco.algorithm.embeddings import embedding_parameter_names
 from diloco.recipes import get_recipe
+from diloco.syncer.config import SyncerConfig
+from diloco.wire.protocol import ProtocolConfig
 
 
 def diloco(*args: str) -> subprocess.CompletedProcess:
@@ -115,7 +117,9 @@ def test_t5s_shared_table_is_an_embedding_and_the_syncer_merges_it_so():
     model = transformers.T5ForConditionalGeneration(config)
     names = embedding_parameter_names(model)
     assert "shared.weight" in names  # the name rule of diloco.algorithm.merge misses it
-    with SyncerServer.for_model(model, fragments=2) as server:
+    with SyncerServer.for_model(
+        model, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=2))
+    ) as server:
         assert server.state.embeddings == names
         assert server.state._is_embedding("shared.weight")
         assert not server.state._is_embedding("encoder.block.0.layer.1.DenseReluDense.wi.weight")
@@ -161,9 +165,10 @@ def test_a_hugging_face_trainer_becomes_a_learner_with_one_callback(tmp_path):
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    with SyncerServer.for_model(model, fragments=4) as server:
-        callback = DilocoCallback(server.address, learner_id="hf", fragments=4, sync_every=4,
-                                  tokens_per_sample=32)  # fmt: skip
+    with SyncerServer.for_model(
+        model, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=4))
+    ) as server:
+        callback = DilocoCallback(server.address, learner_id="hf", num_fragments=4, tokens_per_sample=32)  # fmt: skip
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Windows())
         trainer.add_callback(callback)
         trainer.train()
@@ -244,8 +249,10 @@ def test_a_lightning_trainer_becomes_a_learner_with_one_callback(tmp_path):
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )  # fmt: skip
-    with SyncerServer.for_model(module, fragments=4) as server:
-        callback = DilocoCallback(server.address, learner_id="pl", fragments=4, sync_every=4)
+    with SyncerServer.for_model(
+        module, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=4))
+    ) as server:
+        callback = DilocoCallback(server.address, learner_id="pl", num_fragments=4)
         trainer.callbacks.append(callback)
         trainer.fit(module, loader)
         assert callback.joined and callback.learner is None  # closed at the end of fitting

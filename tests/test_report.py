@@ -16,6 +16,7 @@ from diloco.config.run import RunConfig
 from diloco.report.html import markdown, write_report
 from diloco.report.run_files import NotARun, load_run, time_split
 from diloco.runtime.schema import command_flags
+from diloco.syncer.config import SyncerConfig
 from diloco.wire.protocol import ProtocolConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -150,7 +151,7 @@ def test_command_flags_rebuild_a_configuration():
         chaos="kill:mtbf=60s",
         slow=["1=2", "2=3"],
         tensorboard=False,
-        protocol=ProtocolConfig(sync_every=64),
+        syncer=SyncerConfig(protocol=ProtocolConfig(sync_every=64)),
     )
     flags = command_flags(config)
     assert flags == [

@@ -86,10 +86,10 @@ def test_calls_without_the_right_token_are_unauthenticated_and_change_nothing(tm
 def test_learner_with_the_token_receives_the_global_model(tmp_path):
     server = make_server(tmp_path, token=TOKEN).start()
     try:
-        learner = Learner(make_model(), syncer=server.address, fragments=P, token=TOKEN)
+        learner = Learner(make_model(), syncer=server.address, num_fragments=P, token=TOKEN)
         assert learner.wait_for_global(timeout=10)
         learner.close(flush=False)
-        intruder = Learner(make_model(), syncer=server.address, fragments=P, learner_id="x")
+        intruder = Learner(make_model(), syncer=server.address, num_fragments=P, learner_id="x")
         with pytest.raises(RuntimeError, match="missing token"):
             intruder.wait_for_global(timeout=10)
         intruder.close(flush=False)
@@ -203,7 +203,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
         other, _ = self_signed(tmp_path, "impostor")
         with pytest.raises(grpc.RpcError):  # server certificate not signed by the trusted CA
             status_over(address, auth.channel_credentials(other), timeout=2)
-        learner = Learner(make_model(), syncer=address, fragments=P, tls_ca=cert)
+        learner = Learner(make_model(), syncer=address, num_fragments=P, tls_ca=cert)
         assert learner.wait_for_global(timeout=10)
         learner.close(flush=False)
     finally:
@@ -223,7 +223,7 @@ def test_mutual_tls_requires_a_client_certificate(tmp_path):
         learner = Learner(
             make_model(),
             syncer=address,
-            fragments=P,
+            num_fragments=P,
             token=TOKEN,
             tls_ca=cert,
             tls_cert=client_cert,

@@ -17,6 +17,7 @@ from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.protocol import ProtocolConfig
 
 P = 4
 
@@ -73,7 +74,7 @@ def test_learners_train_and_end_with_the_syncers_parameters(tmp_path):
     try:
         models = [make_model(seed=10 + i) for i in range(2)]
         learners = [
-            Learner(m, syncer=server.address, fragments=P, sync_every=4, learner_id=f"l{i}")
+            Learner(m, syncer=server.address, num_fragments=P, learner_id=f"l{i}")
             for i, m in enumerate(models)
         ]
         for lr in learners:
@@ -132,7 +133,7 @@ def test_layout_mismatch_is_refused_with_the_tensor_name(tmp_path):
     try:
         torch.manual_seed(0)
         other = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))  # head differs
-        learner = Learner(other, syncer=server.address, fragments=P, sync_every=4, learner_id="odd")
+        learner = Learner(other, syncer=server.address, num_fragments=P, learner_id="odd")
         wait_until(lambda: learner.link.error is not None, 10, "the refusal")
         assert "2.weight" in str(learner.link.error)
         with pytest.raises(RuntimeError, match="refused"):
@@ -202,11 +203,17 @@ def test_bad_upload_gets_a_status_and_changes_nothing(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_synchronous_learner_waits_for_the_round_of_what_it_sent(tmp_path):
     # wait-for-all 2: a round closes only when both learners sent the fragment
-    server = make_server(tmp_path, wait_for_all=2, gamma=0.0, schedule="learner").start()
+    server = make_server(
+        tmp_path,
+        wait_for_all=2,
+        gamma=0.0,
+        schedule="learner",
+        protocol=ProtocolConfig(sync_every=4, num_fragments=P),
+    ).start()
     try:
         models = [make_model(seed=20 + i) for i in range(2)]
         learners = [
-            Learner(m, syncer=server.address, fragments=P, sync_every=4, learner_id=f"s{i}")
+            Learner(m, syncer=server.address, num_fragments=P, learner_id=f"s{i}")
             for i, m in enumerate(models)
         ]
         for lr in learners:

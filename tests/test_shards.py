@@ -146,8 +146,8 @@ def test_two_shards_two_learners_end_with_the_union_of_the_shards(tmp_path):
         addresses = [s.address for s in shards]
         models = [RECIPE.build_model(seed=10 + i) for i in range(2)]
         learners = [
-            Learner(m, syncer=addresses if i == 0 else ",".join(addresses), fragments=P,
-                    sync_every=H, learner_id=f"l{i}")
+            Learner(m, syncer=addresses if i == 0 else ",".join(addresses), num_fragments=P,
+                    learner_id=f"l{i}")
             for i, m in enumerate(models)
         ]  # fmt: skip
         for lr in learners:
@@ -233,7 +233,7 @@ def test_wrong_sets_of_shards_are_clear_errors(tmp_path):
     learners: list[Learner] = []
 
     def learner(syncer, name):
-        lr = Learner(RECIPE.build_model(1), syncer=syncer, fragments=P, learner_id=name)
+        lr = Learner(RECIPE.build_model(1), syncer=syncer, num_fragments=P, learner_id=name)
         learners.append(lr)
         return lr
 
@@ -250,7 +250,7 @@ def test_wrong_sets_of_shards_are_clear_errors(tmp_path):
         too_many = learner([s0.address, s1.address, s1of3.address], "three")
         assert "is one of 2 shards, but 3" in _error_of(too_many)
         with pytest.raises(ValueError, match="given twice"):
-            Learner(RECIPE.build_model(1), syncer=[s0.address, s0.address], fragments=P)
+            Learner(RECIPE.build_model(1), syncer=[s0.address, s0.address], num_fragments=P)
         # A different fragmentation (P) on one shard is refused by that shard itself.
         other_p = make_shard(tmp_path, (1, 2), fragments=6).start()
         try:

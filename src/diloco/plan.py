@@ -46,7 +46,7 @@ class PlanInputs:
     """Bits per value of a learner's outer gradient (4: int4, the paper's choice)."""
     down_bits: int = 4
     """Bits per value of a merged fragment sent back to the learners."""
-    fragments: int = ProtocolConfig.fragments
+    num_fragments: int = ProtocolConfig.num_fragments
     """P."""
     sync_every: int = ProtocolConfig.sync_every
     """H: each fragment is sent every H steps."""
@@ -65,7 +65,7 @@ class PlanInputs:
             raise ValueError(
                 f"sites must be >= 2 (one site needs no wide-area link), got {self.sites}"
             )
-        for name in ("dp_bits", "up_bits", "down_bits", "fragments", "sync_every"):
+        for name in ("dp_bits", "up_bits", "down_bits", "num_fragments", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.tau > 0:
@@ -98,7 +98,7 @@ def dp_bandwidth_bps(p: PlanInputs) -> float:
 
 def decoupled_bandwidth_bps(p: PlanInputs) -> float:
     """``BW_dec`` in bits/s (module docstring)."""
-    per_step = max(1.0 / p.sync_every, 1.0 / (p.fragments * p.tau))
+    per_step = max(1.0 / p.sync_every, 1.0 / (p.num_fragments * p.tau))
     return p.params * max(p.up_bits, p.down_bits) / p.step_time_s * per_step
 
 

@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--dp-bits", type=int, default=d.dp_bits, help="data-parallel gradient bits")
     p.add_argument("--bits", type=int, default=d.up_bits, help="learner upload bits (int4: 4)")
     p.add_argument("--down-bits", type=int, default=d.down_bits, help="syncer download bits")
-    p.add_argument("--fragments", type=int, default=d.fragments, help="P")
+    p.add_argument("--fragments", type=int, default=d.num_fragments, help="P")
     p.add_argument("--sync-every", type=int, default=d.sync_every, help="H")
     p.add_argument("--tau", type=float, default=d.tau, help="overlap in steps")
     p.add_argument("--utilization", type=float, default=d.utilization, help="target, in (0, 1)")
@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
             dp_bits=args.dp_bits,
             up_bits=args.bits,
             down_bits=args.down_bits,
-            fragments=args.fragments,
+            num_fragments=args.fragments,
             sync_every=args.sync_every,
             tau=args.tau,
             utilization=args.utilization,
@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         f"step overlapped): {out['dp_gbps']:.3g} Gbps per site"
     )
     print(
-        f"  Decoupled DiLoCo (P={p.fragments}, H={p.sync_every}, tau={p.tau:g}, "
+        f"  Decoupled DiLoCo (P={p.num_fragments}, H={p.sync_every}, tau={p.tau:g}, "
         f"{p.up_bits}-bit up / {p.down_bits}-bit down): {out['decoupled_gbps']:.3g} Gbps per site"
     )
     print(f"  ratio {out['ratio']:.0f}x")

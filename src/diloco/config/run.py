@@ -15,7 +15,6 @@ from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
 from diloco.runtime.schema import option
 from diloco.syncer.config import SyncerConfig
-from diloco.wire.protocol import ProtocolConfig
 
 MODES = ("decoupled", "sync", "dp")
 """``diloco run --mode``: decoupled rounds, synchronous DiLoCo, or the data-parallel baseline."""
@@ -49,7 +48,6 @@ class RunConfig:
     """A syncer, M learners and an evaluator (``diloco run``); see docs/cli.md."""
 
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
-    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from diloco.config.common import RecipeConfig, ServerSecurityConfig
 from diloco.runtime.schema import option
 from diloco.syncer.config import SyncerConfig
-from diloco.wire.protocol import ProtocolConfig
 
 
 @dataclass(kw_only=True)
 class ServiceConfig:
-    """One syncer (or syncer shard) process: the model it serves, the protocol, where it
+    """One syncer (or syncer shard) process: the model it serves, its settings (with the
+    protocol's P and H: ``syncer.protocol``), where it
     listens and keeps its state.
 
     ``diloco run`` writes one (``syncer.json``) and starts ``diloco syncer --config FILE``
@@ -21,7 +20,6 @@ class ServiceConfig:
     """
 
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
-    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     security: ServerSecurityConfig = field(default_factory=ServerSecurityConfig)
     bind: str = option("127.0.0.1:7000", metavar="HOST:PORT")
@@ -52,6 +50,3 @@ class ServiceConfig:
             split_address(self.dashboard, what="--dashboard")
             if not (self.state_dir or self.tape):
                 raise ValueError("--dashboard draws the event tape: give --state-dir or --tape")
-        # H is the protocol's: the syncer's clock paces its rounds with it.
-        if self.syncer.sync_every != self.protocol.sync_every:
-            self.syncer = dataclasses.replace(self.syncer, sync_every=self.protocol.sync_every)

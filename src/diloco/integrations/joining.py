@@ -24,15 +24,12 @@ class JoinsAsLearner:
         *,
         learner_id: str | None = None,
         token: str | None = None,
-        fragments: int = ProtocolConfig.fragments,
-        sync_every: int = ProtocolConfig.sync_every,
+        num_fragments: int = ProtocolConfig.num_fragments,
         join_timeout_s: float = 60.0,
         **learner_options,
     ) -> None:
         self.syncer = syncer
-        self.options = dict(
-            learner_id=learner_id, fragments=fragments, sync_every=sync_every, **learner_options
-        )
+        self.options = dict(learner_id=learner_id, num_fragments=num_fragments, **learner_options)
         self.token = token
         self.join_timeout_s = join_timeout_s
         self.learner: Learner | None = None

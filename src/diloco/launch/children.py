@@ -101,7 +101,7 @@ def sync_lag(config: RunConfig) -> int:
     restarted learner resumes at another phase of the schedule; with a lag of 1 it and its
     peers each waited for a fragment the other sends later (a deadlock, seen in a test).
     """
-    return config.protocol.sync_every - 1 if config.mode == "sync" else -1
+    return config.syncer.protocol.sync_every - 1 if config.mode == "sync" else -1
 
 
 def service_config(config: RunConfig) -> ServiceConfig:
@@ -115,7 +115,6 @@ def service_config(config: RunConfig) -> ServiceConfig:
         )
     return ServiceConfig(
         recipe=config.recipe,
-        protocol=config.protocol,
         syncer=syncer,
         security=ServerSecurityConfig(
             token_file=config.token_file, learner_tokens=config.token_file is not None
@@ -163,7 +162,7 @@ def worker_config(
     signal_free = config.ray.backend == "ray" and config.minutes
     return WorkerConfig(
         recipe=config.recipe,
-        protocol=config.protocol,
+        protocol=config.syncer.protocol,
         security=ClientSecurityConfig(token_file=token_file or config.token_file),
         device=config.device,
         syncer=syncer,

@@ -33,7 +33,7 @@ def export_run(run_dir: str | Path, output: str | Path) -> dict:
     model = recipe.build_model(config.recipe.seed)
     if config.mode == "dp":
         return _export_dp(run_dir, model, output)
-    layout = balanced_fragments(model.named_parameters(), config.protocol.fragments)
+    layout = balanced_fragments(model.named_parameters(), config.syncer.protocol.num_fragments)
     named = dict(model.named_parameters())
     initial = [layout.gather(p, named) for p in range(layout.num_fragments)]
     dirs = [run_dir / name for name in syncer_names(config.shards)]

@@ -157,8 +157,7 @@ class LearnerProcess:
 
         config, recipe, workdir = self.config, self.recipe, self.workdir
         return LearnerConfig(
-            fragments=config.protocol.fragments,
-            sync_every=config.protocol.sync_every,
+            num_fragments=config.protocol.num_fragments,
             rebase_own=not config.overwrite_own,
             max_stretch=config.max_stretch,
             learner_id=config.id,

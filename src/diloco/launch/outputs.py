@@ -44,7 +44,7 @@ def run_watch(config: RunConfig, run_dir: Path, plans, started: float) -> RunWat
     """The watch of a run directory: its tape, metrics and the learners' progress files."""
     return RunWatch(
         tape=run_dir / "syncer" / "events.jsonl",
-        fragments=config.protocol.fragments,
+        fragments=config.syncer.protocol.num_fragments,
         started=started,
         mode=config.mode,
         name=run_dir.name,

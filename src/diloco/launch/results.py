@@ -49,7 +49,7 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
     summary.update(
         tape_metrics(
             records,
-            fragments=config.protocol.fragments,
+            fragments=config.syncer.protocol.num_fragments,
             end=facts["train_end"],
             speeds=speeds,
             finished=finished,

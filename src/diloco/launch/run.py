@@ -304,7 +304,7 @@ class Launch:
             recipe,
             address,
             seed=seed,
-            fragments=self.config.protocol.fragments,
+            fragments=self.config.syncer.protocol.num_fragments,
             link_options=client_link_options(
                 token=learner_token(self.prep.token, "evaluator") if self.prep.token else None
             ),
@@ -420,7 +420,9 @@ def check_shards(config: RunConfig, clauses) -> None:
     from diloco.algorithm.shards import shard_fragments
     from diloco.chaos import NETWORK_KINDS, SYNCER_KINDS
 
-    shard_fragments(config.protocol.fragments, 0, config.shards)  # ShardError is a ValueError
+    shard_fragments(
+        config.syncer.protocol.num_fragments, 0, config.shards
+    )  # ShardError is a ValueError
     unsupported = sorted(
         {c.kind for c in clauses if c.kind in SYNCER_KINDS or c.kind in NETWORK_KINDS}
     )

@@ -61,7 +61,7 @@ def serve(config: ServiceConfig) -> int:
     torch.set_num_threads(config.threads)
     recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed)
-    layout = balanced_fragments(model.named_parameters(), config.protocol.fragments)
+    layout = balanced_fragments(model.named_parameters(), config.syncer.protocol.num_fragments)
     named = dict(model.named_parameters())
     params = [layout.gather(p, named) for p in range(layout.num_fragments)]
     state_dir = config.state_dir

@@ -11,12 +11,9 @@ from diloco.wire.protocol import ProtocolConfig
 
 @dataclass(kw_only=True)
 class LearnerConfig:
-    fragments: int = ProtocolConfig.fragments
-    """P: number of fragments the model is cut into (must match the syncer)."""
-    sync_every: int = ProtocolConfig.sync_every
-    """H on the learners' schedule (a syncer started with ``schedule="learner"``): each
-    fragment is sent every H local steps. On the syncer's schedule (the default) the syncer
-    asks for each fragment and paces the rounds with its own H."""
+    num_fragments: int = ProtocolConfig.num_fragments
+    """P: fragments the model is cut into (must match the syncer's: checked at join). H, the
+    sync period, is the syncer's: it says it at join (``diloco.wire.protocol``)."""
     rebase_foreign: bool = True
     """When a merged fragment arrives that holds none of this learner's deltas, keep the
     undelivered progress on top of it (``θ ← θ + (G' − G)``, counters kept) instead of
@@ -80,10 +77,8 @@ class LearnerConfig:
     """PEM private key of ``tls_cert``."""
 
     def __post_init__(self) -> None:
-        if self.fragments < 1 or self.sync_every < 1:
-            raise ValueError(
-                f"fragments and sync_every must be >= 1 (got {self.fragments}, {self.sync_every})"
-            )
+        if self.num_fragments < 1:
+            raise ValueError(f"num_fragments must be >= 1 (got {self.num_fragments})")
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(
                 f"alpha must be in [0, 1) (got {self.alpha}); 0 overwrites with the global value"

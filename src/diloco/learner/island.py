@@ -104,7 +104,7 @@ class IslandLearner:
         # NCCL broadcasts device tensors; gloo (CPU) broadcasts CPU tensors.
         first = next(iter(self.params.values()))
         self._device = first.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        self.layout = balanced_fragments(module.named_parameters(), cfg.fragments)
+        self.layout = balanced_fragments(module.named_parameters(), cfg.num_fragments)
         self.sharded = is_sharded(self.params)
         self.mirror: Mirror | None = None
         if self.sharded:

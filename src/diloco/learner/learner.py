@@ -98,10 +98,10 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
             raise ValueError("the model has no parameters")
         if cfg.cpu_threads and first.device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads)
-        self.layout = layout or balanced_fragments(model.named_parameters(), cfg.fragments)
-        if self.layout.num_fragments != cfg.fragments:
+        self.layout = layout or balanced_fragments(model.named_parameters(), cfg.num_fragments)
+        if self.layout.num_fragments != cfg.num_fragments:
             raise ValueError(
-                f"layout has {self.layout.num_fragments} fragments, config says {cfg.fragments}"
+                f"layout has {self.layout.num_fragments} fragments, config says {cfg.num_fragments}"
             )
         self.learner_id = cfg.learner_id or _default_id()
         if cfg.malloc_arenas is not None:  # asked for: before the link's threads exist
@@ -254,9 +254,9 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
         self._settle()
         self._send_copied()
         asked = self._inbox.take_requested()
-        if self.link.schedule == "learner":
+        if self.link.schedule == "learner" and self.link.sync_every > 0:  # (H: the syncer's)
             asked |= set(
-                due_fragments(self.local_step, self.config.sync_every, self.config.fragments)
+                due_fragments(self.local_step, self.link.sync_every, self.layout.num_fragments)
             )
         queued = [p for p in sorted(asked) if self._answer_request(p)]
         self.apply_arrived()

@@ -14,6 +14,7 @@ from pathlib import Path
 from diloco.report.goodput import schedule_down
 from diloco.report.tally import ProgressTally, TapeTally
 from diloco.runtime.jsonl import read_jsonl
+from diloco.wire.protocol import ProtocolConfig
 
 
 class NotARun(ValueError):
@@ -62,7 +63,8 @@ def load_run(path: str | Path) -> RunFiles:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    fragments = int((config.get("protocol") or {}).get("fragments") or 24)
+    protocol = (config.get("syncer") or {}).get("protocol") or {}
+    fragments = int(protocol.get("num_fragments") or ProtocolConfig.num_fragments)
     tape = TapeTally(fragments)
     for record in read_jsonl(path / "syncer" / "events.jsonl"):
         tape.add(record)

@@ -84,7 +84,7 @@ class RunFacts:
                 float(doc["minutes"]),
                 doc.get("chaos"),
                 int(doc["recipe"]["seed"]),
-                int(doc["protocol"]["sync_every"]),
+                int(doc["syncer"]["protocol"]["sync_every"]),
                 int(doc["syncer"]["quorum"]),
             )
         except (KeyError, TypeError) as exc:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco.algorithm.codecs import CODECS
 from diloco.algorithm.guard import (
@@ -31,9 +31,10 @@ class SyncerConfig:
     in turn and asks every live learner for it; docs/algorithm.md "Rounds on the syncer's
     clock") or ``"learner"`` (each learner sends fragment p on its own step count and a round
     opens at its first arrival; the behaviour before 2026-11-25, used by synchronous mode)."""
-    sync_every: int = ProtocolConfig.sync_every
-    """H: with the syncer's schedule, each fragment's round opens once per H fleet steps (the
-    command line sets it from ``ProtocolConfig.sync_every``)."""
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    """P and H (``diloco.wire.protocol``): with the syncer's schedule, each fragment's round
+    opens once per H fleet steps; a model cut by ``SyncerServer.for_model`` or the syncer
+    process has P fragments (one built from an explicit layout has the layout's)."""
     quorum: int = option(1, metavar="K")
     """K: contributions a round needs before the grace window starts."""
     gamma: float = option(0.8)
@@ -101,8 +102,6 @@ class SyncerConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES} (got {self.schedule!r})")
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1 (got {self.sync_every})")
         if self.merge_rule not in MERGE_RULES:
             raise ValueError(f"merge_rule must be one of {MERGE_RULES} (got {self.merge_rule!r})")
         if self.weighting not in WEIGHTINGS:
@@ -158,9 +157,9 @@ class SyncerConfig:
             )
         if self.max_learner_ids < 1:
             raise ValueError(f"max_learner_ids must be >= 1 (got {self.max_learner_ids})")
-        for field in ("up_codec", "down_codec"):
-            if getattr(self, field) not in CODECS:
-                raise ValueError(f"{field} must be one of {CODECS} (got {getattr(self, field)!r})")
+        for name in ("up_codec", "down_codec"):
+            if getattr(self, name) not in CODECS:
+                raise ValueError(f"{name} must be one of {CODECS} (got {getattr(self, name)!r})")
 
     @property
     def heartbeat_interval_s(self) -> float:

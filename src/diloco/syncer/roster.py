@@ -193,7 +193,7 @@ class LearnerRoster:
         (``2 · H · ξ_step``, at least the lease): the learners a round's share counts. An id
         that joins and heartbeats but never contributes dilutes nothing."""
         step = self.fleet_step_s() or 0.0
-        window = max(2 * self.config.sync_every * step, self.config.lease_s)
+        window = max(2 * self.config.protocol.sync_every * step, self.config.lease_s)
         return {
             lid
             for lid, i in self.learners.items()

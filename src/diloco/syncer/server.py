@@ -5,6 +5,7 @@ with the gRPC service (:class:`diloco.syncer.service.SyncerService`) on an addre
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import threading
 import time
@@ -34,7 +35,7 @@ from diloco.syncer.store import (
 )
 from diloco.wire import auth, keepalive
 from diloco.wire import diloco_pb2_grpc as pb_grpc
-from diloco.wire.protocol import CHUNK_BYTES, MAX_MESSAGE_BYTES, ProtocolConfig
+from diloco.wire.protocol import CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 __all__ = ["CHUNK_BYTES", "SyncerServer", "SyncerService"]
 
@@ -159,7 +160,7 @@ class SyncerServer:
         wire: dict[int, object] = {}
         if self.store is None:
             return versions, restored, wire
-        self.store.initialize(self.layout, dict(vars(self.config)), shard=shard)
+        self.store.initialize(self.layout, dataclasses.asdict(self.config), shard=shard)
         for p in owned:
             loaded = self.store.load(p, self.layout.fragments[p].numel)
             if loaded is not None:
@@ -204,19 +205,20 @@ class SyncerServer:
         cls,
         model: torch.nn.Module,
         *,
-        fragments: int = ProtocolConfig.fragments,
         config: SyncerConfig | None = None,
         **kwargs,
     ) -> SyncerServer:
         """A syncer whose global model starts from ``model``'s parameters, cut into
-        ``fragments`` fragments exactly as ``diloco.Learner`` cuts them (same layout hash).
+        ``config.protocol.num_fragments`` fragments exactly as ``diloco.Learner`` cuts them
+        (same layout hash).
 
         Other keyword arguments go to the constructor (``bind``, ``state_dir``, ...).
         """
         from diloco.algorithm.embeddings import embedding_parameter_names
         from diloco.algorithm.fragments import balanced_fragments
 
-        layout = balanced_fragments(model.named_parameters(), fragments)
+        config = config or SyncerConfig()
+        layout = balanced_fragments(model.named_parameters(), config.protocol.num_fragments)
         named = dict(model.named_parameters())
         params = [layout.gather(p, named) for p in range(layout.num_fragments)]
         kwargs.setdefault("embeddings", embedding_parameter_names(model))

@@ -297,7 +297,10 @@ class SyncerState(LearnerRoster, RoundClosing):
         norm = float(counters["delta"].norm()) if norm is None else norm
         since = info.accepted_at.get(fragment, info.first_joined_at or now)
         steps = plausible_steps(
-            counters["steps"], now - since, self.fleet_step_s(), slack=self.config.sync_every
+            counters["steps"],
+            now - since,
+            self.fleet_step_s(),
+            slack=self.config.protocol.sync_every,
         )
         round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
         earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
@@ -311,7 +314,7 @@ class SyncerState(LearnerRoster, RoundClosing):
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
             max_ratio=self.config.norm_guard_max_ratio,
-            sync_every=self.config.sync_every if self.config.schedule == "syncer" else 0,
+            sync_every=self.config.protocol.sync_every if self.config.schedule == "syncer" else 0,
         )
         if not verdict.accept:
             raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
@@ -384,7 +387,9 @@ class SyncerState(LearnerRoster, RoundClosing):
         self.expire(now)
         live = self.live(now)
         period = tick_period(
-            self.fleet_step_s(now), sync_every=self.config.sync_every, fragments=len(self.served)
+            self.fleet_step_s(now),
+            sync_every=self.config.protocol.sync_every,
+            fragments=len(self.served),
         )
         # A round open with no answer when its turn comes again (its learners died or could
         # not answer) is asked again; one with answers closes within its grace window.
@@ -468,7 +473,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         (``H`` fleet steps, when the fragment's turn comes again), at least τ steps; the
         lease before any step estimate exists."""
         period = tick_period(
-            estimates.step_s, sync_every=self.config.sync_every, fragments=len(self.served)
+            estimates.step_s, sync_every=self.config.protocol.sync_every, fragments=len(self.served)
         )
         if period is None:
             return self.config.lease_s

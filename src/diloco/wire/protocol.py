@@ -33,14 +33,15 @@ def syncer_upload_deadline_s(nbytes: int) -> float:
 class ProtocolConfig:
     """How the model is cut and how often each piece is synchronised."""
 
-    fragments: int = option(24, metavar="P")
+    num_fragments: int = option(24, flag="--fragments", metavar="P")
     """P: fragments the model is cut into (the syncer and every learner must agree)."""
     sync_every: int = option(24, metavar="H")
     """H: inner steps between two synchronisations of one fragment (the syncer's clock opens
     each fragment's round once per H fleet steps)."""
 
     def __post_init__(self) -> None:
-        if self.fragments < 1 or self.sync_every < 1:
+        if self.num_fragments < 1 or self.sync_every < 1:
             raise ValueError(
-                f"fragments and sync_every must be >= 1 (got {self.fragments}, {self.sync_every})"
+                f"--fragments and --sync-every must be >= 1 "
+                f"(got {self.num_fragments}, {self.sync_every})"
             )
