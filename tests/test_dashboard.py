@@ -223,7 +223,6 @@ def test_the_dashboard_is_read_only(served):
 
 @pytest.mark.timeout(60)
 def test_slow_clients_are_cut_at_the_deadline_and_cannot_starve_health():
-    threads_before = threading.active_count()
     server = DashboardServer(dict, bind="127.0.0.1:0", token=SECRET, deadline_s=1.5).start()
     base = f"http://127.0.0.1:{server.port}"
     stop = threading.Event()
@@ -246,8 +245,10 @@ def test_slow_clients_are_cut_at_the_deadline_and_cannot_starve_health():
         t0 = time.monotonic()
         dribbler.start()
         time.sleep(0.5)
-        # at most the cap holds a thread (+1: the serving loop, +1: the dribbler)
-        assert threading.active_count() - threads_before <= MAX_CONNECTIONS + 2
+        # at most the cap holds a handler thread (counted by name: other tests' threads may
+        # still be ending, and the dribbler is this test's own)
+        handlers = [t for t in threading.enumerate() if t.name == "dashboard-request"]
+        assert 0 < len(handlers) <= MAX_CONNECTIONS
         # /healthz answers a new client within a few seconds (503 while the cap is full)
         while (status := _status(base + "/healthz")) != 200:
             assert time.monotonic() - t0 < 5.0, f"/healthz still answers {status}"

@@ -76,6 +76,10 @@ def run(config: WorkerConfig) -> int:
         return 2
     proc.train(stop)
     proc.finish()
+    if world > 1:  # every file is closed; a rank's teardown can abort (see exit_now)
+        from diloco.runtime.exit import exit_now
+
+        exit_now(0)
     return 0
 
 
