@@ -24,7 +24,7 @@ from torch import nn
 
 from diloco.algorithm import balanced_fragments
 from diloco.launch.relay import Relay
-from diloco.learner.corrupt import Corruptor
+from diloco.learner.corrupt import CorruptingEncoder, Corruptor
 from diloco.learner.learner import Learner
 from diloco.learner.snapshot import HostCopies, HostCopy
 from diloco.syncer.config import SyncerConfig
@@ -267,7 +267,7 @@ def test_a_delta_the_direction_check_leaves_out_is_excluded_in_its_learners_book
 
     def flip_last(learner: Learner) -> None:
         if learner.learner_id == "l3":
-            learner.link.corruptor = Corruptor("flip")
+            learner.link.encoder = CorruptingEncoder(Corruptor("flip"))
 
     try:
         learners, threads = start_training([server.address] * 4, pace=0.03, prepare=flip_last)

@@ -19,6 +19,7 @@ from diloco.chaos import ChaosSpecError, corruptions, parse_spec, schedule
 from diloco.learner.corrupt import (
     HOSTILE_CLAIM,
     HUGE_FACTOR,
+    CorruptingEncoder,
     Corruptor,
     corrupt_delta,
     corrupt_payload,
@@ -110,12 +111,13 @@ def test_each_mode_reaches_the_syncer_and_is_handled(tmp_path, how, refused):
     model = _model()
     layout, named, server = _syncer_for(model, tmp_path, up_codec="int8")
     try:
+        encoder = CorruptingEncoder(Corruptor(how))
         learner = Learner(
             model,
             syncer=server.address,
             num_fragments=2,
             learner_id="sdc",
-            link_options={"corruptor": Corruptor(how)},
+            link_options={"encoder": encoder},
         )
         assert learner.wait_for_global(timeout=10)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -131,7 +133,7 @@ def test_each_mode_reaches_the_syncer_and_is_handled(tmp_path, how, refused):
             assert learner.link.wait_idle(10)
         assert learner.flush(timeout=10)
         learner.close(flush=False)
-        assert learner.link.stats.corrupted >= 4
+        assert encoder.corrupted >= 4
     finally:
         server.stop()
     tape = read_tape(tmp_path / "events.jsonl")

@@ -55,7 +55,9 @@ def test_a_restore_drops_only_the_progress_delivered_after_the_checkpoint(tmp_pa
     model, learner = make(tmp_path)
     try:
         for p in range(2):
-            learner._on_fragment(p, 1, learner.layout.gather(p, learner.params), frozenset())
+            learner.listener.on_fragment(
+                p, 1, learner.layout.gather(p, learner.params), frozenset()
+            )
         learner.apply_arrived()
         anchors = [a.clone() for a in learner.anchors]
         with torch.no_grad():
@@ -67,7 +69,7 @@ def test_a_restore_drops_only_the_progress_delivered_after_the_checkpoint(tmp_pa
         trained = {p: learner.layout.gather(p, learner.params) for p in range(2)}
         # after the checkpoint, fragment 1 went out at step 8 and was accepted; 0 did not
         job = UploadJob(1, 1, 8, 80, torch.zeros(1), 0.0, local_step=8)
-        learner._on_result(job, UploadResult("accepted", admitted=1, sent=torch.zeros(1)))
+        learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=torch.zeros(1)))
     finally:
         learner.close(flush=False)
 

@@ -43,7 +43,7 @@ def queued_job(learner):
 
 
 def start(model, learner, v0):
-    learner._on_fragment(0, 1, v0, frozenset())
+    learner.listener.on_fragment(0, 1, v0, frozenset())
     learner.apply_arrived()
     assert torch.equal(weight(model), v0) and learner.versions[0] == 1
 
@@ -54,7 +54,7 @@ def test_a_foreign_merge_keeps_the_undelivered_progress_and_its_counters():
         v0 = torch.arange(12.0)
         start(model, learner, v0)
         train(model, learner, 0.5)
-        learner._on_fragment(0, 2, v0 + 2, frozenset({"other"}))
+        learner.listener.on_fragment(0, 2, v0 + 2, frozenset({"other"}))
         learner.apply_arrived()
         assert torch.allclose(weight(model), v0 + 2.5)
         assert (learner.steps_since[0], learner.tokens_since[0]) == (2, 20)
@@ -77,10 +77,10 @@ def test_every_step_is_sent_once_across_acceptance_and_merge():
         assert learner.steps_since[0] == 0 and learner.in_flight() == {0: 1}
         train(model, learner, -0.25, steps=2)  # trained while the delta is on its way
         # A version arrives before the upload's answer: it waits (it may hold our delta).
-        learner._on_fragment(0, 2, v0 + 1, frozenset({"me"}))
+        learner.listener.on_fragment(0, 2, v0 + 1, frozenset({"me"}))
         assert learner.apply_arrived() == 0 and learner.versions[0] == 1
         sent = job.delta.clone()
-        learner._on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+        learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
         learner.apply_arrived()  # version 2 merged our delta (admitted at 1)
         assert learner.versions[0] == 2 and learner.in_flight() == {}
         assert torch.allclose(weight(model), v0 + 1 - 0.25)  # what came after the delta
@@ -99,13 +99,15 @@ def test_an_accepted_delta_stays_on_its_way_through_a_version_that_does_not_merg
         train(model, learner, 1.0)
         learner._queue(0)
         job = queued_job(learner)
-        learner._on_result(job, UploadResult("accepted", admitted=2, sent=job.delta.clone()))
-        learner._on_fragment(0, 2, v0 + 3, frozenset({"other"}))  # committed before ours
+        learner.listener.on_result(
+            job, UploadResult("accepted", admitted=2, sent=job.delta.clone())
+        )
+        learner.listener.on_fragment(0, 2, v0 + 3, frozenset({"other"}))  # committed before ours
         learner.apply_arrived()
         assert learner.in_flight() == {0: 1}
         assert torch.allclose(weight(model), v0 + 3 + 1)  # our delta is still pending
         assert not learner._queue(0)  # nothing new to send: no step since
-        learner._on_fragment(0, 3, torch.full((12,), 2.0), frozenset({"me", "other"}), 2)
+        learner.listener.on_fragment(0, 3, torch.full((12,), 2.0), frozenset({"me", "other"}), 2)
         learner.apply_arrived()
         assert learner.in_flight() == {} and torch.equal(weight(model), v0 + 5)
     finally:
@@ -121,7 +123,7 @@ def test_a_failed_or_refused_upload_returns_its_progress_and_nothing_is_counted_
             learner._queue(0)
             job = queued_job(learner)
             train(model, learner, 1.0, steps=1)
-            learner._on_result(job, UploadResult(outcome))
+            learner.listener.on_result(job, UploadResult(outcome))
             learner.apply_arrived()
             assert learner.in_flight() == {} and learner.steps_since[0] == 4, outcome
             learner._queue(0)
@@ -156,7 +158,7 @@ def test_the_residual_of_the_quantized_upload_goes_out_next_time():
         learner._queue(0)
         job = queued_job(learner)
         sent = job.delta * 0.9  # the syncer decoded less than was queued
-        learner._on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+        learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
         learner.apply_arrived()
         train(model, learner, 0.0, steps=1)
         learner._queue(0)
@@ -171,17 +173,17 @@ def test_deltas_apply_bit_exactly_and_one_that_does_not_fit_asks_for_a_keyframe(
         v0 = torch.randn(12)
         start(model, learner, v0)
         d1, d2 = torch.randn(12), torch.randn(12)
-        learner._on_fragment(0, 2, d1, frozenset(), 1)
-        learner._on_fragment(0, 3, d2, frozenset(), 2)
+        learner.listener.on_fragment(0, 2, d1, frozenset(), 1)
+        learner.listener.on_fragment(0, 3, d2, frozenset(), 2)
         learner.apply_arrived()
         assert learner.versions[0] == 3 and torch.equal(weight(model), (v0 + d1) + d2)
-        learner._on_fragment(0, 9, d1, frozenset(), 7)  # starts from a version we lack
+        learner.listener.on_fragment(0, 9, d1, frozenset(), 7)  # starts from a version we lack
         learner.apply_arrived()
         assert learner.versions[0] == 3 and learner.counters["resyncs"] == 1
-        assert learner._have_versions() == [-1]  # the next subscription asks for a keyframe
-        learner._on_fragment(0, 9, v0, frozenset())
+        assert learner.listener.have_versions() == [-1]  # the next subscription asks for a keyframe
+        learner.listener.on_fragment(0, 9, v0, frozenset())
         learner.apply_arrived()
-        assert learner.versions[0] == 9 and learner._have_versions() == [9]
+        assert learner.versions[0] == 9 and learner.listener.have_versions() == [9]
     finally:
         learner.close(flush=False)
 
@@ -193,9 +195,11 @@ def test_own_merge_overwrites_when_rebase_own_is_off():
         train(model, learner, 1.0)
         learner._queue(0)
         job = queued_job(learner)
-        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+        learner.listener.on_result(
+            job, UploadResult("accepted", admitted=1, sent=job.delta.clone())
+        )
         train(model, learner, 0.5)
-        learner._on_fragment(0, 2, torch.full((12,), 2.0), frozenset({"me"}))
+        learner.listener.on_fragment(0, 2, torch.full((12,), 2.0), frozenset({"me"}))
         learner.apply_arrived()
         assert torch.equal(weight(model), torch.full((12,), 2.0))  # the paper's overwrite
         assert learner.steps_since[0] == 0
@@ -210,7 +214,7 @@ def test_a_guard_refusal_drops_the_undelivered_progress_once():
         train(model, learner, 50.0)
         learner._queue(0)
         job = queued_job(learner)
-        learner._on_result(job, UploadResult("guard"))
+        learner.listener.on_result(job, UploadResult("guard"))
         learner.apply_arrived()
         assert torch.equal(weight(model), torch.zeros(12)) and learner.guard_resets == 1
         assert learner.steps_since[0] == 0 and learner.last_applied == [0]
@@ -225,7 +229,9 @@ def test_the_ledger_survives_a_checkpoint():
         train(model, learner, 1.0)
         learner._queue(0)
         job = queued_job(learner)
-        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+        learner.listener.on_result(
+            job, UploadResult("accepted", admitted=1, sent=job.delta.clone())
+        )
         state = learner.state_dict()
     finally:
         learner.close(flush=False)
@@ -234,7 +240,7 @@ def test_the_ledger_survives_a_checkpoint():
     )
     try:
         assert restored.in_flight() == {0: 1}
-        restored._on_fragment(0, 2, torch.full((12,), 1.0), frozenset({"me"}))
+        restored.listener.on_fragment(0, 2, torch.full((12,), 1.0), frozenset({"me"}))
         restored.apply_arrived()  # the version that merged it: nothing left on its way
         assert restored.in_flight() == {} and torch.equal(weight(model), torch.full((12,), 1.0))
     finally:
@@ -291,7 +297,7 @@ def test_a_copy_that_lands_later_makes_the_delta_as_of_when_it_was_taken():
         assert learner.unsent() == [2]
         assert not learner._queue(0)  # one copy at a time: the progress waits
         train(model, learner, -0.25, steps=3)  # trained while the copy is on its way
-        learner._on_fragment(0, 2, v0 + 2, frozenset({"other"}))
+        learner.listener.on_fragment(0, 2, v0 + 2, frozenset({"other"}))
         learner.apply_arrived()
         assert learner.versions[0] == 1  # the arrival waits for the delta to be made
         learner._send_copied()
@@ -301,7 +307,7 @@ def test_a_copy_that_lands_later_makes_the_delta_as_of_when_it_was_taken():
         job = queued_job(learner)
         assert torch.allclose(job.delta, torch.full((12,), -0.5))  # θ as of the copy
         assert (job.steps, job.tokens, job.base_version) == (2, 20, 1)
-        learner._on_result(job, UploadResult("failed"))  # back to the undelivered progress
+        learner.listener.on_result(job, UploadResult("failed"))  # back to the undelivered progress
         learner.apply_arrived()  # now the foreign version applies, keeping all our progress
         assert learner.versions[0] == 2
         assert torch.allclose(weight(model), v0 + 2.25)
@@ -326,14 +332,16 @@ def test_an_answer_is_settled_before_a_rejoin_reported_after_it():
     model, learner = make_learner()
     try:
         v0 = torch.arange(12.0)
-        learner._on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
+        learner.listener.on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
         start(model, learner, v0)
         train(model, learner, 0.5, steps=4)
         assert learner._queue(0)
         job = queued_job(learner)
         # accepted at version 1; then the syncer died before committing that round
-        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
-        learner._on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
+        learner.listener.on_result(
+            job, UploadResult("accepted", admitted=1, sent=job.delta.clone())
+        )
+        learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
         learner.apply_arrived()
         assert learner.in_flight() == {}
         assert learner.steps_since[0] == 4  # undelivered again: it goes out with the next
@@ -360,8 +368,8 @@ def test_the_quantization_residual_survives_a_merge_applied_in_the_same_step():
         learner._queue(0)
         job = queued_job(learner)
         sent = job.delta * 0.9  # the syncer decoded less than was queued
-        learner._on_result(job, UploadResult("accepted", admitted=1, sent=sent))
-        learner._on_fragment(0, 2, torch.full((12,), 3.0), frozenset({"me"}))
+        learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+        learner.listener.on_fragment(0, 2, torch.full((12,), 3.0), frozenset({"me"}))
         learner.apply_arrived()  # settles the acceptance, then applies version 2
         assert learner.versions[0] == 2 and learner.steps_since[0] == 0
         assert torch.allclose(undelivered(model, learner), job.delta - sent)
@@ -379,13 +387,13 @@ def accepted_then_version_two(model, learner, *, note_first: bool):
     assert learner._queue(0)
     job = queued_job(learner)
     assert job.upload_id  # named by the learner when queued
-    learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+    learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
     if note_first:
-        learner._on_versions("127.0.0.1:1", [], [job.upload_id])
-    learner._on_fragment(0, 2, v0 + 1, frozenset({"other"}))
+        learner.listener.on_versions("127.0.0.1:1", [], [job.upload_id])
+    learner.listener.on_fragment(0, 2, v0 + 1, frozenset({"other"}))
     learner.apply_arrived()
     if not note_first:
-        learner._on_versions("127.0.0.1:1", [2], [job.upload_id, 12345])  # 12345: not ours
+        learner.listener.on_versions("127.0.0.1:1", [2], [job.upload_id, 12345])  # 12345: not ours
     return learner.accounting()
 
 
@@ -414,7 +422,7 @@ def test_steps_before_the_first_arrival_are_dropped_by_it():
     try:
         for _ in range(3):
             learner.step(tokens=10)  # nothing is sent: the fragment was never received
-        learner._on_fragment(0, 1, torch.arange(12.0), frozenset())
+        learner.listener.on_fragment(0, 1, torch.arange(12.0), frozenset())
         learner.apply_arrived()
         assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
         assert learner.dropped[0] == 3
@@ -442,7 +450,7 @@ def test_a_guard_reset_drops_a_snapshot_whose_copy_is_still_on_its_way():
         )
         train(model, learner, 0.5, steps=2)
         assert learner._queue(0) and 0 in learner._copying
-        learner._on_result(refused, UploadResult("guard"))
+        learner.listener.on_result(refused, UploadResult("guard"))
         learner.apply_arrived()  # the reset: θ back to G
         assert torch.equal(weight(model), torch.zeros(12))
         event.landed = True
@@ -478,11 +486,13 @@ def test_versions_waiting_for_an_answer_are_held_as_a_bounded_exact_chain():
         for v in range(2, 52):
             d = torch.randn(12, generator=gen) * 1e-3
             expected = expected + d
-            learner._on_fragment(0, v, d, frozenset({f"l{v % 3}"}), v - 1)
+            learner.listener.on_fragment(0, v, d, frozenset({f"l{v % 3}"}), v - 1)
             learner.step(tokens=10)
             assert learner.versions[0] == 1  # waits for the answer
             assert len(learner._inbox._arrived[0]) <= MAX_WAITING_CHAIN + 1
-        learner._on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+        learner.listener.on_result(
+            job, UploadResult("accepted", admitted=1, sent=job.delta.clone())
+        )
         learner.apply_arrived()
         assert learner.versions[0] == 51 and torch.equal(learner.anchors[0], expected)
         assert learner._ledger.find(0, job.job_id) is None  # merged back
@@ -501,27 +511,27 @@ def test_an_answer_reported_after_the_rejoin_to_a_restarted_syncer_is_judged_by_
     model, learner = make_learner()
     try:
         v0 = torch.arange(12.0)
-        learner._on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
+        learner.listener.on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
         start(model, learner, v0)
         train(model, learner, 0.5, steps=4)
         assert learner._queue(0)
         job = queued_job(learner)
-        learner._on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
+        learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
         accepted = UploadResult(
             "accepted", admitted=1, sent=job.delta.clone(), syncer_id="first-syncer"
         )
-        learner._on_result(job, accepted)  # reported late, by the other thread
+        learner.listener.on_result(job, accepted)  # reported late, by the other thread
         learner.apply_arrived()
         assert learner.in_flight() == {} and learner.steps_since[0] == 4  # sent again
         # the same late answer with an admission the successor's disk holds was merged
         train(model, learner, 0.5, steps=2)
         assert learner._queue(0)
         job = queued_job(learner)
-        learner._on_rejoin("127.0.0.1:1", "third-syncer", [3], (0,))  # restored version 3
+        learner.listener.on_rejoin("127.0.0.1:1", "third-syncer", [3], (0,))  # restored version 3
         merged_before = UploadResult(
             "accepted", admitted=1, sent=job.delta.clone(), syncer_id="its-successor"
         )
-        learner._on_result(job, merged_before)
+        learner.listener.on_result(job, merged_before)
         learner.apply_arrived()
         assert learner.in_flight() == {0: 1} and learner.steps_since[0] == 0
     finally:
@@ -537,17 +547,19 @@ def test_a_rejoin_past_a_syncer_it_never_saw_returns_what_that_syncer_did_not_co
     them, so it goes out again; one that is listed stays, to be merged by its version."""
     model, learner = make_learner()
     try:
-        learner._on_rejoin("127.0.0.1:1", "first", [0], (0,))
+        learner.listener.on_rejoin("127.0.0.1:1", "first", [0], (0,))
         start(model, learner, torch.arange(12.0))
         kept, lost = [], []
         for admitted, out in ((2, lost), (1, kept)):
             train(model, learner, 0.5, steps=3)
             assert learner._queue(0)
             job = queued_job(learner)
-            learner._on_result(job, UploadResult("accepted", admitted=admitted, sent=job.delta))
+            learner.listener.on_result(
+                job, UploadResult("accepted", admitted=admitted, sent=job.delta)
+            )
             out.append(job.upload_id)
         learner.apply_arrived()
-        learner._on_rejoin("127.0.0.1:1", "third", [3], (0,), kept, [0])
+        learner.listener.on_rejoin("127.0.0.1:1", "third", [3], (0,), kept, [0])
         learner.apply_arrived()
         on_the_ledger = {e.upload_id for _, e in learner._ledger.items()}
         assert on_the_ledger == set(kept)
@@ -563,15 +575,15 @@ def test_a_delta_accepted_by_the_syncer_it_rejoins_is_not_returned():
     instance; a rejoin leaves what its own instance accepted alone."""
     model, learner = make_learner()
     try:
-        learner._on_rejoin("127.0.0.1:1", "old", [0], (0,))
+        learner.listener.on_rejoin("127.0.0.1:1", "old", [0], (0,))
         start(model, learner, torch.arange(12.0))
         train(model, learner, 0.5, steps=3)
         assert learner._queue(0)
         job = queued_job(learner)
         answer = UploadResult("accepted", admitted=1, sent=job.delta, syncer_id="new")
-        learner._on_result(job, answer)
+        learner.listener.on_result(job, answer)
         learner.apply_arrived()
-        learner._on_rejoin("127.0.0.1:1", "new", [1], (0,), [], [0])
+        learner.listener.on_rejoin("127.0.0.1:1", "new", [1], (0,), [], [0])
         learner.apply_arrived()
         assert learner.in_flight() == {0: 1} and learner.steps_since[0] == 0
     finally:

@@ -196,7 +196,7 @@ def test_two_shards_two_learners_end_with_the_union_of_the_shards(tmp_path):
         for i, s in enumerate(shards):
             assert all(s.state.versions[p] == 0 for p in range(P) if p % 2 != i)
         # An observer reading both shards sees the same global model.
-        evaluator = Evaluator(RECIPE, addresses, seed=0, fragments=P)
+        evaluator = Evaluator(RECIPE, addresses, seed=0, num_fragments=P)
         want = [owner(p).state.versions[p] for p in range(P)]
         assert evaluator.wait_for_versions(want, timeout=10)
         loss, versions = evaluator.evaluate()

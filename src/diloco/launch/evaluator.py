@@ -14,10 +14,11 @@ from collections.abc import Sequence
 import torch
 
 from diloco.algorithm.fragments import balanced_fragments
+from diloco.learner.listener import LinkListener
 from diloco.learner.shards import open_link
 
 
-class Evaluator:
+class Evaluator(LinkListener):
     """Keeps the latest global fragments from ``address`` and evaluates them with ``recipe``."""
 
     def __init__(
@@ -26,7 +27,7 @@ class Evaluator:
         address: str | Sequence[str],
         *,
         seed: int,
-        fragments: int,
+        num_fragments: int,
         link_options=None,
     ):
         """``address``: the syncer, or every shard of a sharded syncer (list or "a,b"): the
@@ -36,22 +37,21 @@ class Evaluator:
         self.scores: dict[str, float] = {}
         """The recipe's other held-out measures at the last :meth:`evaluate` (e.g. accuracy)."""
         self.named = dict(self.model.named_parameters())
-        self.layout = balanced_fragments(self.model.named_parameters(), fragments)
+        self.layout = balanced_fragments(self.model.named_parameters(), num_fragments)
         self._latest: dict[int, tuple[int, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._need_keyframe: set[int] = set()
-        self.versions = [-1] * fragments
+        self.versions = [-1] * num_fragments
         self.link = open_link(
             address,
             "evaluator",
             self.layout,
-            on_fragment=self._on_fragment,
-            have_versions=self._have_versions,
+            self,
             observer=True,
             **(link_options or {}),
         )
 
-    def _on_fragment(
+    def on_fragment(
         self, fragment: int, version: int, value: torch.Tensor, _contributors=(), base=-1
     ) -> None:
         """Keep the newest global value: a keyframe as it is, a delta on top of the value it
@@ -71,21 +71,18 @@ class Evaluator:
             self._need_keyframe.add(fragment)  # resubscribe with -1: a keyframe comes
         self.link.reconnect()
 
-    def _have_versions(self) -> list[int]:
+    def have_versions(self) -> list[int]:
         with self._lock:
             return [
                 -1 if p in self._need_keyframe else self._latest.get(p, (v,))[0]
                 for p, v in enumerate(self.versions)
             ]
 
-    def received_versions(self) -> list[int]:
-        return self._have_versions()
-
     def wait_for_versions(self, versions: list[int], timeout: float) -> bool:
         """Block (bounded) until every fragment has reached at least ``versions``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(h >= v for h, v in zip(self._have_versions(), versions, strict=True)):
+            if all(h >= v for h, v in zip(self.have_versions(), versions, strict=True)):
                 return True
             time.sleep(0.05)
         return False

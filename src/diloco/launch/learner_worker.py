@@ -186,10 +186,11 @@ class LearnerProcess:
             return LocalOnly()
         link_options = {}
         if config.corrupt:
-            from diloco.learner.corrupt import Corruptor
+            from diloco.learner.corrupt import CorruptingEncoder, Corruptor
 
             end = config.corrupt_end if config.corrupt_end > 0 else float("inf")
-            link_options["corruptor"] = Corruptor(config.corrupt, config.corrupt_start, end)
+            corruptor = Corruptor(config.corrupt, config.corrupt_start, end)
+            link_options["encoder"] = CorruptingEncoder(corruptor)
             print(f"learner {config.id}: chaos: corrupting uploads ({config.corrupt})", flush=True)
         if self.world > 1:
             from diloco.learner.island import IslandLearner

@@ -304,7 +304,7 @@ class Launch:
             recipe,
             address,
             seed=seed,
-            fragments=self.config.syncer.protocol.num_fragments,
+            num_fragments=self.config.syncer.protocol.num_fragments,
             link_options=client_link_options(
                 token=learner_token(self.prep.token, "evaluator") if self.prep.token else None
             ),

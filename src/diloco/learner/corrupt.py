@@ -12,15 +12,23 @@ wall-clock times, the way broken hardware would, while training normally otherwi
   ordinary norm passes the guard) and the learner declares ``HOSTILE_CLAIM`` times its
   tokens per step at join and claims that many times its tokens in every upload, to
   outweigh the honest learners (docs/security.md "A hostile learner").
+
+The damage is done by ``CorruptingEncoder``, a wrapper around the link's upload encoder: the
+link itself has no fault branches.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
+from diloco.algorithm import codecs
 from diloco.chaos import CORRUPT_HOWS
+from diloco.learner.link import Outgoing, UploadEncoder
+from diloco.learner.uploads import UploadJob
 
 HUGE_FACTOR = 1e3
 """What ``huge`` multiplies a delta by."""
@@ -75,3 +83,31 @@ class Corruptor:
     def declared(self, tokens_per_step: int) -> int:
         """The tokens per step declared at join (``hostile`` inflates it)."""
         return tokens_per_step * HOSTILE_CLAIM if self.how == "hostile" else tokens_per_step
+
+
+class CorruptingEncoder(UploadEncoder):
+    """A link's encoder wrapped to damage its uploads as ``corruptor`` says, while it is
+    active; everything else goes through ``inner`` unchanged (``SyncerLink(encoder=...)``).
+    ``corrupted`` counts the uploads it damaged (every shard's link may share one)."""
+
+    def __init__(self, corruptor: Corruptor, inner: UploadEncoder | None = None) -> None:
+        self.corruptor = corruptor
+        self.inner = inner or UploadEncoder()
+        self.corrupted = 0
+        self._lock = threading.Lock()
+
+    def declared_tokens_per_step(self, tokens_per_step: int) -> int:
+        return self.corruptor.declared(self.inner.declared_tokens_per_step(tokens_per_step))
+
+    def encode(self, job: UploadJob, codec: str) -> Outgoing:
+        honest = self.inner.encode(job, codec)
+        if not self.corruptor.active(time.time()):
+            return honest
+        damaged = codecs.encode(self.corruptor.delta(job.delta), codec)
+        with self._lock:
+            self.corrupted += 1
+        return Outgoing(
+            payload=self.corruptor.payload(damaged),
+            tokens=self.corruptor.tokens(honest.tokens),
+            meant=honest.meant,
+        )

@@ -40,7 +40,7 @@ from diloco.algorithm.fragments import (
     balanced_fragments,
     due_fragments,
 )
-from diloco.learner.callbacks import LinkCallbacks
+from diloco.learner.callbacks import LearnerListener
 from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Inbox, Rejoin, bounded, follow
@@ -58,7 +58,7 @@ from diloco.wire.auth import client_link_options
 log = logging.getLogger(__name__)
 
 
-class Learner(LinkCallbacks, Settling, Stopping, Restoring):
+class Learner(Settling, Stopping, Restoring):
     """Wraps a model whose parameters are trained by the user's own optimizer.
 
     ``step`` is called once per inner optimizer step, after ``optimizer.step()``. It never
@@ -119,6 +119,8 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
             UploadJournal(cfg.journal_file, self.local_step) if cfg.journal_file else None
         )
         self._host_copies = HostCopies(self.layout, self.params)
+        self.listener = LearnerListener(self)
+        """What the link tells this learner and asks of it (on the link's threads)."""
         self.link = self._open_link(syncer, link_options)
         self._resume_unanswered()
         self.before_touch: Callable[[list[int]], None] | None = None
@@ -192,7 +194,7 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
         self._behind = False
         self._down_lags: dict[str, int] = {}
         """Per syncer (shard), the versions this learner lacked of its furthest-behind fragment
-        at the last heartbeat (``_on_versions``, on the link's thread)."""
+        at the last heartbeat (``LearnerListener.on_versions``, on the link's thread)."""
         self._step_time: float | None = None
         self._last_step_at: float | None = None
         self._state = "starting"
@@ -208,7 +210,7 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
         """Fragments whose checkpointed progress was found delivered already at restore."""
 
     def _open_link(self, syncer: str | Sequence[str], link_options: dict | None):
-        """The link to the syncer(s), its callbacks this learner's methods."""
+        """The link to the syncer(s), heard by this learner's ``listener``."""
         cfg = self.config
         options = client_link_options(
             token=cfg.token, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
@@ -218,14 +220,7 @@ class Learner(LinkCallbacks, Settling, Stopping, Restoring):
             syncer,
             self.learner_id,
             self.layout,
-            on_fragment=self._on_fragment,
-            on_request=self._on_request,
-            on_result=self._on_result,
-            on_rejoin=self._on_rejoin,
-            on_versions=self._on_versions,
-            have_versions=self._have_versions,
-            have_digests=self._have_digests,
-            heartbeat_info=self._heartbeat_info,
+            self.listener,
             tokens_per_step=cfg.tokens_per_step,
             **options,
         )

@@ -1,15 +1,16 @@
 """The learner's connection to the syncer, run entirely on background threads.
 
 ``SyncerLink`` joins (layout handshake), keeps a subscription that receives every new
-fragment version (keyframes and deltas, ``on_fragment``) and the requests of the syncer's
-clock (``on_request``), sends queued uploads and heartbeats, and reconnects with exponential
-backoff when the syncer goes away. The training loop only ever calls ``submit`` and
-``withdraw`` (a dict under a lock, never blocks); every submitted job gets exactly one
-answer through ``on_result`` (accepted, refused, failed, ...), except a withdrawn one.
+fragment version (keyframes and deltas) and the requests of the syncer's clock, sends queued
+uploads and heartbeats, and reconnects with exponential backoff when the syncer goes away.
+What it learns goes to its owner's ``LinkListener`` (``diloco.learner.listener``). The
+training loop only ever calls ``submit`` and ``withdraw`` (a dict under a lock, never
+blocks); every submitted job gets exactly one answer through ``listener.on_result``
+(accepted, refused, failed, ...), except a withdrawn one.
 
 Threads: ``link`` (connect / reconnect and the subscription stream), ``sender`` (encodes
-and uploads the jobs of its ``diloco.learner.uploads.UploadQueue``), ``heartbeat``. A refused join (another model) is fatal: ``error`` is set and
-the owner raises it to the user.
+and uploads the jobs of its ``diloco.learner.uploads.UploadQueue``), ``heartbeat``. A
+refused join (another model) is fatal: ``error`` is set and the owner raises it to the user.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import grpc
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
-from diloco.learner.corrupt import Corruptor
+from diloco.learner.listener import LinkListener
 from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
 from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
@@ -51,7 +52,32 @@ class LinkStats:
     keyframes: int = 0
     requests: int = 0
     connects: int = 0
-    corrupted: int = 0
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """An upload as it goes on the wire."""
+
+    payload: bytes
+    """The encoded delta sent."""
+    tokens: int
+    """The tokens it claims."""
+    meant: bytes
+    """What the learner meant to send (the payload unless a fault damaged it): its residual
+    is measured against this, so damage is never fed back into the learner's progress."""
+
+
+class UploadEncoder:
+    """How a link turns a job into the bytes it sends; the seam that fault injection wraps
+    (``diloco.learner.corrupt.CorruptingEncoder``) so the link itself has no fault branches."""
+
+    def declared_tokens_per_step(self, tokens_per_step: int) -> int:
+        """The tokens per step the link declares at join."""
+        return tokens_per_step
+
+    def encode(self, job: UploadJob, codec: str) -> Outgoing:
+        payload = codecs.encode(job.delta, codec)
+        return Outgoing(payload, job.tokens, payload)
 
 
 class SyncerLink:
@@ -62,67 +88,43 @@ class SyncerLink:
         address: str,
         learner_id: str,
         layout: FragmentLayout,
+        listener: LinkListener,
         *,
-        on_fragment: Callable[..., None],
-        have_versions: Callable[[], list[int]],
-        heartbeat_info: Callable[[], dict] = dict,
         observer: bool = False,
+        tokens_per_step: int = 0,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
         rpc_timeout_s: float = 30.0,
         max_backoff_s: float = 5.0,
-        corruptor: Corruptor | None = None,
-        on_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
-        on_request: Callable[[int, int], None] | None = None,
-        on_result: Callable[[UploadJob, UploadResult], None] | None = None,
-        on_rejoin: Callable[..., None] | None = None,
-        on_versions: Callable[[str, list[int], list[int]], None] | None = None,
-        tokens_per_step: int = 0,
-        have_digests: Callable[[], list[str]] | None = None,
+        encoder: UploadEncoder | None = None,
+        check_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
     ) -> None:
-        """Callbacks run on the link's threads. ``on_fragment(p, version, tensor,
-        contributors, base_version)``: a keyframe (``base_version`` -1, the value) or a delta
-        on top of ``base_version``. ``on_request(p, version)``: the syncer's clock asks for
-        p. ``on_result(job, result)``: the answer to every submitted upload (not withdrawn
-        ones). ``on_rejoin(address, syncer_id, versions, fragments, committed, logged_from)``:
-        after every join (``committed``: this learner's upload ids the syncer's commit logs
-        hold; ``logged_from``: per fragment, the version the oldest log admitted at).
-        ``on_versions(address, versions, dropped)``: the syncer's current versions and the
-        ids of this learner's uploads it left out of their merges, with every heartbeat's
-        reply (it travels on the control connection, not behind downloads).
-        ``have_digests()``: digests of the values held for fragments never received (the
-        syncer then sends no payload when they are its own, ``on_fragment`` gets ``None``).
-        ``on_join(link, info)`` is called after every successful join with what the syncer
-        said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused join).
-        The default insists that this one syncer owns every fragment, so a learner given a
-        single shard of a sharded syncer fails with a clear error (``diloco.learner.shards``
-        passes its own check when it fans out to several shards). ``rpc_timeout_s``: the
-        deadline of a join, and the least an upload gets (a big upload on a slow link gets
-        more: ``diloco.learner.pacing.upload_deadline_s``)."""
+        """``listener`` hears everything the link learns and answers what it asks, on the
+        link's threads (``diloco.learner.listener``). ``encoder`` turns a job into the bytes
+        sent (``UploadEncoder``; fault injection wraps it, ``diloco.learner.corrupt``).
+        ``check_join(link, info)`` is called after every successful join with what the
+        syncer said it owns; raising ``ShardError`` refuses that syncer (fatal, like a refused
+        join). The default insists that this one syncer owns every fragment, so a learner
+        given a single shard of a sharded syncer fails with a clear error
+        (``diloco.learner.shards`` passes its own check when it fans out to several shards).
+        ``rpc_timeout_s``: the deadline of a join, and the least an upload gets (a big upload
+        on a slow link gets more: ``diloco.learner.pacing.upload_deadline_s``)."""
         self.address = address
         self.learner_id = learner_id
         self.layout = layout
-        self.on_fragment = on_fragment
-        self.have_versions = have_versions
-        self.heartbeat_info = heartbeat_info
+        self.listener = listener
         self.observer = observer
         self.credentials = credentials
         self.metadata = metadata
         self.rpc_timeout_s = rpc_timeout_s
         self.max_backoff_s = max_backoff_s
-        self.on_request = on_request
-        self.on_result = on_result
-        self.on_rejoin = on_rejoin
-        self.on_versions = on_versions
         self.tokens_per_step = tokens_per_step
-        self.have_digests = have_digests
+        self.encoder = encoder or UploadEncoder()
         self.schedule = "learner"
         """Who drives the rounds, as the syncer said at the last join (``"learner"`` until
         then and for syncers older than the syncer's clock)."""
         self.sync_every = 0
         """H the syncer paces its rounds with (0 until the first join, or not used)."""
-        self.corruptor = corruptor
-        """Chaos only: damages outgoing deltas to emulate silent data corruption."""
         self.stats = LinkStats()
         self.meter = UploadMeter()
         """This learner's upload rate, measured on its own uploads (``diloco.learner.pacing``)."""
@@ -133,7 +135,7 @@ class SyncerLink:
         self.up_codec = "int4"
         self.shard_info: ShardInfo | None = None
         """What the syncer said at the last join: the fragments it owns, its shard."""
-        self._on_join = on_join or _check_owns_all
+        self._check_join = check_join or _check_owns_all
         self._owned: frozenset[int] = frozenset()
         self._session = ""
         self._heartbeat_s = 1.0
@@ -204,8 +206,7 @@ class SyncerLink:
         self._end_channels()
 
     def _answer(self, job: UploadJob, result: UploadResult) -> None:
-        if self.on_result is not None:
-            self.on_result(job, result)
+        self.listener.on_result(job, result)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every queued upload has been sent (or given up); True if idle in time."""
@@ -310,8 +311,8 @@ class SyncerLink:
             pb.SubscribeRequest(
                 learner_id=self.learner_id,
                 session=reply.session,
-                have_versions=self.have_versions(),
-                have_digests=self.have_digests() if self.have_digests is not None else [],
+                have_versions=self.listener.have_versions(),
+                have_digests=self.listener.have_digests(),
             ),
             metadata=self.metadata,
         )
@@ -357,9 +358,7 @@ class SyncerLink:
                 num_fragments=self.layout.num_fragments,
                 tensors=tensors,
                 observer=self.observer,
-                tokens_per_step=self.corruptor.declared(self.tokens_per_step)
-                if self.corruptor
-                else self.tokens_per_step,
+                tokens_per_step=self.encoder.declared_tokens_per_step(self.tokens_per_step),
             ),
             timeout=self.rpc_timeout_s,
             metadata=self.metadata,
@@ -371,22 +370,21 @@ class SyncerLink:
             reply.num_shards or 1,
         )
         self._stub, self._session = stub, reply.session  # so that a refusal can leave cleanly
-        self._on_join(self, info)  # may raise ShardError: fatal
+        self._check_join(self, info)  # may raise ShardError: fatal
         self.shard_info, self._owned = info, frozenset(info.fragments)
         self.joined_versions = list(reply.versions)
         self._heartbeat_s, self.up_codec = max(0.05, reply.heartbeat_s), reply.up_codec
         self.schedule = reply.schedule or "learner"
         self.sync_every = reply.sync_every
         self.stats.connects += 1
-        if self.on_rejoin is not None:
-            self.on_rejoin(
-                self.address,
-                reply.syncer_id,
-                list(reply.versions),
-                info.fragments,
-                list(reply.committed_uploads),
-                list(reply.logged_from),
-            )
+        self.listener.on_rejoin(
+            self.address,
+            reply.syncer_id,
+            list(reply.versions),
+            info.fragments,
+            list(reply.committed_uploads),
+            list(reply.logged_from),
+        )
         # What an upload is sent with, read at once (stub, session, syncer instance), set only
         # now: an answer of this instance must be reported after the rejoin to it.
         self._joined = (stub, reply.session, reply.syncer_id)
@@ -407,11 +405,10 @@ class SyncerLink:
                 )
             if chunk.request:
                 self.stats.requests += 1
-                if self.on_request is not None:
-                    self.on_request(chunk.fragment, chunk.version)
+                self.listener.on_request(chunk.fragment, chunk.version)
                 continue
             if chunk.unchanged:  # it holds this value already: no payload
-                self.on_fragment(chunk.fragment, chunk.version, None, frozenset(), -1)
+                self.listener.on_fragment(chunk.fragment, chunk.version, None, frozenset(), -1)
                 continue
             if chunk.chunk_index == 0:
                 parts = []
@@ -419,8 +416,8 @@ class SyncerLink:
                 dropped = frozenset(chunk.dropped_uploads)
             parts.append(chunk.data)
             if chunk.chunk_index + 1 == chunk.num_chunks:
-                if dropped and self.on_versions is not None:  # before the version arrives
-                    self.on_versions(self.address, [], list(dropped))
+                if dropped:  # before the version arrives
+                    self.listener.on_versions(self.address, [], list(dropped))
                 self._arrived(chunk, b"".join(parts), contributors)
 
     def _arrived(self, last_chunk, payload: bytes, contributors: frozenset[str]) -> None:
@@ -431,7 +428,9 @@ class SyncerLink:
         self.stats.fragments_received += 1
         base = last_chunk.base_version if last_chunk.is_delta else -1
         self.stats.keyframes += base < 0
-        self.on_fragment(last_chunk.fragment, last_chunk.version, value, contributors, base)
+        self.listener.on_fragment(
+            last_chunk.fragment, last_chunk.version, value, contributors, base
+        )
 
     def _send_loop(self) -> None:
         while not self._closing.is_set():
@@ -465,12 +464,8 @@ class SyncerLink:
         if stub is None or self._stub is None:
             self.stats.uploads_failed += 1
             return UploadResult("failed")
-        corrupt = self.corruptor is not None and self.corruptor.active(time.time())
-        meant = payload = codecs.encode(job.delta, self.up_codec)
-        if corrupt:
-            damaged = codecs.encode(self.corruptor.delta(job.delta), self.up_codec)
-            payload = self.corruptor.payload(damaged)
-            self.stats.corrupted += 1
+        outgoing = self.encoder.encode(job, self.up_codec)
+        payload = outgoing.payload
         view = memoryview(payload)
         pieces = [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [
             view[:0]
@@ -484,7 +479,7 @@ class SyncerLink:
                     fragment=job.fragment,
                     base_version=job.base_version,
                     steps=job.steps,
-                    tokens=self.corruptor.tokens(job.tokens) if corrupt else job.tokens,
+                    tokens=outgoing.tokens,
                     codec=self.up_codec,
                     numel=job.delta.numel(),
                     chunk_index=i,
@@ -521,9 +516,8 @@ class SyncerLink:
             self.stats.stale_replies += 1
             return UploadResult("stale")
         # The rest of the delta (the quantization residual) stays with the learner for the
-        # next upload. A corrupted upload counts as what the learner meant to send: the damage
-        # (broken hardware, or an attacker's lie) is not fed back into its own progress.
-        sent = codecs.decode(meant, job.delta.numel(), self.up_codec)
+        # next upload; it is measured against what the learner meant to send.
+        sent = codecs.decode(outgoing.meant, job.delta.numel(), self.up_codec)
         return UploadResult("accepted", reply.current_version, sent, syncer_id)
 
     def _heartbeat_loop(self) -> None:
@@ -531,7 +525,7 @@ class SyncerLink:
             stub = self._stub
             if stub is None or not self.connected.is_set():
                 continue
-            info = self.heartbeat_info()
+            info = self.listener.heartbeat_info()
             try:
                 reply = stub.Heartbeat(
                     pb.HeartbeatRequest(
@@ -550,8 +544,10 @@ class SyncerLink:
             if not reply.known:
                 # The syncer restarted or dropped us: reconnect (join again) from the link thread.
                 self._end_channels()
-            elif self.on_versions is not None:
-                self.on_versions(self.address, list(reply.versions), list(reply.dropped_uploads))
+            else:
+                self.listener.on_versions(
+                    self.address, list(reply.versions), list(reply.dropped_uploads)
+                )
 
 
 def _check_owns_all(link: SyncerLink, info: ShardInfo) -> None:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.link import LinkStats, SyncerLink, UploadJob, UploadResult
+from diloco.learner.listener import LinkListener
 
 __all__ = ["ShardedLink", "open_link", "parse_syncer_addresses"]
 
@@ -59,17 +60,18 @@ def open_link(
     syncer: str | Sequence[str],
     learner_id: str,
     layout: FragmentLayout,
+    listener: LinkListener,
     **kwargs,
 ) -> SyncerLink | ShardedLink:
     """A started link to ``syncer``: one address (a whole syncer) or one per shard.
 
-    ``kwargs`` are ``SyncerLink``'s (``on_fragment``, ``have_versions``, ``observer``, TLS
-    and token options, ...); every shard's link gets the same ones.
+    ``kwargs`` are ``SyncerLink``'s options (``observer``, TLS and token options, ...); every
+    shard's link gets the same ones and the same ``listener``.
     """
     addresses = parse_syncer_addresses(syncer)
     if len(addresses) == 1:
-        return SyncerLink(addresses[0], learner_id, layout, **kwargs).start()
-    return ShardedLink(addresses, learner_id, layout, **kwargs).start()
+        return SyncerLink(addresses[0], learner_id, layout, listener, **kwargs).start()
+    return ShardedLink(addresses, learner_id, layout, listener, **kwargs).start()
 
 
 class _AllConnected:
@@ -97,9 +99,7 @@ class ShardedLink:
         addresses: Sequence[str],
         learner_id: str,
         layout: FragmentLayout,
-        *,
-        on_fragment: Callable[..., None],
-        have_versions: Callable[[], list[int]],
+        listener: LinkListener,
         **kwargs,
     ) -> None:
         if len(addresses) < 2:
@@ -113,9 +113,8 @@ class ShardedLink:
                 address,
                 learner_id,
                 layout,
-                on_fragment=on_fragment,
-                have_versions=have_versions,
-                on_join=self._check_join,
+                listener,
+                check_join=self._check_join,
                 **kwargs,
             )
             for address in self.addresses
