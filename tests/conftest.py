@@ -7,8 +7,6 @@ the thread count to its user, see ``LearnerConfig.cpu_threads``)."""
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,19 +14,6 @@ import torch
 from diloco.runtime.disk import SmallDisk
 
 torch.set_num_threads(1)
-
-
-def wait_until(condition: Callable[[], object], timeout: float, interval: float = 0.02):
-    """Poll ``condition`` until it returns something true (returned) or ``timeout`` seconds
-    pass (``AssertionError``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout} s: {condition}")
-        time.sleep(interval)
 
 
 @pytest.fixture

@@ -12,97 +12,23 @@ exactly the steps it trained, per fragment.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
 import grpc
 import pytest
 import torch
-from torch import nn
+from fleet import STEPS, P, finish_training, make_model, merged_steps, start_syncer, start_training
+from kit import run_diloco_json
 
 from diloco.algorithm import balanced_fragments
 from diloco.launch.relay import Relay
 from diloco.learner.corrupt import CorruptingEncoder, Corruptor
 from diloco.learner.learner import Learner
 from diloco.learner.snapshot import HostCopies, HostCopy
-from diloco.syncer.config import SyncerConfig
-from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
-from diloco.wire.protocol import ProtocolConfig
 
-P = 4
 LOSE = True
-STEPS = 200
-
-
-def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 1))
-
-
-def train(learner: Learner, model: nn.Module, seed: int, pace: float = 0.015) -> None:
-    """``STEPS`` steps of a small regression, ``pace`` seconds of sleep after each: a steady
-    pace for the syncer's clock."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(STEPS):
-        x = torch.randn(8, 64, generator=gen)
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        learner.step(tokens=8)
-        time.sleep(pace)
-
-
-def merged_steps(rounds: list[dict], learner: str, fragment: int) -> int:
-    """Steps of ``learner`` that the tape's round records of ``fragment`` merged."""
-    return sum(
-        steps
-        for r in rounds
-        if r["fragment"] == fragment
-        for who, steps in zip(r["participants"], r["steps"], strict=True)
-        if who == learner
-    )
-
-
-def start_syncer(tmp_path, **cfg) -> SyncerServer:
-    """An in-process syncer of ``make_model(0)`` on the syncer's clock, tape in ``tmp_path``."""
-    model = make_model(0)
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
-    base = {"protocol": ProtocolConfig(sync_every=4), "lease_s": 5.0, "heartbeat_s": 0.2}
-    config = SyncerConfig(**{**base, **cfg})
-    return SyncerServer(
-        layout,
-        [layout.gather(p, named) for p in range(P)],
-        config,
-        tape_path=tmp_path / "events.jsonl",
-    ).start()
-
-
-def start_training(
-    addresses: list[str], pace: float = 0.015, prepare=None
-) -> tuple[list[Learner], list[threading.Thread]]:
-    """One learner per address (``prepare(learner)`` first, if given), joined, each training
-    ``STEPS`` steps on its own thread."""
-    models = [make_model(10 + i) for i in range(len(addresses))]
-    learners = [
-        Learner(m, syncer=a, num_fragments=P, learner_id=f"l{i}", tokens_per_step=8)
-        for i, (m, a) in enumerate(zip(models, addresses, strict=True))
-    ]
-    for lr in learners:
-        if prepare is not None:
-            prepare(lr)
-        assert lr.wait_for_global(timeout=20)
-    threads = [
-        threading.Thread(target=train, args=(lr, m, i, pace))
-        for i, (lr, m) in enumerate(zip(learners, models, strict=True))
-    ]
-    for t in threads:
-        t.start()
-    return learners, threads
 
 
 def train_to_the_end(tmp_path, learners: int, **training) -> tuple[list[Learner], list[dict]]:
@@ -205,30 +131,12 @@ def test_an_upload_whose_reply_was_lost_is_merged_once(tmp_path):
     """The syncer accepted an upload but its reply never arrived: the learner sends it again
     as it was (same upload id), the syncer answers with its first verdict, and the delta is
     merged once (folding it into the next delta merged it twice: 217 of 200 steps, once)."""
-    model = make_model(0)
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
     lossy = LoseEveryThirdReply()
-    server = SyncerServer(
-        layout,
-        [layout.gather(p, named) for p in range(P)],
-        SyncerConfig(
-            protocol=ProtocolConfig(sync_every=4), lease_s=5.0, heartbeat_s=0.2, norm_guard_k=0.0
-        ),
-        tape_path=tmp_path / "events.jsonl",
-        interceptors=[lossy],
-    ).start()
+    server = start_syncer(tmp_path, norm_guard_k=0.0, interceptors=[lossy])
     learners: list[Learner] = []
     try:
         learners, threads = start_training([server.address] * 2)
-        for t in threads:
-            t.join(timeout=60)
-        for lr in learners:
-            lr.close(flush=True)
-        deadline = time.monotonic() + 20
-        while any(r.contributions for r in server.state.rounds.values()):
-            assert time.monotonic() < deadline, "rounds did not settle"
-            time.sleep(0.05)
+        finish_training(server, learners, threads, timeout=60)
     finally:
         server.stop()
     tape = read_tape(tmp_path / "events.jsonl")
@@ -271,14 +179,7 @@ def test_a_delta_the_direction_check_leaves_out_is_excluded_in_its_learners_book
 
     try:
         learners, threads = start_training([server.address] * 4, pace=0.03, prepare=flip_last)
-        for t in threads:
-            t.join(timeout=90)
-        for lr in learners:
-            lr.close(flush=True)
-        deadline = time.monotonic() + 20
-        while any(r.contributions for r in server.state.rounds.values()):
-            assert time.monotonic() < deadline, "rounds did not settle"
-            time.sleep(0.05)
+        finish_training(server, learners, threads, timeout=90)
     finally:
         server.stop()
     tape = read_tape(tmp_path / "events.jsonl")
@@ -320,30 +221,21 @@ def test_real_processes_merge_every_trained_step_exactly_once(tmp_path):
     and fragment, the steps the tape's rounds merged plus the learner's unsent tail
     (``final.json``) and the steps it dropped on purpose (a norm-guard reset, counted) are
     exactly the steps it trained."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "run",
-            "--recipe=tiny",
-            "--learners=2",
-            f"--steps={STEPS_RUN}",
-            "--minutes=3",
-            "--eval-every=0",
-            "--max-staleness=0",
-            f"--chaos={CHAOS}",
-            f"--runs-dir={tmp_path}",
-            "--name=acct",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_diloco_json(
+        "run",
+        "--recipe=tiny",
+        "--learners=2",
+        f"--steps={STEPS_RUN}",
+        "--minutes=3",
+        "--eval-every=0",
+        "--max-staleness=0",
+        f"--chaos={CHAOS}",
+        f"--runs-dir={tmp_path}",
+        "--name=acct",
+        "--json",
         timeout=280,
-        stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout)
+    summary = proc
     assert summary["stopped_by"] == "learners finished"
     run_dir = tmp_path / "acct"
     tape = read_tape(run_dir / "syncer" / "events.jsonl")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
+from kit import diloco_command
 
 from diloco.bench import matrix as mx
 from diloco.report import bench as rp
@@ -139,10 +139,7 @@ def test_the_sweep_figure_and_table_name_every_setting(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_tiny_bench_runs_writes_its_table_and_figures_and_resumes(tmp_path):
-    argv = [
-        sys.executable,
-        "-m",
-        "diloco.cli",
+    argv = diloco_command(
         "bench",
         f"--out={tmp_path}",
         "--modes=decoupled,dp",
@@ -152,7 +149,7 @@ def test_a_tiny_bench_runs_writes_its_table_and_figures_and_resumes(tmp_path):
         "--learners=2",
         "--steps=40",
         "--eval-every=2",
-    ]
+    )
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())["results"]

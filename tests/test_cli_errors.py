@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kit import run_diloco
 
 pytestmark = pytest.mark.slow
 
@@ -21,18 +20,6 @@ def busy_port():
     s.bind(("127.0.0.1", 0))
     s.listen()
     return s
-
-
-def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "diloco.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, "DILOCO_TOKEN": ""},
-    )
 
 
 def processes_under(path: Path) -> list[str]:
@@ -96,7 +83,7 @@ def check_case(i: int, args: list[str], phrase: str, tmp_path: Path) -> tuple | 
     with busy_port() as listening:
         port = str(listening.getsockname()[1])
         argv = [a.replace("{busy}", port).replace("{file}", str(work / "a-file")) for a in args]
-        done = run_cli(argv, work)
+        done = run_diloco(*argv, cwd=work, timeout=90, env={"DILOCO_TOKEN": ""})
     lines = done.stderr.strip().splitlines()
     left = sorted(p.name for p in work.iterdir() if p.name != "a-file")
     if (

@@ -113,7 +113,7 @@ def test_the_protocol_defaults_are_written_once():
 
 
 def test_a_run_configuration_round_trips_through_json():
-    config = RunConfig(learners=3, slow=["1=2"], chaos="kill:mtbf=60s", checkpoint_every=7.5)
+    config = RunConfig(learners=3, slow=["1=2"], chaos="kill:mtbf=60s", checkpoint_every_s=7.5)
     data = json.loads(json.dumps(to_dict(config)))
     assert from_dict(RunConfig, data) == config
     assert data["syncer"]["quorum"] == 1 and data["syncer"]["protocol"]["num_fragments"] == 24

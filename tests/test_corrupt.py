@@ -5,16 +5,15 @@ corruption modes one by one against an in-process syncer."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from kit import local_syncer, run_diloco_json, tiny_model
 from torch import nn
 
-from diloco.algorithm import balanced_fragments, codecs
+from diloco.algorithm import codecs
 from diloco.chaos import ChaosSpecError, corruptions, parse_spec, schedule
 from diloco.learner.corrupt import (
     HOSTILE_CLAIM,
@@ -26,7 +25,6 @@ from diloco.learner.corrupt import (
 )
 from diloco.learner.learner import Learner
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
 from diloco.wire.protocol import ProtocolConfig
 
@@ -75,14 +73,11 @@ def test_corruption_modes():
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    return tiny_model(0, (8, 16, 1))
 
 
 def _syncer_for(model: nn.Module, tmp_path: Path, *, up_codec: str):
     """An in-process syncer (2 fragments, tape in ``tmp_path``), started."""
-    layout = balanced_fragments(model.named_parameters(), 2)
-    named = dict(model.named_parameters())
     # On the learners' schedule each step's due fragment is sent at once: these tests count
     # uploads per step. The syncer's clock is exercised by the multi-process tests below.
     config = SyncerConfig(
@@ -92,13 +87,8 @@ def _syncer_for(model: nn.Module, tmp_path: Path, *, up_codec: str):
         schedule="learner",
         protocol=ProtocolConfig(sync_every=2, num_fragments=2),
     )
-    server = SyncerServer(
-        layout,
-        [layout.gather(p, named) for p in range(2)],
-        config,
-        tape_path=tmp_path / "events.jsonl",
-    ).start()
-    return layout, named, server
+    server = local_syncer(model, config, tape_path=tmp_path / "events.jsonl")
+    return server.layout, dict(model.named_parameters()), server
 
 
 @pytest.mark.timeout(60)
@@ -193,30 +183,21 @@ def test_a_learner_refused_by_the_guard_resyncs_the_fragment_and_is_accepted_aga
 def run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[dict]]:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "run",
-            "--recipe=tiny",
-            "--learners=3",
-            f"--steps={STEPS}",
-            f"--minutes={MINUTES}",
-            "--eval-every=1.5",  # a few evaluations even when the 300 steps take ~7 s
-            f"--runs-dir={tmp_path}",
-            f"--name={name}",
-            f"--token-file={token_file}",  # passed through to syncer, learners and evaluator
-            "--json",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_diloco_json(
+        "run",
+        "--recipe=tiny",
+        "--learners=3",
+        f"--steps={STEPS}",
+        f"--minutes={MINUTES}",
+        "--eval-every=1.5",
+        f"--runs-dir={tmp_path}",
+        f"--name={name}",
+        f"--token-file={token_file}",
+        "--json",
+        *extra,
         timeout=240,
-        stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout), read_tape(tmp_path / name / "syncer" / "events.jsonl")
+    return proc, read_tape(tmp_path / name / "syncer" / "events.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from kit import diloco_command, run_diloco, start_diloco, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,20 +28,6 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-
-
-def diloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.cli", *args]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def stop(proc) -> None:
@@ -73,26 +59,20 @@ def scrape(url: str, token: str | None) -> dict:
 def live_run(tmp_path_factory):
     """A 45-second run with a kill; yields (process, run directory, dashboard link)."""
     runs = tmp_path_factory.mktemp("live")
-    proc = subprocess.Popen(
-        diloco(
-            "run",
-            "--recipe=tiny",
-            "--learners=2",
-            "--minutes=0.75",
-            "--eval-every=2",
-            "--chaos=kill:at=6s,down=2s",
-            f"--runs-dir={runs}",
-            "--name=live",
-            "--no-view",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
+    proc = start_diloco(
+        "run",
+        "--recipe=tiny",
+        "--learners=2",
+        "--minutes=0.75",
+        "--eval-every=2",
+        "--chaos=kill:at=6s,down=2s",
+        f"--runs-dir={runs}",
+        "--name=live",
+        "--no-view",
     )
     run_dir = runs / "live"
     try:
-        url = wait_for(
+        url = wait_until(
             lambda: (
                 (run_dir / "dashboard.url").is_file()
                 and (run_dir / "dashboard.url").read_text().strip()
@@ -186,12 +166,7 @@ def test_the_finished_run_leaves_tensorboard_scalars_and_a_report(live_run, tmp_
     assert events.Scalars("rounds/total")[-1].value == summary["rounds"]
 
     report = tmp_path / "report.html"
-    done = subprocess.run(
-        diloco("report", str(run_dir), "-o", str(report)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_diloco("report", str(run_dir), "-o", str(report), timeout=60)
     assert done.returncode == 0, done.stderr
     page = report.read_text()
     figures = re.findall(r"<figure id='(\w+)'><img [^>]*src='data:image/png;base64,", page)
@@ -208,7 +183,7 @@ def test_a_standalone_syncer_serves_its_dashboard(tmp_path):
     os.chmod(token_file, 0o600)
     port_file = tmp_path / "syncer.addr"
     syncer = subprocess.Popen(
-        diloco(
+        diloco_command(
             "syncer",
             "--recipe=tiny",
             "--bind=127.0.0.1:0",
@@ -224,10 +199,10 @@ def test_a_standalone_syncer_serves_its_dashboard(tmp_path):
     )
     learner = None
     try:
-        link = wait_for(lambda: _dashboard_line(syncer), 60, "the syncer's dashboard line")
-        address = wait_for(lambda: port_file.is_file() and port_file.read_text(), 30, "address")
+        link = wait_until(lambda: _dashboard_line(syncer), 60, "the syncer's dashboard line")
+        address = wait_until(lambda: port_file.is_file() and port_file.read_text(), 30, "address")
         learner = subprocess.Popen(
-            diloco(
+            diloco_command(
                 "learner",
                 "--recipe=tiny",
                 f"--syncer={address}",
@@ -247,7 +222,7 @@ def test_a_standalone_syncer_serves_its_dashboard(tmp_path):
             rows = {ln["id"]: ln for ln in snap["learners"]}
             return "site-a" in rows and rows["site-a"]["contributions"] > 0 and snap
 
-        snap = wait_for(merged, 60, "a merged contribution of site-a on the dashboard")
+        snap = wait_until(merged, 60, "a merged contribution of site-a on the dashboard")
         assert snap["mode"] == "syncer" and snap["rounds"]["total"] > 0
         assert next(ln for ln in snap["learners"] if ln["id"] == "site-a")["live"]
         samples = scrape(base + "metrics", viewer)

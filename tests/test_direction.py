@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from kit import join_state, syncer_state, tiny_model
 
-from diloco.algorithm import balanced_fragments
 from diloco.algorithm.guard import (
     DIRECTION_SAMPLE,
     DIRECTION_WHOLE,
@@ -15,7 +14,6 @@ from diloco.algorithm.guard import (
     secret_generator,
 )
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.state import SyncerState
 
 
 def honest_deltas(n: int, count: int, seed: int = 0) -> list[torch.Tensor]:
@@ -36,25 +34,14 @@ def strided_attack(honest: list[torch.Tensor], stride: int = 0) -> torch.Tensor:
 
 
 def test_a_delta_reversed_off_the_strided_indices_is_left_out_of_the_round():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 512))  # 262,656 values: more than the sample
-    layout = balanced_fragments(model.named_parameters(), 1)
+    model = tiny_model(0, (512, 512))  # 262,656 values: more than the sample
+    config = SyncerConfig(schedule="learner", quorum=4, outer_lr=1.0, outer_momentum=0.0)
+    state, layout, events = syncer_state(model, config, num_fragments=1)
     n = layout.fragments[0].numel
     assert n > 2 * DIRECTION_SAMPLE
-    params = [layout.gather(0, dict(model.named_parameters()))]
-    events: list[dict] = []
-    config = SyncerConfig(schedule="learner", quorum=4, outer_lr=1.0, outer_momentum=0.0)
-    state = SyncerState(layout, params, config, emit=events.append)
     ids = ["honest-0", "honest-1", "honest-2", "mallory"]
     for lid in ids:
-        state.join(
-            lid,
-            tensors=layout.tensors,
-            layout_hash=layout.hash,
-            num_fragments=1,
-            observer=False,
-            now=0.0,
-        )
+        join_state(state, lid)
     honest = honest_deltas(n, 3)
     attack = strided_attack(honest)
     mean = torch.stack(honest).mean(0)

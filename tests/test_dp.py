@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from kit import run_diloco
 
 from diloco.baselines.dp import checkpoint as ckpt
 from diloco.launch.supervisor import Supervisor
 from diloco.report.dp_metrics import dp_metrics, new_ground
 from diloco.syncer.store import read_tape
-
-
-def diloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.cli", *args]
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -135,15 +131,7 @@ def test_one_member_down_stops_the_group_and_all_restart_together(tmp_path):
 # ---------------------------------------------------------------------------- end to end
 def dp_run(tmp_path, *flags: str) -> tuple[dict, object, list[dict]]:
     """A ``diloco run --mode dp`` of the tiny recipe: its summary, run directory and tape."""
-    proc = subprocess.run(
-        diloco(
-            "run", "--mode=dp", "--recipe=tiny", "--eval-every=2", *flags,
-            f"--runs-dir={tmp_path}", "--name=dp", "--json", "--no-view", "--dashboard=off",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )  # fmt: skip
+    proc = run_diloco("run", "--mode=dp", "--recipe=tiny", "--eval-every=2", *flags, f"--runs-dir={tmp_path}", "--name=dp", "--json", "--no-view", "--dashboard=off", timeout=110)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "dp"
     return json.loads(proc.stdout), run, read_tape(run / "syncer" / "events.jsonl")
@@ -199,16 +187,12 @@ def test_a_killed_rank_restarts_the_group_from_its_checkpoint(tmp_path):
 
 def test_dp_refuses_chaos_it_cannot_carry_out(tmp_path):
     t0 = time.monotonic()
-    proc = subprocess.run(
-        diloco(
-            "run",
-            "--mode=dp",
-            "--recipe=tiny",
-            "--chaos=syncer-kill:at=5s",
-            f"--runs-dir={tmp_path}",
-        ),
-        capture_output=True,
-        text=True,
+    proc = run_diloco(
+        "run",
+        "--mode=dp",
+        "--recipe=tiny",
+        "--chaos=syncer-kill:at=5s",
+        f"--runs-dir={tmp_path}",
         timeout=60,
     )
     assert proc.returncode == 2

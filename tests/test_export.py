@@ -4,11 +4,10 @@ that a fresh model loads with ``strict=True``, and it is the syncer's global mod
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from kit import run_diloco
 from safetensors.torch import load_file
 from torch import nn
 
@@ -22,20 +21,10 @@ from diloco.wire.protocol import ProtocolConfig
 P = 4
 
 
-def diloco(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "diloco.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
-    proc = diloco(
+    proc = run_diloco(
         "run",
         "--recipe=tiny",
         "--learners=2",
@@ -55,7 +44,7 @@ def run_dir(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_an_exported_run_loads_strictly_and_is_the_syncers_global_model(run_dir, tmp_path):
     out = tmp_path / "model.safetensors"
-    proc = diloco("export", str(run_dir), "-o", str(out))
+    proc = run_diloco("export", str(run_dir), "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout
     recipe = get_recipe("tiny")
@@ -82,7 +71,7 @@ def test_an_exported_run_loads_strictly_and_is_the_syncers_global_model(run_dir,
 
 
 def test_export_refuses_what_is_not_a_run(tmp_path):
-    proc = diloco("export", str(tmp_path), "-o", str(tmp_path / "m.safetensors"))
+    proc = run_diloco("export", str(tmp_path), "-o", str(tmp_path / "m.safetensors"))
     assert proc.returncode == 2 and "not a run directory" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "m.safetensors").exists()
 
@@ -128,7 +117,7 @@ def test_a_live_syncer_gives_its_global_model_as_a_state_dict(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_data_parallel_run_exports_rank_0s_parameters(tmp_path):
-    proc = diloco(
+    proc = run_diloco(
         "run",
         "--mode=dp",
         "--recipe=tiny",
@@ -141,7 +130,7 @@ def test_a_data_parallel_run_exports_rank_0s_parameters(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "dp.safetensors"
-    proc = diloco("export", str(tmp_path / "dp"), "-o", str(out))
+    proc = run_diloco("export", str(tmp_path / "dp"), "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     fresh = get_recipe("tiny").build_model(1)
     fresh.load_state_dict(load_file(str(out)), strict=True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import join_request
 from torch import nn
 
 from diloco.algorithm import balanced_fragments, codecs
@@ -87,14 +88,7 @@ class Harness:
         assert ok.accepted and self.server.state.rounds  # a round is open, waiting for b
 
     def join_request(self, lid: str, observer: bool = False) -> pb.JoinRequest:
-        tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in self.layout.tensors]
-        return pb.JoinRequest(
-            learner_id=lid,
-            layout_hash=self.layout.hash,
-            num_fragments=P,
-            tensors=tensors,
-            observer=observer,
-        )
+        return join_request(self.layout, lid, observer=observer)
 
     def payload(self, fragment: int, scale: float = 1e-4) -> bytes:
         n = self.layout.fragments[fragment].numel

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from kit import join_state, syncer_state, tiny_model
 
-from diloco.algorithm import balanced_fragments
 from diloco.algorithm.guard import DEFAULT_K, DEFAULT_PARAM_RATIO, NormHistory, check_norm
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.state import Refused, SyncerState
+from diloco.syncer.state import Refused
 from diloco.wire.protocol import ProtocolConfig
 
 
@@ -67,24 +66,13 @@ def test_history_keeps_a_window_of_per_step_norms_per_fragment_and_learner():
 
 
 def make_state(joined_at=0.0, **cfg):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
-    layout = balanced_fragments(model.named_parameters(), 1)
-    params = [layout.gather(0, dict(model.named_parameters()))]
-    events = []
+    model = tiny_model(0, (16, 16, 4), tanh=False)
     # rounds open at arrival (the learners' schedule): the fragment bound is not shrunk for
     # short deltas there, so these tests see the median rule and the plain bound
     cfg = {"schedule": "learner", **cfg}
-    state = SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append)
+    state, layout, _ = syncer_state(model, SyncerConfig(**cfg), num_fragments=1)
     for lid in ("good", "bad"):
-        state.join(
-            lid,
-            tensors=layout.tensors,
-            layout_hash=layout.hash,
-            num_fragments=1,
-            observer=False,
-            now=joined_at,
-        )
+        join_state(state, lid, joined_at)
     return state, layout
 
 

@@ -14,9 +14,9 @@ import time
 import grpc
 import pytest
 import torch
-from torch import nn
+from kit import join_request, local_syncer, tiny_model, wait_until
 
-from diloco.algorithm import balanced_fragments, codecs
+from diloco.algorithm import codecs
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
@@ -30,14 +30,10 @@ SECRET = "hostile-fleet-secret-0123456789"
 
 
 def make_server(tmp_path, config: SyncerConfig, **kwargs) -> SyncerServer:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8))
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
-    params = [layout.gather(p, named) for p in range(P)]
-    return SyncerServer(
-        layout, params, config, tape_path=tmp_path / "events.jsonl", **kwargs
-    ).start()
+    model = tiny_model(0, (32, 32, 8), tanh=False)
+    return local_syncer(
+        model, config, num_fragments=P, tape_path=tmp_path / "events.jsonl", **kwargs
+    )
 
 
 def config(**overrides) -> SyncerConfig:
@@ -64,15 +60,7 @@ class Peer:
     def join(self, tokens_per_step: int = 0, timeout: float = 5.0) -> pb.JoinReply:
         layout = self.server.layout
         reply = self.stub.Join(
-            pb.JoinRequest(
-                learner_id=self.learner_id,
-                layout_hash=layout.hash,
-                num_fragments=P,
-                tensors=[
-                    pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in layout.tensors
-                ],
-                tokens_per_step=tokens_per_step,
-            ),
+            join_request(layout, self.learner_id, tokens_per_step=tokens_per_step),
             timeout=timeout,
             metadata=self.metadata,
         )
@@ -134,14 +122,6 @@ def rounds(tmp_path) -> list[dict]:
 
 def refusals(tmp_path) -> list[dict]:
     return [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "refused"]
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------ 1. guard poisoning

@@ -7,6 +7,7 @@ it is applied (accepted, admitted before that version) or when it was not accept
 progress is undelivered again); a new global value keeps ``u`` and what is on its way.
 """
 
+import pytest
 import torch
 
 import diloco
@@ -21,6 +22,14 @@ def make_learner(**overrides):
         model, syncer="127.0.0.1:1", num_fragments=1, learner_id="me", **overrides
     )
     return model, learner
+
+
+@pytest.fixture
+def made():
+    """``make_learner()``'s model and learner, closed after the test."""
+    model, learner = make_learner()
+    yield model, learner
+    learner.close(flush=False)
 
 
 def weight(model):
@@ -48,70 +57,59 @@ def start(model, learner, v0):
     assert torch.equal(weight(model), v0) and learner.versions[0] == 1
 
 
-def test_a_foreign_merge_keeps_the_undelivered_progress_and_its_counters():
-    model, learner = make_learner()
-    try:
-        v0 = torch.arange(12.0)
-        start(model, learner, v0)
-        train(model, learner, 0.5)
-        learner.listener.on_fragment(0, 2, v0 + 2, frozenset({"other"}))
-        learner.apply_arrived()
-        assert torch.allclose(weight(model), v0 + 2.5)
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (2, 20)
-        assert learner._queue(0)
-        job = queued_job(learner)
-        assert torch.allclose(job.delta, torch.full((12,), -0.5))  # only our progress
-        assert (job.steps, job.tokens, job.base_version) == (2, 20, 2)
-    finally:
-        learner.close(flush=False)
+def test_a_foreign_merge_keeps_the_undelivered_progress_and_its_counters(made):
+    model, learner = made
+    v0 = torch.arange(12.0)
+    start(model, learner, v0)
+    train(model, learner, 0.5)
+    learner.listener.on_fragment(0, 2, v0 + 2, frozenset({"other"}))
+    learner.apply_arrived()
+    assert torch.allclose(weight(model), v0 + 2.5)
+    assert (learner.steps_since[0], learner.tokens_since[0]) == (2, 20)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    assert torch.allclose(job.delta, torch.full((12,), -0.5))  # only our progress
+    assert (job.steps, job.tokens, job.base_version) == (2, 20, 2)
 
 
-def test_every_step_is_sent_once_across_acceptance_and_merge():
-    model, learner = make_learner()
-    try:
-        v0 = torch.arange(12.0)
-        start(model, learner, v0)
-        train(model, learner, 0.5, steps=4)
-        assert learner._queue(0)
-        job = queued_job(learner)
-        assert learner.steps_since[0] == 0 and learner.in_flight() == {0: 1}
-        train(model, learner, -0.25, steps=2)  # trained while the delta is on its way
-        # A version arrives before the upload's answer: it waits (it may hold our delta).
-        learner.listener.on_fragment(0, 2, v0 + 1, frozenset({"me"}))
-        assert learner.apply_arrived() == 0 and learner.versions[0] == 1
-        sent = job.delta.clone()
-        learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
-        learner.apply_arrived()  # version 2 merged our delta (admitted at 1)
-        assert learner.versions[0] == 2 and learner.in_flight() == {}
-        assert torch.allclose(weight(model), v0 + 1 - 0.25)  # what came after the delta
-        assert learner.steps_since[0] == 2  # ... and only its steps are still to send
-        assert learner._queue(0)
-        assert torch.allclose(queued_job(learner).delta, torch.full((12,), 0.25))
-    finally:
-        learner.close(flush=False)
+def test_every_step_is_sent_once_across_acceptance_and_merge(made):
+    model, learner = made
+    v0 = torch.arange(12.0)
+    start(model, learner, v0)
+    train(model, learner, 0.5, steps=4)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    assert learner.steps_since[0] == 0 and learner.in_flight() == {0: 1}
+    train(model, learner, -0.25, steps=2)  # trained while the delta is on its way
+    # A version arrives before the upload's answer: it waits (it may hold our delta).
+    learner.listener.on_fragment(0, 2, v0 + 1, frozenset({"me"}))
+    assert learner.apply_arrived() == 0 and learner.versions[0] == 1
+    sent = job.delta.clone()
+    learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+    learner.apply_arrived()  # version 2 merged our delta (admitted at 1)
+    assert learner.versions[0] == 2 and learner.in_flight() == {}
+    assert torch.allclose(weight(model), v0 + 1 - 0.25)  # what came after the delta
+    assert learner.steps_since[0] == 2  # ... and only its steps are still to send
+    assert learner._queue(0)
+    assert torch.allclose(queued_job(learner).delta, torch.full((12,), 0.25))
 
 
-def test_an_accepted_delta_stays_on_its_way_through_a_version_that_does_not_merge_it():
-    model, learner = make_learner()
-    try:
-        v0 = torch.zeros(12)
-        start(model, learner, v0)
-        train(model, learner, 1.0)
-        learner._queue(0)
-        job = queued_job(learner)
-        learner.listener.on_result(
-            job, UploadResult("accepted", admitted=2, sent=job.delta.clone())
-        )
-        learner.listener.on_fragment(0, 2, v0 + 3, frozenset({"other"}))  # committed before ours
-        learner.apply_arrived()
-        assert learner.in_flight() == {0: 1}
-        assert torch.allclose(weight(model), v0 + 3 + 1)  # our delta is still pending
-        assert not learner._queue(0)  # nothing new to send: no step since
-        learner.listener.on_fragment(0, 3, torch.full((12,), 2.0), frozenset({"me", "other"}), 2)
-        learner.apply_arrived()
-        assert learner.in_flight() == {} and torch.equal(weight(model), v0 + 5)
-    finally:
-        learner.close(flush=False)
+def test_an_accepted_delta_stays_on_its_way_through_a_version_that_does_not_merge_it(made):
+    model, learner = made
+    v0 = torch.zeros(12)
+    start(model, learner, v0)
+    train(model, learner, 1.0)
+    learner._queue(0)
+    job = queued_job(learner)
+    learner.listener.on_result(job, UploadResult("accepted", admitted=2, sent=job.delta.clone()))
+    learner.listener.on_fragment(0, 2, v0 + 3, frozenset({"other"}))  # committed before ours
+    learner.apply_arrived()
+    assert learner.in_flight() == {0: 1}
+    assert torch.allclose(weight(model), v0 + 3 + 1)  # our delta is still pending
+    assert not learner._queue(0)  # nothing new to send: no step since
+    learner.listener.on_fragment(0, 3, torch.full((12,), 2.0), frozenset({"me", "other"}), 2)
+    learner.apply_arrived()
+    assert learner.in_flight() == {} and torch.equal(weight(model), v0 + 5)
 
 
 def test_a_failed_or_refused_upload_returns_its_progress_and_nothing_is_counted_twice():
@@ -134,58 +132,49 @@ def test_a_failed_or_refused_upload_returns_its_progress_and_nothing_is_counted_
             learner.close(flush=False)
 
 
-def test_a_delta_still_queued_is_withdrawn_and_sent_with_the_newer_progress():
-    model, learner = make_learner()
-    try:
-        start(model, learner, torch.zeros(12))
-        train(model, learner, 1.0, steps=3)
-        learner._queue(0)
-        train(model, learner, 0.5, steps=1)
-        learner._queue(0)  # the first is still queued: withdrawn, both go out as one
-        job = queued_job(learner)
-        assert (job.steps, job.tokens) == (4, 40) and learner.counters["withdrawn"] == 1
-        assert torch.allclose(job.delta, torch.full((12,), -1.5))
-        assert learner.in_flight() == {0: 1}
-    finally:
-        learner.close(flush=False)
+def test_a_delta_still_queued_is_withdrawn_and_sent_with_the_newer_progress(made):
+    model, learner = made
+    start(model, learner, torch.zeros(12))
+    train(model, learner, 1.0, steps=3)
+    learner._queue(0)
+    train(model, learner, 0.5, steps=1)
+    learner._queue(0)  # the first is still queued: withdrawn, both go out as one
+    job = queued_job(learner)
+    assert (job.steps, job.tokens) == (4, 40) and learner.counters["withdrawn"] == 1
+    assert torch.allclose(job.delta, torch.full((12,), -1.5))
+    assert learner.in_flight() == {0: 1}
 
 
-def test_the_residual_of_the_quantized_upload_goes_out_next_time():
-    model, learner = make_learner()
-    try:
-        start(model, learner, torch.zeros(12))
-        train(model, learner, 1.0)
-        learner._queue(0)
-        job = queued_job(learner)
-        sent = job.delta * 0.9  # the syncer decoded less than was queued
-        learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
-        learner.apply_arrived()
-        train(model, learner, 0.0, steps=1)
-        learner._queue(0)
-        assert torch.allclose(queued_job(learner).delta, job.delta * 0.1)
-    finally:
-        learner.close(flush=False)
+def test_the_residual_of_the_quantized_upload_goes_out_next_time(made):
+    model, learner = made
+    start(model, learner, torch.zeros(12))
+    train(model, learner, 1.0)
+    learner._queue(0)
+    job = queued_job(learner)
+    sent = job.delta * 0.9  # the syncer decoded less than was queued
+    learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+    learner.apply_arrived()
+    train(model, learner, 0.0, steps=1)
+    learner._queue(0)
+    assert torch.allclose(queued_job(learner).delta, job.delta * 0.1)
 
 
-def test_deltas_apply_bit_exactly_and_one_that_does_not_fit_asks_for_a_keyframe():
-    model, learner = make_learner()
-    try:
-        v0 = torch.randn(12)
-        start(model, learner, v0)
-        d1, d2 = torch.randn(12), torch.randn(12)
-        learner.listener.on_fragment(0, 2, d1, frozenset(), 1)
-        learner.listener.on_fragment(0, 3, d2, frozenset(), 2)
-        learner.apply_arrived()
-        assert learner.versions[0] == 3 and torch.equal(weight(model), (v0 + d1) + d2)
-        learner.listener.on_fragment(0, 9, d1, frozenset(), 7)  # starts from a version we lack
-        learner.apply_arrived()
-        assert learner.versions[0] == 3 and learner.counters["resyncs"] == 1
-        assert learner.listener.have_versions() == [-1]  # the next subscription asks for a keyframe
-        learner.listener.on_fragment(0, 9, v0, frozenset())
-        learner.apply_arrived()
-        assert learner.versions[0] == 9 and learner.listener.have_versions() == [9]
-    finally:
-        learner.close(flush=False)
+def test_deltas_apply_bit_exactly_and_one_that_does_not_fit_asks_for_a_keyframe(made):
+    model, learner = made
+    v0 = torch.randn(12)
+    start(model, learner, v0)
+    d1, d2 = torch.randn(12), torch.randn(12)
+    learner.listener.on_fragment(0, 2, d1, frozenset(), 1)
+    learner.listener.on_fragment(0, 3, d2, frozenset(), 2)
+    learner.apply_arrived()
+    assert learner.versions[0] == 3 and torch.equal(weight(model), (v0 + d1) + d2)
+    learner.listener.on_fragment(0, 9, d1, frozenset(), 7)  # starts from a version we lack
+    learner.apply_arrived()
+    assert learner.versions[0] == 3 and learner.counters["resyncs"] == 1
+    assert learner.listener.have_versions() == [-1]  # the next subscription asks for a keyframe
+    learner.listener.on_fragment(0, 9, v0, frozenset())
+    learner.apply_arrived()
+    assert learner.versions[0] == 9 and learner.listener.have_versions() == [9]
 
 
 def test_own_merge_overwrites_when_rebase_own_is_off():
@@ -207,19 +196,16 @@ def test_own_merge_overwrites_when_rebase_own_is_off():
         learner.close(flush=False)
 
 
-def test_a_guard_refusal_drops_the_undelivered_progress_once():
-    model, learner = make_learner()
-    try:
-        start(model, learner, torch.zeros(12))
-        train(model, learner, 50.0)
-        learner._queue(0)
-        job = queued_job(learner)
-        learner.listener.on_result(job, UploadResult("guard"))
-        learner.apply_arrived()
-        assert torch.equal(weight(model), torch.zeros(12)) and learner.guard_resets == 1
-        assert learner.steps_since[0] == 0 and learner.last_applied == [0]
-    finally:
-        learner.close(flush=False)
+def test_a_guard_refusal_drops_the_undelivered_progress_once(made):
+    model, learner = made
+    start(model, learner, torch.zeros(12))
+    train(model, learner, 50.0)
+    learner._queue(0)
+    job = queued_job(learner)
+    learner.listener.on_result(job, UploadResult("guard"))
+    learner.apply_arrived()
+    assert torch.equal(weight(model), torch.zeros(12)) and learner.guard_resets == 1
+    assert learner.steps_since[0] == 0 and learner.last_applied == [0]
 
 
 def test_the_ledger_survives_a_checkpoint():
@@ -323,31 +309,26 @@ def test_a_copy_that_lands_later_makes_the_delta_as_of_when_it_was_taken():
         learner.close(flush=False)
 
 
-def test_an_answer_is_settled_before_a_rejoin_reported_after_it():
+def test_an_answer_is_settled_before_a_rejoin_reported_after_it(made):
     """Issue 32, defect 3: the learner settled every queued rejoin before the upload answers
     that had arrived earlier. An "accepted" answer from a syncer that then died with the
     round open was applied after the rejoin to its restarted successor, so the delta stayed
     on the ledger waiting for a merge that would never hold it (its steps lost). Answers,
     rejoins and notes are settled in the order they arrived."""
-    model, learner = make_learner()
-    try:
-        v0 = torch.arange(12.0)
-        learner.listener.on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
-        start(model, learner, v0)
-        train(model, learner, 0.5, steps=4)
-        assert learner._queue(0)
-        job = queued_job(learner)
-        # accepted at version 1; then the syncer died before committing that round
-        learner.listener.on_result(
-            job, UploadResult("accepted", admitted=1, sent=job.delta.clone())
-        )
-        learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
-        learner.apply_arrived()
-        assert learner.in_flight() == {}
-        assert learner.steps_since[0] == 4  # undelivered again: it goes out with the next
-        assert learner.accounting().unsent == (4,)
-    finally:
-        learner.close(flush=False)
+    model, learner = made
+    v0 = torch.arange(12.0)
+    learner.listener.on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
+    start(model, learner, v0)
+    train(model, learner, 0.5, steps=4)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    # accepted at version 1; then the syncer died before committing that round
+    learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
+    learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
+    learner.apply_arrived()
+    assert learner.in_flight() == {}
+    assert learner.steps_since[0] == 4  # undelivered again: it goes out with the next
+    assert learner.accounting().unsent == (4,)
 
 
 def undelivered(model, learner):
@@ -357,24 +338,21 @@ def undelivered(model, learner):
     return held - weight(model)
 
 
-def test_the_quantization_residual_survives_a_merge_applied_in_the_same_step():
+def test_the_quantization_residual_survives_a_merge_applied_in_the_same_step(made):
     """Accepted, the ledger keeps what the syncer decoded: the residual ``delta − sent`` is
     undelivered progress although no step was trained since (``steps_since`` 0). A version
     applied right after (same step) must keep it, not overwrite it (error feedback)."""
-    model, learner = make_learner()
-    try:
-        start(model, learner, torch.zeros(12))
-        train(model, learner, 1.0)
-        learner._queue(0)
-        job = queued_job(learner)
-        sent = job.delta * 0.9  # the syncer decoded less than was queued
-        learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
-        learner.listener.on_fragment(0, 2, torch.full((12,), 3.0), frozenset({"me"}))
-        learner.apply_arrived()  # settles the acceptance, then applies version 2
-        assert learner.versions[0] == 2 and learner.steps_since[0] == 0
-        assert torch.allclose(undelivered(model, learner), job.delta - sent)
-    finally:
-        learner.close(flush=False)
+    model, learner = made
+    start(model, learner, torch.zeros(12))
+    train(model, learner, 1.0)
+    learner._queue(0)
+    job = queued_job(learner)
+    sent = job.delta * 0.9  # the syncer decoded less than was queued
+    learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=sent))
+    learner.listener.on_fragment(0, 2, torch.full((12,), 3.0), frozenset({"me"}))
+    learner.apply_arrived()  # settles the acceptance, then applies version 2
+    assert learner.versions[0] == 2 and learner.steps_since[0] == 0
+    assert torch.allclose(undelivered(model, learner), job.delta - sent)
 
 
 def accepted_then_version_two(model, learner, *, note_first: bool):
@@ -415,20 +393,17 @@ def test_a_delta_the_syncer_left_out_is_counted_as_dropped_not_merged():
             learner.close(flush=False)
 
 
-def test_steps_before_the_first_arrival_are_dropped_by_it():
+def test_steps_before_the_first_arrival_are_dropped_by_it(made):
     """The first arrival of a fragment overwrites the learner's own initial values: the steps
     trained on them are thrown away (``dropped``), not sent as weight without a delta."""
-    model, learner = make_learner()
-    try:
-        for _ in range(3):
-            learner.step(tokens=10)  # nothing is sent: the fragment was never received
-        learner.listener.on_fragment(0, 1, torch.arange(12.0), frozenset())
-        learner.apply_arrived()
-        assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
-        assert learner.dropped[0] == 3
-        assert learner.local_step == learner.unsent()[0] + learner.dropped[0]  # none merged
-    finally:
-        learner.close(flush=False)
+    model, learner = made
+    for _ in range(3):
+        learner.step(tokens=10)  # nothing is sent: the fragment was never received
+    learner.listener.on_fragment(0, 1, torch.arange(12.0), frozenset())
+    learner.apply_arrived()
+    assert (learner.steps_since[0], learner.tokens_since[0]) == (0, 0)
+    assert learner.dropped[0] == 3
+    assert learner.local_step == learner.unsent()[0] + learner.dropped[0]  # none merged
 
 
 def test_a_guard_reset_drops_a_snapshot_whose_copy_is_still_on_its_way():
@@ -500,7 +475,7 @@ def test_versions_waiting_for_an_answer_are_held_as_a_bounded_exact_chain():
         learner.close(flush=False)
 
 
-def test_an_answer_reported_after_the_rejoin_to_a_restarted_syncer_is_judged_by_it():
+def test_an_answer_reported_after_the_rejoin_to_a_restarted_syncer_is_judged_by_it(made):
     """Found by the torture run: the link's sender thread may report the "accepted" answer
     of a syncer that then died *after* the link thread reported the rejoin to its restarted
     successor (two threads). Settled in that order, the delta waited for a merge by a syncer
@@ -508,86 +483,75 @@ def test_an_answer_reported_after_the_rejoin_to_a_restarted_syncer_is_judged_by_
     lost, twice in 30 runs). An answer names the syncer instance that gave it: one from an
     instance the learner already saw replaced is judged by its successor's restored
     versions, as the rejoin judges the answers settled before it."""
-    model, learner = make_learner()
-    try:
-        v0 = torch.arange(12.0)
-        learner.listener.on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
-        start(model, learner, v0)
-        train(model, learner, 0.5, steps=4)
-        assert learner._queue(0)
-        job = queued_job(learner)
-        learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
-        accepted = UploadResult(
-            "accepted", admitted=1, sent=job.delta.clone(), syncer_id="first-syncer"
-        )
-        learner.listener.on_result(job, accepted)  # reported late, by the other thread
-        learner.apply_arrived()
-        assert learner.in_flight() == {} and learner.steps_since[0] == 4  # sent again
-        # the same late answer with an admission the successor's disk holds was merged
-        train(model, learner, 0.5, steps=2)
-        assert learner._queue(0)
-        job = queued_job(learner)
-        learner.listener.on_rejoin("127.0.0.1:1", "third-syncer", [3], (0,))  # restored version 3
-        merged_before = UploadResult(
-            "accepted", admitted=1, sent=job.delta.clone(), syncer_id="its-successor"
-        )
-        learner.listener.on_result(job, merged_before)
-        learner.apply_arrived()
-        assert learner.in_flight() == {0: 1} and learner.steps_since[0] == 0
-    finally:
-        learner.close(flush=False)
+    model, learner = made
+    v0 = torch.arange(12.0)
+    learner.listener.on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
+    start(model, learner, v0)
+    train(model, learner, 0.5, steps=4)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
+    accepted = UploadResult(
+        "accepted", admitted=1, sent=job.delta.clone(), syncer_id="first-syncer"
+    )
+    learner.listener.on_result(job, accepted)  # reported late, by the other thread
+    learner.apply_arrived()
+    assert learner.in_flight() == {} and learner.steps_since[0] == 4  # sent again
+    # the same late answer with an admission the successor's disk holds was merged
+    train(model, learner, 0.5, steps=2)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    learner.listener.on_rejoin("127.0.0.1:1", "third-syncer", [3], (0,))  # restored version 3
+    merged_before = UploadResult(
+        "accepted", admitted=1, sent=job.delta.clone(), syncer_id="its-successor"
+    )
+    learner.listener.on_result(job, merged_before)
+    learner.apply_arrived()
+    assert learner.in_flight() == {0: 1} and learner.steps_since[0] == 0
 
 
-def test_a_rejoin_past_a_syncer_it_never_saw_returns_what_that_syncer_did_not_commit():
+def test_a_rejoin_past_a_syncer_it_never_saw_returns_what_that_syncer_did_not_commit(made):
     """Found by the torture run: accepted at version 2 by a syncer that died with the round
     open; a second syncer (this learner never reached it) committed version 3 of the
     fragment without the delta and died too; the third restored version 3. Judged by
     versions (2 < 3), the delta looked merged and its steps were lost. The restarted
     syncer now lists the learner's upload ids its commit logs hold: the delta is not among
     them, so it goes out again; one that is listed stays, to be merged by its version."""
-    model, learner = make_learner()
-    try:
-        learner.listener.on_rejoin("127.0.0.1:1", "first", [0], (0,))
-        start(model, learner, torch.arange(12.0))
-        kept, lost = [], []
-        for admitted, out in ((2, lost), (1, kept)):
-            train(model, learner, 0.5, steps=3)
-            assert learner._queue(0)
-            job = queued_job(learner)
-            learner.listener.on_result(
-                job, UploadResult("accepted", admitted=admitted, sent=job.delta)
-            )
-            out.append(job.upload_id)
-        learner.apply_arrived()
-        learner.listener.on_rejoin("127.0.0.1:1", "third", [3], (0,), kept, [0])
-        learner.apply_arrived()
-        on_the_ledger = {e.upload_id for _, e in learner._ledger.items()}
-        assert on_the_ledger == set(kept)
-        assert learner.steps_since[0] == 3  # the lost delta's steps go out again
-    finally:
-        learner.close(flush=False)
+    model, learner = made
+    learner.listener.on_rejoin("127.0.0.1:1", "first", [0], (0,))
+    start(model, learner, torch.arange(12.0))
+    kept, lost = [], []
+    for admitted, out in ((2, lost), (1, kept)):
+        train(model, learner, 0.5, steps=3)
+        assert learner._queue(0)
+        job = queued_job(learner)
+        learner.listener.on_result(job, UploadResult("accepted", admitted=admitted, sent=job.delta))
+        out.append(job.upload_id)
+    learner.apply_arrived()
+    learner.listener.on_rejoin("127.0.0.1:1", "third", [3], (0,), kept, [0])
+    learner.apply_arrived()
+    on_the_ledger = {e.upload_id for _, e in learner._ledger.items()}
+    assert on_the_ledger == set(kept)
+    assert learner.steps_since[0] == 3  # the lost delta's steps go out again
 
 
-def test_a_delta_accepted_by_the_syncer_it_rejoins_is_not_returned():
+def test_a_delta_accepted_by_the_syncer_it_rejoins_is_not_returned(made):
     """Found by review: the link published the new instance's session before it reported
     the rejoin, so an answer of that very instance could be settled before the rejoin to it
     and judged as a dead syncer's (returned, then merged twice). Answers name their
     instance; a rejoin leaves what its own instance accepted alone."""
-    model, learner = make_learner()
-    try:
-        learner.listener.on_rejoin("127.0.0.1:1", "old", [0], (0,))
-        start(model, learner, torch.arange(12.0))
-        train(model, learner, 0.5, steps=3)
-        assert learner._queue(0)
-        job = queued_job(learner)
-        answer = UploadResult("accepted", admitted=1, sent=job.delta, syncer_id="new")
-        learner.listener.on_result(job, answer)
-        learner.apply_arrived()
-        learner.listener.on_rejoin("127.0.0.1:1", "new", [1], (0,), [], [0])
-        learner.apply_arrived()
-        assert learner.in_flight() == {0: 1} and learner.steps_since[0] == 0
-    finally:
-        learner.close(flush=False)
+    model, learner = made
+    learner.listener.on_rejoin("127.0.0.1:1", "old", [0], (0,))
+    start(model, learner, torch.arange(12.0))
+    train(model, learner, 0.5, steps=3)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    answer = UploadResult("accepted", admitted=1, sent=job.delta, syncer_id="new")
+    learner.listener.on_result(job, answer)
+    learner.apply_arrived()
+    learner.listener.on_rejoin("127.0.0.1:1", "new", [1], (0,), [], [0])
+    learner.apply_arrived()
+    assert learner.in_flight() == {0: 1} and learner.steps_since[0] == 0
 
 
 def test_a_restored_delta_without_an_answer_is_sent_again_as_it_was():

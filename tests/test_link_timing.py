@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
+from kit import local_syncer, wait_until
 from torch import nn
 
-from diloco.algorithm import balanced_fragments
 from diloco.launch.relay import Relay
 from diloco.learner.learner import Learner
 from diloco.learner.pacing import UPLOAD_RATE_SHARE, upload_deadline_s
@@ -30,21 +30,13 @@ def make_model(numel: int = 300_000) -> nn.Module:
 
 def start_syncer(model: nn.Module, bind: str = "127.0.0.1:0") -> SyncerServer:
     """A syncer of ``model`` in one fragment (the learner starts from the same values)."""
-    layout = balanced_fragments(model.named_parameters(), 1)
-    named = dict(model.named_parameters())
     config = SyncerConfig(
-        protocol=ProtocolConfig(sync_every=4), lease_s=5.0, heartbeat_s=0.2, norm_guard_k=0.0
+        protocol=ProtocolConfig(sync_every=4, num_fragments=1),
+        lease_s=5.0,
+        heartbeat_s=0.2,
+        norm_guard_k=0.0,
     )
-    return SyncerServer(layout, [layout.gather(0, named)], config, bind=bind).start()
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return local_syncer(model, config, bind=bind)
 
 
 def test_the_upload_deadline_follows_the_size_and_the_measured_rate():

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from test_accounting import STEPS, P, make_model, merged_steps, start_syncer, start_training
+from fleet import STEPS, P, make_model, merged_steps, start_syncer, start_training
 
 from diloco.launch.relay import Relay
 from diloco.learner.learner import Learner

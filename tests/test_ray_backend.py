@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kit import pids_mentioning, start_diloco, wait_until
 
 from diloco.syncer.store import read_tape
 
@@ -26,37 +27,6 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 STEPS = 500
-
-
-def diloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.cli", *args]
-
-
-def pids_mentioning(*texts: str) -> list[int]:
-    """Processes whose command line contains every one of ``texts``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if all(t in cmd for t in texts):
-            out.append(int(entry.name))
-    return out
-
-
-def wait_until(predicate, timeout: float, proc: subprocess.Popen, what: str):
-    """Poll ``predicate`` until it returns something truthy; fail if the run ends first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        assert proc.poll() is None, f"the run ended while waiting for {what}"
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def last_step(progress: Path) -> int:
@@ -73,34 +43,28 @@ def ray_run(tmp_path_factory):
     """Run the backend once, kill -9 learner-1 mid-run; yields what the tests inspect."""
     runs = tmp_path_factory.mktemp("ray-runs")
     run_dir = runs / "r"
-    proc = subprocess.Popen(
-        diloco(
-            "run",
-            "--backend=ray",
-            "--ray-learner-cpus=1",
-            "--ray-learner-gpus=0",
-            "--recipe=tiny",
-            "--learners=2",
-            f"--steps={STEPS}",
-            "--minutes=3",  # a cap for a loaded machine; ~25 s of training normally
-            "--checkpoint-every=1",
-            "--eval-every=0",
-            f"--runs-dir={runs}",
-            "--name=r",
-            "--json",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
+    proc = start_diloco(
+        "run",
+        "--backend=ray",
+        "--ray-learner-cpus=1",
+        "--ray-learner-gpus=0",
+        "--recipe=tiny",
+        "--learners=2",
+        f"--steps={STEPS}",
+        "--minutes=3",
+        "--checkpoint-every=1",
+        "--eval-every=0",
+        f"--runs-dir={runs}",
+        "--name=r",
+        "--json",
     )
     try:
         work = run_dir / "learners" / "learner-1"
         wait_until(
             lambda: last_step(work / "progress.jsonl") >= 60 and (work / "checkpoint.pt").exists(),
             90,
-            proc,
             "learner-1 to train and checkpoint",
+            alive=proc,
         )
         [victim] = pids_mentioning("learner", f"{run_dir}/config/learner-1.json")
         os.kill(victim, signal.SIGKILL)

@@ -5,11 +5,10 @@ callback (a real Trainer against a real syncer)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from kit import run_diloco, run_diloco_json
 from safetensors.torch import load_file
 from torch import nn
 
@@ -17,17 +16,6 @@ from diloco.algorithm.embeddings import embedding_parameter_names
 from diloco.recipes import get_recipe
 from diloco.syncer.config import SyncerConfig
 from diloco.wire.protocol import ProtocolConfig
-
-
-def diloco(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "diloco.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
-    )
-
 
 NEEDS = {"hf-gpt2": "transformers", "digits": "sklearn", "moe": "torch"}
 
@@ -38,7 +26,7 @@ NEEDS = {"hf-gpt2": "transformers", "digits": "sklearn", "moe": "torch"}
 def test_a_recipe_trains_under_diloco_run_and_exports(tmp_path, name):
     pytest.importorskip(NEEDS[name])
     steps = 150 if name == "digits" else 60
-    done = diloco(
+    done = run_diloco_json(
         "run",
         f"--recipe={name}",
         "--learners=1",  # the recipe's training is what is tested: one learner, one core
@@ -51,8 +39,7 @@ def test_a_recipe_trains_under_diloco_run_and_exports(tmp_path, name):
         "--name=it",
         "--json",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout)
+    summary = done
     assert summary["stopped_by"] == "learners finished"
     loss = summary["val_loss"]
     assert loss["final"] < loss["initial"] - (1.0 if name == "digits" else 1.5), loss
@@ -66,7 +53,7 @@ def test_a_recipe_trains_under_diloco_run_and_exports(tmp_path, name):
         assert summary["tokens"] == steps * 8 * 128
     # the global model comes out as the model's own state_dict and loads strictly
     out = tmp_path / "model.safetensors"
-    exported = diloco("export", str(tmp_path / "it"), "-o", str(out))
+    exported = run_diloco("export", str(tmp_path / "it"), "-o", str(out))
     assert exported.returncode == 0, exported.stderr
     recipe = get_recipe(name)
     model = recipe.build_model(0)
@@ -189,7 +176,7 @@ def test_a_hugging_face_trainer_becomes_a_learner_with_one_callback(tmp_path):
 def test_learners_train_under_bf16_autocast_on_the_device_asked_for(tmp_path):
     """``--device auto --bf16`` reaches every learner (CPU here, the GPU where there is one)
     and the model still learns; the learner's log says where it trains."""
-    done = diloco(
+    done = run_diloco_json(
         "run",
         "--recipe=tiny",
         "--learners=1",
@@ -204,8 +191,7 @@ def test_learners_train_under_bf16_autocast_on_the_device_asked_for(tmp_path):
         "--name=it",
         "--json",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    loss = json.loads(done.stdout)["val_loss"]
+    loss = done["val_loss"]
     assert loss["final"] < loss["initial"] - 1.0, loss
     config = json.loads((tmp_path / "it" / "config" / "learner-0.json").read_text())
     assert config["device"] == {"device": "auto", "bf16": True}

@@ -6,11 +6,10 @@ from __future__ import annotations
 import base64
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import run_diloco
 
 from diloco.config.run import RunConfig
 from diloco.report.html import markdown, write_report
@@ -22,10 +21,6 @@ from diloco.wire.protocol import ProtocolConfig
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def diloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.cli", *args]
-
-
 def figures_of(page: str) -> dict[str, bytes]:
     """Figure id -> the PNG embedded in it."""
     found = re.findall(r"<figure id='(\w+)'><img [^>]*src='data:image/png;base64,([^']+)'", page)
@@ -33,23 +28,18 @@ def figures_of(page: str) -> dict[str, bytes]:
 
 
 def short_run(tmp_path: Path, mode: str) -> Path:
-    done = subprocess.run(
-        diloco(
-            "run",
-            "--recipe=tiny",
-            f"--mode={mode}",
-            "--learners=2",
-            "--minutes=0.2",
-            "--eval-every=1",
-            "--dashboard=off",
-            f"--runs-dir={tmp_path}",
-            f"--name={mode}",
-            "--json",
-        ),
-        capture_output=True,
-        text=True,
+    done = run_diloco(
+        "run",
+        "--recipe=tiny",
+        f"--mode={mode}",
+        "--learners=2",
+        "--minutes=0.2",
+        "--eval-every=1",
+        "--dashboard=off",
+        f"--runs-dir={tmp_path}",
+        f"--name={mode}",
+        "--json",
         timeout=150,
-        stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / mode
@@ -61,9 +51,7 @@ def short_run(tmp_path: Path, mode: str) -> Path:
 def test_a_run_report_holds_its_figures_summary_and_commands(tmp_path, mode):
     run_dir = short_run(tmp_path, mode)
     assert not (run_dir / "dashboard.url").exists()  # --dashboard off
-    done = subprocess.run(
-        diloco("report", str(run_dir)), capture_output=True, text=True, timeout=60
-    )
+    done = run_diloco("report", str(run_dir), timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"wrote {run_dir / 'report.html'}"
     page = (run_dir / "report.html").read_text()

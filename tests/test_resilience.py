@@ -5,11 +5,10 @@ against a fault-free run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import run_diloco_json
 
 from diloco.syncer.store import read_tape
 
@@ -36,29 +35,20 @@ LOSS_BOUND = 1.10
 
 
 def run(tmp_path, name: str, *extra: str) -> tuple[dict, list[dict]]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "run",
-            "--recipe=tiny",
-            "--learners=2",
-            f"--minutes={MINUTES}",
-            "--checkpoint-every=1",
-            "--eval-every=0",
-            f"--runs-dir={tmp_path}",
-            f"--name={name}",
-            "--json",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_diloco_json(
+        "run",
+        "--recipe=tiny",
+        "--learners=2",
+        f"--minutes={MINUTES}",
+        "--checkpoint-every=1",
+        "--eval-every=0",
+        f"--runs-dir={tmp_path}",
+        f"--name={name}",
+        "--json",
+        *extra,
         timeout=200,
-        stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout), read_tape(tmp_path / name / "syncer" / "events.jsonl")
+    return proc, read_tape(tmp_path / name / "syncer" / "events.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
+from kit import current_fragments, pids_mentioning, run_diloco, run_diloco_json, start_diloco
 
 from diloco.algorithm import balanced_fragments
 from diloco.recipes import get_recipe
@@ -24,48 +19,23 @@ pytestmark = pytest.mark.slow
 P = 24
 
 
-def diloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.cli", *args]
-
-
-def pids_mentioning(text: str) -> list[int]:
-    """Processes whose command line contains ``text`` (to find leftovers)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            out.append(int(entry.name))
-    return out
-
-
 @pytest.mark.timeout(150)
 def test_three_learners_train_and_end_with_the_syncers_parameters(tmp_path):
-    proc = subprocess.run(
-        diloco(
-            "run",
-            "--recipe=tiny",
-            "--learners=3",
-            "--steps=150",
-            "--slow=2=2",  # learner 2 finishes later than the others
-            "--minutes=1.2",
-            "--down-codec=fp32",
-            "--eval-every=2",
-            f"--runs-dir={tmp_path}",
-            "--name=it",
-            "--json",
-        ),
-        capture_output=True,
-        text=True,
+    proc = run_diloco_json(
+        "run",
+        "--recipe=tiny",
+        "--learners=3",
+        "--steps=150",
+        "--slow=2=2",
+        "--minutes=1.2",
+        "--down-codec=fp32",
+        "--eval-every=2",
+        f"--runs-dir={tmp_path}",
+        "--name=it",
+        "--json",
         timeout=140,
-        stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode == 0, proc.stderr + proc.stdout
-    summary = json.loads(proc.stdout)
+    summary = proc
     run_dir = tmp_path / "it"
     assert summary == json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == "learners finished"
@@ -110,34 +80,21 @@ def test_three_learners_train_and_end_with_the_syncers_parameters(tmp_path):
     final = {p: store.load(p, layout.fragments[p].numel) for p in range(P)}
     matched = 0
     for i in range(3):
-        workdir = run_dir / "learners" / f"learner-{i}"
-        versions = json.loads((workdir / "final.json").read_text())["versions"]
-        anchors = load_file(str(workdir / "final.safetensors"))
-        for p in range(P):
-            version, _, saved = final[p]
-            assert 0 <= versions[p] <= version
-            if versions[p] == version:  # the wire image learners hold, bit for bit
-                assert torch.equal(anchors[f"anchor.{p}"], saved["wire"]), (i, p)
-                matched += 1
+        _, current = current_fragments(run_dir / "learners" / f"learner-{i}", final)
+        matched += current
     assert matched >= P  # at least one learner's worth of fragments is current
 
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_every_process_and_still_writes_the_summary(tmp_path):
-    proc = subprocess.Popen(
-        diloco(
-            "run",
-            "--recipe=tiny",
-            "--learners=2",
-            "--minutes=5",
-            f"--runs-dir={tmp_path}",
-            "--name=int",
-            "--no-view",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
+    proc = start_diloco(
+        "run",
+        "--recipe=tiny",
+        "--learners=2",
+        "--minutes=5",
+        f"--runs-dir={tmp_path}",
+        "--name=int",
+        "--no-view",
     )
     run_dir = tmp_path / "int"
     deadline = time.monotonic() + 60
@@ -166,12 +123,7 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
         (["--minutes=-1"], "--minutes must be >= 0"),
         (["--shards=0"], "--shards must be >= 1"),
     ]:
-        proc = subprocess.run(
-            diloco("run", "--recipe=tiny", f"--runs-dir={tmp_path}", *args),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        proc = run_diloco("run", "--recipe=tiny", f"--runs-dir={tmp_path}", *args, timeout=60)
         assert proc.returncode == 2, (args, proc.stderr)
         assert message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
     assert not any(tmp_path.iterdir()) or all(p.suffix == ".txt" for p in tmp_path.iterdir())

@@ -3,11 +3,8 @@ real run in which a learner joins late, is merged, and is counted."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+from kit import run_diloco_json
 
 from diloco.config.run import RunConfig
 from diloco.launch.children import parse_additions, plan_learners
@@ -35,14 +32,8 @@ def test_added_learners_get_the_next_indices_and_their_own_settings():
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_learner_added_mid_run_joins_is_merged_and_counted(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "run", "--recipe=tiny", "--learners=1",
-         "--add-learners=8s:1", "--minutes=0.45", "--eval-every=2", "--dashboard=off",
-         f"--runs-dir={tmp_path}", "--name=it", "--json"],
-        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout)
+    done = run_diloco_json("run", "--recipe=tiny", "--learners=1", "--add-learners=8s:1", "--minutes=0.45", "--eval-every=2", "--dashboard=off", f"--runs-dir={tmp_path}", "--name=it", "--json", timeout=180)  # fmt: skip
+    summary = done
     assert summary["learners"] == 2
     late = summary["per_learner"]["learner-1"]
     assert late["steps"] > 0 and late["contributions"] > 0 and late["exit_code"] == 0

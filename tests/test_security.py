@@ -7,12 +7,10 @@ import subprocess
 
 import grpc
 import pytest
-import torch
+from kit import join_request, local_syncer, tiny_model
 from torch import nn
 
-from diloco.algorithm import balanced_fragments
 from diloco.learner.learner import Learner
-from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
 from diloco.wire import auth
@@ -24,27 +22,12 @@ TOKEN = "s3cret-token-for-tests-0123456789"
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    return tiny_model(0, (4, 8, 1), tanh=False)
 
 
 def make_server(tmp_path, **kwargs) -> SyncerServer:
-    model = make_model()
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
-    params = [layout.gather(p, named) for p in range(P)]
-    return SyncerServer(
-        layout, params, SyncerConfig(), tape_path=tmp_path / "events.jsonl", **kwargs
-    )
-
-
-def join_request(server: SyncerServer, learner_id: str = "a") -> pb.JoinRequest:
-    tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in server.layout.tensors]
-    return pb.JoinRequest(
-        learner_id=learner_id,
-        layout_hash=server.layout.hash,
-        num_fragments=P,
-        tensors=tensors,
+    return local_syncer(
+        make_model(), num_fragments=P, start=False, tape_path=tmp_path / "events.jsonl", **kwargs
     )
 
 
@@ -58,7 +41,9 @@ def test_calls_without_the_right_token_are_unauthenticated_and_change_nothing(tm
             stub = pb_grpc.SyncerStub(ch)
             for metadata in [(), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)]:
                 calls = [
-                    lambda md=metadata: stub.Join(join_request(server), timeout=5, metadata=md),
+                    lambda md=metadata: stub.Join(
+                        join_request(server.layout), timeout=5, metadata=md
+                    ),
                     lambda md=metadata: stub.Status(pb.StatusRequest(), timeout=5, metadata=md),
                     lambda md=metadata: stub.Upload(
                         iter([pb.UploadChunk(learner_id="a")]), timeout=5, metadata=md
@@ -73,7 +58,9 @@ def test_calls_without_the_right_token_are_unauthenticated_and_change_nothing(tm
                     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert server.service.state_digest() == before and not server.state.learners
             # The right token gets in.
-            reply = stub.Join(join_request(server), timeout=5, metadata=auth.call_metadata(TOKEN))
+            reply = stub.Join(
+                join_request(server.layout), timeout=5, metadata=auth.call_metadata(TOKEN)
+            )
             assert reply.session
     finally:
         server.stop()
@@ -242,10 +229,10 @@ def test_allow_list_refuses_other_learner_ids(tmp_path):
     try:
         with grpc.insecure_channel(server.address) as ch:
             stub = pb_grpc.SyncerStub(ch)
-            assert stub.Join(join_request(server, "site-a"), timeout=5).session
+            assert stub.Join(join_request(server.layout, "site-a"), timeout=5).session
             before = server.service.state_digest()
             with pytest.raises(grpc.RpcError) as info:
-                stub.Join(join_request(server, "site-b"), timeout=5)
+                stub.Join(join_request(server.layout, "site-b"), timeout=5)
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "allow-list" in info.value.details()
             assert server.service.state_digest() == before

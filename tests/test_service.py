@@ -8,9 +8,10 @@ import time
 import grpc
 import pytest
 import torch
+from kit import join_request, local_syncer, tiny_model, train_in_threads, wait_until
 from torch import nn
 
-from diloco.algorithm import balanced_fragments, codecs
+from diloco.algorithm import codecs
 from diloco.learner.learner import Learner
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
@@ -23,15 +24,10 @@ P = 4
 
 
 def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    return tiny_model(seed, (8, 32, 1))
 
 
 def make_server(tmp_path, **cfg) -> SyncerServer:
-    model = make_model(0)
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
-    params = [layout.gather(p, named) for p in range(P)]
     config = SyncerConfig(
         **{
             "quorum": 1,
@@ -42,8 +38,13 @@ def make_server(tmp_path, **cfg) -> SyncerServer:
             **cfg,
         }
     )
-    return SyncerServer(
-        layout, params, config, state_dir=tmp_path / "state", tape_path=tmp_path / "events.jsonl"
+    return local_syncer(
+        make_model(0),
+        config,
+        num_fragments=P,
+        start=False,
+        state_dir=tmp_path / "state",
+        tape_path=tmp_path / "events.jsonl",
     )
 
 
@@ -58,14 +59,6 @@ def train(learner: Learner, model: nn.Module, seed: int, steps: int) -> None:
         opt.step()
         opt.zero_grad()
         learner.step(tokens=16)
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.mark.timeout(60)
@@ -85,14 +78,7 @@ def test_learners_train_and_end_with_the_syncers_parameters(tmp_path):
                 assert torch.equal(
                     server.layout.gather(p, dict(m.named_parameters())), server.state.params[p]
                 )
-        threads = [
-            threading.Thread(target=train, args=(lr, m, i, 40))
-            for i, (lr, m) in enumerate(zip(learners, models, strict=True))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        train_in_threads(train, learners, models, 40)
         for lr in learners:
             assert lr.flush(timeout=10)
         # Every fragment committed at least once; then let the last versions reach the learners.
@@ -149,15 +135,7 @@ def test_bad_upload_gets_a_status_and_changes_nothing(tmp_path):
     try:
         with grpc.insecure_channel(server.address) as ch:
             stub = pb_grpc.SyncerStub(ch)
-            tensors = [
-                pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in server.layout.tensors
-            ]
-            reply = stub.Join(
-                pb.JoinRequest(
-                    learner_id="a", layout_hash=server.layout.hash, num_fragments=P, tensors=tensors
-                ),
-                timeout=5,
-            )
+            reply = stub.Join(join_request(server.layout, "a"), timeout=5)
             numel = server.layout.fragments[0].numel
             good = codecs.encode(torch.ones(numel), "fp32")
             before = server.service.committed_hash()

@@ -6,16 +6,10 @@ learners are real ``Learner`` objects on the tiny recipe, trained in threads.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import threading
-import time
-
 import grpc
 import pytest
 import torch
-from safetensors.torch import load_file
+from kit import current_fragments, join_request, run_diloco_json, train_in_threads, wait_until
 
 from diloco.algorithm import balanced_fragments, codecs
 from diloco.algorithm.shards import (
@@ -129,14 +123,6 @@ def train(learner: Learner, model, index: int, steps: int) -> None:
         learner.step(tokens=x.numel())
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.mark.timeout(60)
 def test_two_shards_two_learners_end_with_the_union_of_the_shards(tmp_path):
     shards = [make_shard(tmp_path, (i, 2)).start() for i in range(2)]
@@ -161,14 +147,7 @@ def test_two_shards_two_learners_end_with_the_union_of_the_shards(tmp_path):
             named = dict(m.named_parameters())
             for p in range(P):
                 assert torch.equal(owner(p).layout.gather(p, named), owner(p).state.params[p])
-        threads = [
-            threading.Thread(target=train, args=(lr, m, i, 24))
-            for i, (lr, m) in enumerate(zip(learners, models, strict=True))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        train_in_threads(train, learners, models, 24)
         for lr in learners:
             assert lr.flush(timeout=10)
         wait_until(
@@ -277,13 +256,7 @@ def test_a_shard_refuses_fragments_it_does_not_own(tmp_path):
     try:
         stub = pb_grpc.SyncerStub(channel)
         layout = server.layout
-        tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in layout.tensors]
-        reply = stub.Join(
-            pb.JoinRequest(
-                learner_id="raw", layout_hash=layout.hash, num_fragments=P, tensors=tensors
-            ),
-            timeout=10,
-        )
+        reply = stub.Join(join_request(layout, "raw"), timeout=10)
         assert list(reply.fragments) == [0, 2] and (reply.shard, reply.num_shards) == (0, 2)
         status = stub.Status(pb.StatusRequest(), timeout=10)
         assert list(status.fragments) == [0, 2] and status.num_shards == 2
@@ -311,10 +284,6 @@ def test_a_shard_refuses_fragments_it_does_not_own(tmp_path):
 
 
 # ------------------------------------------------------------------ real processes
-def diloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.cli", *args]
-
-
 def test_bad_shard_flags_are_refused(tmp_path, capsys):
     """The commands' own entry point, in this process: each refuses before starting anything."""
     for argv, message in [
@@ -333,29 +302,23 @@ def test_bad_shard_flags_are_refused(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_diloco_run_with_two_shards(tmp_path):
-    proc = subprocess.run(
-        diloco(
-            "run",
-            "--recipe=tiny",
-            "--shards=2",
-            "--learners=2",
-            "--steps=48",
-            f"--fragments={P}",
-            f"--sync-every={H}",
-            "--down-codec=fp32",
-            "--eval-every=0",
-            "--minutes=1.5",
-            f"--runs-dir={tmp_path}",
-            "--name=sh",
-            "--json",
-        ),  # fmt: skip
-        capture_output=True,
-        text=True,
+    proc = run_diloco_json(
+        "run",
+        "--recipe=tiny",
+        "--shards=2",
+        "--learners=2",
+        "--steps=48",
+        f"--fragments={P}",
+        f"--sync-every={H}",
+        "--down-codec=fp32",
+        "--eval-every=0",
+        "--minutes=1.5",
+        f"--runs-dir={tmp_path}",
+        "--name=sh",
+        "--json",
         timeout=140,
-        stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode == 0, proc.stderr + proc.stdout
-    summary = json.loads(proc.stdout)
+    summary = proc
     assert summary["stopped_by"] == "learners finished" and summary["shards"] == 2
     run_dir = tmp_path / "sh"
     tape = read_tape(run_dir / "syncer" / "events.jsonl")
@@ -375,15 +338,9 @@ def test_diloco_run_with_two_shards(tmp_path):
     matched, closes = 0, {}
     for i in range(2):
         workdir = run_dir / "learners" / f"learner-{i}"
-        held = json.loads((workdir / "final.json").read_text())
-        versions, closes[i] = held["versions"], held.get("close", {})
-        anchors = load_file(str(workdir / "final.safetensors"))
-        for p in range(P):
-            version, _, saved = final[p]
-            assert 0 <= versions[p] <= version
-            if versions[p] == version:  # the wire image learners hold, bit for bit
-                assert torch.equal(anchors[f"anchor.{p}"], saved["wire"]), (i, p)
-                matched += 1
+        held, current = current_fragments(workdir, final)
+        closes[i] = held.get("close", {})
+        matched += current
     # Each learner's close flushed and drained (bounded waits); a learner whose drain
     # reported success holds every fragment it flushed at the version merged with it, so
     # the learner that finished last holds every fragment's final value.

@@ -14,9 +14,9 @@ import time
 import grpc
 import pytest
 import torch
-from torch import nn
+from kit import join_request, local_syncer, tiny_model, wait_until
 
-from diloco.algorithm import balanced_fragments, codecs
+from diloco.algorithm import codecs
 from diloco.launch.relay import Relay
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.limits import UPLOADS_PER_CONNECTION
@@ -32,15 +32,11 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 def make_server(tmp_path, width: int = 16, **kwargs) -> SyncerServer:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 8))
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
-    params = [layout.gather(p, named) for p in range(P)]
+    model = tiny_model(0, (width, width, 8), tanh=False)
     config = SyncerConfig(up_codec="fp32", schedule="learner", quorum=1)
-    return SyncerServer(
-        layout, params, config, tape_path=tmp_path / "events.jsonl", **kwargs
-    ).start()
+    return local_syncer(
+        model, config, num_fragments=P, tape_path=tmp_path / "events.jsonl", **kwargs
+    )
 
 
 class Client:
@@ -54,14 +50,7 @@ class Client:
         self.session = ""
 
     def join(self) -> None:
-        layout = self.server.layout
-        tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in layout.tensors]
-        request = pb.JoinRequest(
-            learner_id=self.learner_id,
-            layout_hash=layout.hash,
-            num_fragments=P,
-            tensors=tensors,
-        )
+        request = join_request(self.server.layout, self.learner_id)
         self.session = self.stub.Join(request, timeout=5, metadata=self.metadata).session
 
     def subscribe(self, session: str | None = None):
@@ -100,14 +89,6 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def streams_of(server: SyncerServer, learner_id: str) -> int:

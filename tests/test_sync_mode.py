@@ -3,11 +3,8 @@ restarts at another phase of the fragment schedule does not deadlock the group."
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+from kit import run_diloco_json
 
 from diloco.syncer.store import read_tape
 
@@ -15,12 +12,20 @@ pytestmark = pytest.mark.slow
 
 
 def run(tmp_path, name, *flags):
-    argv = [sys.executable, "-m", "diloco.cli", "run", "--mode=sync", "--recipe=tiny"]
-    argv += ["--learners=2", "--eval-every=0", f"--runs-dir={tmp_path}", f"--name={name}"]
-    argv += ["--json", "--no-view", *flags]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout), read_tape(tmp_path / name / "syncer" / "events.jsonl")
+    summary = run_diloco_json(
+        "run",
+        "--mode=sync",
+        "--recipe=tiny",
+        "--learners=2",
+        "--eval-every=0",
+        f"--runs-dir={tmp_path}",
+        f"--name={name}",
+        "--json",
+        "--no-view",
+        *flags,
+        timeout=150,
+    )
+    return summary, read_tape(tmp_path / name / "syncer" / "events.jsonl")
 
 
 @pytest.mark.timeout(160)

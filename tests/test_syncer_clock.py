@@ -10,35 +10,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from kit import join_state, syncer_state, tiny_model
 
 from diloco.algorithm.rounds import fleet_step_time, next_tick, tick_period
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.state import SyncerState
+from diloco.wire.protocol import ProtocolConfig
 
 
-def make_state(P=2, **cfg):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    from diloco.algorithm import balanced_fragments
-
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
-    params = [layout.gather(p, named) for p in range(P)]
-    cfg = {"norm_guard_k": 0.0, "sync_every": P, "lease_s": 100.0, **cfg}
-    events = []
-    return SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append), layout, events
+def make_state(P=2, sync_every=None, **cfg):
+    """A syncer's state on its clock, H = ``sync_every`` (default P)."""
+    protocol = ProtocolConfig(sync_every=sync_every or P)
+    config = SyncerConfig(**{"norm_guard_k": 0.0, "lease_s": 100.0, "protocol": protocol, **cfg})
+    return syncer_state(tiny_model(0, (4, 4, 2), tanh=False), config, num_fragments=P)
 
 
 def join(state, lid, layout, now=0.0, steps_per_s=10.0):
-    session = state.join(
-        lid,
-        tensors=layout.tensors,
-        layout_hash=layout.hash,
-        num_fragments=layout.num_fragments,
-        observer=False,
-        now=now,
-    ).session
+    session = join_state(state, lid, now)
     state.heartbeat(lid, session, now=now, steps_per_s=steps_per_s)
     return session
 
@@ -79,14 +66,7 @@ def test_the_pace_and_the_turns_of_the_clock():
 
 def test_no_round_opens_before_the_fleet_has_a_step_time():
     state, layout, _ = make_state()
-    state.join(
-        "a",
-        tensors=layout.tensors,
-        layout_hash=layout.hash,
-        num_fragments=2,
-        observer=False,
-        now=0.0,
-    )
+    join_state(state, "a")
     assert state.tick(0.0) == (None, None)
 
 

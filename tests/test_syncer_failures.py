@@ -15,10 +15,10 @@ import tracemalloc
 import grpc
 import pytest
 import torch
-from conftest import wait_until
+from kit import join_request, local_syncer, tiny_model, wait_until
 from torch import nn
 
-from diloco.algorithm import balanced_fragments, codecs
+from diloco.algorithm import codecs
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import FragmentStore, read_tape
@@ -29,8 +29,7 @@ P = 2
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    return tiny_model(0, (16, 32, 4), tanh=False)
 
 
 class Client:
@@ -44,16 +43,7 @@ class Client:
         self.session = self.join()
 
     def join(self) -> str:
-        tensors = [pb.TensorSpec(name=n, shape=list(s), dtype=d) for n, s, d in self.layout.tensors]
-        reply = self.stub.Join(
-            pb.JoinRequest(
-                learner_id=self.learner_id,
-                layout_hash=self.layout.hash,
-                num_fragments=P,
-                tensors=tensors,
-            ),
-            timeout=5,
-        )
+        reply = self.stub.Join(join_request(self.layout, self.learner_id), timeout=5)
         self.session = reply.session
         return reply.session
 
@@ -90,17 +80,8 @@ def on_disk(server: SyncerServer, state_dir) -> int:
 def start_syncer(state_dir, tape, **cfg) -> SyncerServer:
     """A syncer on the learners' schedule (a learner's upload opens its round, which closes
     at once when it is the only learner): each upload below makes one commit."""
-    model = make_model()
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
     config = SyncerConfig(**{"schedule": "learner", "norm_guard_k": 0.0, **cfg})
-    return SyncerServer(
-        layout,
-        [layout.gather(p, named) for p in range(P)],
-        config,
-        state_dir=state_dir,
-        tape_path=tape,
-    ).start()
+    return local_syncer(make_model(), config, num_fragments=P, state_dir=state_dir, tape_path=tape)
 
 
 def test_a_full_disk_fails_the_syncer_instead_of_leaving_it_half_dead(small_disk):

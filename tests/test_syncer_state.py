@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from kit import join_state, syncer_state, tiny_model
 
-from diloco.algorithm import balanced_fragments, token_weight
+from diloco.algorithm import token_weight
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.state import Refused, SyncerState
+from diloco.syncer.state import Refused
 
 
 def make_state(P=2, **cfg):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    layout = balanced_fragments(model.named_parameters(), P)
-    named = dict(model.named_parameters())
-    params = [layout.gather(p, named) for p in range(P)]
-    events = []
     # Synthetic deltas here are far larger than the parameters: the norm guard (tested in
     # test_guard.py) is off unless a test turns it on.
     # Outer lr 1 and no momentum (the merged delta replaces the fragment) keep the expected
@@ -32,19 +26,11 @@ def make_state(P=2, **cfg):
         "schedule": "learner",
         **cfg,
     }
-    state = SyncerState(layout, params, SyncerConfig(**cfg), emit=events.append)
-    return state, layout, events
+    return syncer_state(tiny_model(0, (4, 4, 2), tanh=False), SyncerConfig(**cfg), num_fragments=P)
 
 
 def join(state, lid, layout, now=0.0, observer=False):
-    return state.join(
-        lid,
-        tensors=layout.tensors,
-        layout_hash=layout.hash,
-        num_fragments=layout.num_fragments,
-        observer=observer,
-        now=now,
-    ).session
+    return join_state(state, lid, now, observer=observer)
 
 
 def submit(state, lid, session, fragment, delta, now, base=0, steps=2, tokens=10):
@@ -115,15 +101,7 @@ def test_token_weights_summed_increments_and_the_weight_cap():
 
 def test_a_claim_above_the_declared_tokens_per_step_is_refused():
     state, layout, _ = make_state()
-    session = state.join(
-        "a",
-        tensors=layout.tensors,
-        layout_hash=layout.hash,
-        num_fragments=layout.num_fragments,
-        observer=False,
-        now=0.0,
-        tokens_per_step=4,
-    ).session
+    session = join_state(state, "a", tokens_per_step=4)
     n = layout.fragments[0].numel
     before = state.digest()
     with pytest.raises(Refused, match="declared"):

@@ -106,8 +106,8 @@ def test_two_replica_groups_train_a_few_rounds_and_the_loss_falls(tmp_path):
         sync_every=sync_every,
         slow={1: 2.0},
         run_dir=tmp_path / "run",
-        start_timeout=60.0,
-        stop_timeout=20.0,
+        start_timeout_s=60.0,
+        stop_timeout_s=20.0,
     )
     for field in CORE_FIELDS:
         assert field in summary, field
@@ -137,7 +137,7 @@ def test_a_time_budget_stops_every_replica_after_the_same_commit(tmp_path):
     from diloco.baselines.torchft.peer import run_torchft
 
     summary = run_torchft(
-        learners=2, recipe="tiny", minutes=0.25, run_dir=tmp_path / "run", stop_timeout=20.0
+        learners=2, recipe="tiny", minutes=0.25, run_dir=tmp_path / "run", stop_timeout_s=20.0
     )
     assert summary["stopped_by"] == "time"
     rounds = summary["rounds"]

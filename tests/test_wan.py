@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from kit import diloco_command
 
 from diloco.launch.wan import on_link, wan_section
 from diloco.wan import fabric as fab
@@ -114,7 +115,7 @@ def test_not_root_is_a_clear_error(monkeypatch):
 
 def test_run_refuses_what_the_harness_cannot_carry(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "run", "--recipe=tiny", "--minutes=0.1"]
+        diloco_command("run", "--recipe=tiny", "--minutes=0.1")
         + ["--wan=rate=1mbit", "--chaos=partition:mtbf=90s,down=5-10s", f"--runs-dir={tmp_path}"],
         capture_output=True,
         text=True,
@@ -169,7 +170,7 @@ def test_namespaces_of_a_dead_owner_are_swept():
 
 def _run_json(tmp_path, *flags: str, timeout: float = 240) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "run", "--recipe=tiny", "--learners=2"]
+        diloco_command("run", "--recipe=tiny", "--learners=2")
         + ["--no-view", f"--runs-dir={tmp_path}", "--name=r", *flags],
         capture_output=True,
         text=True,
@@ -214,7 +215,7 @@ def test_data_parallel_ranks_all_reduce_over_their_links(tmp_path):
 @netns
 def test_a_killed_run_leaves_nothing_after_the_next_start(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "run", "--recipe=tiny", "--learners=2"]
+        diloco_command("run", "--recipe=tiny", "--learners=2")
         + ["--minutes=2", "--no-view", f"--runs-dir={tmp_path}", "--wan=rate=10mbit,rtt=10ms"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -32,11 +32,13 @@ class DpWorkerConfig:
     """Length of the lr schedule (0: ``--total-steps``)."""
     schedule_seconds: float = option(0.0)
     """Fit the lr schedule to this time budget when the step count is unknown."""
-    run_started: float = option(0.0)
+    run_started_epoch_s: float = option(0.0, flag="--run-started")
     """Epoch seconds the run started (``--schedule-seconds`` counts from it; 0: now)."""
     checkpoint_dir: str = option(metavar="DIR")
     """The group's checkpoint directory."""
-    checkpoint_every: float | str = option(AUTO, type=parse_every, metavar="SECONDS|auto")
+    checkpoint_every_s: float | str = option(
+        AUTO, type=parse_every, metavar="SECONDS|auto", flag="--checkpoint-every"
+    )
     """Seconds between group checkpoints, or ``auto`` (``diloco.runtime.cadence``)."""
     workdir: str = option(metavar="DIR")
     """This rank's progress file goes here."""
@@ -44,13 +46,13 @@ class DpWorkerConfig:
     """Rank 0 keeps the current parameters in this file (for the evaluator)."""
     snapshot_every: float = option(5.0)
     """Seconds between snapshots."""
-    report_every: float = option(1.0)
+    report_every_s: float = option(1.0, flag="--report-every")
     """Seconds between progress lines."""
     threads: int = option(1)
     """Torch CPU threads."""
-    rendezvous_timeout: float = option(120.0)
+    rendezvous_timeout_s: float = option(120.0, flag="--rendezvous-timeout")
     """Seconds the group may take to assemble."""
-    collective_timeout: float = option(300.0)
+    collective_timeout_s: float = option(300.0, flag="--collective-timeout")
     """Seconds a collective may wait for a hung rank before the group fails."""
     exit_with_parent: bool = option(False)
     """Stop (cleanly) if the parent process dies."""

@@ -90,7 +90,9 @@ class RunConfig:
     """Warm spare processes (torch imported) that restarted learners run in, for fast
     restarts; local backend (-1: two when ``--chaos`` kills learners, or the whole group with
     ``--mode dp``; else none)."""
-    checkpoint_every: float | str = option(AUTO, type=parse_every, metavar="SECONDS|auto")
+    checkpoint_every_s: float | str = option(
+        AUTO, type=parse_every, metavar="SECONDS|auto", flag="--checkpoint-every"
+    )
     """Seconds between the learners' (or the data-parallel group's) checkpoints, or ``auto``:
     as often as keeps saving under 1% of the time (``diloco.runtime.cadence``)."""
     name: str | None = option(None)
@@ -117,9 +119,9 @@ class RunConfig:
     """Put each learner on its own shaped wide-area link (root only; repeatable; docs/wan.md):
     ``rate=50mbit,rtt=40ms`` for every learner, ``2,3:rate=5mbit,rtt=80ms`` for learners 2
     and 3."""
-    start_timeout: float = option(60.0, hidden=True)
+    start_timeout_s: float = option(60.0, hidden=True, flag="--start-timeout")
     """Seconds a process may take to start (and the syncer to answer) before the run fails."""
-    stop_timeout: float = option(30.0, hidden=True)
+    stop_timeout_s: float = option(30.0, hidden=True, flag="--stop-timeout")
     """Seconds learners get to flush and exit at the end before they are killed."""
 
     def __post_init__(self) -> None:

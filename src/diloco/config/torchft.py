@@ -73,7 +73,7 @@ class ReplicaConfig:
     """Length of the lr schedule in steps (0: fit it to ``schedule_seconds``)."""
     schedule_seconds: float = option(0.0)
     """Fit the lr schedule to this time budget when the step count is unknown."""
-    run_started: float = option(0.0)
+    run_started_epoch_s: float = option(0.0, flag="--run-started")
     """Epoch seconds the run started (the lr schedule's clock; 0: now)."""
     min_replica_size: int = option(1)
     """Replica groups a sync needs to commit."""
@@ -81,7 +81,7 @@ class ReplicaConfig:
     """Seconds a collective or the store may take."""
     quorum_timeout_s: float = option(120.0)
     """Seconds a quorum may take to form."""
-    hard_deadline: float = option(0.0)
+    hard_deadline_epoch_s: float = option(0.0, flag="--hard-deadline")
     """Exit at this epoch time whatever happens (0: none)."""
     threads: int = option(1)
     """Torch CPU threads."""

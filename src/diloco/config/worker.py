@@ -45,18 +45,20 @@ class WorkerConfig:
     """Length of the lr schedule (0: ``--total-steps``)."""
     schedule_seconds: float = option(0.0)
     """Fit the lr schedule to this time budget when the step count is unknown."""
-    run_started: float = option(0.0)
+    run_started_epoch_s: float = option(0.0, flag="--run-started")
     """Epoch seconds the run started (``--schedule-seconds`` counts from it; 0: now)."""
-    deadline: float = option(0.0)
+    deadline_epoch_s: float = option(0.0, flag="--deadline")
     """Epoch seconds: stop (cleanly, as on SIGTERM) at the first step boundary after it (0:
     none); for launchers whose signals may not reach the learner."""
-    checkpoint_every: float | str = option(AUTO, type=parse_every, metavar="SECONDS|auto")
+    checkpoint_every_s: float | str = option(
+        AUTO, type=parse_every, metavar="SECONDS|auto", flag="--checkpoint-every"
+    )
     """Seconds between local checkpoints in ``--workdir`` (0: only at exit), or ``auto``: as
     often as keeps saving under 1% of the time, 1-300 s (``diloco.runtime.cadence``)."""
     wait_for_merge: int = option(-1, metavar="LAG")
     """Synchronous DiLoCo: before each step, wait until every fragment sent LAG or more steps
     ago came back merged (-1: never wait, the decoupled default)."""
-    merge_timeout: float = option(120.0)
+    merge_timeout_s: float = option(120.0, flag="--merge-timeout")
     """With ``--wait-for-merge``: the longest wait before training on regardless."""
     overwrite_own: bool = option(False)
     """Apply a merge that holds this learner's delta by the paper's overwrite, dropping the
@@ -71,9 +73,9 @@ class WorkerConfig:
     (each rank a whole replica) or FSDP2 (``fully_shard``: each rank holds a shard)."""
     threads: int = option(1)
     """Torch CPU threads (two 1-thread processes run steadier than one 2-thread one)."""
-    join_timeout: float = option(60.0)
+    join_timeout_s: float = option(60.0, flag="--join-timeout")
     """Seconds to keep trying to join the syncer before giving up."""
-    report_every: float = option(1.0)
+    report_every_s: float = option(1.0, flag="--report-every")
     """Seconds between progress lines."""
     exit_with_parent: bool = option(False)
     """Stop (cleanly) if the parent process dies."""

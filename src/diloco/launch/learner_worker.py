@@ -217,15 +217,15 @@ class LearnerProcess:
     def train(self, stop) -> None:
         """The training loop: until the step budget, ``stop`` or the deadline."""
         config, learner = self.config, self.learner
-        if not learner.wait_for_global(timeout=config.join_timeout):
+        if not learner.wait_for_global(timeout=config.join_timeout_s):
             print(
                 f"learner {config.id}: no global model from {config.syncer} within "
-                f"{config.join_timeout}s; training from the local init"
+                f"{config.join_timeout_s}s; training from the local init"
             )
         progress = self.workdir / "progress.jsonl" if self.workdir and self.leader else None
         self.log = ProgressLog(
             progress,
-            config.report_every,
+            config.report_every_s,
             first_step=learner.local_step,
             echo=f"learner {config.id}" if self.leader else None,
         )
@@ -238,19 +238,21 @@ class LearnerProcess:
                 flush=True,
             )
         started = self.log.started
-        cadence = CheckpointCadence(every=config.checkpoint_every, start=started)
+        cadence = CheckpointCadence(every=config.checkpoint_every_s, start=started)
         self.writer = CheckpointWriter() if self.checkpoint else None
-        run_started = config.run_started or started
+        run_started_epoch_s = config.run_started_epoch_s or started
         self.busy_s = 0.0  # seconds computing steps in this incarnation (goodput's busy rate)
         self.clipped = ClipCounter()  # steps of this incarnation whose gradient was clipped
         seed = f"{config.recipe.seed}/{config.index}/{learner.local_step}"
         slow = SlowHardware(config.slow, config.jitter, seed)
         while not config.total_steps or learner.local_step < config.total_steps:
             step, now = learner.local_step, time.time()
-            length = schedule_length(config, step, now - run_started)
+            length = schedule_length(config, step, now - run_started_epoch_s)
             # a save is due when the cadence says so and the previous one has reached the disk
             save = self.writer is not None and cadence.due(now) and not self.writer.busy
-            should_stop = stop.is_set() or bool(config.deadline and now >= config.deadline)
+            should_stop = stop.is_set() or bool(
+                config.deadline_epoch_s and now >= config.deadline_epoch_s
+            )
             if self.world > 1:  # the ranks of an island agree on stopping, lr and checkpoints
                 should_stop, length, save = island_agree(should_stop, length, save, self.writer)
             if save:  # the training thread pays the copy; a background thread writes it
@@ -294,9 +296,9 @@ class LearnerProcess:
         config = self.config
         if config.wait_for_merge < 0:
             return
-        waited = self.learner.wait_for_merges(config.wait_for_merge, config.merge_timeout, stop)
+        waited = self.learner.wait_for_merges(config.wait_for_merge, config.merge_timeout_s, stop)
         if not waited and not stop.is_set():
-            print(f"learner {config.id}: no merge within {config.merge_timeout}s; going on")
+            print(f"learner {config.id}: no merge within {config.merge_timeout_s}s; going on")
 
     def state(self) -> dict:
         state = checkpoint_state(self.model, self.optimizer, self.learner, self.stream)

@@ -166,7 +166,7 @@ def supervise(
                 on_tick(elapsed)
             started_plans = [p for p in plans if p.id in sup.slots]
             everyone_trains = all(by_id.get(p.id) and by_id[p.id].step > 0 for p in started_plans)
-            if everyone_trains or elapsed > config.start_timeout:
+            if everyone_trains or elapsed > config.start_timeout_s:
                 sup.start_chaos()
             rows = view_rows(plans, sup, by_id, rates, now, elapsed)
             view.update(

@@ -276,7 +276,7 @@ class Launch:
         for name, argv in syncer_commands(run_dir, config.shards, [f"--config={path}"], host=host):
             slot = sup.add(name, diloco_command("syncer", *argv), run_dir / "logs" / f"{name}.log")
             port_file = run_dir / f"{name}.addr"
-            addresses.append(wait_for_file(port_file, config.start_timeout, alive=slot.child))
+            addresses.append(wait_for_file(port_file, config.start_timeout_s, alive=slot.child))
             # A restarted syncer comes back on the same address, so learners just reconnect.
             bind0 = f"--bind={host}:0"
             slot.argv = [f"--bind={addresses[-1]}" if a == bind0 else a for a in slot.argv]
@@ -363,14 +363,14 @@ class Launch:
         config, sup = self.config, self.sup
         plans = [p for p in self.prep.plans if p.id in sup.slots]  # those that started
         train_end = time.time()
-        codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout)
+        codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout_s)
         counters = self.fabric.counters() if self.fabric else None
         names = syncer_names(config.shards)
         for name in names:
             if not sup.running(name):  # it may be down for a chaos restart: bring it back
                 sup.slots[name].restart_at = 0.0
         sup.poll()
-        status = wait_for_status(self.status_client, timeout=config.start_timeout)
+        status = wait_for_status(self.status_client, timeout=config.start_timeout_s)
         if status is not None:
             self.evaluator.wait_for_versions(list(status.versions), timeout=5.0)
         val_final, versions = self.evaluator.evaluate()

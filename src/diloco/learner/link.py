@@ -122,7 +122,7 @@ class SyncerLink:
         self.encoder = encoder or UploadEncoder()
         self.schedule = "learner"
         """Who drives the rounds, as the syncer said at the last join (``"learner"`` until
-        then and for syncers older than the syncer's clock)."""
+        then)."""
         self.sync_every = 0
         """H the syncer paces its rounds with (0 until the first join, or not used)."""
         self.stats = LinkStats()
@@ -365,7 +365,7 @@ class SyncerLink:
         )
         info = ShardInfo(
             self.address,
-            tuple(reply.fragments) or tuple(range(self.layout.num_fragments)),  # pre-shard syncer
+            tuple(reply.fragments),
             reply.shard,
             reply.num_shards or 1,
         )
@@ -374,7 +374,7 @@ class SyncerLink:
         self.shard_info, self._owned = info, frozenset(info.fragments)
         self.joined_versions = list(reply.versions)
         self._heartbeat_s, self.up_codec = max(0.05, reply.heartbeat_s), reply.up_codec
-        self.schedule = reply.schedule or "learner"
+        self.schedule = reply.schedule
         self.sync_every = reply.sync_every
         self.stats.connects += 1
         self.listener.on_rejoin(

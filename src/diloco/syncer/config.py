@@ -30,7 +30,7 @@ class SyncerConfig:
     """Who drives the rounds: ``"syncer"`` (the syncer's clock opens each fragment's round
     in turn and asks every live learner for it; docs/algorithm.md "Rounds on the syncer's
     clock") or ``"learner"`` (each learner sends fragment p on its own step count and a round
-    opens at its first arrival; the behaviour before 2026-11-25, used by synchronous mode)."""
+    opens at its first arrival; what synchronous mode uses)."""
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     """P and H (``diloco.wire.protocol``): with the syncer's schedule, each fragment's round
     opens once per H fleet steps; a model cut by ``SyncerServer.for_model`` or the syncer
@@ -58,7 +58,7 @@ class SyncerConfig:
     outer_scale: str = option("share", choices=OUTER_SCALES)
     """``"share"``: scale a round's merged delta by the share of the live learners' tokens it
     holds (``diloco.algorithm.outer.round_share``), so the outer lr does not depend on M;
-    ``"none"``: apply every round at the full lr (the behaviour before 2026-11-23)."""
+    ``"none"``: apply every round at the full lr."""
     up_codec: str = option("int4", choices=CODECS)
     """Codec learners use for their outer gradients."""
     down_codec: str = option("int8", choices=CODECS)

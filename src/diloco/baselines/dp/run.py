@@ -145,9 +145,9 @@ def rank_config(
         slow=plan.slow,
         total_steps=config.steps,
         schedule_seconds=config.minutes * 60 if config.minutes else 0.0,
-        run_started=started,
+        run_started_epoch_s=started,
         checkpoint_dir=str(run_dir / "dp"),
-        checkpoint_every=config.checkpoint_every,
+        checkpoint_every_s=config.checkpoint_every_s,
         workdir=str(run_dir / "learners" / plan.id),
         snapshot=str(run_dir / "dp" / "global.safetensors") if plan.index == 0 else None,
         snapshot_every=config.eval_every or 5.0,
@@ -221,7 +221,7 @@ class Growth:
         sup.tape(
             {"event": "resize", "t": time.time(), "world": world, "added": [p.id for p in added]}
         )
-        sup.stop(names, timeout=self.config.stop_timeout)  # SIGTERM: final group checkpoint
+        sup.stop(names, timeout=self.config.stop_timeout_s)  # SIGTERM: final group checkpoint
         sup.generation += 1
         self.members += added
         sup.group = [p.id for p in self.members]
@@ -250,7 +250,7 @@ def finish(
 
     facts["train_end"] = time.time()
     plans = [p for p in plans if p.id in sup.slots]  # (not those still waiting to join)
-    facts["codes"] = codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout)
+    facts["codes"] = codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout_s)
     counters = fabric.counters() if fabric is not None else None
     facts["val_final"] = evaluator.evaluate()
     facts["scores"] = (facts.pop("scores_initial"), evaluator.scores)
@@ -299,7 +299,7 @@ def supervise_group(
                 last_loss = evaluator.evaluate()
                 append_metric(run_dir, started, evaluator, last_loss)
             training = all(latest[n] is not None and "event" not in latest[n] for n in sup.group)
-            if training or now - started > config.start_timeout:
+            if training or now - started > config.start_timeout_s:
                 sup.start_chaos()
             tokens = sum(r.get("tokens", 0) for r in latest.values() if r)
             rows = [row(p, sup.slots.get(p.id), latest[p.id]) for p in plans]

@@ -120,20 +120,20 @@ class Rank:
         config = self.config
         host, port = config.store.rsplit(":", 1)
         store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=timedelta(seconds=config.rendezvous_timeout)
+            host, int(port), is_master=False, timeout=timedelta(seconds=config.rendezvous_timeout_s)
         )
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore(f"generation-{config.generation}", store),
             rank=config.rank,
             world_size=config.world,
-            timeout=timedelta(seconds=config.collective_timeout),
+            timeout=timedelta(seconds=config.collective_timeout_s),
         )
         workdir = Path(config.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = ProgressLog(
             workdir / "progress.jsonl",
-            config.report_every,
+            config.report_every_s,
             first_step=self.step,
             at_once=True,
             echo=f"rank {config.rank}",
@@ -157,8 +157,8 @@ class Rank:
         config = self.config
         num_params = sum(p.numel() for p in self.params)
         self.per_step_bytes = ring_bytes_per_step(num_params, config.world)
-        run_started = config.run_started or self.log.started
-        cadence = CheckpointCadence(every=config.checkpoint_every, start=self.log.started)
+        run_started_epoch_s = config.run_started_epoch_s or self.log.started
+        cadence = CheckpointCadence(every=config.checkpoint_every_s, start=self.log.started)
         self.writer = CheckpointWriter()
         self.pending: int | None = None  # the step of the checkpoint being written
         self.ckdir.mkdir(parents=True, exist_ok=True)
@@ -167,7 +167,7 @@ class Rank:
         slow = SlowHardware(config.slow)
         while not config.total_steps or self.step < config.total_steps:
             now = time.time()
-            self.length = schedule_length(config, self.step, now - run_started)
+            self.length = schedule_length(config, self.step, now - run_started_epoch_s)
             # rank 0 decides (the all-reduce tells the others), once the previous is committed
             self.save = self.leader and self.pending is None and cadence.due(now)
             t0 = time.perf_counter()

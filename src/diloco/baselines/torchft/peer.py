@@ -91,8 +91,8 @@ class PeerSettings:
     join_timeout_ms: int = 60000
     quorum_tick_ms: int = 100
     heartbeat_timeout_ms: int = 5000
-    start_timeout: float = 120.0
-    stop_timeout: float = 30.0
+    start_timeout_s: float = 120.0
+    stop_timeout_s: float = 30.0
     max_minutes: float = 60.0
     wan: tuple[str, ...] = ()
 
@@ -148,7 +148,7 @@ def run_torchft(**settings) -> dict:
 
     ``run_dir`` keeps logs, progress and final models (default: a temporary directory that is
     removed). Raises :class:`PeerUnavailable` without torchft, ``ValueError`` on bad arguments,
-    ``RuntimeError`` if a process fails, ``TimeoutError`` if start-up exceeds ``start_timeout``.
+    ``RuntimeError`` if a process fails, ``TimeoutError`` if start-up exceeds ``start_timeout_s``.
     """
     version = torchft_version()
     if version is None:
@@ -232,11 +232,11 @@ def _train(s: PeerSettings, root: Path, started: float, *, batch: int, fabric=No
     from diloco.launch.children import write_config
     from diloco.runtime.procs import stop_all
 
-    hard_deadline = started + s.budget_s + s.start_timeout + s.stop_timeout + 30.0
+    hard_deadline_epoch_s = started + s.budget_s + s.start_timeout_s + s.stop_timeout_s + 30.0
     children = [_start_lighthouse(root, s)]
     try:
         for i in range(s.learners):
-            config = _replica_config(s, root, i, batch, started, hard_deadline)
+            config = _replica_config(s, root, i, batch, started, hard_deadline_epoch_s)
             prefix: list[str] = []
             if fabric is not None:  # on its own link; gloo and the store use it
                 from diloco.wan.fabric import LEARNER_IFACE
@@ -252,7 +252,7 @@ def _train(s: PeerSettings, root: Path, started: float, *, batch: int, fabric=No
         replicas = children[1:]
         stopped_by = _supervise(root, children[0], replicas, started, s)
         # Replicas stop at their next sync: allow for one more sync period on top.
-        codes = _wait_replicas(replicas, s.stop_timeout + 2 * _longest_gap(root, s.learners))
+        codes = _wait_replicas(replicas, s.stop_timeout_s + 2 * _longest_gap(root, s.learners))
         records = {
             i: _read_progress(root / f"replica-{i}" / "progress.jsonl") for i in range(s.learners)
         }
@@ -263,7 +263,12 @@ def _train(s: PeerSettings, root: Path, started: float, *, batch: int, fabric=No
 
 
 def _replica_config(
-    s: PeerSettings, root: Path, index: int, batch: int, started: float, hard_deadline: float
+    s: PeerSettings,
+    root: Path,
+    index: int,
+    batch: int,
+    started: float,
+    hard_deadline_epoch_s: float,
 ):
     from diloco.config.common import RecipeConfig
     from diloco.config.torchft import ReplicaConfig
@@ -284,9 +289,9 @@ def _replica_config(
         rounds=s.rounds,
         schedule_seconds=s.minutes * 60,
         schedule_steps=s.rounds * (s.sync_every // s.fragments),
-        run_started=started,
+        run_started_epoch_s=started,
         min_replica_size=s.quorum,
-        hard_deadline=hard_deadline,
+        hard_deadline_epoch_s=hard_deadline_epoch_s,
         threads=s.threads,
     )
 
@@ -352,7 +357,7 @@ def _start_replica(root: Path, index: int, config: Path, threads: int, prefix: l
 def _supervise(root: Path, lighthouse, replicas, started: float, s: PeerSettings) -> str:
     """Watch the processes and the budget; when it is spent, write the stop step. Returns why
     the run stops. Raises RuntimeError if a process fails, TimeoutError if a replica has not
-    completed its first sync within ``start_timeout``."""
+    completed its first sync within ``start_timeout_s``."""
     from diloco.baselines.torchft.replica import STOP_FILE
 
     while True:
@@ -367,9 +372,9 @@ def _supervise(root: Path, lighthouse, replicas, started: float, s: PeerSettings
             return "rounds"
         lasts = [_last_record(root / r.name / "progress.jsonl") for r in replicas]
         elapsed = time.time() - started
-        if any(rec is None for rec in lasts) and elapsed > s.start_timeout:
+        if any(rec is None for rec in lasts) and elapsed > s.start_timeout_s:
             raise TimeoutError(
-                f"a replica did not complete its first sync in {s.start_timeout:.0f}s"
+                f"a replica did not complete its first sync in {s.start_timeout_s:.0f}s"
             )
         reason = _budget_spent(s, elapsed, sum(rec["tokens"] for rec in lasts if rec))
         if reason:

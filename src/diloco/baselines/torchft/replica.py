@@ -107,7 +107,7 @@ def replica_main(config: ReplicaConfig) -> int:
     workdir = Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     stop = stop_on_signals()
-    _watchdog(stop, config.hard_deadline)
+    _watchdog(stop, config.hard_deadline_epoch_s)
     recipe = recipe_of(config.recipe)
     lighthouse = _lighthouse_address(config, stop)
     model = recipe.build_model(config.recipe.seed)  # same init in every replica, as ours
@@ -201,7 +201,7 @@ def _train(config: ReplicaConfig, recipe, run: _ReplicaRun, manager, inner, stop
 
     hook = inner.register_step_post_hook(after_inner_step)
     steps_per_sync = config.sync_every // config.fragments
-    run_started = config.run_started or run.started
+    run_started_epoch_s = config.run_started_epoch_s or run.started
     since_sync = 0
     outer = _outer_optimizers(config, run.fragments)
     with DiLoCo(
@@ -222,7 +222,7 @@ def _train(config: ReplicaConfig, recipe, run: _ReplicaRun, manager, inner, stop
             if since_sync == 0 and run.should_stop(manager.current_step()):
                 reason = "budget"
                 break
-            length = schedule_length(config, run.steps, time.time() - run_started)
+            length = schedule_length(config, run.steps, time.time() - run_started_epoch_s)
             set_lr(inner, recipe.lr_at(run.steps, length))
             outer_before = manager.current_step()
             timing["t0"] = time.perf_counter()
@@ -395,8 +395,8 @@ def _lighthouse_address(config: ReplicaConfig, stop: threading.Event) -> str:
     raise SystemExit("torchft replica: stopped before the lighthouse was up")
 
 
-def _watchdog(stop: threading.Event, hard_deadline: float) -> None:
-    """Exit hard at ``hard_deadline``, or 15 s after a stop request the loop did not honour
+def _watchdog(stop: threading.Event, hard_deadline_epoch_s: float) -> None:
+    """Exit hard at ``hard_deadline_epoch_s``, or 15 s after a stop request the loop did not honour
     (a replica blocked in a quorum whose peers are gone), or when the parent goes away."""
     parent = os.getppid()
 
@@ -409,7 +409,7 @@ def _watchdog(stop: threading.Event, hard_deadline: float) -> None:
             if stop.is_set() and stop_seen is None:
                 stop_seen = time.monotonic()
             late = stop_seen is not None and time.monotonic() - stop_seen > 15.0
-            if late or (hard_deadline and time.time() > hard_deadline):
+            if late or (hard_deadline_epoch_s and time.time() > hard_deadline_epoch_s):
                 print("torchft replica: watchdog exit", file=sys.stderr, flush=True)
                 os._exit(3)
 
