@@ -227,6 +227,33 @@ def test_lease_expiry_and_leave():
     assert sb
 
 
+def test_a_clean_leave_after_the_stream_closed_still_says_left():
+    """Issue 36, friction 8: of two identical clean exits, the one whose subscription closed
+    before its Leave arrived stayed "stream closed" (and synchronous mode kept waiting for
+    it). The Leave of the same session now says "left", without a second leave record."""
+    state, layout, events = make_state()
+    sa = join(state, "a", layout)
+    state.leave("a", sa, now=1.0, reason="stream closed")
+    state.leave("a", sa, now=1.1, reason="left")
+    assert state.learners["a"].state == "left"
+    assert [e["reason"] for e in events if e["event"] == "leave"] == ["stream closed"]
+    state.leave("a", "another-session", now=1.2, reason="left")  # not its session: ignored
+    assert state.learners["a"].state == "left"
+    # ... and one whose lease ran out says so, not the state it last reported
+    sb = join(state, "b", layout, now=2.0)
+    state.heartbeat("b", sb, now=2.0, state="training")
+    state.poll(2.0 + state.config.lease_s + 1)
+    assert not state.learners["b"].live and state.learners["b"].state == "lease expired"
+    # ... and one that heartbeats after its stream closed is not "training" while not live
+    sc = join(state, "c", layout, now=20.0)
+    state.leave("c", sc, now=20.5, reason="stream closed")
+    state.heartbeat("c", sc, now=21.0, state="training")
+    assert "c" not in state.live(21.0) and state.learners["c"].state == "no subscription"
+    state.leave("c", sc, now=21.5, reason="left")
+    state.heartbeat("c", sc, now=21.6, state="training")  # a late one: it left
+    assert state.learners["c"].state == "left"
+
+
 def test_observer_is_never_live_and_cannot_contribute():
     state, layout, _ = make_state()
     so = join(state, "eval", layout, observer=True)

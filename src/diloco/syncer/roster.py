@@ -127,7 +127,10 @@ class LearnerRoster:
         info = self.session_of(learner_id, session)
         info.last_seen = now
         info.step, info.tokens, info.steps_per_s = step, tokens, steps_per_s
-        info.state = state[:64] or info.state
+        if info.connected:
+            info.state = state[:64] or info.state
+        elif info.state != "left":  # alive, but its subscription closed: it resubscribes
+            info.state = "no subscription"
         if steps_per_s > 0:
             info.step_s = min(1.0 / steps_per_s, MAX_STEP_TIME_S)
         update_rate(info, now, tokens, self.config.ema_decay)
@@ -137,9 +140,15 @@ class LearnerRoster:
         return info
 
     def leave(self, learner_id: str, session: str, *, now: float, reason: str = "left") -> None:
-        """Mark a learner gone (clean leave or its stream closed). Unknown sessions are ignored."""
+        """Mark a learner gone (clean leave or its stream closed). Unknown sessions are ignored.
+        A clean leave that comes after its stream closed still says "left" (synchronous mode
+        stops waiting for a learner that left, not for one whose stream closed)."""
         info = self.learners.get(learner_id)
-        if info is None or info.session != session or not info.connected:
+        if info is None or info.session != session:
+            return
+        if not info.connected:
+            if reason == "left":
+                info.state = reason
             return
         info.connected = False
         info.live = False
