@@ -236,3 +236,31 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"diloco {__version__}"
+
+
+@pytest.mark.parametrize("cls", [RunConfig, ServiceConfig, WorkerConfig, DpWorkerConfig])
+def test_a_configuration_reads_back_from_toml_as_from_json(tmp_path, cls):
+    """Issue 36: ``--config`` takes the TOML people write as well as JSON; a run writes its
+    resolved configuration as TOML too, and it reads back to the same configuration."""
+    from diloco.runtime.config_files import read_config_file, toml_text
+
+    required = {
+        WorkerConfig: dict(id="site-a"),
+        DpWorkerConfig: dict(store="h:1", rank=1, world=2, checkpoint_dir="c", workdir="w"),
+    }.get(cls, {})
+    changed = {
+        RunConfig: dict(learners=3, slow=["1=2"], chaos="kill:mtbf=60s", name='t o"ml'),
+        ServiceConfig: dict(model="my_model:build", snapshot_every_s=7.5, state_dir="s"),
+        WorkerConfig: dict(syncer="127.0.0.1:7000", checkpoint_every_s=2.5),
+        DpWorkerConfig: dict(threads=2),
+    }[cls]
+    plain = cls(**required)
+    for config in (plain, dataclasses.replace(plain, **changed)):
+        doc = to_dict(config)
+        (tmp_path / "c.toml").write_text(toml_text(doc))
+        (tmp_path / "c.json").write_text(json.dumps(doc))
+        assert read_config_file(tmp_path / "c.toml", cls) == config
+        assert load_config_file(str(tmp_path / "c.json"), cls) == config
+    (tmp_path / "bad.toml").write_text("learners = [\n")
+    with pytest.raises(ConfigError, match="not TOML"):
+        read_config_file(tmp_path / "bad.toml", cls)

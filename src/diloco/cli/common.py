@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-from diloco.config import ConfigError, add_options, from_dict, from_namespace
+from diloco.config import ConfigError, add_options, from_namespace
+from diloco.runtime.config_files import read_config_file
 
 
 def load_config_file(path: str, cls: type):
-    """Read configuration ``cls`` from JSON file ``path``; ``ConfigError`` names what is wrong."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--config {path}: not JSON ({exc})") from None
-    return from_dict(cls, data)
+    """Read configuration ``cls`` from JSON or TOML file ``path``
+    (``diloco.runtime.config_files``); ``ConfigError`` names what is wrong."""
+    return read_config_file(path, cls)
 
 
 def configured_command(
@@ -40,7 +34,9 @@ def configured_command(
     """
     p = subparsers.add_parser(name, help=help, description=description or help)
     p.add_argument(
-        "--config", metavar="FILE", help="read the settings from this JSON file (flags override)"
+        "--config",
+        metavar="FILE",
+        help="read the settings from this JSON or .toml file (flags override)",
     )
     add_options(p, cls, sparse=True)
 

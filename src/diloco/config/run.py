@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.config.common import DeviceConfig, RecipeConfig
+from diloco.dashboard.wandb_log import WANDB_MODES
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
 from diloco.runtime.schema import option
@@ -115,6 +116,11 @@ class RunConfig:
     ``<run dir>/dashboard.url``. A network address needs the run's token (as the syncer)."""
     tensorboard: bool = option(True)
     """Write TensorBoard scalars to ``<run dir>/tensorboard/`` while the run goes."""
+    wandb: str = option("off", choices=WANDB_MODES)
+    """Log the same scalars to Weights & Biases: ``offline`` (``<run dir>/wandb/``, upload
+    later with ``wandb sync``) or ``online`` (needs ``pip install wandb`` and a login)."""
+    wandb_project: str = option("diloco", metavar="NAME")
+    """The W&B project of ``--wandb``."""
     wan: list[str] = option(default_factory=list, metavar="SPEC")
     """Put each learner on its own shaped wide-area link (root only; repeatable; docs/wan.md):
     ``rate=50mbit,rtt=40ms`` for every learner, ``2,3:rate=5mbit,rtt=80ms`` for learners 2
@@ -148,11 +154,8 @@ class RunConfig:
 
 
 def load_run_config(path) -> RunConfig:
-    """A run directory's ``config.json`` as a ``RunConfig`` (``ConfigError`` naming the key
-    that does not fit)."""
-    import json
-    from pathlib import Path
+    """A ``RunConfig`` from a JSON file (a run directory's ``config.json``) or a TOML file
+    (``ConfigError`` naming what does not fit)."""
+    from diloco.runtime.config_files import read_config_file
 
-    from diloco.runtime.schema import from_dict
-
-    return from_dict(RunConfig, json.loads(Path(path).read_text()))
+    return read_config_file(path, RunConfig)

@@ -42,6 +42,8 @@ from diloco.launch.modes import registered
 from diloco.launch.outputs import open_outputs, run_watch
 from diloco.launch.syncers import StatusClient, syncer_commands, syncer_names
 from diloco.launch.wan import WAN_BIND_HOST, check_wan, on_link, wan_section
+from diloco.runtime.config_files import toml_text
+from diloco.runtime.schema import to_dict
 
 __all__ = ["StatusClient", "run"]
 
@@ -147,6 +149,7 @@ def run(config: RunConfig) -> int:
             outputs.close()
             return abandon(made)
     write_config(run_dir / "config.json", config)
+    (run_dir / "config.toml").write_text(toml_text(to_dict(config)))  # the same, to edit
     write_command(run_dir / COMMAND_FILE, config)
     tape = EventTape(run_dir / "syncer" / "events.jsonl")
     try:
