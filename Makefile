@@ -25,8 +25,9 @@ $(STAMP): $(CORE)
 	$(PY) -m pip install -q ray==2.60.0
 	# torchft (the external peer of `diloco bench --peer torchft`, tested in CI), pinned in
 	# pyproject.toml, the recipes' extras (transformers, scikit-learn) and Lightning (its
-	# callback); they require only torch>=2.x, so the CPU torch above stays (checked).
-	$(PY) -m pip install -q -e '.[test,ray,torchft,recipes,lightning]'
+	# callback), and W&B (--wandb); they require only torch>=2.x, so the CPU torch above
+	# stays (checked).
+	$(PY) -m pip install -q -e '.[test,ray,torchft,recipes,lightning,wandb]'
 	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	# The dashboard's browser test drives Debian's chromium (playwright never downloads one).
 	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \

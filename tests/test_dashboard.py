@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from kit import wait_until, wandb_history
 
 from diloco.dashboard.prometheus import exposition
 from diloco.dashboard.server import MAX_CONNECTIONS, DashboardServer, json_safe
@@ -367,3 +368,28 @@ def test_tensorboard_reads_back_the_scalars(tmp_path):
     assert losses == [(1000, 4.0), (5000, 3.0)]
     assert [e.value for e in events.Scalars("rounds/total")] == [21, 21]
     assert all(math.isfinite(e.value) for e in events.Scalars("train/goodput"))
+
+
+@pytest.mark.timeout(120)
+def test_weights_and_biases_gets_the_same_scalars_as_tensorboard(tmp_path):
+    """Issue 36: W&B as an optional logger beside TensorBoard, offline in tests: the same
+    points (``scalar_points``), each logged against ``train/tokens``."""
+    pytest.importorskip("wandb")
+    from diloco.dashboard.tensorboard import scalar_points
+    from diloco.dashboard.wandb_log import WandbLog
+
+    snap = snapshot_of_a_run(tmp_path)
+    log = WandbLog(tmp_path / "run", name="run", project="diloco-test", mode="offline")
+    log.write(snap)
+    log.write(snap)  # a held-out loss is logged once, however often the snapshot is
+    log.close()
+    [run_file] = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    history = wait_until(lambda: wandb_history(run_file), 60, "W&B's run file")
+    logged = [(row["train/tokens"], k, v) for row in history for k, v in row.items()]
+    points, _ = scalar_points(snap, float("-inf"))
+    expected = {(p.step, p.tag, p.value) for p in points}
+    assert expected <= set(logged)  # every TensorBoard point is in W&B, at its tokens
+    losses = [(tokens, v) for tokens, k, v in logged if k == "heldout/loss"]
+    assert losses == [(1000, 4.0), (5000, 3.0)]
+    with pytest.raises(ValueError, match="--wandb must be one of off, offline, online"):
+        WandbLog(tmp_path, name="x", project="p", mode="on")

@@ -5,6 +5,7 @@ scalars and its report read after it; and a standalone ``diloco syncer --dashboa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kit import diloco_command, run_diloco, start_diloco, wait_until
+from kit import diloco_command, run_diloco, start_diloco, wait_until, wandb_history
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +70,7 @@ def live_run(tmp_path_factory):
         f"--runs-dir={runs}",
         "--name=live",
         "--no-view",
+        *(["--wandb=offline"] if importlib.util.find_spec("wandb") else []),
     )
     run_dir = runs / "live"
     try:
@@ -164,6 +166,12 @@ def test_the_finished_run_leaves_tensorboard_scalars_and_a_report(live_run, tmp_
     assert events.Scalars("train/tokens")[-1].value == summary["tokens"]
     assert events.Scalars("train/goodput")[-1].value == pytest.approx(summary["goodput"], rel=0.02)
     assert events.Scalars("rounds/total")[-1].value == summary["rounds"]
+    if importlib.util.find_spec("wandb"):  # --wandb offline: the same points
+        [run_file] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+        history = wait_until(lambda: wandb_history(run_file), 60, "W&B's run file")
+        logged = [row["heldout/loss"] for row in history if "heldout/loss" in row]
+        assert logged == pytest.approx(losses, rel=1e-6)
+        assert max(row["train/tokens"] for row in history) == summary["tokens"]
 
     report = tmp_path / "report.html"
     done = run_diloco("report", str(run_dir), "-o", str(report), timeout=60)

@@ -1,4 +1,5 @@
-"""One run's live outputs together: its watch, its dashboard server and its TensorBoard scalars.
+"""One run's live outputs together: its watch, its dashboard server and its scalar sinks
+(TensorBoard, Weights & Biases).
 
 The caller's loop (the supervisor of ``diloco run``, or the syncer process) calls
 :meth:`LiveOutputs.update` with its learner rows as often as it likes; the snapshot is rebuilt
@@ -15,20 +16,21 @@ from diloco.dashboard.watch import RunWatch
 
 class LiveOutputs:
     """``watch`` (built later with :meth:`begin` when the run's time origin is not known yet),
-    an optional ``server`` (``DashboardServer``) and an optional ``scalars`` (``ScalarLog``)."""
+    an optional ``server`` (``DashboardServer``) and the ``scalars`` sinks (``ScalarLog``,
+    ``WandbLog``: each has ``write(snapshot)`` and ``close()``)."""
 
     def __init__(
         self,
         watch: RunWatch | None = None,
         *,
         server=None,
-        scalars=None,
+        scalars: Sequence = (),
         every_s: float = 1.0,
         scalars_every_s: float = 5.0,
     ) -> None:
         self.watch = watch
         self.server = server
-        self.scalars = scalars
+        self.scalars = list(scalars)
         self.every_s = every_s
         self.scalars_every_s = scalars_every_s
         self._built_at = float("-inf")
@@ -61,9 +63,10 @@ class LiveOutputs:
             return
         self._built_at = now
         snap = self.watch.update(rows, now)
-        if self.scalars is not None and (force or now - self._written_at >= self.scalars_every_s):
+        if self.scalars and (force or now - self._written_at >= self.scalars_every_s):
             self._written_at = now
-            self.scalars.write(snap)
+            for sink in self.scalars:
+                sink.write(snap)
 
     def close(self, rows: Sequence[Mapping] | None = None, *, end: float | None = None) -> None:
         """A last update (from ``rows``, else the rows of the last update; as of ``end``, when
@@ -73,8 +76,8 @@ class LiveOutputs:
             if self.watch is not None:
                 self.update(self._rows if rows is None else rows, force=True, now=end)
         finally:
-            if self.scalars is not None:
-                self.scalars.close()
+            for sink in self.scalars:
+                sink.close()
             if self.server is not None:
                 self.server.stop()
             self.watch = None

@@ -1,9 +1,9 @@
-"""TensorBoard scalars of a run (``runs/<name>/tensorboard/``), written from its snapshots.
+"""A run's scalars (``runs/<name>/tensorboard/``, and Weights & Biases with ``--wandb``),
+written from its snapshots.
 
-Each :meth:`ScalarLog.write` adds one point per scalar, with the run's total tokens as the
-step and the snapshot's time as the wall time (TensorBoard's "relative" axis is then time
-since the start); held-out losses are written once each, at the tokens and time they were
-measured. Tags:
+:func:`scalar_points` turns a snapshot into points, one per scalar, with the run's total
+tokens as the step and the snapshot's time as the wall time; held-out losses come once
+each, at the tokens and time they were measured. Every sink writes the same points. Tags:
 
 - ``heldout/loss``; ``train/tokens``, ``train/goodput``;
 - ``rounds/total``, ``rounds/per_second``, ``rounds/contributors_mean``;
@@ -15,11 +15,51 @@ measured. Tags:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 
+@dataclass(frozen=True)
+class Point:
+    tag: str
+    value: float
+    step: int
+    """The run's total tokens when it was measured."""
+    wall: float
+    """Epoch seconds when it was measured."""
+
+
+def scalar_points(snapshot: dict, losses_after: float) -> tuple[list[Point], float]:
+    """The snapshot's points (see the module docstring), with only the held-out losses
+    measured after ``losses_after`` (seconds since the start); and the newest loss's time."""
+    s = snapshot
+    started = s["t"] - s["elapsed_s"]
+    step, wall = int(s["tokens"]), s["t"]
+    points: list[Point] = []
+    newest = losses_after
+    for t, loss, tokens in s["loss"]:
+        if t > newest and loss is not None:
+            points.append(Point("heldout/loss", float(loss), int(tokens), started + t))
+            newest = t
+    values = {
+        "train/tokens": s["tokens"],
+        "train/goodput": (s["goodput"] or {}).get("goodput"),
+        "rounds/total": s["rounds"]["total"],
+        "rounds/per_second": s["rounds"]["per_s"],
+        "rounds/contributors_mean": s["rounds"]["contributors"]["mean"],
+        "bytes/up": s["bytes"]["up"],
+        "bytes/down": s["bytes"]["down"],
+    }
+    for ln in s["learners"]:
+        values[f"learner/{ln['id']}/tokens_per_second"] = ln["tokens_per_s"]
+        values[f"learner/{ln['id']}/steps_per_second"] = ln["steps_per_s"]
+    points += [Point(tag, float(v), step, wall) for tag, v in values.items() if v is not None]
+    return points, newest
+
+
 class ScalarLog:
-    """Appends a run's scalars to an event file in ``log_dir`` (created on first write)."""
+    """Appends a run's scalars to a TensorBoard event file in ``log_dir`` (created on first
+    write)."""
 
     def __init__(self, log_dir: str | Path) -> None:
         self.log_dir = Path(log_dir)
@@ -32,30 +72,9 @@ class ScalarLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.log_dir), flush_secs=10)
-        w, s = self._writer, snapshot
-        started = s["t"] - s["elapsed_s"]
-        step, wall = int(s["tokens"]), s["t"]
-
-        def add(tag: str, value) -> None:
-            if value is not None:
-                w.add_scalar(tag, float(value), global_step=step, walltime=wall)
-
-        for t, loss, tokens in s["loss"]:
-            if t > self._loss_t and loss is not None:
-                w.add_scalar(
-                    "heldout/loss", float(loss), global_step=int(tokens), walltime=started + t
-                )
-                self._loss_t = t
-        add("train/tokens", s["tokens"])
-        add("train/goodput", (s["goodput"] or {}).get("goodput"))
-        add("rounds/total", s["rounds"]["total"])
-        add("rounds/per_second", s["rounds"]["per_s"])
-        add("rounds/contributors_mean", s["rounds"]["contributors"]["mean"])
-        add("bytes/up", s["bytes"]["up"])
-        add("bytes/down", s["bytes"]["down"])
-        for ln in s["learners"]:
-            add(f"learner/{ln['id']}/tokens_per_second", ln["tokens_per_s"])
-            add(f"learner/{ln['id']}/steps_per_second", ln["steps_per_s"])
+        points, self._loss_t = scalar_points(snapshot, self._loss_t)
+        for p in points:
+            self._writer.add_scalar(p.tag, p.value, global_step=p.step, walltime=p.wall)
 
     def close(self) -> None:
         if self._writer is not None:

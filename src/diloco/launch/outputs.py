@@ -1,5 +1,6 @@
 """The live outputs of ``diloco run``: the dashboard (page, JSON snapshot, Prometheus
-``/metrics``) and the TensorBoard scalars in ``runs/<name>/tensorboard/``.
+``/metrics``), the TensorBoard scalars in ``runs/<name>/tensorboard/`` and, with ``--wandb``,
+the same scalars in Weights & Biases.
 
 The dashboard's socket is bound before the run starts anything (a busy or invalid
 ``--dashboard`` is an error of the command, exit 2) and before ``--wan`` moves the supervisor
@@ -27,10 +28,14 @@ def open_outputs(config: RunConfig, run_dir: Path, token: str | None) -> LiveOut
     ``HOST:PORT``) or ``AuthConfigError`` (a network address without a token)."""
     from diloco.dashboard.server import DashboardServer
     from diloco.dashboard.tensorboard import ScalarLog
+    from diloco.dashboard.wandb_log import WandbLog
 
-    outputs = LiveOutputs(
-        scalars=ScalarLog(run_dir / "tensorboard") if config.tensorboard else None
-    )
+    sinks = [ScalarLog(run_dir / "tensorboard")] if config.tensorboard else []
+    if config.wandb != "off":
+        sinks.append(
+            WandbLog(run_dir, name=run_dir.name, project=config.wandb_project, mode=config.wandb)
+        )
+    outputs = LiveOutputs(scalars=sinks)
     if config.dashboard != DASHBOARD_OFF:
         outputs.server = DashboardServer(outputs.snapshot, bind=config.dashboard, token=token)
         outputs.server.start()
