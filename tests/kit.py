@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -173,11 +174,12 @@ def run_diloco_json(*args: str, timeout: float = 240) -> dict:
     return json.loads(proc.stdout)
 
 
-def start_diloco(*args: str) -> subprocess.Popen:
+def start_diloco(*args: str, cwd: Path | None = None) -> subprocess.Popen:
     """Start ``diloco ARGS`` in the background: output to pipes as text, no stdin. The
     caller ends it (and reads its pipes)."""
     return subprocess.Popen(
         diloco_command(*args),
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -212,3 +214,36 @@ def current_fragments(workdir: Path, final: dict) -> tuple[dict, int]:
             assert torch.equal(anchors[f"anchor.{p}"], saved["wire"]), (workdir, p)
             current += 1
     return held, current
+
+
+def wandb_history(run_file: Path) -> list[dict] | None:
+    """The ``history`` records of a W&B run file (``run-*.wandb``), read as its own format
+    is written: a 7-byte header, then LevelDB-log records (crc32, length, type; 32 KiB
+    blocks) of ``wandb_internal_pb2.Record`` messages. None until its ``exit`` record is
+    there (W&B's service writes the file after ``finish()`` returns)."""
+    from wandb.proto import wandb_internal_pb2 as wpb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, records, parts = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the rest of a block too short for a header: padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wpb.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            if record.WhichOneof("record_type") == "exit":
+                return records
+            if record.WhichOneof("record_type") == "history":
+                records.append(
+                    {
+                        (item.key or "/".join(item.nested_key)): json.loads(item.value_json)
+                        for item in record.history.item
+                    }
+                )
+    return None

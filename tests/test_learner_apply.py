@@ -145,6 +145,22 @@ def test_a_delta_still_queued_is_withdrawn_and_sent_with_the_newer_progress(made
     assert learner.in_flight() == {0: 1}
 
 
+def test_a_learner_says_how_many_global_versions_it_applied(made, caplog, monkeypatch):
+    """Issue 36, friction 7: a progress line every ``LOG_EVERY_MERGES`` versions applied."""
+    import logging
+
+    import diloco.learner.learner as learner_module
+
+    model, learner = made
+    monkeypatch.setattr(learner_module, "LOG_EVERY_MERGES", 2)
+    caplog.set_level(logging.INFO, logger="diloco.learner")
+    for version in (1, 2, 3):
+        learner.listener.on_fragment(0, version, torch.full((12,), float(version)), frozenset())
+        learner.apply_arrived()
+    said = [r.getMessage() for r in caplog.records if "global versions applied" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("learner me: 2 global versions applied (step 0")
+
+
 def test_the_residual_of_the_quantized_upload_goes_out_next_time(made):
     model, learner = made
     start(model, learner, torch.zeros(12))

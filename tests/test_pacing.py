@@ -8,6 +8,7 @@ exactly once (or held as its documented unsent tail), like the learner on the fa
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -99,8 +100,9 @@ def test_downloads_have_a_connection_of_their_own(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_learner_on_a_slow_link_defers_and_every_step_still_lands_once(tmp_path):
+def test_a_learner_on_a_slow_link_defers_and_every_step_still_lands_once(tmp_path, caplog):
     # a request every other step: the learner on the fast link keeps up with room to spare
+    caplog.set_level(logging.INFO, logger="diloco.learner")
     server = start_syncer(tmp_path, norm_guard_k=0.0, protocol=ProtocolConfig(sync_every=8))
     fast = Relay(server.address, name="fast")
     slow = Relay(server.address, name="slow")
@@ -142,6 +144,8 @@ def test_a_learner_on_a_slow_link_defers_and_every_step_still_lands_once(tmp_pat
     assert on_slow["deferred"] > 0 and on_fast["deferred"] == 0, (on_slow, on_fast)
     assert rates[1] < 20_000 < (rates[0] or 0), (rates, on_slow, on_fast)
     assert any("link behind" in s for s in states), states
+    said = [r.getMessage() for r in caplog.records if "fall behind" in r.getMessage()]
+    assert said and all(m.startswith("learner l1: its uploads fall behind") for m in said)
     # its downlink cannot carry the fast learner's merges either: it says so too
     assert any("downlink behind" in s for s in states), states
     assert on_slow["down_lag"] >= 0 and on_fast["down_lag"] < DOWNLINK_BEHIND_VERSIONS, on_fast

@@ -24,6 +24,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("plan", "diloco.cli.plan"),
     ("learner-token", "diloco.cli.learner_token"),
     ("export", "diloco.cli.export"),
+    ("status", "diloco.cli.status"),
     ("report", "diloco.cli.report"),
 ]
 

@@ -9,13 +9,23 @@ import sys
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "export",
-        help="write a run's global model as the model's own state_dict (safetensors)",
+        help="write a run's (or a syncer's) global model as the model's own state_dict",
         description=(
-            "Write the global model of a run directory (diloco run) as the recipe model's "
-            "state_dict, which model.load_state_dict(..., strict=True) accepts."
+            "Write the global model of a run directory (diloco run), or of a syncer's state "
+            "directory with --model (diloco syncer --model, or SyncerServer(state_dir=...)), "
+            "as the model's state_dict, which model.load_state_dict(..., strict=True) accepts."
         ),
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/demo")
+    p.add_argument(
+        "run_dir",
+        metavar="DIR",
+        help="a run directory (runs/demo) or a syncer's state directory (with --model)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="MODULE:CALLABLE",
+        help="the model the syncer served, built as its learners build it (a state directory)",
+    )
     p.add_argument(
         "-o", "--output", required=True, metavar="FILE", help="where to write (.safetensors)"
     )
@@ -23,12 +33,30 @@ def register(subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from diloco.launch.export import export_run
+    from pathlib import Path
+
+    from diloco.launch.export import export_run, export_state_dir
+    from diloco.runtime.model_ref import ModelRefError, load_model
     from diloco.syncer.export import ExportError
 
+    path = Path(args.run_dir)
     try:
-        done = export_run(args.run_dir, args.output)
-    except (ExportError, OSError) as exc:
+        if (path / "config.json").is_file():
+            if args.model:
+                raise ExportError(f"{path} is a run directory: its recipe builds the model")
+            done = export_run(path, args.output)
+        elif (path / "meta.json").is_file():
+            if not args.model:
+                raise ExportError(f"{path} is a syncer's state directory: give --model")
+            done = export_state_dir(path, load_model(args.model), args.output)
+        elif args.model:
+            raise ExportError(
+                f"{path} is neither a run directory (config.json) nor a syncer's state "
+                "directory (meta.json)"
+            )
+        else:
+            done = export_run(path, args.output)  # (says why it is not a run)
+    except (ExportError, ModelRefError, OSError) as exc:
         print(f"diloco export: error: {exc}", file=sys.stderr)
         return 2
     where = f"versions {done['versions']}" if "versions" in done else f"step {done['step']}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from diloco.config.common import RecipeConfig, ServerSecurityConfig
@@ -37,16 +38,52 @@ class ServiceConfig:
     shard: str = option("0/1", metavar="I/S")
     """Serve only shard I of S: the fragments p with p mod S == I (0/1: all); start S syncers
     with 0/S .. S-1/S and give learners every address (docs/deploy.md)."""
+    model: str | None = option(None, metavar="MODULE:CALLABLE")
+    """Serve your own model instead of a recipe's: ``CALLABLE()`` of ``MODULE`` (imported
+    from the working directory) returns it, built as every learner builds it
+    (``diloco.runtime.model_ref``; docs/own-model.md)."""
+    stop_when_learners_leave: bool = option(False)
+    """Exit (0) once every learner that joined has left and none came back within the
+    lease (``--lease``)."""
+    max_tokens: int = option(0, metavar="N")
+    """Exit (0) once the learners together report N trained tokens (0: no budget). Give
+    learners their own budget too: this one stops the syncer, not them."""
+    snapshot_every_s: float = option(0.0, flag="--snapshot-every", metavar="SECONDS")
+    """Write the global model as the model's own ``state_dict`` (safetensors) every SECONDS
+    and at exit (0: only with ``--snapshot``, and then only at exit)."""
+    snapshot: str | None = option(None, metavar="FILE")
+    """Where snapshots go (default ``STATE_DIR/global.safetensors``)."""
     threads: int = option(1)
     """Torch CPU threads."""
     exit_with_parent: bool = option(False)
     """Stop (cleanly) if the parent process dies."""
 
     def __post_init__(self) -> None:
+        from diloco.runtime.model_ref import check_model_ref
         from diloco.wire.auth import split_address
 
         split_address(self.bind, what="--bind")
+        if self.model is not None:
+            check_model_ref(self.model)
+        if self.max_tokens < 0 or self.snapshot_every_s < 0:
+            raise ValueError("--max-tokens and --snapshot-every must be >= 0")
+        if self.snapshot_every_s > 0 and not (self.snapshot or self.state_dir):
+            raise ValueError("--snapshot-every needs --snapshot FILE or --state-dir")
+        if (self.snapshot_every_s > 0 or self.snapshot) and self.shard not in ("0/1", ""):
+            raise ValueError(
+                "snapshots need the whole model: a sharded syncer's run is exported with "
+                "diloco export"
+            )
         if self.dashboard is not None:
             split_address(self.dashboard, what="--dashboard")
             if not (self.state_dir or self.tape):
                 raise ValueError("--dashboard draws the event tape: give --state-dir or --tape")
+
+    @property
+    def snapshot_path(self) -> str | None:
+        """Where this syncer writes its snapshots (None: it writes none)."""
+        if self.snapshot:
+            return self.snapshot
+        if self.snapshot_every_s > 0 and self.state_dir:
+            return os.path.join(self.state_dir, "global.safetensors")
+        return None

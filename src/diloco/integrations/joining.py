@@ -40,7 +40,7 @@ class JoinsAsLearner:
         self.learner = Learner(
             model, optimizer, syncer=self.syncer, token=self.token, **self.options
         )
-        self.joined = self.learner.wait_for_global(timeout=self.join_timeout_s)
+        self.joined = self.learner.wait_for_global(timeout=self.join_timeout_s, required=False)
 
     def leave(self, *, flush: bool) -> None:
         if self.learner is not None:

@@ -1,5 +1,7 @@
 """``diloco export RUN_DIR -o model.safetensors``: a finished (or stopped) run's global model
-as the recipe model's own ``state_dict`` (``diloco.syncer.export``).
+as the recipe model's own ``state_dict`` (``diloco.syncer.export``); ``diloco export
+STATE_DIR --model MODULE:CALLABLE -o ...``: the same from any syncer's state directory, live
+or dead, for the user's own model.
 
 Where the model is: ``syncer/`` (or ``syncer-<i>/`` per shard) for ``--mode decoupled`` and
 ``--mode sync``, the last parameter snapshot of rank 0 (``dp/global.safetensors``) for
@@ -60,3 +62,42 @@ def _export_dp(run_dir: Path, model, output) -> dict:
     state = model.state_dict()
     save_state_dict(state, output, mode="dp", step=step)
     return {"mode": "dp", "keys": len(state), "step": step}
+
+
+def export_state_dir(state_dir: str | Path, model, output: str | Path) -> dict:
+    """Write the global model held in a syncer's ``state_dir`` into ``model`` (the model the
+    syncer served, as ``--model`` builds it) and to ``output`` (safetensors); returns what
+    was written (``keys``, ``versions``). A fragment never committed keeps ``model``'s own
+    value. Raises ``ExportError`` with the reason (not a state directory, another model)."""
+    import json
+
+    from diloco.algorithm.fragments import FragmentLayout
+
+    state_dir = Path(state_dir)
+    meta_path = state_dir / "meta.json"
+    if not meta_path.is_file():
+        raise ExportError(
+            f"{state_dir} is neither a run directory (config.json) nor a syncer's state "
+            "directory (meta.json)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+        layout = FragmentLayout.from_dict(meta["layout"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"{meta_path} is unreadable ({exc!r})") from None
+    if tuple(meta.get("shard", (0, 1)))[1] > 1:
+        raise ExportError(
+            f"{state_dir} holds one shard of a sharded syncer; export the run directory"
+        )
+    named = dict(model.named_parameters())
+    try:
+        layout.check_compatible(
+            [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named.items()]
+        )
+    except ValueError as exc:
+        raise ExportError(f"--model is not the model {state_dir} holds: {exc}") from None
+    initial = [layout.gather(p, named) for p in range(layout.num_fragments)]
+    params, versions = read_state_dirs([state_dir], layout, initial)
+    state = into_model(model, layout, params)
+    save_state_dict(state, output, mode="syncer", versions=versions)
+    return {"mode": "syncer", "keys": len(state), "versions": versions}

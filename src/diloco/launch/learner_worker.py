@@ -217,7 +217,7 @@ class LearnerProcess:
     def train(self, stop) -> None:
         """The training loop: until the step budget, ``stop`` or the deadline."""
         config, learner = self.config, self.learner
-        if not learner.wait_for_global(timeout=config.join_timeout_s):
+        if not learner.wait_for_global(timeout=config.join_timeout_s, required=False):
             print(
                 f"learner {config.id}: no global model from {config.syncer} within "
                 f"{config.join_timeout_s}s; training from the local init"

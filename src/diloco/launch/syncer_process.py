@@ -6,10 +6,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from diloco.config.common import ServerSecurityConfig
 from diloco.config.service import ServiceConfig
+from diloco.launch.syncer_stopping import StopRule
 
 
 def server_security(security: ServerSecurityConfig) -> dict:
@@ -50,6 +52,7 @@ def serve(config: ServiceConfig) -> int:
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.algorithm.shards import ShardError, parse_shard
     from diloco.recipes import recipe_of
+    from diloco.runtime.model_ref import ModelRefError, load_model
     from diloco.syncer.server import SyncerServer
     from diloco.syncer.store import StateError
 
@@ -59,8 +62,15 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
-    recipe = recipe_of(config.recipe)
-    model = recipe.build_model(config.recipe.seed)
+    try:
+        model = (
+            load_model(config.model)
+            if config.model
+            else recipe_of(config.recipe).build_model(config.recipe.seed)
+        )
+    except ModelRefError as exc:
+        print(f"diloco syncer: {exc}", file=sys.stderr)
+        return 2
     layout = balanced_fragments(model.named_parameters(), config.syncer.protocol.num_fragments)
     named = dict(model.named_parameters())
     params = [layout.gather(p, named) for p in range(layout.num_fragments)]
@@ -110,12 +120,27 @@ def serve(config: ServiceConfig) -> int:
     )
     if outputs.url:
         print(f"dashboard: {outputs.url}", flush=True)
+    rule = StopRule(
+        when_learners_leave=config.stop_when_learners_leave,
+        linger_s=config.syncer.lease_s,
+        max_tokens=config.max_tokens,
+    )
+    snapshots = Snapshots(config.snapshot_path, config.snapshot_every_s, server, model)
     while not stop.wait(0.5) and server.failure is None:
+        snapshots.maybe(time.monotonic())
+        if outputs.watch is None and not rule.active:
+            continue
+        status = server.status()
         if outputs.watch is not None:  # only with --dashboard
-            outputs.update(status_rows(server.status()))
+            outputs.update(status_rows(status))
+        if (over := rule.check(status.learners, time.monotonic())) is not None:
+            print(f"diloco syncer: the run is over: {over}", flush=True)
+            break
     server.stop(grace=1.0 if server.failure is None else 0.0)  # (failed: every call refused)
     outputs.close()
-    if server.failure is not None:
+    if server.failure is None:
+        snapshots.write()  # the last global model, after the last commit
+    else:
         print(
             f"diloco syncer: failed, exiting to be restarted from {state_dir or 'memory'}: "
             f"{server.failure!r}",
@@ -162,3 +187,31 @@ def status_rows(reply) -> list[dict]:
         }
         for ls in reply.learners
     ]
+
+
+class Snapshots:
+    """The global model written as the model's own ``state_dict`` (safetensors, atomically)
+    to ``path`` every ``every_s`` seconds (0: only when ``write`` is called); nothing
+    without a path."""
+
+    def __init__(self, path: str | None, every_s: float, server, model) -> None:
+        self.path, self.every_s, self.server, self.model = path, every_s, server, model
+        self._next = time.monotonic() + every_s
+
+    def maybe(self, now: float) -> None:
+        if self.path and self.every_s > 0 and now >= self._next:
+            self._next = now + self.every_s
+            self.write()
+
+    def write(self) -> None:
+        """Write one snapshot now (a failure is said on stderr; serving goes on)."""
+        if not self.path:
+            return
+        from diloco.syncer.export import save_state_dict
+
+        state = self.server.state_dict(self.model)
+        versions = list(self.server.state.versions)
+        try:
+            save_state_dict(state, self.path, mode="syncer", versions=versions)
+        except OSError as exc:
+            print(f"diloco syncer: snapshot {self.path}: {exc}", file=sys.stderr, flush=True)

@@ -67,6 +67,14 @@ class LearnerListener(LinkListener):
         committed=(),
         logged_from=(),
     ) -> None:
+        log.info(
+            "learner %s joined %s (syncer %s): fragments %s at versions %s",
+            self.learner.learner_id,
+            address,
+            syncer_id,
+            list(fragments),
+            list(versions),
+        )
         self.learner._inbox.rejoin(
             Rejoin(
                 address,

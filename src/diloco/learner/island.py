@@ -132,12 +132,16 @@ class IslandLearner:
         return self.leader.dropped_on_restore if self.leader else []
 
     # ----------------------------------------------------------------- collectives
-    def wait_for_global(self, timeout: float = 60.0) -> bool:
+    def wait_for_global(self, timeout: float = 60.0, *, required: bool = True) -> bool:
         """Rank 0 waits for the global model (see ``Learner.wait_for_global``), then every rank
-        takes rank 0's parameters. Returns rank 0's answer on every rank."""
-        ok = self._leading(lambda leader: leader.wait_for_global(timeout), False)
+        takes rank 0's parameters. Returns rank 0's answer on every rank (with ``required``,
+        every rank raises ``TimeoutError`` instead of returning False)."""
+        ok = self._leading(lambda leader: leader.wait_for_global(timeout, required=False), False)
         self._share(list(range(self.layout.num_fragments)))
-        return bool(self._broadcast_ints([int(ok)])[0])
+        ok = bool(self._broadcast_ints([int(ok)])[0])
+        if required and not ok:
+            raise TimeoutError(f"no global model within {timeout:g} s")
+        return ok
 
     def step(self, tokens: int) -> list[int]:
         """Record one inner step on every rank; returns the fragments rank 0 queued."""

@@ -53,9 +53,15 @@ from diloco.learner.settling import Settling
 from diloco.learner.shards import open_link
 from diloco.learner.snapshot import HostCopies, Snapshot
 from diloco.learner.stopping import Stopping
+from diloco.runtime.modules import plain_module
 from diloco.wire.auth import client_link_options
 
 log = logging.getLogger(__name__)
+"""What a learner says (join, progress, falling behind): ``logging.INFO`` on
+``diloco.learner``, silent unless the program configures logging."""
+
+LOG_EVERY_MERGES = 100
+"""A progress line every this many global versions applied."""
 
 
 class Learner(Settling, Stopping, Restoring):
@@ -86,10 +92,16 @@ class Learner(Settling, Stopping, Restoring):
         state: dict | None = None,
         **overrides,
     ) -> None:
+        if "sync_every" in overrides:
+            raise TypeError(
+                "Learner(sync_every=...): H is the syncer's (diloco syncer --sync-every, "
+                "SyncerConfig.protocol); a learner takes it from the syncer when it joins"
+            )
         cfg = config or LearnerConfig(**overrides)
         if config is not None and overrides:
             raise ValueError("pass either config= or keyword overrides, not both")
         self.config = cfg
+        model = plain_module(model)  # (after torch.compile: the module it wraps)
         self.model = model
         self.optimizer = optimizer
         self.params = dict(model.named_parameters())
@@ -266,6 +278,13 @@ class Learner(Settling, Stopping, Restoring):
         if self._pace.defer(backlog, self._step_time, self._deferred_in_row[p]):
             self._deferred_in_row[p] += 1
             self.counters["deferred"] += 1
+            if not self._behind:
+                log.info(
+                    "learner %s: its uploads fall behind (%.1f s waiting); it defers the "
+                    "syncer's requests until they catch up",
+                    self.learner_id,
+                    backlog,
+                )
             self._behind = True
             return False
         self._deferred_in_row[p] = 0
@@ -320,6 +339,14 @@ class Learner(Settling, Stopping, Restoring):
                 if p not in self.last_applied:
                     self.last_applied.append(p)
                 self.applied += 1
+                if self.applied % LOG_EVERY_MERGES == 0:
+                    log.info(
+                        "learner %s: %d global versions applied (step %d, versions %s)",
+                        self.learner_id,
+                        self.applied,
+                        self.local_step,
+                        self.versions,
+                    )
         return len(self.last_applied)
 
     def _follow(self, p: int, chain) -> tuple[int, torch.Tensor] | None:
@@ -475,9 +502,11 @@ class Learner(Settling, Stopping, Restoring):
         """Deltas on their way per fragment (queued, sent, or accepted and not merged back)."""
         return self._ledger.in_flight()
 
-    def wait_for_global(self, timeout: float = 60.0) -> bool:
+    def wait_for_global(self, timeout: float = 60.0, *, required: bool = True) -> bool:
         """Block until this learner holds every fragment at least at the version the syncer had
-        when it joined, and apply them; True if so within ``timeout``.
+        when it joined, and apply them; True if so within ``timeout``. Otherwise
+        ``TimeoutError`` (it would train from its own initialization, apart from the fleet),
+        or, with ``required=False``, False.
 
         Call it once before training: a fresh learner then starts from the global model, and
         one restored from a checkpoint catches up before it sends.
@@ -493,6 +522,11 @@ class Learner(Settling, Stopping, Restoring):
             ):
                 return True
             if time.monotonic() > deadline:
+                if required:
+                    raise TimeoutError(
+                        f"no global model from {self.link.address} within {timeout:g} s "
+                        "(is the syncer up, the address and token right?)"
+                    )
                 return False
             time.sleep(0.02)
 

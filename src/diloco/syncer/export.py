@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.runtime.modules import plain_module
 from diloco.syncer.store import FragmentStore, StateError
 
 
@@ -33,7 +34,10 @@ def into_model(
     model: torch.nn.Module, layout: FragmentLayout, params: Sequence[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Write every fragment's flat vector into ``model``'s parameters (in place) and return
-    ``model.state_dict()``. Raises ``ExportError`` when the model is not the layout's."""
+    ``model.state_dict()`` (for a compiled model, the state_dict of the module
+    ``torch.compile`` wrapped: the names learners and the syncer agree on). Raises
+    ``ExportError`` when the model is not the layout's."""
+    model = plain_module(model)
     named = dict(model.named_parameters())
     try:
         layout.check_compatible([(n, tuple(t.shape), _dtype(t)) for n, t in named.items()])

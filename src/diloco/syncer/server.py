@@ -216,7 +216,9 @@ class SyncerServer:
         """
         from diloco.algorithm.embeddings import embedding_parameter_names
         from diloco.algorithm.fragments import balanced_fragments
+        from diloco.runtime.modules import plain_module
 
+        model = plain_module(model)  # (after torch.compile: the module it wraps)
         config = config or SyncerConfig()
         layout = balanced_fragments(model.named_parameters(), config.protocol.num_fragments)
         named = dict(model.named_parameters())
@@ -275,7 +277,10 @@ class SyncerServer:
         return self.service.failure
 
     def status(self):
-        """What the ``Status`` RPC answers (``diloco_pb2.StatusReply``), read in-process."""
+        """What the ``Status`` RPC answers (``diloco_pb2.StatusReply``), read in-process: the
+        syncer's versions, rounds, traffic, health (``failure``) and one row per learner. A
+        stable API (fields are only ever added): docs/own-model.md lists them, and ``diloco
+        status HOST:PORT`` prints them."""
         from diloco.wire import diloco_pb2 as pb
 
         return self.service.Status(pb.StatusRequest(), None)

@@ -1,0 +1,65 @@
+"""``diloco status ADDRESS``: what a running syncer says of itself (its ``Status`` RPC).
+
+The fields are documented in docs/own-model.md ("The syncer's status"); ``--json`` prints
+them as one JSON object (the .proto's field names), the default a few readable lines. The
+exit status is 0 while the syncer serves, 1 if it does not answer or has failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="what a running syncer says: versions, rounds, learners, health",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("address", metavar="HOST:PORT", help="the syncer (or every shard, a,b)")
+    p.add_argument("--token-file", metavar="FILE", help="the shared token (default: $DILOCO_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from diloco.launch.syncers import StatusClient
+    from diloco.wire.auth import AuthConfigError, load_token
+
+    try:
+        client = StatusClient(args.address, load_token(args.token_file))
+    except (AuthConfigError, ValueError, OSError) as exc:
+        print(f"diloco status: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        reply = client.fetch()
+    finally:
+        client.close()
+    if reply is None:
+        print(f"diloco status: {args.address} does not answer", file=sys.stderr)
+        return 1
+    if args.json:
+        doc = MessageToDict(
+            reply,
+            always_print_fields_with_no_presence=True,
+            preserving_proto_field_name=True,
+            unquote_int64_if_possible=True,
+        )
+        print(json.dumps(doc, indent=1))
+        return 0
+    health = f"FAILED: {reply.failure}" if reply.failure else "serving"
+    print(
+        f"syncer {reply.syncer_id} {health}, up {reply.uptime_s:.0f} s: {reply.rounds} rounds, "
+        f"versions {list(reply.versions)}, {reply.refused} refused uploads"
+    )
+    for ls in reply.learners:
+        live = "live" if ls.live else "gone"
+        print(
+            f"  {ls.learner_id}: {live} ({ls.state}), step {ls.step}, {ls.tokens:,} tokens, "
+            f"{ls.contributions} contributions"
+        )
+    return 1 if reply.failure else 0
