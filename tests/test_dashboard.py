@@ -379,6 +379,8 @@ def test_weights_and_biases_gets_the_same_scalars_as_tensorboard(tmp_path):
     from diloco.dashboard.wandb_log import WandbLog
 
     snap = snapshot_of_a_run(tmp_path)
+    (t, _, tokens), later = snap["loss"][0], snap["loss"][1:]
+    snap["loss"] = [snap["loss"][0], (t + 1.0, 3.5, tokens), *later]  # two at one token count
     log = WandbLog(tmp_path / "run", name="run", project="diloco-test", mode="offline")
     log.write(snap)
     log.write(snap)  # a held-out loss is logged once, however often the snapshot is
@@ -390,6 +392,6 @@ def test_weights_and_biases_gets_the_same_scalars_as_tensorboard(tmp_path):
     expected = {(p.step, p.tag, p.value) for p in points}
     assert expected <= set(logged)  # every TensorBoard point is in W&B, at its tokens
     losses = [(tokens, v) for tokens, k, v in logged if k == "heldout/loss"]
-    assert losses == [(1000, 4.0), (5000, 3.0)]
+    assert losses == [(1000, 4.0), (1000, 3.5), (5000, 3.0)]
     with pytest.raises(ValueError, match="--wandb must be one of off, offline, online"):
         WandbLog(tmp_path, name="x", project="p", mode="on")

@@ -16,6 +16,18 @@ from diloco.dashboard.tensorboard import scalar_points
 WANDB_MODES = ("off", "offline", "online")
 
 
+def rows_of(points) -> list[dict]:
+    """W&B rows of ``points``, in order: points of one step share a row, but never two of one
+    tag (two evaluations at the same tokens are two rows, as they are two TensorBoard
+    points)."""
+    rows: list[dict] = []
+    for p in points:
+        if not rows or rows[-1]["train/tokens"] != p.step or p.tag in rows[-1]:
+            rows.append({"train/tokens": p.step})
+        rows[-1][p.tag] = p.value
+    return rows
+
+
 class WandbLog:
     """Logs a run's scalars to one W&B run (started on first write)."""
 
@@ -40,11 +52,8 @@ class WandbLog:
             self._run.define_metric("train/tokens")
             self._run.define_metric("*", step_metric="train/tokens")
         points, self._loss_t = scalar_points(snapshot, self._loss_t)
-        by_step: dict[int, dict[str, float]] = {}
-        for p in points:
-            by_step.setdefault(p.step, {})[p.tag] = p.value
-        for step, values in sorted(by_step.items()):
-            self._run.log({"train/tokens": step, **values})
+        for row in rows_of(points):
+            self._run.log(row)
 
     def close(self) -> None:
         if self._run is not None:
