@@ -127,3 +127,21 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
         assert proc.returncode == 2, (args, proc.stderr)
         assert message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
     assert not any(tmp_path.iterdir()) or all(p.suffix == ".txt" for p in tmp_path.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_without_a_syncer_trains_alone(tmp_path):
+    """``diloco learner --no-sync`` (the baseline of benchmarks/bench_run.py): trains, saves
+    its checkpoint and exits 0 (it once failed at once: its stand-in Learner lacked
+    ``wait_for_global``'s ``required``)."""
+    done = run_diloco(
+        "learner",
+        "--no-sync",
+        "--id=alone",
+        "--recipe=tiny",
+        "--total-steps=20",
+        f"--workdir={tmp_path}",
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "learner alone: stopped; step 20" in done.stdout

@@ -440,7 +440,7 @@ class LocalOnly:
         self.local_step = 0
         self.total_tokens = 0
 
-    def wait_for_global(self, timeout: float) -> bool:
+    def wait_for_global(self, timeout: float, *, required: bool = True) -> bool:
         return True
 
     def step(self, tokens: int) -> list[int]:
