@@ -5,6 +5,7 @@ corruption modes one by one against an in-process syncer."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kit import local_syncer, run_diloco_json, tiny_model
 from torch import nn
 
 from diloco.algorithm import codecs
+from diloco.algorithm.guard import DEFAULT_K, DEFAULT_MAX_RATIO
 from diloco.chaos import ChaosSpecError, corruptions, parse_spec, schedule
 from diloco.learner.corrupt import (
     HOSTILE_CLAIM,
@@ -206,6 +208,34 @@ def runs(tmp_path_factory):
     return run(tmp, "clean"), run(tmp, "corrupt", f"--chaos={CORRUPT}")
 
 
+def _slip(round_: dict, rounds: list[dict]) -> dict:
+    """What a failure needs to say about a round that merged the corrupt learner: its norms,
+    steps and fragment norm, and the fragment's earlier rounds (the guard's history)."""
+    keys = ("version", "participants", "norms", "steps", "param_norm")
+    earlier = [r for r in rounds if r["fragment"] == round_["fragment"] and r["t"] < round_["t"]]
+    return {
+        "fragment": round_["fragment"],
+        **{k: round_.get(k) for k in keys},
+        "earlier": [{k: r.get(k) for k in keys} for r in earlier],
+    }
+
+
+def _ordinary(round_: dict, rounds: list[dict], corrupt: str = "learner-1") -> bool:
+    """Whether the corrupt learner's delta in ``round_`` was within the guard's size rule
+    (``DEFAULT_K`` x the largest of the honest learners' median accepted norms of its
+    fragment so far) or, with no honest history yet, within the fragment's ceiling."""
+    mine = round_["norms"][round_["participants"].index(corrupt)]
+    by_learner: dict[str, list[float]] = {}
+    for r in rounds:
+        if r["fragment"] == round_["fragment"] and r["t"] < round_["t"]:
+            for lid, norm in zip(r["participants"], r["norms"], strict=True):
+                if lid != corrupt and norm > 0:
+                    by_learner.setdefault(lid, []).append(norm)
+    if not by_learner:
+        return mine <= DEFAULT_MAX_RATIO * round_["param_norm"]
+    return mine <= DEFAULT_K * max(statistics.median(v[-32:]) for v in by_learner.values())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(560)
 def test_one_corrupt_learner_of_three_cannot_wreck_the_global_model(runs):
@@ -223,9 +253,14 @@ def test_one_corrupt_learner_of_three_cannot_wreck_the_global_model(runs):
     assert {r["code"] for r in refused} == {"OUT_OF_RANGE"}
     rounds = [r for r in tape if r["event"] == "round"]
     slipped = [r for r in rounds if "learner-1" in r["participants"]]
-    # Before a fragment has history only its own norm bounds a delta: the first send of a
-    # fragment that covers 1-2 steps early in the lr warm-up can slip through, x1000 or not.
-    assert len(slipped) <= 3, slipped
+    # A x1000 delta slips in only where it is of ordinary size: before a fragment has history
+    # (a 1-2 step delta early in the lr warm-up) or at the end of the run, when the lr decays
+    # to ~0 (CI measured 4 such rounds of ~180, all at a fragment's last versions). Judged
+    # from the tape by the guard's own size rule with the corrupt learner's history left out:
+    # a slipped delta that needed its own earlier slips to pass (guard poisoning) fails here.
+    assert len(slipped) <= 0.05 * len(rounds), [_slip(r, rounds) for r in slipped]
+    for r in slipped:
+        assert _ordinary(r, rounds), _slip(r, rounds)
     assert not [r for r in clean_tape if r["event"] == "refused"]  # no false alarms
     # The global model's held-out loss decreases throughout and ends near the clean run's.
     metrics = [

@@ -201,3 +201,44 @@ def test_a_huge_delta_claiming_2_24_steps_from_a_learner_that_just_joined_is_ref
         upload("bad", huge, 1 << 24, 103.0)
     assert info.value.code == "OUT_OF_RANGE" and "whatever the steps" in info.value.message
     assert state.digest() == before
+
+
+def test_a_corrupt_delta_that_slipped_in_once_does_not_open_the_door_to_the_next():
+    # Before a fragment has history only its own norm bounds a delta, so a short corrupt
+    # delta (x1000 of a 1-step one) can slip in. Its norm then joined the history, and with
+    # one honest learner beside it the upper median of the two was the corrupt one's own:
+    # every later corrupt delta of the fragment passed (CI: 4 slipped rounds in one run).
+    state, layout = make_state(norm_guard_min_history=3)
+    n = layout.fragments[0].numel
+    gen = torch.Generator().manual_seed(5)
+    theta = float(state.params[0].norm())
+    first = torch.randn(n, generator=gen)
+    first *= 5.0 * theta / first.norm()  # under 10 x the fragment's own norm: no history yet
+    assert submit(state, "bad", first, now=1.0).accept
+    state.poll(50.0)
+    for i in range(3):  # the honest learner's history: ~0.005 x the fragment's norm
+        honest = torch.randn(n, generator=gen)
+        assert submit(state, "good", honest * 0.005 * theta / honest.norm(), now=60.0 + i).accept
+        state.poll(100.0 + i)
+    before = state.digest()
+    again = torch.randn(n, generator=gen)
+    with pytest.raises(Refused) as info:
+        submit(state, "bad", again * 5.0 * theta / again.norm(), now=200.0)
+    assert info.value.code == "OUT_OF_RANGE" and "median" in info.value.message, info.value
+    assert state.digest() == before
+    # The honest learner is still judged by the others' history, and accepted.
+    honest = torch.randn(n, generator=gen)
+    assert submit(state, "good", honest * 0.006 * theta / honest.norm(), now=201.0).accept
+
+
+def test_a_learner_is_judged_by_the_other_learners_history_once_they_have_enough():
+    h = NormHistory(1, window=32)
+    for _ in range(2):
+        h.record(0, 0.1, steps=1, learner="honest")
+    h.record(0, 500.0, steps=1, learner="corrupt")
+    # The others hold 2 < 3 norms: all learners count, the judged one's own included.
+    assert h.reference(0, judged="corrupt") == 500.0
+    h.record(0, 0.1, steps=1, learner="honest")
+    assert h.reference(0, judged="corrupt") == 0.1  # the others have enough: its own is out
+    assert h.reference(0, judged="honest") == 500.0  # its others hold 1 < 3: all count
+    assert h.reference(0) == 500.0  # the upper median over both, no one judged

@@ -11,8 +11,10 @@ before they enter a round (a pure function, :func:`check_norm`):
    next 24), so the guard compares the *per-step norm* ``‖Δ‖ / steps`` with a reference: each
    learner's median of its last ``window`` accepted per-step norms of the fragment, and the
    upper median of those over the learners (``NormHistory.reference``), once the fragment has
-   ``min_history`` accepted norms: refused if above ``k ×`` the reference. One value per
-   learner, not per upload: a learner that floods the syncer with tiny deltas moves only its
+   ``min_history`` accepted norms: refused if above ``k ×`` the reference. A learner is
+   judged by the *other* learners' values once they hold ``min_history`` norms (since
+   2026-11-26): its own accepted norms cannot vouch for it. One value per learner, not per
+   upload: a learner that floods the syncer with tiny deltas moves only its
    own value, so it cannot make honest uploads look like outliers; the *upper* median, so one
    learner of two cannot pull the reference below the honest one's. Zero norms (a learning
    rate warming up from 0, or a flood of empty deltas) say nothing about scale and are not
@@ -214,10 +216,24 @@ class NormHistory:
         for by_learner in (*self._norms, *self._sizes):
             by_learner.pop(learner, None)
 
-    def reference(self, fragment: int, min_history: int = DEFAULT_MIN_HISTORY) -> float | None:
+    def reference(
+        self, fragment: int, min_history: int = DEFAULT_MIN_HISTORY, *, judged: str | None = None
+    ) -> float | None:
         """The upper median over learners of each learner's median per-step norm, or ``None``
-        while the fragment has fewer than ``min_history`` remembered norms in all."""
-        medians = self._medians(self._norms[fragment], min_history)
+        while the fragment has fewer than ``min_history`` remembered norms in all.
+
+        ``judged``: the learner whose delta the reference judges. Once the *other* learners
+        hold ``min_history`` norms of the fragment, only theirs count: a learner's own
+        accepted norms cannot vouch for its next delta (a corrupt delta that slipped in
+        before the fragment had history would otherwise be the upper median of two, and
+        let every later one in). Before that, all learners count (a lone learner is judged
+        by its own history)."""
+        by_learner = self._norms[fragment]
+        if judged is not None:
+            others = {lid: q for lid, q in by_learner.items() if lid != judged}
+            if sum(len(q) for q in others.values()) >= max(min_history, 1):
+                by_learner = others
+        medians = self._medians(by_learner, min_history)
         return statistics.median_high(medians) if medians else None
 
     def size_reference(self, fragment: int, min_history: int = DEFAULT_MIN_HISTORY) -> float | None:

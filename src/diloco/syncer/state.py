@@ -307,7 +307,9 @@ class SyncerState(LearnerRoster, RoundClosing):
         verdict = check_norm(
             norm,
             steps,
-            self.norms.reference(fragment, self.config.norm_guard_min_history),
+            self.norms.reference(
+                fragment, self.config.norm_guard_min_history, judged=info.learner_id
+            ),
             self._param_norm(fragment),
             size_reference=self.norms.size_reference(fragment, self.config.norm_guard_min_history),
             held=earlier.norm if earlier is not None else 0.0,
