@@ -1,7 +1,8 @@
 # The two commands a newcomer runs: `make demo` and `make test`. Both create or reuse .venv
 # in the checkout and are idempotent. `make demo` installs only what a run needs; `make test`
 # adds the test tools, the optional backends the suite covers (Ray, torchft) and, as root,
-# Debian's chromium for the dashboard's browser test.
+# Debian's chromium for the dashboard's browser test and Slurm (slurm-wlm, munge) for the
+# Slurm tests.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CORE := $(VENV)/.installed-core
@@ -29,9 +30,11 @@ $(STAMP): $(CORE)
 	# stays (checked).
 	$(PY) -m pip install -q -e '.[test,ray,torchft,recipes,lightning,wandb]'
 	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
-	# The dashboard's browser test drives Debian's chromium (playwright never downloads one).
-	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
-		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+	# The dashboard's browser test drives Debian's chromium (playwright never downloads one);
+	# the Slurm tests start a one-node cluster from Debian's slurm-wlm and munge.
+	command -v chromium >/dev/null && command -v slurmctld >/dev/null || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			chromium slurmctld slurmd slurm-client munge; }
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -89,6 +89,27 @@ def books(trained, unsent, dropped=(0,), life="A"):
     }
 
 
+def test_the_audit_follows_a_learner_resumed_from_its_checkpoint():
+    # Life A trained 7 steps and delivered them (4 + 3), was requeued, and life B resumed
+    # at step 7 with a checkpoint that holds those 7 as delivered; B trained 5 more.
+    tape = [
+        round_record(0, 1, {"a": [[1, 4, 32]]}),
+        round_record(0, 2, {"a": [[2, 3, 24]]}),
+        round_record(0, 3, {"a": [[3, 5, 40]]}),
+    ]
+    resumed = [{"life": "B", "start": 7, "carried": [7]}, *journal("B", (3, 0, 5, 12))[1:]]
+    journals = {"a": journal("A", (1, 0, 4, 4), (2, 0, 3, 7)) + resumed}
+    verdict = audit(tape, journals, {"a": books(12, [0], life="B")})
+    assert verdict.ok, verdict.problems  # 7 carried + 5 merged = 12 trained
+    # A checkpoint that carries fewer steps than the earlier lives delivered: B trains them
+    # again and they reach the model twice; one that carries more: steps claimed delivered
+    # that no commit holds. Both are named.
+    for carried in (4, 9):
+        journals["a"][3] = {"life": "B", "start": 7, "carried": [carried]}
+        problems = audit(tape, journals, {"a": books(12, [0], life="B")}).problems
+        assert any(f"checkpoint carried {carried}" in p for p in problems), problems
+
+
 def test_the_audit_passes_an_exact_run_and_names_each_defect():
     tape = [round_record(0, 1, {"a": [[1, 4, 32]]}), round_record(0, 2, {"a": [[2, 3, 24]]})]
     journals = {"a": journal("A", (1, 0, 4, 4), (2, 0, 3, 7))}

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 from diloco.config.worker import WorkerConfig
+from diloco.learner.journal import JOURNAL_FILE
+from diloco.report.audit_files import FINAL_ACCOUNTING
 from diloco.runtime.cadence import CheckpointCadence
 from diloco.runtime.checkpoint_writer import CheckpointWriter
 from diloco.runtime.training import (
@@ -342,7 +344,7 @@ class LearnerProcess:
 
 CHECKPOINT = "checkpoint.pt"
 DELIVERY_LOG = "delivered.json"  # diloco.learner.delivery
-UPLOAD_JOURNAL = "uploads.jsonl"  # diloco.learner.journal
+UPLOAD_JOURNAL = JOURNAL_FILE  # diloco.learner.journal
 
 
 def on_device(batch, device):
@@ -466,7 +468,7 @@ def write_final_state(workdir: Path, learner) -> None:
         f"anchor.{p}": a.contiguous() for p, a in enumerate(learner.anchors) if a is not None
     }
     save_file(anchors, str(workdir / "final.safetensors"))
-    (workdir / "final.json").write_text(
+    (workdir / FINAL_ACCOUNTING).write_text(
         json.dumps(
             {
                 "versions": learner.versions,

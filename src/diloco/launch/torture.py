@@ -33,7 +33,9 @@ from pathlib import Path
 
 from diloco.launch.relay import Relay
 from diloco.launch.syncer_process import FAILED
-from diloco.report.exactly_once import Audit, audit
+from diloco.learner.journal import JOURNAL_FILE
+from diloco.report.audit_files import FINAL_ACCOUNTING, audit_directories
+from diloco.report.exactly_once import Audit
 from diloco.runtime.disk import SmallDisk
 from diloco.runtime.jsonl import read_jsonl
 from diloco.runtime.procs import Child, diloco_command
@@ -220,7 +222,7 @@ class Torture:
 
     def _start_learner(self, i: int) -> None:
         workdir = self.learner_dir(i)
-        for stale in ("checkpoint.pt", "delivered.json", "final.json"):
+        for stale in ("checkpoint.pt", "delivered.json", FINAL_ACCOUNTING):
             (workdir / stale).unlink(missing_ok=True)  # a new machine: no local state
         argv = diloco_command(
             "learner",
@@ -352,7 +354,7 @@ class Torture:
 
     def _contributing(self, i: int) -> bool:
         """Whether learner i's current life has sent an upload (its journal says so)."""
-        lines = read_jsonl(self.learner_dir(i) / "uploads.jsonl")
+        lines = read_jsonl(self.learner_dir(i) / JOURNAL_FILE)
         lives = [line["life"] for line in lines if "start" in line]
         return bool(lives) and any(line.get("life") == lives[-1] and "u" in line for line in lines)
 
@@ -384,31 +386,10 @@ class Torture:
 
     # ------------------------------------------------------------------- audit
     def _audit(self, started: float, window_end: float) -> TortureResult:
-        from diloco.algorithm.fragments import FragmentLayout
-        from diloco.syncer.store import FragmentStore
-
         state = self.workdir / "state" if self.disk else self.state_dir
-        tape = read_jsonl(state / "events.jsonl")
-        journals = {
-            f"l{i}": read_jsonl(self.learner_dir(i) / "uploads.jsonl")
-            for i in range(self.spec.learners)
-        }
-        finals = {}
-        for i in range(self.spec.learners):
-            path = self.learner_dir(i) / "final.json"
-            finals[f"l{i}"] = json.loads(path.read_text()) if path.exists() else None
-        layout = FragmentLayout.from_dict(json.loads((state / "meta.json").read_text())["layout"])
-        store = FragmentStore(state)
-        disk = {}
-        for p in range(layout.num_fragments):
-            loaded = store.load(p, layout.fragments[p].numel)
-            if loaded is not None:
-                disk[p] = loaded[0]
-        verdict = audit(
-            tape,
-            journals,
-            finals,
-            disk_versions=disk,
+        verdict = audit_directories(
+            state,
+            {f"l{i}": self.learner_dir(i) for i in range(self.spec.learners)},
             down=self.down,
             window=(started + 5.0, window_end),
             stall_bound_s=STALL_BOUND_S,

@@ -11,6 +11,7 @@ at most once, across learner and syncer crashes (``diloco.report.exactly_once``)
 Lines::
 
     {"life": "9f2c…", "start": 0, "t": 1700000000.0}          a life begins at this step
+    {"life": "7a1e…", "start": 275, "t": …, "carried": [275, …]}  resumed: delivered before
     {"life": "9f2c…", "u": 123, "p": 3, "steps": 24, "tokens": 3072, "step": 96}
     {"life": "9f2c…", "settled": 123, "how": "accepted", "v": 7}  the syncer's answer
     {"life": "9f2c…", "settled": 123, "how": "merged", "v": 8}    the version holding it
@@ -34,17 +35,26 @@ import time
 
 log = logging.getLogger(__name__)
 
+JOURNAL_FILE = "uploads.jsonl"
+"""The journal's name in a learner's work directory."""
+
 
 class UploadJournal:
     """The journal file at ``path`` for one learner life (``life``: its id)."""
 
-    def __init__(self, path: str | os.PathLike, start_step: int) -> None:
+    def __init__(
+        self, path: str | os.PathLike, start_step: int, carried: list[int] | None = None
+    ) -> None:
+        """``carried``: for a life resumed from a checkpoint, per fragment the steps its
+        earlier lives delivered (merged, in flight or left out, as the restored accounting
+        says): the audit checks them against what the tape holds of those lives."""
         self.path = path
         self.life = secrets.token_hex(6)
         self._lock = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._failed = False
-        self._write({"life": self.life, "start": start_step, "t": round(time.time(), 3)})
+        begin = {"life": self.life, "start": start_step, "t": round(time.time(), 3)}
+        self._write(begin if carried is None else {**begin, "carried": list(carried)})
 
     def queued(self, upload_id: int, fragment: int, steps: int, tokens: int, step: int) -> None:
         """Record an upload before it is handed to the link."""

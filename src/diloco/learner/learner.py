@@ -127,9 +127,10 @@ class Learner(Settling, Stopping, Restoring):
                 self._drop_delivered(self.delivery.read())
         elif self.delivery is not None:
             self.delivery.clear()
-        self.journal = (
-            UploadJournal(cfg.journal_file, self.local_step) if cfg.journal_file else None
-        )
+        self.journal = None
+        if cfg.journal_file:
+            carried = self.delivered_steps() if state is not None else None
+            self.journal = UploadJournal(cfg.journal_file, self.local_step, carried)
         self._host_copies = HostCopies(self.layout, self.params)
         self.listener = LearnerListener(self)
         """What the link tells this learner and asks of it (on the link's threads)."""

@@ -151,19 +151,28 @@ class Settling:
         the training thread (between steps, or after ``close``)."""
         self._settle()
         unsent = self.unsent()
-        P = self.layout.num_fragments
-        in_flight = [0] * P
-        for p, e in self._ledger.items():
-            if e.admitted is not None:
-                in_flight[p] += e.steps
         return Accounting(
             self.local_step,
             tuple(self.merged_steps),
-            tuple(in_flight),
+            tuple(self._in_flight()),
             tuple(unsent),
             tuple(self.dropped),
             tuple(self.excluded_steps),
         )
+
+    def _in_flight(self) -> list[int]:
+        """Per fragment, the steps of accepted deltas whose merge has not come back."""
+        in_flight = [0] * self.layout.num_fragments
+        for p, e in self._ledger.items():
+            if e.admitted is not None:
+                in_flight[p] += e.steps
+        return in_flight
+
+    def delivered_steps(self) -> list[int]:
+        """Per fragment, the steps the syncer has: merged, in flight or left out (what a
+        resumed learner's earlier lives delivered, ``diloco.learner.journal``)."""
+        columns = (self.merged_steps, self._in_flight(), self.excluded_steps)
+        return [sum(c) for c in zip(*columns, strict=True)]
 
     def unanswered_uploads(self) -> list[tuple[int, int, int]]:
         """``(upload id, fragment, steps)`` of the deltas sent without an answer yet: counted

@@ -23,8 +23,12 @@ What it asserts (each failure is one line in ``Audit.problems``):
 3. no upload id is merged (or left out) twice, and each one is in its learner's journal with
    the same steps;
 4. per learner life that stopped cleanly, per fragment: steps merged + left out (tape) +
-   unsent + dropped (its own accounting) = steps trained: **exactly once**; and every upload
-   a learner took as merged (its journal's ``settled`` lines) was merged by a commit;
+   carried + unsent + dropped (its own accounting) = steps trained: **exactly once**; and
+   every upload a learner took as merged (its journal's ``settled`` lines) was merged by a
+   commit. ``carried``: a life resumed from a checkpoint (a requeued job) counts the steps of
+   its earlier lives too; its journal's start line says how many of them its restored
+   accounting holds as delivered, and the earlier lives' commits on the tape must hold
+   exactly that many;
 5. per life that was killed, per fragment: steps merged + left out ≤ the last step it
    journaled: **at most once** (what it had not delivered when it died is lost with it: the
    learner's crash, not the protocol's);
@@ -188,6 +192,8 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
         if life not in lives:
             lives[life] = {"uploads": {}, "last_step": defaultdict(int)}
             order.append(life)
+        if "carried" in line:
+            lives[life]["carried"] = line["carried"]
         if "u" in line:
             lives[life]["uploads"][line["u"]] = (line["p"], line["steps"])
             step = lives[life]["last_step"]
@@ -219,9 +225,18 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
     result.lives += len(order)
     last = order[-1] if order else None
     clean = final is not None and final.get("life") == last
+    carried = lives[last].get("carried") if last is not None else None
+    if carried is not None:  # resumed: its checkpoint says what the earlier lives delivered
+        for p, steps in enumerate(carried):
+            earlier = sum(delivered[life].get(p, 0) for life in order[:-1])
+            if earlier != steps:
+                result.problems.append(
+                    f"{learner}: fragment {p}: its earlier lives delivered {earlier} steps "
+                    f"(tape), its checkpoint carried {steps} into the last life"
+                )
     for life in order:
         if life == last and clean:
-            _check_clean(learner, final, delivered[life], on_tape, result)
+            _check_clean(learner, final, delivered[life], carried, on_tape, result)
             continue
         result.lives_killed += 1
         for p, steps in delivered[life].items():
@@ -237,7 +252,7 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
         result.problems.append(f"{learner}: final.json is not from its last life")
 
 
-def _check_clean(learner, final, delivered, on_tape, result: Audit) -> None:
+def _check_clean(learner, final, delivered, carried, on_tape, result: Audit) -> None:
     books = final.get("accounting")
     if books is None:
         result.problems.append(f"{learner}: final.json has no accounting")
@@ -252,10 +267,11 @@ def _check_clean(learner, final, delivered, on_tape, result: Audit) -> None:
     for p, (unsent, dropped) in enumerate(zip(books["unsent"], books["dropped"], strict=True)):
         unsent -= heard_of.get(p, 0)
         tape = delivered.get(p, 0)
-        if tape + unsent + dropped != trained:
+        before = carried[p] if carried is not None else 0
+        if tape + before + unsent + dropped != trained:
             result.problems.append(
-                f"{learner}: fragment {p}: {tape} steps merged or left out (tape) + {unsent} "
-                f"unsent + {dropped} dropped != {trained} trained"
+                f"{learner}: fragment {p}: {tape} steps merged or left out (tape) + {before} "
+                f"carried + {unsent} unsent + {dropped} dropped != {trained} trained"
             )
 
 

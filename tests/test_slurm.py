@@ -1,0 +1,230 @@
+"""The Slurm scripts of ``deploy/slurm/`` on a real Slurm cluster (Debian's slurm-wlm and
+munge, started once for the module by ``deploy/slurm/local-cluster.sh`` as root): a syncer
+job and a learner array train the tiny recipe; one array task is requeued mid-run (SIGTERM,
+flush, back as the same learner from its checkpoint), then the syncer job is requeued (it
+reloads its state directory, the learners reconnect); every step is accounted exactly once.
+Skipped with the reason where Slurm cannot be started (not root, packages missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kit import wait_until
+
+from diloco.report.audit_files import audit_directories
+from diloco.syncer.store import read_tape
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM = ROOT / "deploy" / "slurm"
+LEARNERS = 2
+STEPS = 1200  # per learner; --slow 3 makes it ~40 s, long enough to requeue in the middle
+REQUEUED = 1  # the array task that is preempted
+
+
+def slurm_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "a Slurm cluster is started as root"
+    missing = [c for c in ("munged", "slurmctld", "slurmd", "sbatch") if not shutil.which(c)]
+    if missing:
+        return f"{', '.join(missing)} not installed (apt-get install slurmctld slurmd slurm-client munge)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = slurm_missing()
+    if reason:
+        pytest.skip(reason)
+    home = tmp_path_factory.mktemp("slurm")
+    state = home / "cluster"
+    script = str(SLURM / "local-cluster.sh")
+    started = subprocess.run(
+        [script, "start", str(state)], capture_output=True, text=True, timeout=60
+    )
+    if started.returncode != 0:
+        subprocess.run([script, "stop", str(state)], capture_output=True, timeout=60)
+        pytest.skip(f"Slurm did not start: {started.stderr.strip()[-500:]}")
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(state / "slurm.conf"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    }
+    try:
+        yield env, home
+    finally:
+        subprocess.run(["scancel", "--user=root"], env=env, capture_output=True, timeout=30)
+        subprocess.run([script, "stop", str(state)], capture_output=True, timeout=60)
+
+
+def slurm(env, *argv: str) -> str:
+    return subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=30, check=True
+    ).stdout.strip()
+
+
+def job(env, job_id: str) -> dict[str, str]:
+    """``scontrol show job``'s fields of one job (or array task, ``ID_INDEX``)."""
+    out = slurm(env, "scontrol", "show", "job", "-o", job_id)
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def requeue(env, job_id: str) -> None:
+    """``scontrol requeue`` (SIGTERM, then the job waits to run again), and start it now:
+    Slurm holds a requeued job for a while (BeginTime); a test does not wait for that."""
+    slurm(env, "scontrol", "requeue", job_id)
+
+    def running_again():
+        if job(env, job_id)["JobState"] == "PENDING":
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                env=env,
+                capture_output=True,
+                timeout=30,
+            )
+        return job(env, job_id)["JobState"] == "RUNNING"
+
+    wait_until(running_again, 90, f"job {job_id} to run again", interval=0.5)
+
+
+def last_step(workdir: Path) -> int:
+    try:
+        lines = (workdir / "progress.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return max((json.loads(x).get("step", 0) for x in lines if x.endswith("}")), default=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def slurm_run(cluster):
+    env, home = cluster
+    run = home / "run"
+    run.mkdir()
+    (run / "token").write_text("slurm-test-token-0123456789abcdef")
+    (run / "token").chmod(0o600)
+    env = {
+        **env,
+        "DILOCO_HOME": str(run),
+        "DILOCO_PORT": str(free_port()),
+        "DILOCO_RECIPE": "tiny",
+        "DILOCO_LEARNER_ARGS": f"--total-steps {STEPS} --slow 3 --checkpoint-every 1 --threads 1",
+        "DILOCO_SYNCER_ARGS": "--threads 1",
+    }
+    submit = ["sbatch", "--parsable", "--cpus-per-task=1", f"--chdir={run}"]
+    syncer = slurm(env, *submit, str(SLURM / "syncer.sbatch"))
+    array = slurm(env, *submit, f"--array=0-{LEARNERS - 1}", str(SLURM / "learner.sbatch"))
+    learners = [f"{array}_{i}" for i in range(LEARNERS)]
+    workdir = run / "learners" / str(REQUEUED)
+    wait_until(
+        lambda: last_step(workdir) >= 250 and (workdir / "checkpoint.pt").exists(),
+        120,
+        "the learner to train and checkpoint",
+        interval=0.2,
+    )
+    preempted_at = time.time()
+    requeue(env, learners[REQUEUED])
+    wait_until(
+        lambda: "resumed from" in (run / f"diloco-learner-{array}_{REQUEUED}.out").read_text(),
+        60,
+        "the requeued learner to resume",
+        interval=0.2,
+    )
+    wait_until(lambda: last_step(workdir) >= 600, 120, "training after the requeue", interval=0.2)
+    syncer_requeued_at = time.time()
+    requeue(env, syncer)
+    wait_until(
+        lambda: all(job(env, j)["JobState"] == "COMPLETED" for j in learners),
+        240,
+        "every learner to finish its steps",
+        interval=0.5,
+    )
+    slurm(env, "scancel", syncer)  # SIGTERM: the syncer stops cleanly
+    wait_until(lambda: job(env, syncer)["JobState"] in ("CANCELLED", "COMPLETED"), 60, "the syncer")
+    return {
+        "run": run,
+        "env": env,
+        "syncer": syncer,
+        "learners": learners,
+        "array": array,
+        "preempted_at": preempted_at,
+        "syncer_requeued_at": syncer_requeued_at,
+        "tape": read_tape(run / "state" / "events.jsonl"),
+    }
+
+
+@pytest.mark.timeout(600)
+def test_a_run_of_slurm_jobs_commits_and_every_step_is_counted_exactly_once(slurm_run):
+    env, run = slurm_run["env"], slurm_run["run"]
+    for j in slurm_run["learners"]:
+        fields = job(env, j)
+        assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), fields
+    rounds = [r for r in slurm_run["tape"] if r["event"] == "round"]
+    assert {p for r in rounds for p in r["participants"]} == {
+        f"learner-{i}" for i in range(LEARNERS)
+    }
+    for i in range(LEARNERS):
+        final = json.loads((run / "learners" / str(i) / "final.json").read_text())
+        assert final["step"] == STEPS, {k: final[k] for k in ("step", "accounting")}
+    verdict = audit_directories(
+        run / "state",
+        {f"learner-{i}": run / "learners" / str(i) for i in range(LEARNERS)},
+        stopped_cleanly=True,
+    )
+    assert verdict.ok, verdict.problems
+    assert verdict.commits == len(rounds) and verdict.lives == LEARNERS + 1  # one requeue
+
+
+@pytest.mark.timeout(600)
+def test_a_requeued_array_task_comes_back_as_the_same_learner_from_its_checkpoint(slurm_run):
+    env, run, array = slurm_run["env"], slurm_run["run"], slurm_run["array"]
+    task = job(env, slurm_run["learners"][REQUEUED])
+    assert task["Restarts"] == "1" and task["Requeue"] == "1", task
+    log = (run / f"diloco-learner-{array}_{REQUEUED}.out").read_text()
+    first, second = log.split("resumed from", 1)
+    assert "stopped; step" in first  # SIGTERM: it stopped at a step boundary and flushed
+    assert f"learner learner-{REQUEUED}" in second
+    back = [
+        r
+        for r in slurm_run["tape"]
+        if r["event"] == "round"
+        and r["t"] > slurm_run["preempted_at"]
+        and f"learner-{REQUEUED}" in r["participants"]
+    ]
+    assert back, "the requeued learner never contributed again"
+    other = job(env, slurm_run["learners"][1 - REQUEUED])
+    assert other["Restarts"] == "0", other
+
+
+@pytest.mark.timeout(600)
+def test_a_requeued_syncer_reloads_its_state_and_the_learners_go_on(slurm_run):
+    env, run = slurm_run["env"], slurm_run["run"]
+    assert job(env, slurm_run["syncer"])["Restarts"] == "1"
+    out = (run / f"diloco-syncer-{slurm_run['syncer']}.out").read_text()
+    assert out.count("diloco syncer serving on") == 2, out
+    at = slurm_run["syncer_requeued_at"]
+    rounds = [r for r in slurm_run["tape"] if r["event"] == "round"]
+    before = {r["fragment"]: r["version"] for r in rounds if r["t"] < at}
+    after = [r for r in rounds if r["t"] > at]
+    assert {p for r in after for p in r["participants"]} == {
+        f"learner-{i}" for i in range(LEARNERS)
+    }
+    # Versions go on from what was on disk: the requeued syncer lost no commit.
+    for r in after:
+        if r["fragment"] in before:
+            assert r["version"] > before[r["fragment"]], r
