@@ -92,6 +92,14 @@ def test_a_restore_drops_only_the_progress_delivered_after_the_checkpoint(tmp_pa
         assert (restored.steps_since[1], restored.tokens_since[1]) == (0, 0)
         assert torch.equal(restored.layout.gather(0, restored.params), trained[0])
         assert (restored.steps_since[0], restored.tokens_since[0]) == (6, 60)
+        # The previous life trained to step 8 and delivered them: the worker skips steps 7-8
+        # (their data is in the global model already); every fragment counts them dropped.
+        assert restored.ahead_on_restore == 2
+        restored.skip(2, tokens=20)
+        books = restored.accounting()
+        assert (books.trained, restored.total_tokens) == (8, state["total_tokens"] + 20)
+        assert books.merged == (0, 6) and books.unsent == (6, 0) and books.dropped == (2, 2)
+        assert books.balanced()
     finally:
         restored.close(flush=False)
 
@@ -103,3 +111,57 @@ def test_a_learner_without_a_checkpoint_starts_a_new_log(tmp_path):
         assert json.loads((tmp_path / "delivered.json").read_text()) == {}
     finally:
         learner.close(flush=False)
+
+
+def test_an_upload_committed_whose_answer_died_with_the_life_is_found_at_the_first_join(
+    tmp_path,
+):
+    # The previous life checkpointed at step 6 (fragment 0: 6 steps unsent), then queued
+    # fragment 0 at step 9 and died before the answer: neither the checkpoint nor the
+    # delivery log knows; its journal does, and the syncer's commits hold the upload.
+    journal = tmp_path / "uploads.jsonl"
+    model, learner = make(tmp_path)
+    try:
+        for p in range(2):
+            learner.listener.on_fragment(
+                p, 1, learner.layout.gather(p, learner.params), frozenset()
+            )
+        learner.apply_arrived()
+        anchor0 = learner.anchors[0].clone()
+        with torch.no_grad():
+            for w in model.parameters():
+                w.add_(0.5)
+        learner.local_step, learner.steps_since = 6, [6, 6]
+        learner.tokens_since = [60, 60]
+        state = learner.state_dict()
+    finally:
+        learner.close(flush=False)
+    journal.write_text(
+        '{"life":"old","start":0}\n'
+        '{"life":"old","u":77,"p":0,"steps":9,"tokens":90,"step":9}\n'
+        '{"life":"old","u":78,"p":1,"steps":'  # a line cut short by the kill
+    )
+    restored = diloco.Learner(
+        model,
+        syncer="127.0.0.1:1",
+        num_fragments=2,
+        learner_id="me",
+        delivery_file=str(tmp_path / "delivered.json"),
+        journal_file=str(journal),
+        state=state,
+    )
+    try:
+        assert restored.dropped_on_restore == [] and restored.ahead_on_restore == 0
+        restored.listener.on_rejoin("127.0.0.1:1", "s1", [1, 1], (0, 1), [77], [0, 0])
+        restored.apply_arrived()
+        assert restored.dropped_on_restore == [0] and restored.ahead_on_restore == 3
+        assert torch.equal(restored.layout.gather(0, restored.params), anchor0)
+        assert restored.steps_since == [0, 6] and restored.merged_steps[0] == 6
+        lines = [json.loads(x) for x in journal.read_text().splitlines()[3:]]
+        assert {"found_delivered": 0, "steps": 6} | {"life": lines[1]["life"]} in lines
+        # A second join (another syncer instance) changes nothing of this.
+        restored.listener.on_rejoin("127.0.0.1:1", "s2", [1, 1], (0, 1), [77], [0, 0])
+        restored.apply_arrived()
+        assert restored.merged_steps[0] == 6
+    finally:
+        restored.close(flush=False)

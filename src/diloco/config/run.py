@@ -42,6 +42,14 @@ class RayConfig:
     ray_syncer_host: str | None = option(None)
     """Host the syncer binds on its node (default 127.0.0.1 for a local Ray instance, the
     node's IP with ``--address``; a non-loopback bind needs ``--token-file``)."""
+    ray_learner_resources: str | None = option(None, metavar="NAME[,NAME...]")
+    """Spread learners over nodes by custom resources: learner i runs on a node that has
+    resource NAME[i mod k] (it asks 0.001 of it: a label, e.g. one region per node)."""
+    ray_syncer_resource: str | None = option(None, metavar="NAME")
+    """Run the syncer on a node that has this custom resource instead of the node of
+    ``diloco run``: if that node is lost Ray restarts the syncer on another node that has it,
+    from its state directory (``--runs-dir`` shared by the nodes), and the learners follow
+    its new address (they read it from its port file: ``--syncer @FILE``)."""
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,8 @@ class WorkerConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     syncer: str | None = option(None, metavar="HOST:PORT[,...]")
     """Syncer address ``HOST:PORT``, or every shard's address comma-separated for a sharded
-    syncer; required unless ``--no-sync``."""
+    syncer, or ``@FILE``: read it from FILE before every (re)connect (a syncer that may
+    restart elsewhere); required unless ``--no-sync``."""
     no_sync: bool = option(False)
     """Train alone without a syncer (a baseline)."""
     id: str = option(metavar="ID")

@@ -138,6 +138,21 @@ class LearnerProcess:
                 "delivered after the checkpoint; not sending it again"
             )
 
+    def skip_delivered_steps(self) -> None:
+        """A previous life that trained and delivered steps past its checkpoint (killed
+        before the next one): draw those steps' batches and drop them, so their data does
+        not reach the global model twice (``Learner.skip``). One process only: the ranks of
+        an island would have to agree on the skip (not done: an island trains them again)."""
+        ahead = getattr(self.learner, "ahead_on_restore", 0)
+        if not ahead or self.world > 1:
+            return
+        tokens = sum(self.recipe.tokens(self.stream.next_batch()) for _ in range(ahead))
+        self.learner.skip(ahead, tokens)
+        print(
+            f"learner {self.config.id}: its previous life delivered steps past the checkpoint: "
+            f"skipping {ahead} steps to step {self.learner.local_step}"
+        )
+
     def restore(self) -> dict | None:
         """Load the local checkpoint into the model, optimizer and stream, if there is one."""
         saved = load_checkpoint(self.checkpoint) if self.checkpoint else None
@@ -219,7 +234,9 @@ class LearnerProcess:
     def train(self, stop) -> None:
         """The training loop: until the step budget, ``stop`` or the deadline."""
         config, learner = self.config, self.learner
-        if not learner.wait_for_global(timeout=config.join_timeout_s, required=False):
+        joined = learner.wait_for_global(timeout=config.join_timeout_s, required=False)
+        self.skip_delivered_steps()  # after the join: the syncer's commits say what was
+        if not joined:
             print(
                 f"learner {config.id}: no global model from {config.syncer} within "
                 f"{config.join_timeout_s}s; training from the local init"

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from diloco.runtime.procs import Child, diloco_command
 
+NODE_HOST = "ray-node-ip"
+"""In a ``--bind`` flag given to :class:`ProcActor`: the IP of the node it runs on."""
+
 
 class ProcActor:
     """One ``diloco`` command run as a child process of this Ray actor (see the module doc).
@@ -21,7 +24,8 @@ class ProcActor:
     ``command`` is the ``diloco`` sub-command and its flags, ``log`` the log file, ``cwd`` the
     working directory of the child (the driver's, for relative paths). With ``rebind_file``
     (the syncer's port file), a ``--bind=HOST:0`` flag is replaced by the address in that file
-    when it exists, i.e. from the second incarnation on. Contract: while the actor is alive its
+    when it exists, i.e. from the second incarnation on. A ``--bind=NODE_HOST:PORT`` flag binds
+    the IP of the node the actor runs on (a syncer Ray may restart on another node). Contract: while the actor is alive its
     child runs or has exited 0 or was stopped through :meth:`stop`; any other exit ends the
     actor's process (``os._exit``), which Ray treats as a failure and restarts.
     """
@@ -32,6 +36,11 @@ class ProcActor:
         if rebind_file and Path(rebind_file).exists():
             address = Path(rebind_file).read_text().strip()
             command = [f"--bind={address}" if _binds_port_0(a) else a for a in command]
+        if any(a.startswith(f"--bind={NODE_HOST}:") for a in command):
+            import ray  # in an actor: this node's address, wherever Ray placed it
+
+            host = ray.util.get_node_ip_address()
+            command = [a.replace(f"--bind={NODE_HOST}:", f"--bind={host}:") for a in command]
         self.name = name
         self.stopping = False
         self.child = Child(name, diloco_command(*command), Path(log), cwd=cwd)

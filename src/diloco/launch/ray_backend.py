@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from diloco.launch.ray_actors import ProcActor, RayChild
+from diloco.launch.ray_actors import NODE_HOST, ProcActor, RayChild
 from diloco.launch.supervisor import Slot, Supervisor
 from diloco.runtime.procs import diloco_command
 
@@ -68,7 +68,13 @@ RAY_DEFAULTS = {
 
 def check_config(config: RunConfig, chaos_kinds: set[str]) -> None:
     """Refuse what the chosen backend cannot do (ValueError); fill in the Ray defaults."""
-    ray_flags = [*RAY_DEFAULTS, "address", "ray_syncer_host"]
+    ray_flags = [
+        *RAY_DEFAULTS,
+        "address",
+        "ray_syncer_host",
+        "ray_learner_resources",
+        "ray_syncer_resource",
+    ]
     if config.ray.backend != "ray":
         given = [
             f"--{k.replace('_', '-')}" for k in ray_flags if getattr(config.ray, k) is not None
@@ -102,6 +108,32 @@ def check_config(config: RunConfig, chaos_kinds: set[str]) -> None:
         < 0
     ):
         raise ValueError("--ray-*-cpus/gpus must be >= 0")
+    for flag, names in (
+        ("--ray-learner-resources", config.ray.ray_learner_resources),
+        ("--ray-syncer-resource", config.ray.ray_syncer_resource),
+    ):
+        if names is not None and not all(n.strip() for n in names.split(",")):
+            raise ValueError(f"{flag} {names!r}: a resource name is empty")
+    if config.ray.ray_syncer_resource and "," in config.ray.ray_syncer_resource:
+        raise ValueError("--ray-syncer-resource: one resource name")
+
+
+LABEL_AMOUNT = 0.001
+"""What an actor asks of a custom resource used as a node's label (``--ray-*-resource*``):
+little enough that every learner placed there fits."""
+
+
+def learner_resources(names: str | None, index: int) -> dict[str, float]:
+    """The custom resources learner ``index`` asks for: ``NAME[index mod k]`` of
+    ``--ray-learner-resources`` (none without it).
+
+    >>> learner_resources("site-a,site-b", 3)
+    {'site-b': 0.001}
+    """
+    if not names:
+        return {}
+    chosen = [n.strip() for n in names.split(",")]
+    return {chosen[index % len(chosen)]: LABEL_AMOUNT}
 
 
 class RaySupervisor(Supervisor):
@@ -147,8 +179,14 @@ class RaySupervisor(Supervisor):
         self.given_up: set[str] = set()  # slots whose actor Ray no longer restarts
         try:
             self.node_id = ray.get_runtime_context().get_node_id()
+            self.syncer_moves = bool(config.ray.ray_syncer_resource)
+            """The syncer may restart on another node: learners follow its port file."""
             self.syncer_host = config.ray.ray_syncer_host or (
-                LOOPBACK if self.owns_ray else ray.util.get_node_ip_address()
+                LOOPBACK
+                if self.owns_ray
+                else NODE_HOST
+                if self.syncer_moves
+                else ray.util.get_node_ip_address()
             )
             self.actor_class = ray.remote(ProcActor)
             self._warn_if_short()
@@ -175,7 +213,14 @@ class RaySupervisor(Supervisor):
         """Start ``argv`` (a ``diloco_command``) in an actor; the slot's child is a RayChild."""
         prefix = diloco_command()
         command = argv[len(prefix) :] if argv[: len(prefix)] == prefix else list(argv)
-        if name == "syncer":
+        port_file = None
+        if name == "syncer" and self.syncer_moves:  # wherever the resource is; rebinds anew
+            options = {
+                "num_cpus": self.config.ray.ray_syncer_cpus,
+                "max_restarts": -1,
+                "resources": {self.config.ray.ray_syncer_resource.strip(): LABEL_AMOUNT},
+            }
+        elif name == "syncer":  # on this node, where a restart binds the same address
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             port_file = next(
@@ -187,11 +232,12 @@ class RaySupervisor(Supervisor):
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_id, soft=False),
             }
         else:
-            port_file = None
+            index = len([n for n in self.slots if n != "syncer"])
             options = {
                 "num_cpus": self.config.ray.ray_learner_cpus,
                 "num_gpus": self.config.ray.ray_learner_gpus,
                 "max_restarts": self.config.ray.ray_max_restarts,
+                "resources": learner_resources(self.config.ray.ray_learner_resources, index),
             }
         actor = self.actor_class.options(max_concurrency=4, **options).remote(
             name, command, str(log), os.getcwd(), port_file

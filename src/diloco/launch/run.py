@@ -279,7 +279,11 @@ class Launch:
         for name, argv in syncer_commands(run_dir, config.shards, [f"--config={path}"], host=host):
             slot = sup.add(name, diloco_command("syncer", *argv), run_dir / "logs" / f"{name}.log")
             port_file = run_dir / f"{name}.addr"
-            addresses.append(wait_for_file(port_file, config.start_timeout_s, alive=slot.child))
+            bound = wait_for_file(port_file, config.start_timeout_s, alive=slot.child)
+            if getattr(sup, "syncer_moves", False):  # learners follow it wherever it restarts
+                addresses.append(f"@{port_file}")
+                continue
+            addresses.append(bound)
             # A restarted syncer comes back on the same address, so learners just reconnect.
             bind0 = f"--bind={host}:0"
             slot.argv = [f"--bind={addresses[-1]}" if a == bind0 else a for a in slot.argv]

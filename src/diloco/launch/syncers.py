@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from diloco.learner.address import resolve
 from diloco.wire import diloco_pb2 as pb
 
 
@@ -108,9 +109,23 @@ class StatusClient:
         from diloco.wire import diloco_pb2_grpc as pb_grpc
 
         self.addresses = parse_syncer_addresses(address)
-        self._channels = [auth.open_channel(a, {}) for a in self.addresses]
+        self._targets = [resolve(a) or a for a in self.addresses]
+        self._channels = [auth.open_channel(t, {}) for t in self._targets]
         self._metadata = auth.call_metadata(token)
         self._stubs = [pb_grpc.SyncerStub(c) for c in self._channels]
+
+    def _follow(self, i: int) -> None:
+        """For an ``@FILE`` address: reopen the channel when the file names another syncer
+        address (it restarted elsewhere)."""
+        from diloco.wire import auth
+        from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+        target = resolve(self.addresses[i])
+        if target is not None and target != self._targets[i]:
+            self._channels[i].close()
+            self._targets[i] = target
+            self._channels[i] = auth.open_channel(target, {})
+            self._stubs[i] = pb_grpc.SyncerStub(self._channels[i])
 
     def fetch(self) -> pb.StatusReply | None:
         """The merged status, or None if any shard does not answer (the syncer as a whole is
@@ -118,7 +133,9 @@ class StatusClient:
         import grpc
 
         replies = []
-        for stub in self._stubs:
+        for i in range(len(self._stubs)):
+            self._follow(i)
+            stub = self._stubs[i]
             try:
                 replies.append(
                     stub.Status(pb.StatusRequest(), timeout=2.0, metadata=self._metadata)

@@ -12,6 +12,10 @@ Lines::
 
     {"life": "9f2c…", "start": 0, "t": 1700000000.0}          a life begins at this step
     {"life": "7a1e…", "start": 275, "t": …, "carried": [275, …]}  resumed: delivered before
+    {"life": "7a1e…", "found_delivered": 5, "steps": 10}  fragment 5's checkpointed
+                                  progress: committed from its predecessor's last upload
+    {"life": "7a1e…", "skipped": 20, "step": 295}      steps its predecessor trained past the
+                                                       checkpoint, not trained again
     {"life": "9f2c…", "u": 123, "p": 3, "steps": 24, "tokens": 3072, "step": 96}
     {"life": "9f2c…", "settled": 123, "how": "accepted", "v": 7}  the syncer's answer
     {"life": "9f2c…", "settled": 123, "how": "merged", "v": 8}    the version holding it
@@ -39,6 +43,42 @@ JOURNAL_FILE = "uploads.jsonl"
 """The journal's name in a learner's work directory."""
 
 
+def _ends_cut_short(path: str | os.PathLike) -> bool:
+    """Whether the file at ``path`` is non-empty and does not end with a newline."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+def journaled_uploads(path: str | os.PathLike) -> list[tuple[int, int, int]]:
+    """``(upload id, fragment, local step at queueing)`` of every upload the journal at
+    ``path`` holds (every life so far; ``[]`` without a readable journal). A resumed
+    learner checks the ones its checkpoint cannot know of against the syncer's commits."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for raw in lines:
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if isinstance(line, dict) and "u" in line:
+            try:
+                found.append((int(line["u"]), int(line["p"]), int(line["step"])))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return found
+
+
 class UploadJournal:
     """The journal file at ``path`` for one learner life (``life``: its id)."""
 
@@ -53,6 +93,8 @@ class UploadJournal:
         self._lock = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._failed = False
+        if _ends_cut_short(path):  # a line cut short by a kill: this life starts a new one
+            self._write_bytes(b"\n")
         begin = {"life": self.life, "start": start_step, "t": round(time.time(), 3)}
         self._write(begin if carried is None else {**begin, "carried": list(carried)})
 
@@ -61,13 +103,26 @@ class UploadJournal:
         record = {"life": self.life, "u": upload_id, "p": fragment, "steps": steps}
         self._write({**record, "tokens": tokens, "step": step})
 
+    def found_delivered(self, fragment: int, steps: int) -> None:
+        """Record that the checkpointed progress of ``fragment`` (``steps`` steps) was found
+        delivered by the previous life (its upload committed, its answer lost with it):
+        carried, like the start line's ``carried``."""
+        self._write({"life": self.life, "found_delivered": fragment, "steps": steps})
+
+    def skipped(self, steps: int, step: int) -> None:
+        """Record that this life skipped ``steps`` steps its previous life trained past its
+        checkpoint (``Learner.skip``), resuming at ``step``."""
+        self._write({"life": self.life, "skipped": steps, "step": step})
+
     def settled(self, upload_id: int, how: str, version: int | None = None) -> None:
         """Record what the learner concluded about an upload (see the module docstring)."""
         record = {"life": self.life, "settled": upload_id, "how": how}
         self._write(record if version is None else {**record, "v": version})
 
     def _write(self, record: dict) -> None:
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        self._write_bytes((json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def _write_bytes(self, line: bytes) -> None:
         with self._lock:
             if self._fd < 0:
                 return

@@ -26,6 +26,8 @@ import grpc
 from diloco.algorithm import codecs
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
+from diloco.learner.address import FILE_PREFIX as ADDRESS_FILE
+from diloco.learner.address import resolve as resolve_address
 from diloco.learner.listener import LinkListener
 from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
 from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
@@ -109,7 +111,11 @@ class SyncerLink:
         (``diloco.learner.shards`` passes its own check when it fans out to several shards).
         ``rpc_timeout_s``: the deadline of a join, and the least an upload gets (a big upload
         on a slow link gets more: ``diloco.learner.pacing.upload_deadline_s``)."""
-        self.address = address
+        self.name = address
+        """The syncer as configured: ``HOST:PORT`` or ``@FILE`` (``diloco.learner.address``);
+        what the listener knows it by, whatever address it is reached at."""
+        self.address = resolve_address(address) or address
+        """The ``HOST:PORT`` connected to (for ``@FILE``: read again before every connect)."""
         self.learner_id = learner_id
         self.layout = layout
         self.listener = listener
@@ -240,7 +246,8 @@ class SyncerLink:
         while not self._closing.is_set():
             joins = self.stats.connects
             try:
-                self._connect_and_listen()
+                if self._follow_address():
+                    self._connect_and_listen()
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if (
@@ -275,6 +282,17 @@ class SyncerLink:
             if self._closing.wait(backoff):
                 return
             backoff = min(backoff * 2, self.max_backoff_s)
+
+    def _follow_address(self) -> bool:
+        """For ``@FILE``: connect to the address the file holds now (a syncer restarted on
+        another host wrote its new one); while it holds none, the last one read. False while
+        no address is known yet (the file was never readable: wait and look again)."""
+        address = resolve_address(self.name)
+        if address is not None and address != self.address:
+            if self.stats.connects:
+                log.info("the syncer moved: %s -> %s (%s)", self.address, address, self.name)
+            self.address = address
+        return self.address != self.name or not self.name.startswith(ADDRESS_FILE)
 
     def _leave_quietly(self) -> None:
         """Tell the syncer this session ends (bounded, errors ignored)."""
@@ -364,7 +382,7 @@ class SyncerLink:
             metadata=self.metadata,
         )
         info = ShardInfo(
-            self.address,
+            self.name,
             tuple(reply.fragments),
             reply.shard,
             reply.num_shards or 1,
@@ -372,19 +390,21 @@ class SyncerLink:
         self._stub, self._session = stub, reply.session  # so that a refusal can leave cleanly
         self._check_join(self, info)  # may raise ShardError: fatal
         self.shard_info, self._owned = info, frozenset(info.fragments)
-        self.joined_versions = list(reply.versions)
         self._heartbeat_s, self.up_codec = max(0.05, reply.heartbeat_s), reply.up_codec
         self.schedule = reply.schedule
         self.sync_every = reply.sync_every
         self.stats.connects += 1
         self.listener.on_rejoin(
-            self.address,
+            self.name,
             reply.syncer_id,
             list(reply.versions),
             info.fragments,
             list(reply.committed_uploads),
             list(reply.logged_from),
         )
+        # After the rejoin is reported: whoever waits for these versions (wait_for_global)
+        # then settles that rejoin first.
+        self.joined_versions = list(reply.versions)
         # What an upload is sent with, read at once (stub, session, syncer instance), set only
         # now: an answer of this instance must be reported after the rejoin to it.
         self._joined = (stub, reply.session, reply.syncer_id)
@@ -417,7 +437,7 @@ class SyncerLink:
             parts.append(chunk.data)
             if chunk.chunk_index + 1 == chunk.num_chunks:
                 if dropped:  # before the version arrives
-                    self.listener.on_versions(self.address, [], list(dropped))
+                    self.listener.on_versions(self.name, [], list(dropped))
                 self._arrived(chunk, b"".join(parts), contributors)
 
     def _arrived(self, last_chunk, payload: bytes, contributors: frozenset[str]) -> None:
@@ -546,7 +566,7 @@ class SyncerLink:
                 self._end_channels()
             else:
                 self.listener.on_versions(
-                    self.address, list(reply.versions), list(reply.dropped_uploads)
+                    self.name, list(reply.versions), list(reply.dropped_uploads)
                 )
 
 

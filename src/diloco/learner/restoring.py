@@ -58,12 +58,50 @@ class Restoring:
                 self.merged_steps[p] += self.steps_since[p]  # delivered before the restart
                 self._overwrite(p, self.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
+        self.ahead_on_restore = max(0, max(accepted_at.values(), default=0) - self.local_step)
+
+    def _note_unconfirmed(self, journaled: list[tuple[int, int, int]]) -> None:
+        """After a restore: remember the previous lives' uploads (``journaled``: id,
+        fragment, step) queued after the checkpoint's unsent window of their fragment began.
+        One the syncer accepted just before the life died has no answer anywhere (neither
+        the checkpoint nor the delivery log saw it): the first join's commit list tells
+        (``_confirm_delivered``)."""
+        step, since = self.local_step, list(self.steps_since)
+        self._restored_at = (step, since)
+        on_ledger = {e.upload_id for p, e in self._ledger.items() if e.upload_id}
+        self._unconfirmed = {
+            u: (p, at)
+            for u, p, at in journaled
+            if 0 <= p < len(since) and at > step - since[p] and u not in on_ledger
+        }
+
+    def _confirm_delivered(self, committed: frozenset[int]) -> None:
+        """At the first join after a restore: the previous lives' uploads that the syncer's
+        commits hold were delivered. A fragment whose checkpointed progress one of them
+        carried has it dropped as delivered (as ``_drop_delivered`` does from the delivery
+        log), and ``ahead_on_restore`` covers the steps they reached past the checkpoint."""
+        unconfirmed, self._unconfirmed = self._unconfirmed, {}
+        step, since = self._restored_at
+        for upload_id, (p, at) in sorted(unconfirmed.items(), key=lambda kv: kv[1]):
+            if upload_id not in committed:
+                continue
+            self.ahead_on_restore = max(self.ahead_on_restore, at - step)
+            untouched = self.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
+            if untouched and self.anchors[p] is not None and not self._ledger.of(p):
+                self.merged_steps[p] += since[p]  # delivered before the restart
+                with torch.no_grad():
+                    self._overwrite(p, self.anchors[p], drops=False)
+                self.dropped_on_restore.append(p)
+                if self.journal is not None:
+                    self.journal.found_delivered(p, since[p])
 
     def _resume_unanswered(self) -> None:
         """After a restore: deltas the checkpoint holds without an answer are sent again as
         they were, with their upload ids, so the syncer answers one it accepted before with
         its first verdict and merges one it never saw once. A delta from before upload ids
-        (id 0) is returned to the undelivered progress."""
+        (id 0) is returned to the undelivered progress. Each one resent is journaled again
+        by this life: its steps are this life's to account for, and the audit finds them
+        under the newest life that journaled the id."""
         for p, e in self._ledger.items():
             if e.admitted is not None:
                 continue
@@ -82,6 +120,8 @@ class Restoring:
                 job_id=e.job_id,
                 upload_id=e.upload_id,
             )
+            if self.journal is not None:
+                self.journal.queued(e.upload_id, p, e.steps, e.tokens, e.local_step)
             self.link.resume(job)
 
     def load_state_dict(self, state: dict) -> None:

@@ -25,6 +25,7 @@ from dataclasses import fields
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
+from diloco.learner.address import check_spec
 from diloco.learner.link import LinkStats, SyncerLink, UploadJob, UploadResult
 from diloco.learner.listener import LinkListener
 
@@ -34,8 +35,9 @@ __all__ = ["ShardedLink", "open_link", "parse_syncer_addresses"]
 def parse_syncer_addresses(syncer: str | Sequence[str]) -> list[str]:
     """``"a:1,b:2"`` or ``["a:1", "b:2"]`` -> ``["a:1", "b:2"]`` (order kept).
 
-    Raises ``ValueError`` for an empty list, an empty entry, an entry that is not
-    ``HOST:PORT`` (a port from 1 to 65535) or an address given twice.
+    Raises ``ValueError`` for an empty list, an empty entry, an entry that is neither
+    ``HOST:PORT`` (a port from 1 to 65535) nor ``@FILE`` (``diloco.learner.address``) or
+    an address given twice.
     """
     items = syncer.split(",") if isinstance(syncer, str) else list(syncer)
     addresses = [str(a).strip() for a in items]
@@ -45,11 +47,7 @@ def parse_syncer_addresses(syncer: str | Sequence[str]) -> list[str]:
             "HOST0:PORT0,HOST1:PORT1,... (one address per shard)"
         )
     for a in addresses:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"syncer address {a!r} is not HOST:PORT (e.g. localhost:7000, [::1]:7000)"
-            )
+        check_spec(a)
     twice = sorted({a for a in addresses if addresses.count(a) > 1})
     if twice:
         raise ValueError(f"syncer address(es) given twice: {', '.join(twice)}")
