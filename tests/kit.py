@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -164,6 +165,32 @@ def pids_mentioning(*texts: str) -> list[int]:
         if all(t in cmd for t in texts):
             out.append(int(entry.name))
     return out
+
+
+def end_run(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Stop a ``diloco run`` a test started (SIGTERM, bounded wait, SIGKILL) and kill
+    whatever of its run is still alive: nothing of a run may outlive its test."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for pid in pids_mentioning(str(run_dir)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def last_step(workdir: Path) -> int:
+    """The newest step a learner's ``progress.jsonl`` in ``workdir`` records (0: none)."""
+    try:
+        lines = (workdir / "progress.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return max((json.loads(x).get("step", 0) for x in lines if x.endswith("}")), default=0)
 
 
 def run_diloco_json(*args: str, timeout: float = 240) -> dict:

@@ -12,13 +12,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from kit import pids_mentioning, start_diloco, wait_until
+from kit import end_run, last_step, pids_mentioning, start_diloco, wait_until
 
 from diloco.syncer.store import read_tape
 
@@ -27,15 +25,6 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 STEPS = 500
-
-
-def last_step(progress: Path) -> int:
-    try:
-        lines = progress.read_text().splitlines()
-    except OSError:
-        return 0
-    steps = [json.loads(x).get("step", 0) for x in lines if x.endswith("}")]
-    return max(steps, default=0)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +50,7 @@ def ray_run(tmp_path_factory):
     try:
         work = run_dir / "learners" / "learner-1"
         wait_until(
-            lambda: last_step(work / "progress.jsonl") >= 60 and (work / "checkpoint.pt").exists(),
+            lambda: last_step(work) >= 60 and (work / "checkpoint.pt").exists(),
             90,
             "learner-1 to train and checkpoint",
             alive=proc,
@@ -79,18 +68,7 @@ def ray_run(tmp_path_factory):
             "killed_at": killed_at,
         }
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        for pid in pids_mentioning(str(run_dir)):  # nothing of the run may outlive it
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        end_run(proc, run_dir)
 
 
 @pytest.mark.timeout(360)

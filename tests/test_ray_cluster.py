@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from kit import pids_mentioning, start_diloco, wait_until
+from kit import end_run, last_step, start_diloco, wait_until
 
 from diloco.report.audit_files import audit_directories
 from diloco.syncer.store import read_tape
@@ -31,14 +29,6 @@ pytestmark = pytest.mark.slow
 
 STEPS = 1500
 LEARNERS = 2
-
-
-def last_step(workdir: Path) -> int:
-    try:
-        lines = (workdir / "progress.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    return max((json.loads(x).get("step", 0) for x in lines if x.endswith("}")), default=0)
 
 
 def rounds_of(run_dir: Path) -> list[dict]:
@@ -166,18 +156,7 @@ def ray_run(cluster, tmp_path_factory):
         out, err = proc.communicate(timeout=300)
         yield {"code": proc.returncode, "out": out, "err": err, "run_dir": run_dir, **events}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        for pid in pids_mentioning(str(run_dir)):  # nothing of the run may outlive it
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        end_run(proc, run_dir)
 
 
 @pytest.mark.timeout(600)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kit import wait_until
+from kit import last_step, wait_until
 
 from diloco.report.audit_files import audit_directories
 from diloco.syncer.store import read_tape
@@ -95,14 +95,6 @@ def requeue(env, job_id: str) -> None:
         return job(env, job_id)["JobState"] == "RUNNING"
 
     wait_until(running_again, 90, f"job {job_id} to run again", interval=0.5)
-
-
-def last_step(workdir: Path) -> int:
-    try:
-        lines = (workdir / "progress.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    return max((json.loads(x).get("step", 0) for x in lines if x.endswith("}")), default=0)
 
 
 def free_port() -> int:
