@@ -1,5 +1,6 @@
-"""docs/deploy.md stays true: its manifests parse, and every diloco command in it (by hand,
-under torchrun, in the Slurm scripts and the Kubernetes manifest) parses with the real CLI."""
+"""docs/deploy.md and deploy/ stay true: the Kubernetes manifests parse and probe what the
+syncer serves, and every diloco command (by hand and under torchrun in the doc, in the Slurm
+scripts, the Kubernetes manifests and the Containerfile) parses with the real CLI."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import yaml
 
 from diloco.cli import build_parser
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "deploy.md"
+DEPLOY = ROOT / "deploy"
 #: Values for the shell variables the examples use.
 ENV = {
     "HEAD": "node-1",
@@ -22,6 +25,15 @@ ENV = {
     "SLURM_ARRAY_TASK_ID": "3",
     "JOB_COMPLETION_INDEX": "3",
     "SYNCER": "syncer-host:7000",
+    "syncer": "@/shared/diloco/syncer.at",
+    "DILOCO_RECIPE": "shakespeare",
+    "DILOCO_LEARNER_ARGS": "",
+    "DILOCO_SYNCER_ARGS": "",
+    "index": "3",
+    "home": "/shared/diloco",
+    "port": "7000",
+    "head_node": "node-1",
+    "DILOCO_GPUS_PER_NODE": "8",
 }
 
 
@@ -43,12 +55,16 @@ def diloco_argv(command: str) -> list[str] | None:
     return None
 
 
-def shell_commands() -> list[str]:
+def shell_commands(texts: list[str]) -> list[str]:
     commands = []
-    for block in blocks("bash"):
+    for block in texts:
         joined = re.sub(r"\\\n\s*", " ", block)
         commands += [line for line in joined.splitlines() if line and not line.startswith("#")]
     return commands
+
+
+def slurm_scripts() -> list[Path]:
+    return sorted((DEPLOY / "slurm").glob("*.sbatch"))
 
 
 def parse(argv: list[str]):
@@ -59,26 +75,80 @@ def parse(argv: list[str]):
 
 
 def test_every_documented_shell_command_parses():
-    argvs = [a for a in map(diloco_argv, shell_commands()) if a is not None]
-    assert {"syncer", "learner"} <= {a[0] for a in argvs}
-    assert len(argvs) >= 5  # by hand (2), torchrun, Slurm (2)
+    argvs = [a for a in map(diloco_argv, shell_commands(blocks("bash"))) if a is not None]
+    assert {"syncer", "learner", "run"} <= {a[0] for a in argvs}
+    assert len(argvs) >= 4  # by hand (2), torchrun, Ray
     for argv in argvs:
         parse(argv)
 
 
-def test_kubernetes_manifest_parses_and_its_commands_are_real():
-    (manifest,) = blocks("yaml")
-    docs = list(yaml.safe_load_all(manifest))
-    kinds = {d["kind"]: d for d in docs}
-    assert set(kinds) == {"Secret", "PersistentVolumeClaim", "Deployment", "Service", "Job"}
-    syncer = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+def test_every_command_of_the_slurm_scripts_parses_and_each_is_documented():
+    names = {p.name for p in slurm_scripts()}
+    assert names == {"syncer.sbatch", "learner.sbatch", "learner-island.sbatch"}
+    doc = DOC.read_text()
+    for script in slurm_scripts():
+        assert f"`{script.name}`" in doc, script.name
+        text = re.sub(r"\$\{(\w+):-[^}]*\}", r"$\1", script.read_text())  # ${X:-d} -> $X
+        text = re.sub(r"\$\{(\w+):\?[^}]*\}", r"$\1", text)
+        argvs = [a for a in map(diloco_argv, shell_commands([text])) if a is not None]
+        assert len(argvs) == 1, (script.name, argvs)
+        args = parse(argvs[0])
+        assert args.command in ("syncer", "learner")
+        if args.command == "learner":  # follows a syncer that moves (a requeue elsewhere)
+            assert args.syncer.startswith("syncer-host") or args.syncer.startswith("@")
+
+
+def manifests() -> dict[str, dict]:
+    docs = [
+        d
+        for path in sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+        for d in yaml.safe_load_all(path.read_text())
+        if d
+    ]
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+
+
+def test_kubernetes_manifests_parse_and_their_commands_are_real():
+    kinds = manifests()
+    assert set(kinds) == {
+        "Secret/diloco-token",
+        "PersistentVolumeClaim/diloco-syncer-state",
+        "PersistentVolumeClaim/diloco-learner-work",
+        "Deployment/diloco-syncer",
+        "Service/diloco-syncer",
+        "Job/diloco-learners",
+    }
+    deployment = kinds["Deployment/diloco-syncer"]
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert deployment["spec"]["replicas"] == 1
+    syncer = deployment["spec"]["template"]["spec"]["containers"][0]
     assert syncer["args"][0] == "syncer"
     args = parse(syncer["args"])
     assert args.state_dir == "/state"
-    learner = kinds["Job"]["spec"]["template"]["spec"]["containers"][0]
+    learner = kinds["Job/diloco-learners"]["spec"]["template"]["spec"]["containers"][0]
     assert learner["command"] == ["sh", "-c"]
     argv = diloco_argv(learner["args"][0])
     assert argv is not None and argv[0] == "learner"
     args = parse(argv)
     assert args.id == "learner-3" and args.index == 3
-    assert kinds["Deployment"]["spec"]["strategy"]["type"] == "Recreate"
+    assert args.syncer == "diloco-syncer:7000"  # the Service's name and port
+    service_ports = {p["port"] for p in kinds["Service/diloco-syncer"]["spec"]["ports"]}
+    assert 7000 in service_ports
+
+
+def test_the_syncers_probes_ask_what_it_serves():
+    syncer = manifests()["Deployment/diloco-syncer"]["spec"]["template"]["spec"]["containers"][0]
+    args = parse(syncer["args"])
+    ports = {p["name"]: p["containerPort"] for p in syncer["ports"]}
+    assert args.bind.endswith(f":{ports['grpc']}")
+    assert args.dashboard.endswith(f":{ports['http']}")  # /healthz is served there
+    assert syncer["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert syncer["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+
+
+def test_the_container_image_pins_the_torch_the_project_tests():
+    containerfile = (DEPLOY / "container" / "Containerfile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    (pinned,) = set(re.findall(r"torch==([\d.]+)", makefile))
+    assert f'TORCH_SPEC="torch=={pinned}+cpu"' in containerfile
+    assert 'ENTRYPOINT ["diloco"]' in containerfile
