@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "deploy" / "slurm"
 LEARNERS = 2
-STEPS = 1200  # per learner; --slow 3 makes it ~40 s, long enough to requeue in the middle
+STEPS = 900  # per learner; --slow 3 makes it ~30 s, long enough to requeue in the middle
 REQUEUED = 1  # the array task that is preempted
 
 
@@ -124,7 +124,7 @@ def slurm_run(cluster):
     learners = [f"{array}_{i}" for i in range(LEARNERS)]
     workdir = run / "learners" / str(REQUEUED)
     wait_until(
-        lambda: last_step(workdir) >= 250 and (workdir / "checkpoint.pt").exists(),
+        lambda: last_step(workdir) >= 200 and (workdir / "checkpoint.pt").exists(),
         120,
         "the learner to train and checkpoint",
         interval=0.2,
@@ -137,7 +137,7 @@ def slurm_run(cluster):
         "the requeued learner to resume",
         interval=0.2,
     )
-    wait_until(lambda: last_step(workdir) >= 600, 120, "training after the requeue", interval=0.2)
+    wait_until(lambda: last_step(workdir) >= 500, 120, "training after the requeue", interval=0.2)
     syncer_requeued_at = time.time()
     requeue(env, syncer)
     wait_until(

@@ -12,7 +12,7 @@ before they enter a round (a pure function, :func:`check_norm`):
    learner's median of its last ``window`` accepted per-step norms of the fragment, and the
    upper median of those over the learners (``NormHistory.reference``), once the fragment has
    ``min_history`` accepted norms: refused if above ``k ×`` the reference. A learner is
-   judged by the *other* learners' values once they hold ``min_history`` norms (since
+   judged by the *other* learners' values once two or more of them hold norms (since
    2026-11-26): its own accepted norms cannot vouch for it. One value per learner, not per
    upload: a learner that floods the syncer with tiny deltas moves only its
    own value, so it cannot make honest uploads look like outliers; the *upper* median, so one
@@ -222,16 +222,19 @@ class NormHistory:
         """The upper median over learners of each learner's median per-step norm, or ``None``
         while the fragment has fewer than ``min_history`` remembered norms in all.
 
-        ``judged``: the learner whose delta the reference judges. Once the *other* learners
-        hold ``min_history`` norms of the fragment, only theirs count: a learner's own
-        accepted norms cannot vouch for its next delta (a corrupt delta that slipped in
-        before the fragment had history would otherwise be the upper median of two, and
-        let every later one in). Before that, all learners count (a lone learner is judged
-        by its own history)."""
+        ``judged``: the learner whose delta the reference judges. Once at least two *other*
+        learners hold norms of the fragment (``min_history`` of them in all), only theirs
+        count: a learner's own accepted norms cannot vouch for its next delta (a corrupt
+        delta that slipped in before the fragment had history was the upper median of it
+        and one honest learner, and let every later one in), while the upper median of two
+        or more others is never below what the upper median over all gave an honest
+        learner with two others. With fewer others, all learners count (as before: a lone
+        learner is judged by its own history, and of two learners neither alone judges the
+        other, so one cannot get the other refused by flooding tiny deltas)."""
         by_learner = self._norms[fragment]
         if judged is not None:
-            others = {lid: q for lid, q in by_learner.items() if lid != judged}
-            if sum(len(q) for q in others.values()) >= max(min_history, 1):
+            others = {lid: q for lid, q in by_learner.items() if lid != judged and q}
+            if len(others) >= 2 and sum(len(q) for q in others.values()) >= max(min_history, 1):
                 by_learner = others
         medians = self._medians(by_learner, min_history)
         return statistics.median_high(medians) if medians else None

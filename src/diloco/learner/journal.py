@@ -56,24 +56,35 @@ def _ends_cut_short(path: str | os.PathLike) -> bool:
         return False
 
 
-def journaled_uploads(path: str | os.PathLike) -> list[tuple[int, int, int]]:
-    """``(upload id, fragment, local step at queueing)`` of every upload the journal at
-    ``path`` holds (every life so far; ``[]`` without a readable journal). A resumed
+def journaled_uploads(
+    path: str | os.PathLike, since_life: str | None = None
+) -> list[tuple[int, int, int, int]]:
+    """``(upload id, fragment, steps, local step at queueing)`` of the uploads the journal
+    at ``path`` holds (``[]`` without a readable journal), from the first line of life
+    ``since_life`` on (every life when it is ``None`` or not in the file). A resumed
     learner checks the ones its checkpoint cannot know of against the syncer's commits."""
     try:
         with open(path, "rb") as f:
             lines = f.read().splitlines()
     except OSError:
         return []
-    found = []
+    records = []
     for raw in lines:
         try:
             line = json.loads(raw)
         except ValueError:
             continue  # a line cut short by a kill
-        if isinstance(line, dict) and "u" in line:
+        if isinstance(line, dict):
+            records.append(line)
+    lives = [r.get("life") for r in records]
+    first = lives.index(since_life) if since_life in lives else 0
+    found = []
+    for line in records[first:]:
+        if "u" in line:
             try:
-                found.append((int(line["u"]), int(line["p"]), int(line["step"])))
+                found.append(
+                    (int(line["u"]), int(line["p"]), int(line["steps"]), int(line["step"]))
+                )
             except (KeyError, TypeError, ValueError):
                 continue
     return found

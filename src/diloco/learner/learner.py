@@ -44,7 +44,7 @@ from diloco.learner.callbacks import LearnerListener
 from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Inbox, Rejoin, bounded, follow
-from diloco.learner.journal import UploadJournal, journaled_uploads
+from diloco.learner.journal import UploadJournal
 from diloco.learner.ledger import Ledger
 from diloco.learner.link import UploadJob
 from diloco.learner.pacing import Pace
@@ -127,13 +127,7 @@ class Learner(Settling, Stopping, Restoring):
                 self._drop_delivered(self.delivery.read())
         elif self.delivery is not None:
             self.delivery.clear()
-        self.journal = None
-        if cfg.journal_file:
-            carried = None
-            if state is not None:
-                carried = self.delivered_steps()
-                self._note_unconfirmed(journaled_uploads(cfg.journal_file))
-            self.journal = UploadJournal(cfg.journal_file, self.local_step, carried)
+        self.journal = self._open_journal(state)
         self._host_copies = HostCopies(self.layout, self.params)
         self.listener = LearnerListener(self)
         """What the link tells this learner and asks of it (on the link's threads)."""
@@ -222,19 +216,7 @@ class Learner(Settling, Stopping, Restoring):
         self.delivery = (
             DeliveryLog(self.config.delivery_file) if self.config.delivery_file else None
         )
-        self.dropped_on_restore: list[int] = []
-        """Fragments whose checkpointed progress was found delivered already at restore."""
-        self.ahead_on_restore = 0
-        """Steps past its checkpoint that the previous life trained and delivered some of
-        (its delivery log, or at the first join the syncer's commits, show an upload
-        queued after the checkpoint's step): training them again would merge their data
-        twice; the caller skips them (``skip``, after ``wait_for_global``)."""
-        self._unconfirmed: dict[int, tuple[int, int]] = {}
-        """After a restore: upload id -> (fragment, step) of the previous lives' uploads
-        queued after the checkpoint's unsent window began whose answers it cannot know
-        (``Restoring._note_unconfirmed``); checked at the first join, then cleared."""
-        self._restored_at: tuple[int, list[int]] = (0, [])
-        """After a restore: the checkpoint's step and per-fragment unsent steps."""
+        self._init_restoring()
 
     def _open_link(self, syncer: str | Sequence[str], link_options: dict | None):
         """The link to the syncer(s), heard by this learner's ``listener``."""
@@ -253,23 +235,6 @@ class Learner(Settling, Stopping, Restoring):
         )
 
     # ----------------------------------------------------------------- public
-    def skip(self, steps: int, tokens: int) -> None:
-        """Count ``steps`` steps of ``tokens`` tokens as trained by this learner's previous
-        life and not trained again (after a restore, ``ahead_on_restore`` of them; the caller
-        draws the same batches from its data and drops them). The step counter moves on; each
-        fragment counts them ``dropped``: the previous life delivered them (the syncer's tape
-        holds them under its uploads) or they died with it. Call before the first ``step``."""
-        if steps < 0 or tokens < 0:
-            raise ValueError(f"skip: steps and tokens must be >= 0, got {steps}, {tokens}")
-        if not steps:
-            return
-        self.local_step += steps
-        self.total_tokens += tokens
-        for p in range(self.layout.num_fragments):
-            self.dropped[p] += steps
-        if self.journal is not None:
-            self.journal.skipped(steps, self.local_step)
-
     def step(self, tokens: int) -> list[int]:
         """Record one inner step of ``tokens`` tokens; returns the fragments queued for upload."""
         if self._closed:
@@ -278,6 +243,8 @@ class Learner(Settling, Stopping, Restoring):
             raise RuntimeError(str(self.link.error))
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
+        if self._unconfirmed:
+            self._give_up_unconfirmed()
         now = time.perf_counter()
         if self._last_step_at is not None:
             dt = now - self._last_step_at
@@ -547,8 +514,9 @@ class Learner(Settling, Stopping, Restoring):
         while True:
             if self.link.error is not None:
                 raise RuntimeError(str(self.link.error))
-            self.apply_arrived()
+            # the target first: the link sets it after reporting the rejoin, settled below
             target = self.link.joined_versions
+            self.apply_arrived()
             if target is not None and all(
                 h >= max(t, 0) for h, t in zip(self.versions, target, strict=False)
             ):

@@ -4,14 +4,66 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from diloco.learner.delivery import already_delivered
+from diloco.learner.journal import UploadJournal, journaled_uploads
 from diloco.learner.uploads import UploadJob
+
+log = logging.getLogger(__name__)
 
 
 class Restoring:
     """The checkpoint half of ``diloco.learner.learner.Learner``."""
+
+    def _init_restoring(self) -> None:
+        """What a restore finds out (set by ``__init__``, before any restore)."""
+        self.dropped_on_restore: list[int] = []
+        """Fragments whose checkpointed progress was found delivered already at restore."""
+        self.ahead_on_restore = 0
+        """Steps past its checkpoint that the previous life trained and delivered some of
+        (its delivery log, or at the first join the syncer's commits, show an upload
+        queued after the checkpoint's step): training them again would merge their data
+        twice; the caller skips them (``skip``, after ``wait_for_global``)."""
+        self._unconfirmed: dict[int, tuple[int, int, int]] = {}
+        """After a restore: upload id -> (fragment, steps, step) of the uploads queued after
+        the checkpoint whose answers this life cannot know (``Restoring._note_unconfirmed``);
+        checked at the first join of their syncer (shard), given up at the first step."""
+        self._restored_at: tuple[int, list[int]] = (0, [])
+        """After a restore: the checkpoint's step and per-fragment unsent steps."""
+
+    def skip(self, steps: int, tokens: int) -> None:
+        """Count ``steps`` steps of ``tokens`` tokens as trained by this learner's previous
+        life and not trained again (after a restore, ``ahead_on_restore`` of them; the caller
+        draws the same batches from its data and drops them). The step counter moves on; each
+        fragment counts them ``dropped``: the previous life delivered them (the syncer's tape
+        holds them under its uploads) or they died with it. Call before the first ``step``."""
+        if steps < 0 or tokens < 0:
+            raise ValueError(f"skip: steps and tokens must be >= 0, got {steps}, {tokens}")
+        self._give_up_unconfirmed()
+        if not steps:
+            return
+        self.local_step += steps
+        self.total_tokens += tokens
+        for p in range(self.layout.num_fragments):
+            self.dropped[p] += steps
+        if self.journal is not None:
+            self.journal.skipped(steps, self.local_step)
+
+    def _open_journal(self, state: dict | None) -> UploadJournal | None:
+        """This life's upload journal (``config.journal_file``; none without one). A restored
+        life writes what its checkpoint holds as delivered (``carried``) and notes the
+        uploads queued after the checkpoint that it must check at the first join."""
+        path = self.config.journal_file
+        if not path:
+            return None
+        carried = None
+        if state is not None:
+            carried = self.delivered_steps()
+            self._note_unconfirmed(journaled_uploads(path, state.get("journal_life")))
+        return UploadJournal(path, self.local_step, carried)
 
     def state_dict(self) -> dict:
         """What a restarted learner needs to carry on: global values held, versions,
@@ -36,6 +88,7 @@ class Restoring:
             "dropped": list(self.dropped),
             "excluded_steps": list(self.excluded_steps),
             "syncer_ids": dict(self._syncer_ids),
+            "journal_life": self.journal.life if self.journal is not None else None,
             "layout_hash": self.layout.hash,
         }
 
@@ -60,40 +113,62 @@ class Restoring:
                 self.dropped_on_restore.append(p)
         self.ahead_on_restore = max(0, max(accepted_at.values(), default=0) - self.local_step)
 
-    def _note_unconfirmed(self, journaled: list[tuple[int, int, int]]) -> None:
-        """After a restore: remember the previous lives' uploads (``journaled``: id,
-        fragment, step) queued after the checkpoint's unsent window of their fragment began.
-        One the syncer accepted just before the life died has no answer anywhere (neither
-        the checkpoint nor the delivery log saw it): the first join's commit list tells
-        (``_confirm_delivered``)."""
+    def _note_unconfirmed(self, journaled: list[tuple[int, int, int, int]]) -> None:
+        """After a restore: remember the uploads (``journaled``: id, fragment, steps, step;
+        of the life that took the checkpoint and any later one) queued after the
+        checkpoint. One the syncer accepted just before the life died has no answer
+        anywhere (neither the checkpoint nor the delivery log saw it): the first join of
+        its syncer (shard) tells, by its commit list (``_confirm_delivered``)."""
         step, since = self.local_step, list(self.steps_since)
         self._restored_at = (step, since)
         on_ledger = {e.upload_id for p, e in self._ledger.items() if e.upload_id}
         self._unconfirmed = {
-            u: (p, at)
-            for u, p, at in journaled
-            if 0 <= p < len(since) and at > step - since[p] and u not in on_ledger
+            u: (p, steps, at)
+            for u, p, steps, at in journaled
+            if 0 <= p < len(since) and at > step and u not in on_ledger
         }
 
-    def _confirm_delivered(self, committed: frozenset[int]) -> None:
-        """At the first join after a restore: the previous lives' uploads that the syncer's
-        commits hold were delivered. A fragment whose checkpointed progress one of them
-        carried has it dropped as delivered (as ``_drop_delivered`` does from the delivery
-        log), and ``ahead_on_restore`` covers the steps they reached past the checkpoint."""
-        unconfirmed, self._unconfirmed = self._unconfirmed, {}
+    def _confirm_delivered(self, committed: frozenset[int], fragments: tuple[int, ...]) -> None:
+        """At the first join of a syncer (shard owning ``fragments``) after a restore: the
+        uploads of those fragments queued after the checkpoint that its commits hold were
+        delivered. ``ahead_on_restore`` covers the steps they reached; a fragment whose
+        checkpointed progress one of them carried (its steps reach back over the unsent
+        window) has that progress dropped as delivered, as ``_drop_delivered`` does from the
+        delivery log, unless this life has moved it already (it trained or sent it)."""
         step, since = self._restored_at
-        for upload_id, (p, at) in sorted(unconfirmed.items(), key=lambda kv: kv[1]):
+        owned = set(fragments)
+        mine = {u: v for u, v in self._unconfirmed.items() if v[0] in owned}
+        for u in mine:
+            del self._unconfirmed[u]
+        for upload_id, (p, steps, at) in sorted(mine.items(), key=lambda kv: kv[1]):
             if upload_id not in committed:
                 continue
             self.ahead_on_restore = max(self.ahead_on_restore, at - step)
+            carried = at - steps <= step - since[p]  # it reached back over the unsent window
             untouched = self.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
-            if untouched and self.anchors[p] is not None and not self._ledger.of(p):
+            if carried and untouched and self.anchors[p] is not None:
                 self.merged_steps[p] += since[p]  # delivered before the restart
                 with torch.no_grad():
                     self._overwrite(p, self.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
                 if self.journal is not None:
                     self.journal.found_delivered(p, since[p])
+
+    def _give_up_unconfirmed(self) -> None:
+        """Training starts before every syncer (shard) answered the first join: what its
+        commits would have said can no longer be applied (this life moved on). Said once,
+        with what may reach the global model twice."""
+        if not self._unconfirmed:
+            return
+        fragments = sorted({p for p, _, _ in self._unconfirmed.values()})
+        log.warning(
+            "%d uploads of the previous life (fragments %s) were not confirmed before "
+            "training resumed (no join yet): if the syncer had accepted them, their steps "
+            "may be merged twice",
+            len(self._unconfirmed),
+            fragments,
+        )
+        self._unconfirmed = {}
 
     def _resume_unanswered(self) -> None:
         """After a restore: deltas the checkpoint holds without an answer are sent again as

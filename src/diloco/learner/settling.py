@@ -96,8 +96,8 @@ class Settling:
     def _on_syncer(self, rejoin: Rejoin) -> None:
         """A (re)join: a syncer that restarted lost its open rounds, so an accepted delta
         its commits did not hold (``committed_before``) is returned and sent again."""
-        if self._unconfirmed:  # the first join after a restore
-            self._confirm_delivered(rejoin.committed)
+        if self._unconfirmed:  # the first join (of this shard) after a restore
+            self._confirm_delivered(rejoin.committed, rejoin.fragments)
         known = self._syncer_ids.get(rejoin.address)
         self._syncer_ids[rejoin.address] = rejoin.syncer_id
         if known is None or known == rejoin.syncer_id:

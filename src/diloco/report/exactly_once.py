@@ -207,7 +207,7 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
         if line.get("how") == "merged":
             lives[life].setdefault("took", {})[line["settled"]] = line.get("v")
     # an upload resent by a resumed life (same id, from its checkpoint) is that life's
-    owner = {u: life for life in order for u in lives[life]["uploads"]}
+    owner = {u: life for life, info in lives.items() for u in info["uploads"]}
     delivered: dict[str, dict[int, int]] = {life: defaultdict(int) for life in lives}
     for source in (merged.get(learner, {}), excluded.get(learner, {})):
         for upload_id, (p, steps) in source.items():
@@ -234,7 +234,8 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
     clean = final is not None and final.get("life") == last
     carried = lives[last].get("carried") if last is not None else None
     if carried is not None:  # resumed: its checkpoint says what the earlier lives delivered
-        skipped = lives[last].get("skipped", 0)  # and past it: delivered by them or lost
+        # and past it (every resumed life's skip): delivered by them or lost
+        skipped = sum(lives[life].get("skipped", 0) for life in order)
         for p, steps in enumerate(carried):
             earlier = sum(delivered[life].get(p, 0) for life in order[:-1])
             if not steps <= earlier <= steps + skipped:
