@@ -383,3 +383,21 @@ def test_a_dropped_round_persisted_but_not_taped_is_recovered(tmp_path):
     start_syncer(state, tape).stop()
     (recovered,) = [r for r in read_tape(tape) if r["event"] == "recovered"]
     assert recovered["commits"] == [logs[-1].to_json()]
+
+
+def test_a_rejoining_learner_is_told_of_its_uploads_still_in_an_open_round(tmp_path):
+    """Found by review: a learner killed before the answer to an accepted upload, restored
+    from its checkpoint, asks at its first join which of its previous life's uploads the
+    syncer holds. One in a round still open was not listed (only committed ones were), so
+    the new life sent its steps again and the open round merged them as well."""
+    server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl", wait_for_all=2)
+    client = Client(server)
+    try:
+        assert client.upload(31).accepted  # the round waits for a second learner: open
+        time.sleep(0.2)
+        assert server.state.rounds and server.state.versions[0] == 0
+        reply = client.stub.Join(join_request(server.layout, "a"), timeout=5)  # a new life
+        assert 31 in reply.committed_uploads
+    finally:
+        client.close()
+        server.stop()

@@ -56,8 +56,9 @@ def bounded(chain: Chain, version: int, value: torch.Tensor | None) -> Chain:
 @dataclass(frozen=True)
 class Rejoin:
     """A (re)join: which syncer instance, the versions it reported, the fragments it owns,
-    this learner's upload ids its commit logs hold and, per fragment, the version the oldest
-    of those logs admitted at (-1: none)."""
+    this learner's upload ids it holds (its commit logs', and for a syncer that did not
+    restart those in its open rounds too) and, per fragment, the version the oldest of those
+    logs admitted at (-1: none)."""
 
     address: str
     syncer_id: str

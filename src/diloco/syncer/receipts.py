@@ -153,6 +153,15 @@ class Receipts:
             if fate.committed
         ]
 
+    def held(self, learner: str) -> list[int]:
+        """The learner's upload ids this syncer holds: merged or left out by closed rounds,
+        or accepted into a round still open (it merges them unless it drops the round; a
+        join with a new session does not withdraw them). What a rejoining learner is told
+        (``JoinReply.committed_uploads``): a restored learner whose previous life died
+        before an answer must not send those steps again. After a restart only the
+        committed ones are left (open rounds died with the syncer)."""
+        return [u for (who, _), fates in self._fates.items() if who == learner for u in fates]
+
     def dropped(self, learner: str) -> list[int]:
         """The learner's most recent excluded upload ids (at most ``REPORTED_DROPS``)."""
         return list(self._dropped.get(learner, ()))

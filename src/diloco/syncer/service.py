@@ -177,7 +177,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                     tokens_per_step=request.tokens_per_step,
                 )
                 versions = list(self.state.versions)
-                committed = self.state.receipts.committed(request.learner_id)
+                committed = self.state.receipts.held(request.learner_id)
                 logged_from = self.state.logged_from()
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Join")
