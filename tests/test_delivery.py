@@ -51,20 +51,25 @@ def make(tmp_path, state=None):
     return model, learner
 
 
+def hold_and_train(learner, model) -> list[torch.Tensor]:
+    """Give ``learner`` both fragments at version 1, then 6 steps of progress on both, none
+    sent; returns the anchors (the global values it holds)."""
+    for p in range(2):
+        learner.listener.on_fragment(p, 1, learner.layout.gather(p, learner.params), frozenset())
+    learner.apply_arrived()
+    anchors = [a.clone() for a in learner.anchors]
+    with torch.no_grad():
+        for w in model.parameters():
+            w.add_(0.5)
+    learner.local_step, learner.steps_since = 6, [6, 6]
+    learner.tokens_since = [60, 60]
+    return anchors
+
+
 def test_a_restore_drops_only_the_progress_delivered_after_the_checkpoint(tmp_path):
     model, learner = make(tmp_path)
     try:
-        for p in range(2):
-            learner.listener.on_fragment(
-                p, 1, learner.layout.gather(p, learner.params), frozenset()
-            )
-        learner.apply_arrived()
-        anchors = [a.clone() for a in learner.anchors]
-        with torch.no_grad():
-            for w in model.parameters():
-                w.add_(0.5)  # 6 steps of progress on both fragments, none sent
-        learner.local_step, learner.steps_since = 6, [6, 6]
-        learner.tokens_since = [60, 60]
+        anchors = hold_and_train(learner, model)
         state = learner.state_dict()
         trained = {p: learner.layout.gather(p, learner.params) for p in range(2)}
         # after the checkpoint, fragment 1 went out at step 8 and was accepted; 0 did not
@@ -122,17 +127,7 @@ def test_an_upload_committed_whose_answer_died_with_the_life_is_found_at_the_fir
     journal = tmp_path / "uploads.jsonl"
     model, learner = make(tmp_path)
     try:
-        for p in range(2):
-            learner.listener.on_fragment(
-                p, 1, learner.layout.gather(p, learner.params), frozenset()
-            )
-        learner.apply_arrived()
-        anchor0 = learner.anchors[0].clone()
-        with torch.no_grad():
-            for w in model.parameters():
-                w.add_(0.5)
-        learner.local_step, learner.steps_since = 6, [6, 6]
-        learner.tokens_since = [60, 60]
+        anchor0 = hold_and_train(learner, model)[0]
         state = learner.state_dict()
     finally:
         learner.close(flush=False)
