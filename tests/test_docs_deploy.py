@@ -4,8 +4,10 @@ scripts, the Kubernetes manifests and the Containerfile) parses with the real CL
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,7 @@ ENV = {
     "DILOCO_LEARNER_ARGS": "",
     "DILOCO_SYNCER_ARGS": "",
     "index": "3",
+    "id": "learner-3",
     "home": "/shared/diloco",
     "port": "7000",
     "head_node": "node-1",
@@ -42,6 +45,7 @@ def blocks(lang: str) -> list[str]:
 
 
 def substitute(text: str) -> str:
+    text = re.sub(r"\$\(\((.*?)\)\)", "3", text)  # arithmetic
     text = re.sub(r"\$\((.*?)\)", "value", text)  # command substitutions
     return re.sub(r"\$(\w+)", lambda m: ENV.get(m.group(1), "value"), text)
 
@@ -152,3 +156,74 @@ def test_the_container_image_pins_the_torch_the_project_tests():
     (pinned,) = set(re.findall(r"torch==([\d.]+)", makefile))
     assert f'TORCH_SPEC="torch=={pinned}+cpu"' in containerfile
     assert 'ENTRYPOINT ["diloco"]' in containerfile
+
+
+def test_the_learner_array_runs_each_learner_under_its_sites_wrap_id_and_data_index(tmp_path):
+    """learner.sbatch's settings for a site of a run across clusters, run with a stand-in
+    ``srun`` that records the command it was given (no Slurm needed)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "srun.args"
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    (bin_dir / "srun").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_ARRAY_TASK_ID": "1",
+        "DILOCO_HOME": str(tmp_path),
+        "DILOCO_SYNCER": "198.18.0.1:7000",
+        "DILOCO_ID_PREFIX": "site-a-",
+        "DILOCO_INDEX_OFFSET": "4",
+        "DILOCO_WRAP": "ip netns exec site-a",
+        "DILOCO_LEARNER_ARGS": "--threads 1 --total-steps 10",
+    }
+    done = subprocess.run(
+        ["bash", str(DEPLOY / "slurm" / "learner.sbatch")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    argv = record.read_text().splitlines()
+    assert argv[:4] == ["ip", "netns", "exec", "site-a"]
+    args = parse(diloco_argv(shlex.join(argv)))
+    assert (args.id, args.index, args.syncer) == ("site-a-1", 5, "198.18.0.1:7000")
+    assert args.workdir == str(tmp_path / "learners" / "1") and args.total_steps == 10
+    del env["DILOCO_WRAP"], env["DILOCO_ID_PREFIX"], env["DILOCO_INDEX_OFFSET"]
+    subprocess.run(["bash", str(DEPLOY / "slurm" / "learner.sbatch")], env=env, timeout=30)
+    args = parse(diloco_argv(shlex.join(record.read_text().splitlines())))
+    assert (args.id, args.index) == ("learner-1", 1)  # the defaults: one site
+
+
+def ray_site_script():
+    spec = importlib.util.spec_from_file_location("ray_site", DEPLOY / "ray" / "learners.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_ray_site_script_gives_each_learner_its_id_index_and_workdir(tmp_path):
+    site = ray_site_script()
+    args, flags = site.parse_args(
+        [
+            "--syncer=198.18.0.5:7000",
+            "--token-file=token",
+            "--learners=2",
+            "--first-index=2",
+            "--id-prefix=ray-",
+            f"--workdir={tmp_path}",
+            "--wrap=ip netns exec site-b",
+            "--",
+            "--recipe=tiny",
+            "--total-steps=10",
+        ]
+    )
+    assert flags == ["--recipe=tiny", "--total-steps=10"]
+    for k in range(2):
+        parsed = parse(site.learner_command(args, k, flags))
+        assert (parsed.id, parsed.index, parsed.syncer) == (f"ray-{k}", 2 + k, "198.18.0.5:7000")
+        assert parsed.workdir == str(tmp_path / str(k)) and parsed.total_steps == 10
+        assert Path(parsed.token_file).is_absolute()  # the actors' working directory may differ
+    with pytest.raises(SystemExit):
+        site.parse_args(["--syncer=x:1", "--token-file=t", "--learners=0", "--workdir=w"])
+    assert "`deploy/ray/learners.py`" in DOC.read_text()

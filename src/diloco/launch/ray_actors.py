@@ -25,13 +25,24 @@ class ProcActor:
     working directory of the child (the driver's, for relative paths). With ``rebind_file``
     (the syncer's port file), a ``--bind=HOST:0`` flag is replaced by the address in that file
     when it exists, i.e. from the second incarnation on. A ``--bind=NODE_HOST:PORT`` flag binds
-    the IP of the node the actor runs on (a syncer Ray may restart on another node). Contract: while the actor is alive its
-    child runs or has exited 0 or was stopped through :meth:`stop`; any other exit ends the
-    actor's process (``os._exit``), which Ray treats as a failure and restarts.
+    the IP of the node the actor runs on (a syncer Ray may restart on another node). ``wrap``
+    is a command the child runs under, one that execs the command it is given (e.g. ``ip netns
+    exec NS``: a learner behind its site's network namespace), so that signals and the exit
+    code stay the child's own.
+
+    Contract: while the actor is alive its child runs or has exited 0 or was stopped through
+    :meth:`stop`; any other exit ends the actor's process (``os._exit``), which Ray treats as
+    a failure and restarts.
     """
 
     def __init__(
-        self, name: str, command: list[str], log: str, cwd: str, rebind_file: str | None = None
+        self,
+        name: str,
+        command: list[str],
+        log: str,
+        cwd: str,
+        rebind_file: str | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
         if rebind_file and Path(rebind_file).exists():
             address = Path(rebind_file).read_text().strip()
@@ -43,7 +54,7 @@ class ProcActor:
             command = [a.replace(f"--bind={NODE_HOST}:", f"--bind={host}:") for a in command]
         self.name = name
         self.stopping = False
-        self.child = Child(name, diloco_command(*command), Path(log), cwd=cwd)
+        self.child = Child(name, [*(wrap or []), *diloco_command(*command)], Path(log), cwd=cwd)
         threading.Thread(target=self._watch, name=f"watch-{name}", daemon=True).start()
 
     def _watch(self) -> None:
