@@ -69,6 +69,10 @@ CASES = [
     (["syncer", "--snapshot-every", "5"], "--snapshot-every needs --snapshot FILE or --state-dir"),
     (["export", "nowhere", "--model", "x:y", "-o", "m.safetensors"], "nor a syncer's state"),
     (["learner", "--syncer", "localhost", "--id", "a"], "is not HOST:PORT"),
+    (
+        ["learner", "--no-sync", "--id", "a", "--recipe", "digits", "--inner-optimizer", "muon"],
+        "no hidden weight matrices",
+    ),
     (["run", "--mode", "dp", "--bf16"], "--device/--bf16 are for learners"),
     (["report", "nowhere"], "is not a finished run"),
     (["export", "nowhere", "-o", "model.safetensors"], "is not a run directory"),

@@ -121,3 +121,77 @@ def test_clipped_steps_are_counted_per_incarnation_and_summed():
     for rec in ({"t": 0, "clipped": 4}, {"t": 1, "clipped": 9}, {"t": 2, "clipped": 2}):
         tally.add(rec)  # a restart: the counter began again at 0
     assert tally.transport_total("clipped") == 11
+
+
+def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
+    from diloco.recipes.optimizers import MuonWithAdamW, muon_parameters
+
+    recipe = get_recipe("tiny", optimizer="muon")
+    model = recipe.build_model(0)
+    chosen = muon_parameters(model)
+    names = {n for n, p in model.named_parameters() if id(p) in chosen}
+    assert names and all(model.get_parameter(n).dim() == 2 for n in names)
+    assert not any("emb" in n for n in names)  # embeddings (and a tied head) stay with AdamW
+    assert "blocks.0.attn.qkv.weight" in names
+    opt = recipe.build_optimizer(model)
+    assert isinstance(opt, MuonWithAdamW)
+    assert {id(p) for g in opt.muon.param_groups for p in g["params"]} == chosen
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert held == {id(p) for p in model.parameters()}  # every parameter, once
+    with pytest.raises(ValueError, match="inner optimizer 'sgd'"):
+        get_recipe("tiny", optimizer="sgd")
+
+
+def test_muon_learns_follows_the_schedule_and_resumes_exactly_from_its_state():
+    from diloco.runtime.training import inner_step, set_lr
+
+    recipe = get_recipe("tiny", optimizer="muon")
+    model = recipe.build_model(0)
+    opt = recipe.build_optimizer(model)
+    stream = recipe.stream(learner_id=0)
+    batches = [stream.next_batch() for _ in range(40)]
+    first = recipe.loss(model, batches[0]).item()
+    for step, batch in enumerate(batches[:30]):
+        set_lr(opt, recipe.lr_at(step, 40))
+        inner_step(model, opt, batch, loss_fn=recipe.loss)
+    assert all(g["lr"] == recipe.lr_at(29, 40) for g in opt.param_groups)
+    assert recipe.loss(model, batches[0]).item() < first - 0.3
+    saved = torch.load(_saved(model, opt), weights_only=True)
+    twin = recipe.build_model(0)
+    twin.load_state_dict(saved["model"])
+    twin_opt = recipe.build_optimizer(twin)
+    twin_opt.load_state_dict(saved["opt"])
+    for step, batch in enumerate(batches[30:], start=30):
+        for m, o in ((model, opt), (twin, twin_opt)):
+            set_lr(o, recipe.lr_at(step, 40))
+            inner_step(m, o, batch, loss_fn=recipe.loss)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not Muon with AdamW"):
+        twin_opt.load_state_dict(get_recipe("tiny").build_optimizer(twin).state_dict())
+
+
+def _saved(model, opt):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_muon_leaves_routers_and_output_layers_to_adamw_and_refuses_a_model_without_matrices(
+    monkeypatch,
+):
+    from diloco.recipes.optimizers import check_inner_optimizer, muon_parameters
+
+    moe = get_recipe("moe").build_model(0)
+    chosen = {n for n, p in moe.named_parameters() if id(p) in muon_parameters(moe)}
+    assert chosen and not any("router" in n for n in chosen)
+    assert any("experts" in n for n in chosen)
+    digits = get_recipe("digits", optimizer="muon")
+    with pytest.raises(ValueError, match="no hidden weight matrices"):
+        digits.build_optimizer(digits.build_model(0))  # its 2-D weight is the classifier
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ValueError, match=r"torch >= 2\.9"):
+        check_inner_optimizer("muon")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diloco.recipes.optimizers import INNER_OPTIMIZERS, check_inner_optimizer
 from diloco.runtime.schema import option
 
 
@@ -23,10 +24,16 @@ class RecipeConfig:
     seed: int = option(0)
     """Seed of the initial model and of the data streams."""
     inner_lr: float | None = option(None, type=float)
-    """Peak learning rate of the inner AdamW (default: the recipe's, 3e-3 for the text
+    """Peak learning rate of the inner optimizer (default: the recipe's, 3e-3 for the text
     recipes); every learner or data-parallel rank uses it."""
 
+    inner_optimizer: str = option("adamw", choices=INNER_OPTIMIZERS)
+    """The inner optimizer of every learner or data-parallel rank: ``adamw``, or ``muon``
+    (``torch.optim.Muon`` for the hidden weight matrices, AdamW for the rest, one learning
+    rate; ``diloco.recipes.optimizers``)."""
+
     def __post_init__(self) -> None:
+        check_inner_optimizer(self.inner_optimizer)
         if self.inner_lr is not None and not self.inner_lr > 0:
             raise ValueError(f"--inner-lr must be > 0 (got {self.inner_lr})")
 

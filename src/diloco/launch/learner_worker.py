@@ -29,6 +29,11 @@ from diloco.runtime.training import (
 )
 
 
+class CheckpointMismatch(ValueError):
+    """The local checkpoint cannot be loaded into this learner (saved with another inner
+    optimizer); the worker says so in one line and exits 2."""
+
+
 def run(config: WorkerConfig) -> int:
     """Train until the budget, SIGTERM or the deadline; returns the exit status (2: bad input,
     said on stderr)."""
@@ -52,13 +57,24 @@ def run(config: WorkerConfig) -> int:
     if world > 1 and config.wait_for_merge >= 0:  # (0, 1) unless torchrun started several
         print("diloco learner: --wait-for-merge is not supported in an island", file=sys.stderr)
         return 2
+    if world > 1 and config.island == "fsdp" and config.recipe.inner_optimizer == "muon":
+        print(
+            "diloco learner: --inner-optimizer muon is not supported with --island fsdp "
+            "(Muon orthogonalises whole matrices, FSDP holds row shards); use --island ddp",
+            file=sys.stderr,
+        )
+        return 2
     recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed).to(device)
     if world > 1 and config.island == "fsdp":
         from diloco.runtime.sharding import shard_model
 
         shard_model(model)  # before the optimizer exists: it must hold the shards
-    optimizer = recipe.build_optimizer(model)
+    try:
+        optimizer = recipe.build_optimizer(model)
+    except ValueError as exc:  # e.g. Muon for a model without hidden matrices
+        print(f"diloco learner: {exc}", file=sys.stderr)
+        return 2
     # Every rank of every island reads its own stream of the data.
     stream = recipe.stream(
         learner_id=config.index * world + rank,
@@ -73,7 +89,7 @@ def run(config: WorkerConfig) -> int:
 
     try:
         proc = LearnerProcess(config, recipe, model, optimizer, stream, workdir, rank, world)
-    except AuthConfigError as exc:
+    except (AuthConfigError, CheckpointMismatch) as exc:
         print(f"diloco learner: {exc}", file=sys.stderr)
         return 2
     proc.train(stop)
@@ -163,7 +179,14 @@ class LearnerProcess:
             load_local_optimizer_state(self.optimizer, saved["optimizer"])
         elif saved is not None:
             self.model.load_state_dict(saved["model"])
-            self.optimizer.load_state_dict(saved["optimizer"])
+            try:
+                self.optimizer.load_state_dict(saved["optimizer"])
+            except (KeyError, ValueError) as exc:
+                raise CheckpointMismatch(
+                    f"{self.checkpoint}: its optimizer state does not fit this learner's "
+                    f"--inner-optimizer {self.config.recipe.inner_optimizer} ({exc}); use the "
+                    "optimizer it was saved with, or remove the checkpoint to start afresh"
+                ) from None
         if saved is not None:
             self.stream.load_state_dict(saved["stream"])
             if self.leader:

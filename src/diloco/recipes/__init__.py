@@ -24,6 +24,7 @@ from diloco.recipes.base import Recipe
 from diloco.recipes.gpt import GPT, GPTConfig
 from diloco.recipes.language import RecipeUnavailable, TextRecipe
 from diloco.recipes.moe import MoEConfig
+from diloco.recipes.optimizers import check_inner_optimizer
 from diloco.recipes.text import DataError, TextCorpus
 
 __all__ = [
@@ -74,18 +75,30 @@ RECIPES: dict[str, Callable[[str | None], Recipe]] = {
 
 
 def get_recipe(
-    name: str = "shakespeare", *, data_path: str | None = None, lr: float | None = None
+    name: str = "shakespeare",
+    *,
+    data_path: str | None = None,
+    lr: float | None = None,
+    optimizer: str | None = None,
 ) -> Recipe:
     """The recipe called ``name``; ``data_path`` trains a text recipe on that UTF-8 file;
-    ``lr`` replaces its peak inner learning rate."""
+    ``lr`` replaces its peak inner learning rate, ``optimizer`` its inner optimizer
+    (``adamw`` or ``muon``)."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
     recipe = RECIPES[name](data_path)
     if lr is not None:
         recipe.lr = lr
+    if optimizer is not None:
+        recipe.optimizer = check_inner_optimizer(optimizer)
     return recipe
 
 
 def recipe_of(config) -> Recipe:
-    """The recipe a ``RecipeConfig`` names, with its data and inner learning rate."""
-    return get_recipe(config.recipe, data_path=config.data, lr=config.inner_lr)
+    """The recipe a ``RecipeConfig`` names, with its data, inner learning rate and optimizer."""
+    return get_recipe(
+        config.recipe,
+        data_path=config.data,
+        lr=config.inner_lr,
+        optimizer=config.inner_optimizer,
+    )

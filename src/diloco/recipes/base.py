@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from diloco.recipes.optimizers import build_inner_optimizer
+
 
 class Stream(Protocol):
     """A learner's training batches; its position is its ``state_dict`` (checkpointed)."""
@@ -29,13 +31,15 @@ class Stream(Protocol):
 
 @dataclass(kw_only=True)
 class Recipe:
-    """The shared part of a recipe: its name, batch size and inner optimizer (AdamW with a
-    linear warm-up and a cosine decay). Subclasses implement the methods that raise
+    """The shared part of a recipe: its name, batch size and inner optimizer (AdamW, or Muon
+    with AdamW, with a linear warm-up and a cosine decay). Subclasses implement the methods that raise
     ``NotImplementedError``."""
 
     name: str
     batch_size: int = 8
     lr: float = 3e-3
+    optimizer: str = "adamw"
+    """The inner optimizer: ``adamw``, or ``muon`` (:mod:`diloco.recipes.optimizers`)."""
     weight_decay: float = 0.1
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1
@@ -78,17 +82,15 @@ class Recipe:
         return int(batch[0].shape[0]) * self.tokens_per_sample
 
     def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """AdamW, no weight decay on biases, norms and position embeddings (``pos_emb``)."""
-        decay, no_decay = [], []
-        for name, p in model.named_parameters():
-            (decay if p.dim() >= 2 and "pos_emb" not in name else no_decay).append(p)
-        return torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
+        """The inner optimizer :attr:`optimizer` names (``diloco.recipes.optimizers``): AdamW,
+        or Muon for the hidden matrices with AdamW for the rest; no weight decay on biases,
+        norms and position embeddings (``pos_emb``)."""
+        return build_inner_optimizer(
+            self.optimizer,
+            model,
             lr=self.lr,
-            betas=(0.9, 0.95),
+            weight_decay=self.weight_decay,
+            no_decay=lambda name, p: p.dim() < 2 or "pos_emb" in name,
         )
 
     def lr_at(self, step: int, total_steps: int = 0) -> float:

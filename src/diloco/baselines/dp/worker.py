@@ -64,7 +64,11 @@ def run(config: DpWorkerConfig) -> int:
     stop = stop_on_signals(exit_with_parent=config.exit_with_parent)
     recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed)
-    optimizer = recipe.build_optimizer(model)
+    try:
+        optimizer = recipe.build_optimizer(model)
+    except ValueError as exc:  # e.g. Muon for a model without hidden matrices
+        print(f"diloco dp-worker: {exc}", file=sys.stderr)
+        return 2
     stream = recipe.stream(
         learner_id=config.rank, seed=config.recipe.seed, batch_size=config.batch_size
     )

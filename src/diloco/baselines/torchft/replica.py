@@ -102,6 +102,9 @@ def replica_main(config: ReplicaConfig) -> int:
 
     from diloco.recipes import recipe_of
 
+    if config.recipe.inner_optimizer != "adamw":  # torchft hooks the optimizer's own step
+        print("torchft replica: only --inner-optimizer adamw (torchft's DiLoCo)", file=sys.stderr)
+        return 2
     torch.set_num_threads(config.threads)
     _advertise_as(config.host)
     workdir = Path(config.workdir)
