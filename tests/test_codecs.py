@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from diloco.algorithm.codecs import (
     BLOCK_SIZE,
     CODECS,
+    TOPK_CHUNK,
+    TOPK_K,
     CodecError,
     NonFiniteError,
     check_codec,
@@ -32,6 +34,12 @@ def _elementwise_bound(x: torch.Tensor, codec: str) -> torch.Tensor:
     x = x.double().reshape(-1)
     if codec == "fp32":
         return torch.zeros_like(x)
+    if codec == "topk2":  # one payload: at most its chunk's largest |x| (error feedback sends it)
+        n = x.numel()
+        pad = torch.zeros(-(-n // TOPK_CHUNK) * TOPK_CHUNK, dtype=torch.float64)
+        pad[:n] = x.abs()
+        absmax = pad.view(-1, TOPK_CHUNK).amax(1).repeat_interleave(TOPK_CHUNK)[:n]
+        return absmax * (1 + 2.0**-20) + TINY
     if codec == "bf16":
         return x.abs() * 2.0**-8 + TINY
     n = x.numel()
@@ -255,8 +263,10 @@ def test_wrong_length_refused(codec, n):
     for bad in (data[:-1], data + b"\0", b""):
         with pytest.raises(CodecError, match="expected"):
             decode(bad, n, codec)
+    # topk2's size follows its chunks and kept values only: 129 and 131 values have one size
+    other = n + TOPK_CHUNK if codec == "topk2" else n + 2
     with pytest.raises(CodecError):
-        decode(data, n + 2, codec)
+        decode(data, other, codec)
 
 
 def test_bad_shape_refused():
@@ -297,3 +307,133 @@ def test_crafted_non_finite_float_payload_refused(codec):
     data[width : 2 * width] = np.array([np.nan], "<f4").tobytes()[4 - width :]
     with pytest.raises(NonFiniteError, match="payload"):
         decode(bytes(data), 4, codec)
+
+
+# ---------------------------------------------------------------- topk2 (sparse, 2-bit)
+
+
+def _topk_expected(x: torch.Tensor) -> torch.Tensor:
+    """topk2's decoding of ``x`` from its docstring, written independently of the codec (numpy,
+    float64): per chunk the TOPK_K largest |x|, split at the midpoint of their range, each
+    decoded as its sign times its group's mean magnitude."""
+    v = x.double().numpy()
+    out = np.zeros_like(v)
+    for start in range(0, v.size, TOPK_CHUNK):
+        chunk = v[start : start + TOPK_CHUNK]
+        keep = np.argsort(-np.abs(chunk), kind="stable")[: min(TOPK_K, chunk.size)]
+        mags = np.abs(chunk[keep])
+        split = (mags.min() + mags.max()) / 2 if mags.min() > 0 else 0.0
+        upper = (mags >= split) & (mags > 0)
+        for group in (upper, ~upper):
+            if group.any():
+                out[start + keep[group]] = np.sign(chunk[keep[group]]) * mags[group].mean()
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, TOPK_CHUNK, 2 * TOPK_CHUNK + 100])
+def test_topk2_keeps_each_chunks_largest_values_as_sign_and_group_mean(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    y = _roundtrip(x, "topk2")
+    assert torch.allclose(y.double(), _topk_expected(x), rtol=1e-6, atol=1e-7)
+    chunks = -(-n // TOPK_CHUNK)
+    kept = (chunks - 1) * TOPK_K + min(TOPK_K, n - (chunks - 1) * TOPK_CHUNK)
+    assert int((y != 0).sum()) == kept
+
+
+def test_topk2_zeros_stay_zero_in_a_chunk_with_few_non_zero_values():
+    x = torch.zeros(TOPK_CHUNK)
+    x[[3, 70, 500]] = torch.tensor([1.0, -2.0, 4.0])  # fewer non-zero values than TOPK_K
+    y = _roundtrip(x, "topk2")
+    assert torch.equal(y != 0, x != 0)
+    assert torch.equal(torch.sign(y), torch.sign(x))
+
+
+def test_topk2_sizes_and_its_bytes_per_value():
+    assert encoded_nbytes(TOPK_CHUNK, "topk2") == 8 + 2 * TOPK_K + TOPK_K // 4
+    n = 2 * TOPK_CHUNK + 5  # a last chunk of 5 keeps 5
+    assert encoded_nbytes(n, "topk2") == 3 * 8 + 2 * (2 * TOPK_K + 5) + -(-(2 * TOPK_K + 5) // 4)
+    big = 1_000_000
+    assert encoded_nbytes(big, "topk2") / big < 0.08
+    assert encoded_nbytes(big, "int4") / encoded_nbytes(big, "topk2") > 6.5
+
+
+def test_topk2_with_error_feedback_delivers_what_it_drops_later():
+    """The use it is made for: a sender keeps x − decode(encode(x)) and adds it to the next
+    payload; over many payloads of the same vector the receiver's sum tracks the sender's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * TOPK_CHUNK, generator=g) * torch.rand(3 * TOPK_CHUNK, generator=g)
+    residual, received, rounds = torch.zeros_like(x), torch.zeros_like(x), 300
+    for _ in range(rounds):
+        sent = decode(encode(x + residual, "topk2"), x.numel(), "topk2")
+        residual = x + residual - sent
+        received += sent
+    assert torch.allclose(received + residual, rounds * x, rtol=1e-4, atol=1e-2)
+    assert float((received - rounds * x).norm() / (rounds * x).norm()) < 0.05
+
+
+def _topk_payload(n: int = 2 * TOPK_CHUNK + 40) -> tuple[bytearray, int, int]:
+    """(payload, byte offset of the uint16 offsets, byte offset of the codes)."""
+    data = bytearray(encode(torch.randn(n, generator=torch.Generator().manual_seed(1)), "topk2"))
+    chunks = -(-n // TOPK_CHUNK)
+    kept = (chunks - 1) * TOPK_K + min(TOPK_K, n - (chunks - 1) * TOPK_CHUNK)
+    return data, 8 * chunks, 8 * chunks + 2 * kept
+
+
+def _offset(data: bytearray, at: int, i: int, value: int | None = None) -> int:
+    if value is not None:
+        data[at + 2 * i : at + 2 * i + 2] = struct.pack("<H", value)
+    return struct.unpack("<H", bytes(data[at + 2 * i : at + 2 * i + 2]))[0]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["swap", "repeat", "beyond the chunk", "beyond the last chunk", "lo > hi", "negative", "pad"],
+)
+def test_topk2_crafted_payloads_are_refused(damage):
+    n = 2 * TOPK_CHUNK + 40
+    data, offsets, codes = _topk_payload(n)
+    if damage == "swap":  # two offsets of chunk 0 out of order
+        a, b = _offset(data, offsets, 4), _offset(data, offsets, 5)
+        _offset(data, offsets, 4, b)
+        _offset(data, offsets, 5, a)
+    elif damage == "repeat":  # one value twice
+        _offset(data, offsets, 5, _offset(data, offsets, 4))
+    elif damage == "beyond the chunk":
+        _offset(data, offsets, TOPK_K - 1, TOPK_CHUNK)
+    elif damage == "beyond the last chunk":  # the last chunk holds 40 values
+        _offset(data, offsets, 2 * TOPK_K + TOPK_K - 1, 40)
+    elif damage == "lo > hi":
+        lo, hi = struct.unpack("<2f", bytes(data[8:16]))
+        data[8:16] = struct.pack("<2f", hi * 2, hi)
+    elif damage == "negative":
+        data[0:4] = struct.pack("<f", -1.0)
+    else:  # 96 kept values fill the codes exactly; take a size that leaves unused bits
+        n = 2 * TOPK_CHUNK + 30
+        data, offsets, codes = _topk_payload(n)
+        data[-1] |= 0xC0
+    with pytest.raises(CodecError, match="topk2"):
+        decode(bytes(data), n, "topk2")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_topk2_crafted_non_finite_scale_refused(bad):
+    data, _, _ = _topk_payload()
+    data[12:16] = struct.pack("<f", bad)
+    with pytest.raises(NonFiniteError, match="scale"):
+        decode(bytes(data), 2 * TOPK_CHUNK + 40, "topk2")
+
+
+@pytest.mark.parametrize("low", [1.8e38, 0.99 * F32_MAX])
+def test_topk2_values_near_float32_max_round_trip_as_specified(low):
+    x = torch.linspace(low, F32_MAX, TOPK_CHUNK)  # sums and midpoints overflow in float32
+    x[::2] *= -1
+    y = _roundtrip(x, "topk2")
+    assert int((y != 0).sum()) == TOPK_K and bool(torch.isfinite(y).all())
+    assert torch.allclose(y.double(), _topk_expected(x), rtol=1e-6)
+
+
+def test_topk2_keeps_the_lower_offsets_of_equal_magnitudes():
+    x = torch.ones(2 * TOPK_CHUNK + 7)
+    x[5::3] = -1.0
+    y = _roundtrip(x, "topk2")
+    assert torch.equal(y.double(), _topk_expected(x))

@@ -1,9 +1,11 @@
-"""Wire formats for tensors: ``fp32``, ``bf16``, ``int8`` and ``int4``.
+"""Wire formats for tensors: ``fp32``, ``bf16``, ``int8``, ``int4`` and the sparse ``topk2``.
 
-Why these four (DESIGN §1): learners send outer gradients ``Δ = A_p − θ_p`` *up* to the syncer
-in ``int4`` by default; the paper found int4 outer gradients about as good as bf16, while 2-bit
-collapses. Merged fragments go *down* in ``bf16`` or ``fp32``: they are parameters, not
-gradients, and an error there is not averaged away by the next round.
+Why these (DESIGN §1): learners send outer gradients ``Δ = A_p − θ_p`` *up* to the syncer in
+``int4`` by default; the paper found int4 outer gradients about as good as bf16, while dense
+2-bit values collapse. The syncer sends each version *down* as a delta against what learners
+hold, in ``int8`` by default (its rounding stays on the syncer and goes out with the next
+delta); keyframes are ``fp32``. ``topk2`` is for links where those are too many bytes: 2-bit
+values of each chunk's few largest entries, the rest carried by error feedback both ways.
 
 Payloads are raw little-endian bytes (never pickle). A payload carries no header: the receiver
 knows the codec and the shape from the message around it, and :func:`decode` checks that the
@@ -32,6 +34,22 @@ The bounds hold up to float32 rounding (a few ulps of absmax, see :func:`roundtr
 values below float32's smallest normal (~1.2e-38) may lose all precision in a block whose absmax
 is itself that small.
 
+**topk2** (sparse, for the low-traffic settings): each chunk of ``TOPK_CHUNK = 1024`` values
+keeps its ``TOPK_K = 32`` largest ``|x|`` (3.1%; of equal ones the lower offsets), the rest
+is sent as zero. A kept value is 2
+bits: its sign and whether its magnitude is in the chunk's upper group (``|x| ≥ (min + max)/2``
+of the kept magnitudes; every non-zero one if the chunk keeps a zero, so zeros decode as
+zeros); it decodes as ``±hi`` or ``±lo``, the mean magnitude of its group.
+Layout: ``nc × (lo, hi)`` float32 scale pairs (``nc = ⌈n / TOPK_CHUNK⌉``), then one uint16
+offset within its chunk per kept value (chunk after chunk, strictly increasing within a
+chunk), then the 2-bit codes, four per byte, the first in the low bits (bit 0: negative, bit
+1: upper group; the last byte's unused bits are 0). The last chunk keeps ``min(TOPK_K, its
+length)`` values. ``0.078`` bytes per value: 6.8× fewer than int4, 13× fewer than int8. What
+it drops is not lost: senders keep ``x − decode(encode(x))`` and send it with the next delta
+(error feedback: the learner's undelivered progress up, the syncer's ``Θ − W`` down), so the
+error bound of one payload is only ``max|x|``; decoding refuses offsets out of order or out
+of range, scales with ``lo > hi``, negative or non-finite, and set padding bits.
+
 ``BLOCK_SIZE = 128`` with float32 scales: int4 costs ``0.5 + 4/128 = 0.531`` bytes per value and
 int8 ``1.031``. float16 scales would save 2 bytes per block but overflow above 65504 (and lose
 precision below 6e-5), which outer gradients of a diverging run can reach; float32 scales never
@@ -49,10 +67,14 @@ import sys
 import numpy as np
 import torch
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "topk2")
 
 #: Values per absmax scale block for int8/int4 (one float32 scale each).
 BLOCK_SIZE = 128
+
+#: topk2: values per chunk, and how many of them (the largest |x|) each chunk keeps.
+TOPK_CHUNK = 1024
+TOPK_K = 32
 
 _LEVELS = {"int8": 127, "int4": 7}  # largest |q|
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -84,6 +106,9 @@ def encoded_nbytes(numel: int, codec: str) -> int:
         return 4 * numel
     if codec == "bf16":
         return 2 * numel
+    if codec == "topk2":
+        chunks, kept = _topk_counts(numel)
+        return 8 * chunks + 2 * kept + (kept + 3) // 4
     scales = 4 * (-(-numel // BLOCK_SIZE))
     return scales + (numel if codec == "int8" else (numel + 1) // 2)
 
@@ -133,6 +158,10 @@ def encode(tensor: torch.Tensor, codec: str) -> bytes:
     if codec in _LEVELS:
         return _encode_int(tensor, codec)
     x = _flat_f32(tensor, codec)
+    if codec == "topk2":
+        if not all_finite(x):
+            raise _non_finite_error(x, codec, "tensor")
+        return _encode_topk(x)
     if codec == "fp32":
         if not all_finite(x):
             raise _non_finite_error(x, codec, "tensor")
@@ -201,6 +230,8 @@ def decode(
         )
     if codec in _LEVELS:
         out = _decode_int(mv, n, codec)
+    elif codec == "topk2":
+        out = _decode_topk(mv, n)
     else:
         if codec == "fp32":
             out = torch.from_numpy(np.frombuffer(mv, dtype="<f4").astype(np.float32))
@@ -242,7 +273,7 @@ def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
 def roundtrip_error_bound(tensor: torch.Tensor, codec: str) -> float:
     """Largest ``|decode(encode(t)) - t|`` over elements that ``codec`` guarantees for ``t``.
 
-    fp32: 0. bf16: ``max|t| · 2⁻⁸`` (elementwise the bound is relative: ``|t_i| · 2⁻⁸``).
+    fp32: 0. topk2: ``max|t|`` (see the module docstring). bf16: ``max|t| · 2⁻⁸`` (elementwise the bound is relative: ``|t_i| · 2⁻⁸``).
     int8/int4: the largest ``absmax_b / levels / 2`` over blocks, plus float32 rounding slack
     (2⁻²⁰ of absmax) and an absolute ``2⁻¹²⁶`` for subnormals.
     """
@@ -251,6 +282,103 @@ def roundtrip_error_bound(tensor: torch.Tensor, codec: str) -> float:
     if x.numel() == 0 or codec == "fp32":
         return 0.0
     top = float(x.abs().max())
+    if codec == "topk2":  # a dropped value loses all of itself; error feedback sends it later
+        return top * (1 + 2.0**-20) + _F32_TINY
     if codec == "bf16":
         return top * _BF16_REL + _F32_TINY
     return top * (0.5 / _LEVELS[codec] + 2.0**-20) + _F32_TINY
+
+
+# ---------------------------------------------------------------------------------- topk2
+
+
+def _topk_counts(n: int) -> tuple[int, int]:
+    """(chunks, kept values) of ``n`` values in topk2. Pure."""
+    chunks = -(-n // TOPK_CHUNK)
+    if not chunks:
+        return 0, 0
+    last = n - (chunks - 1) * TOPK_CHUNK
+    return chunks, (chunks - 1) * TOPK_K + min(TOPK_K, last)
+
+
+def _kept(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets, values) of the kept entries of ``x`` (one chunk per row, equal lengths):
+    each row's ``min(TOPK_K, row length)`` largest ``|x|``, in increasing offset order."""
+    k = min(TOPK_K, x.shape[1])
+    # A stable sort: of equal magnitudes the lower offsets are kept (topk's pick is unspecified).
+    order = torch.sort(x.abs(), dim=1, descending=True, stable=True).indices
+    offsets = order[:, :k].sort(dim=1).values
+    return offsets, torch.gather(x, 1, offsets)
+
+
+def _encode_topk(x: torch.Tensor) -> bytes:
+    n = x.numel()
+    chunks, _ = _topk_counts(n)
+    if not chunks:
+        return b""
+    full = (n // TOPK_CHUNK) * TOPK_CHUNK
+    parts = [_kept(x[:full].view(-1, TOPK_CHUNK))] if full else []
+    if full < n:
+        parts.append(_kept(x[full:].view(1, -1)))
+    scales, offsets, codes = [], [], []
+    for offs, vals in parts:
+        # float64: the midpoint and the sums of values near float32's max overflow in float32
+        wide = vals.abs().double()
+        lo_end, hi_end = torch.aminmax(wide, dim=1)
+        # The upper group: |x| >= the midpoint of the kept range; in a chunk that keeps a
+        # zero (fewer non-zero values than TOPK_K), every non-zero value, so zeros stay zero.
+        split = torch.where(lo_end > 0, (lo_end + hi_end) / 2, torch.zeros((), dtype=wide.dtype))
+        upper = (wide >= split[:, None]) & (wide > 0)
+        hi = (wide * upper).sum(1) / upper.sum(1).clamp(min=1)
+        lo = (wide * ~upper).sum(1) / (~upper).sum(1).clamp(min=1)
+        lo, hi = lo.float(), hi.float()  # a mean is at most its largest value: finite
+        scales.append(torch.stack([torch.minimum(lo, hi), hi], dim=1))
+        offsets.append(offs.reshape(-1))
+        codes.append(((vals < 0).to(torch.uint8) | (upper.to(torch.uint8) << 1)).reshape(-1))
+    code = torch.cat(codes)
+    packed = torch.zeros(-(-code.numel() // 4) * 4, dtype=torch.uint8)
+    packed[: code.numel()] = code
+    packed = packed.view(-1, 4)
+    packed = packed[:, 0] | (packed[:, 1] << 2) | (packed[:, 2] << 4) | (packed[:, 3] << 6)
+    return b"".join(
+        (
+            _le(torch.cat(scales).reshape(-1), "<f4").tobytes(),
+            _le(torch.cat(offsets).to(torch.int32), "<u2").tobytes(),
+            packed.numpy().tobytes(),
+        )
+    )
+
+
+def _decode_topk(mv: memoryview, n: int) -> torch.Tensor:
+    chunks, kept = _topk_counts(n)
+    out = torch.zeros(n, dtype=torch.float32)
+    if not chunks:
+        return out
+    scales = torch.from_numpy(np.frombuffer(mv, dtype="<f4", count=2 * chunks).astype(np.float32))
+    if not all_finite(scales):
+        raise _non_finite_error(scales, "topk2", "payload scales")
+    lo, hi = scales.view(-1, 2).unbind(1)
+    if bool((lo < 0).any()) or bool((lo > hi).any()):
+        raise CodecError("topk2: payload has a scale pair that is negative or has lo > hi")
+    offsets = torch.from_numpy(
+        np.frombuffer(mv, dtype="<u2", count=kept, offset=8 * chunks).astype(np.int64)
+    )
+    packed = torch.from_numpy(
+        np.frombuffer(mv, dtype=np.uint8, offset=8 * chunks + 2 * kept).copy()
+    )
+    codes = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=1).reshape(-1)
+    if bool(codes[kept:].any()):
+        raise CodecError("topk2: payload has set bits after its last code")
+    codes = codes[:kept]
+    per_chunk = torch.full((chunks,), TOPK_K, dtype=torch.int64)
+    per_chunk[-1] = kept - (chunks - 1) * TOPK_K
+    chunk_of = torch.repeat_interleave(torch.arange(chunks), per_chunk)
+    length = torch.full((chunks,), TOPK_CHUNK, dtype=torch.int64)
+    length[-1] = n - (chunks - 1) * TOPK_CHUNK
+    increasing = offsets[1:] > offsets[:-1]
+    first_of_chunk = chunk_of[1:] != chunk_of[:-1]
+    if bool((offsets >= length[chunk_of]).any()) or not bool((increasing | first_of_chunk).all()):
+        raise CodecError("topk2: payload has offsets out of order or out of their chunk")
+    magnitude = torch.where((codes & 2).bool(), hi[chunk_of], lo[chunk_of])
+    out[chunk_of * TOPK_CHUNK + offsets] = torch.where((codes & 1).bool(), -magnitude, magnitude)
+    return out
