@@ -15,11 +15,19 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
   (``--outer-scale none``); ``decoupled-P1``: the whole model as one fragment;
 - ``lowbw``: the documented low-bandwidth setting (H = 64, int4 both ways; ``lowbw-LR-MU``
   with that outer step);
+- ``sparse``: top-k 2-bit exchanges both ways (``--up-codec topk2 --down-codec topk2``);
+  ``sparse-up``: topk2 up, int4 down; ``sparse-down``: int4 up, topk2 down; ``sparse-mean``:
+  both ways with the weighted mean instead of RDA;
+- ``dp-muon``, ``decoupled-muon``: the inner optimizer Muon (hidden matrices; AdamW for the
+  rest) instead of AdamW; any setting as ``SETTING+muon`` with Muon, and as ``SETTING@LR``
+  with the peak inner lr LR (``sparse+muon@6e-3``);
 - ``sync-P1``, ``sync-fp32``, ``sync-mean``, ``sync-torchft-like``: synchronous mode with what
   torchft's DiLoCo does differently (one fragment, fp32 both ways, the plain mean; all three).
 
-Per run: held-out loss at the end, the share of inner steps whose gradient was clipped
-(``clipped_steps`` ÷ steps), wall time. Medians over seeds are printed and written to
+Per run: held-out loss at the end (of the global model the evaluator holds, and of the
+exported global model, the syncer's Θ: they differ by what the down codec has not sent yet),
+the share of inner steps whose gradient was clipped (``clipped_steps`` ÷ steps), wall time,
+bytes per token and the reduction against data-parallel. Medians over seeds are printed and written to
 ``OUT/results.json``. Runs already there are reused. With several budgets and ``dp`` among
 the settings, ``OUT/gap_vs_budget.png`` shows each setting's held-out loss and its gap to
 data-parallel against the budget (tokens per parameter).
@@ -57,6 +65,14 @@ SETTINGS = {
 }
 LOW_BANDWIDTH = ["--mode=decoupled", "--sync-every=64", "--down-codec=int4"]
 SETTINGS["lowbw"] = LOW_BANDWIDTH
+# sparse exchanges: top-k 2-bit both ways with error feedback (codecs.py, "topk2")
+SETTINGS["sparse"] = ["--mode=decoupled", "--up-codec=topk2", "--down-codec=topk2"]
+SETTINGS["sparse-up"] = ["--mode=decoupled", "--up-codec=topk2", "--down-codec=int4"]
+SETTINGS["sparse-down"] = ["--mode=decoupled", "--down-codec=topk2"]
+SETTINGS["sparse-mean"] = [*SETTINGS["sparse"], "--merge=mean"]
+# the inner optimizer: Muon for the hidden matrices, AdamW for the rest (one peak lr)
+SETTINGS["dp-muon"] = ["--mode=dp", "--inner-optimizer=muon"]
+SETTINGS["decoupled-muon"] = ["--mode=decoupled", "--inner-optimizer=muon"]
 OUTER_PREFIXES = {  # NAME-LR-MU: the setting's flags with that outer step
     "outer": ["--mode=decoupled"],
     "sync-outer": ["--mode=sync"],
@@ -65,7 +81,13 @@ OUTER_PREFIXES = {  # NAME-LR-MU: the setting's flags with that outer step
 
 
 def setting_args(setting: str) -> list[str]:
-    """The ``diloco run`` flags of a setting: a named one, or NAME-LR-MU (``outer-0.6-0.7``)."""
+    """The ``diloco run`` flags of a setting: a named one, or NAME-LR-MU (``outer-0.6-0.7``);
+    ``SETTING@LR`` is SETTING with the peak inner learning rate LR (``dp-muon@6e-3``)."""
+    if "@" in setting:
+        base, _, inner_lr = setting.partition("@")
+        return [*setting_args(base), f"--inner-lr={float(inner_lr)}"]
+    if setting.endswith("+muon"):
+        return [*setting_args(setting.removesuffix("+muon")), "--inner-optimizer=muon"]
     if setting in SETTINGS:
         return SETTINGS[setting]
     prefix, _, mu = setting.rpartition("-")
@@ -105,7 +127,30 @@ def run(out: Path, setting: str, seed: int, extra: list[str], steps: int = 800) 
         "tokens": s["tokens"],
         "clipped_share": clipped / trained if trained else None,
         "wall_s": s["wall_s"],
+        "bytes_per_token": s["bytes"]["per_token"],
+        "reduction_vs_dp": s["bytes"].get("reduction_vs_data_parallel"),
+        "val_loss_exported": exported_loss(run_dir),
     }
+
+
+def exported_loss(run_dir: Path) -> float:
+    """Held-out loss of the run's exported global model (``diloco export``: the syncer's Θ,
+    not the wire image the evaluator and the learners hold; the two differ by what the down
+    codec has not sent yet, a rounding for int8, more for topk2)."""
+    from safetensors.torch import load_file
+
+    from diloco.config.run import load_run_config
+    from diloco.launch.export import export_run
+    from diloco.recipes import recipe_of
+
+    path = run_dir / "exported.safetensors"
+    if not path.exists():
+        export_run(run_dir, path)
+    config = load_run_config(run_dir / "config.json")
+    recipe = recipe_of(config.recipe)
+    model = recipe.build_model(config.recipe.seed)
+    model.load_state_dict(load_file(path))
+    return recipe.evaluate(model)
 
 
 def gap_figure(path: Path, rows: list[dict]) -> None:
@@ -176,9 +221,18 @@ def main() -> int:
     for steps, setting in [(b, s) for b in budgets for s in args.settings.split(",")]:
         mine = [r for r in rows if r["setting"] == setting and r["steps"] == steps]
         key = setting if steps == 800 else f"{setting}-{steps}"
+        measures = (
+            "val_loss",
+            "val_loss_exported",
+            "clipped_share",
+            "wall_s",
+            "bytes_per_token",
+            "reduction_vs_dp",
+        )
         medians[key] = {
             k: statistics.median(r[k] for r in mine)
-            for k in ("val_loss", "clipped_share", "wall_s")
+            for k in measures
+            if all(r.get(k) is not None for r in mine)
         }
     print(json.dumps(medians, indent=1))
     if len(budgets) > 1 and "dp" in args.settings.split(","):
