@@ -247,3 +247,37 @@ def test_a_learner_is_judged_by_two_or_more_other_learners_once_they_have_histor
         h2.record(0, 0.1, steps=1, learner="honest")
     h2.record(0, 500.0, steps=1, learner="corrupt")
     assert h2.reference(0, judged="corrupt") == 500.0  # one other only: as before
+
+
+def test_short_first_deltas_of_a_long_period_do_not_lock_the_fragment_out():
+    # H = 96 on the syncer's clock (bench_quality, 2026-11-27): each learner's first delta
+    # of an early fragment covered 4 steps of the lr warm-up. Those tiny sizes became the
+    # size reference, every later 96-step delta was more than 20 x it and refused, and
+    # refused deltas never enter the history: fragments 0-2 never merged again.
+    state, layout = make_state(schedule="syncer", protocol=ProtocolConfig(sync_every=96))
+    join_state(state, "third", 0.0)
+    n = layout.fragments[0].numel
+    gen = torch.Generator().manual_seed(7)
+    theta = float(state.params[0].norm())
+
+    def upload(lid, size, steps, now):
+        delta = torch.randn(n, generator=gen)
+        return state.submit(
+            lid,
+            state.learners[lid].session,
+            fragment=0,
+            base_version=state.versions[0],
+            steps=steps,
+            tokens=10 * steps,
+            delta=delta * size * theta / delta.norm(),
+            step_time_s=0.1,
+            nbytes=4 * n,
+            now=now,
+        )
+
+    for i, lid in enumerate(("good", "bad", "third")):  # 4 warm-up steps each
+        assert upload(lid, 0.001, 4, 0.5 + 0.1 * i).accept
+    state.poll(20.0)
+    assert state.versions[0] == 1  # merged: the next deltas start a new round
+    for i, lid in enumerate(("good", "bad", "third")):  # a whole period: 50 x the first
+        assert upload(lid, 0.05, 96, 30.0 + 0.1 * i).accept

@@ -40,7 +40,9 @@ before they enter a round (a pure function, :func:`check_norm`):
    default recipe (p99 1.57). A learner's own median counts (a fast learner's honest
    deltas are many times a slow one's), so a learner that grows its deltas upload by upload
    raises its reference with them: check 3 stops a jump (a 9 × ‖Θ_p‖ delta from a learner
-   that just joined, a run that diverges at once), check 2's ceiling bounds every one.
+   that just joined, a run that diverges at once), check 2's ceiling bounds every one. On
+   the syncer's clock only deltas of half a period or more enter its reference
+   (:func:`covers_a_period`: short first deltas locked fragments out at H = 96).
 
 Defaults: ``k = 20``, ``param_ratio = 10``, ``max_ratio = 32``, ``window = 32``,
 ``min_history = 3``. Measured on the tiny recipe, honest per-step norms of one fragment vary
@@ -189,6 +191,24 @@ def plausible_steps(steps: int, elapsed_s: float, fleet_step_s: float | None, *,
     return max(1, min(steps, math.ceil(bound)))
 
 
+def covers_a_period(steps: int, sync_every: int) -> bool:
+    """Whether an accepted delta's size enters the size reference (check 3): on the syncer's
+    clock (``sync_every`` = H > 0), only a delta of at least H/2 steps does.
+
+    Why: a fragment's first delta after a join covers the steps since the join, a few of the
+    lr warm-up for an early fragment. With H = 96 (2026-11-27, bench_quality) those sizes
+    became the reference, every later delta of a whole period was more than k x it and
+    refused, and refused deltas never enter the history: three fragments never merged
+    again. Leaving short deltas out takes nothing from check 3: a claim of many steps is
+    remembered as before, a claim of few is only not remembered (and check 1 still judges
+    it per step). With the learners' schedule (``sync_every`` 0) every delta counts.
+
+    >>> covers_a_period(4, 96), covers_a_period(48, 96), covers_a_period(1, 0)
+    (False, True, True)
+    """
+    return 2 * steps >= sync_every
+
+
 class NormHistory:
     """The last ``window`` accepted non-zero norms of every fragment, per learner: per step
     (check 1) and whole (check 3)."""
@@ -204,12 +224,18 @@ class NormHistory:
         """Each learner's remembered per-step norms of ``fragment`` (oldest first)."""
         return {lid: tuple(q) for lid, q in sorted(self._norms[fragment].items())}
 
-    def record(self, fragment: int, norm: float, steps: int, learner: str = "") -> None:
-        """Remember an accepted norm; a zero one is not remembered (it says nothing of scale)."""
+    def record(
+        self, fragment: int, norm: float, steps: int, learner: str = "", *, sync_every: int = 0
+    ) -> None:
+        """Remember an accepted norm; a zero one is not remembered (it says nothing of scale).
+        Its size (check 3) only if it covers a period (:func:`covers_a_period`)."""
         if norm > 0:
-            for table, value in ((self._norms, float(norm) / max(steps, 1)), (self._sizes, norm)):
+            tables = [(self._norms, float(norm) / max(steps, 1))]
+            if covers_a_period(steps, sync_every):
+                tables.append((self._sizes, float(norm)))
+            for table, value in tables:
                 queue = table[fragment].setdefault(learner, deque(maxlen=self.window))
-                queue.append(float(value))
+                queue.append(value)
 
     def forget(self, learner: str) -> None:
         """Drop a learner's norms (its id was forgotten by the syncer)."""

@@ -257,7 +257,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         info.accepted_at[fragment] = now
         admission = dataclasses.replace(admission, version=self.admission_version(fragment))
         self.receipts.admit(learner_id, upload_id, fragment, admission.version)
-        self.norms.record(fragment, norm, steps, learner_id)
+        self.norms.record(fragment, norm, steps, learner_id, sync_every=self._guard_period())
         return admission
 
     def _into_round(self, fragment: int, contribution: Contribution, now: float) -> None:
@@ -316,11 +316,15 @@ class SyncerState(LearnerRoster, RoundClosing):
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
             max_ratio=self.config.norm_guard_max_ratio,
-            sync_every=self.config.protocol.sync_every if self.config.schedule == "syncer" else 0,
+            sync_every=self._guard_period(),
         )
         if not verdict.accept:
             raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
         return norm
+
+    def _guard_period(self) -> int:
+        """H for the norm guard's step-scaled bounds: on the syncer's clock only (0: none)."""
+        return self.config.protocol.sync_every if self.config.schedule == "syncer" else 0
 
     def _param_norm(self, fragment: int) -> float:
         """‖Θ_p‖ for the norm guard, computed once per version (every upload asks for it)."""
