@@ -24,7 +24,7 @@ from diloco.algorithm.codecs import (
     roundtrip_error_bound,
 )
 
-LEVELS = {"int8": 127, "int4": 7}
+LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 TINY = float(torch.finfo(torch.float32).tiny)
 F32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -72,7 +72,7 @@ def test_check_codec_accepts_known_and_lists_valid_names_otherwise():
     for c in CODECS:
         assert check_codec(c) == c
     for call in (
-        lambda: check_codec("int2"),
+        lambda: check_codec("int3"),
         lambda: encode(torch.ones(3), "fp16"),
         lambda: decode(b"", 0, "INT4"),
         lambda: encoded_nbytes(3, "bf8"),
@@ -94,6 +94,8 @@ def test_check_codec_accepts_known_and_lists_valid_names_otherwise():
         (BLOCK_SIZE, "int4", 4 + BLOCK_SIZE // 2),
         (BLOCK_SIZE + 1, "int4", 8 + BLOCK_SIZE // 2 + 1),
         (BLOCK_SIZE + 1, "int8", 8 + BLOCK_SIZE + 1),
+        (1, "int2", 4 + 1),
+        (BLOCK_SIZE + 1, "int2", 8 + BLOCK_SIZE // 4 + 1),
     ],
 )
 def test_exact_sizes(n, codec, nbytes):
@@ -117,6 +119,22 @@ def test_golden_bytes_int4_low_nibble_first_twos_complement():
     assert data[:4] == struct.pack("<f", 1.0)  # absmax 7 / 7
     assert data[4:].hex() == "97f14002"  # (7,-7) (1,-1) (0,4: half to even) (2, pad 0)
     assert decode(data, 7, "int4").tolist() == [7.0, -7.0, 1.0, -1.0, 0.0, 4.0, 2.0]
+
+
+def test_golden_bytes_int2_lowest_bits_first_ternary():
+    x = torch.tensor([2.0, -2.0, 0.9, 1.1, -1.1, 0.0, 1.0])
+    data = encode(x, "int2")
+    assert data[:4] == struct.pack("<f", 2.0)  # absmax 2 / 1
+    # codes (1,-1,0,1) (-1,0,0: 1.0/2 rounds half to even, pad 0): 0b01_00_11_01, 0b00_00_00_11
+    assert data[4:].hex() == "4d03"
+    assert decode(data, 7, "int2").tolist() == [2.0, -2.0, 0.0, 2.0, -2.0, 0.0, 0.0]
+
+
+def test_crafted_int2_padding_bits_refused():
+    data = bytearray(encode(torch.randn(10), "int2"))
+    data[-1] |= 0x10  # the third code of the last byte: after the 10th value
+    with pytest.raises(CodecError, match="padding"):
+        decode(bytes(data), 10, "int2")
 
 
 def test_golden_bytes_int8_bf16_fp32():
@@ -169,7 +187,7 @@ def test_zero_is_exact_and_zero_blocks_have_zero_scale(codec):
         assert scales[0] == scales[2] == scales[3] == 0.0 and scales[1] > 0
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_int_codecs_near_float32_max_decode_finite(codec):
     x = torch.tensor([F32_MAX, -F32_MAX, 1.0, 3e38])
     y = _roundtrip(x, codec)
@@ -264,7 +282,7 @@ def test_wrong_length_refused(codec, n):
         with pytest.raises(CodecError, match="expected"):
             decode(bad, n, codec)
     # topk2's size follows its chunks and kept values only: 129 and 131 values have one size
-    other = n + TOPK_CHUNK if codec == "topk2" else n + 2
+    other = {"topk2": n + TOPK_CHUNK, "int2": n + 4}.get(codec, n + 2)  # (int2: 4 per byte)
     with pytest.raises(CodecError):
         decode(data, other, codec)
 
@@ -274,7 +292,7 @@ def test_bad_shape_refused():
         decode(b"", (-1,), "fp32")
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("scale", [float("nan"), float("inf")])
 def test_crafted_non_finite_scale_refused(codec, scale):
     data = bytearray(encode(torch.randn(200), codec))
@@ -283,8 +301,16 @@ def test_crafted_non_finite_scale_refused(codec, scale):
         decode(bytes(data), 200, codec)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
-@pytest.mark.parametrize("scale", [-1.0, F32_MAX])
+@pytest.mark.parametrize(
+    ("codec", "scale"),
+    # (int2's largest code is 1: any finite scale decodes finite, only a negative one is bad)
+    [
+        (c, v)
+        for c in ("int8", "int4", "int2")
+        for v in (-1.0, F32_MAX)
+        if (c, v) != ("int2", F32_MAX)
+    ],
+)
 def test_crafted_out_of_range_scale_refused(codec, scale):
     data = bytearray(encode(torch.randn(10), codec))
     data[0:4] = struct.pack("<f", scale)
@@ -292,7 +318,9 @@ def test_crafted_out_of_range_scale_refused(codec, scale):
         decode(bytes(data), 10, codec)
 
 
-@pytest.mark.parametrize(("codec", "byte"), [("int8", 0x80), ("int4", 0x08), ("int4", 0x80)])
+@pytest.mark.parametrize(
+    ("codec", "byte"), [("int8", 0x80), ("int4", 0x08), ("int4", 0x80), ("int2", 0x02)]
+)
 def test_crafted_never_produced_code_refused(codec, byte):
     data = bytearray(encode(torch.randn(10), codec))
     data[-1] = byte

@@ -1,4 +1,4 @@
-"""Wire formats for tensors: ``fp32``, ``bf16``, ``int8``, ``int4`` and the sparse ``topk2``.
+"""Wire formats for tensors: ``fp32``, ``bf16``, ``int8``, ``int4``, ``int2`` and the sparse ``topk2``.
 
 Why these (DESIGN §1): learners send outer gradients ``Δ = A_p − θ_p`` *up* to the syncer in
 ``int4`` by default; the paper found int4 outer gradients about as good as bf16, while dense
@@ -20,15 +20,20 @@ fp32     n × float32                                                 exact
 bf16     n × uint16, the bfloat16 bits (round-to-nearest-even)       ``|x|·2⁻⁸`` (relative)
 int8     nb × float32 scales, then n × int8 in [-127, 127]           ``scale/2``, scale=absmax/127
 int4     nb × float32 scales, then ⌈n/2⌉ bytes of signed nibbles     ``scale/2``, scale=absmax/7
+int2     nb × float32 scales, then ⌈n/4⌉ bytes of 2-bit codes        ``scale/2``, scale=absmax
 =======  ==========================================================  =========================
 
 ``nb = ⌈n / BLOCK_SIZE⌉``; block ``b`` holds values ``[b·BLOCK_SIZE, (b+1)·BLOCK_SIZE)`` (the
 last one may be partial) and ``absmax`` is the largest ``|x|`` in the block. Quantization is
-symmetric absmax: ``q = round(x / absmax · L)`` with ``L = 127`` or ``7`` (round half to
-even), decoded as ``q · scale``. The range is symmetric so zero is exact and ±absmax round-trip
+symmetric absmax: ``q = round(x / absmax · L)`` with ``L = 127``, ``7`` or ``1`` (round half
+to even), decoded as ``q · scale``. The range is symmetric so zero is exact and ±absmax round-trip
 to ±absmax; a block of zeros has scale 0 and decodes to exact zeros. int4 nibbles are two's
-complement, two per byte, the *low* nibble first; for odd n the last high nibble is 0. The
-values -128 (int8) and -8 (int4) are never produced and are refused on decode.
+complement, two per byte, the *low* nibble first; for odd n the last high nibble is 0. int2
+is ternary (-1, 0, +1 times the block's absmax: a value below half the absmax is sent as 0),
+four two's-complement codes per byte, the lowest bits first, padding codes 0 (0.281 bytes
+per value; error feedback carries what it rounds away, as for the others). The values -128
+(int8), -8 (int4) and -2 (int2) are never produced and are refused on decode, as are set
+int2 padding bits.
 
 The bounds hold up to float32 rounding (a few ulps of absmax, see :func:`roundtrip_error_bound`);
 values below float32's smallest normal (~1.2e-38) may lose all precision in a block whose absmax
@@ -67,16 +72,17 @@ import sys
 import numpy as np
 import torch
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "topk2")
+CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2", "topk2")
 
-#: Values per absmax scale block for int8/int4 (one float32 scale each).
+#: Values per absmax scale block for int8/int4/int2 (one float32 scale each).
 BLOCK_SIZE = 128
 
 #: topk2: values per chunk, and how many of them (the largest |x|) each chunk keeps.
 TOPK_CHUNK = 1024
 TOPK_K = 32
 
-_LEVELS = {"int8": 127, "int4": 7}  # largest |q|
+_LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # largest |q|
+_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}  # codes packed in one byte
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
 _BF16_REL = 2.0**-8  # half an ulp of bfloat16's 8-bit significand, relative
@@ -110,7 +116,8 @@ def encoded_nbytes(numel: int, codec: str) -> int:
         chunks, kept = _topk_counts(numel)
         return 8 * chunks + 2 * kept + (kept + 3) // 4
     scales = 4 * (-(-numel // BLOCK_SIZE))
-    return scales + (numel if codec == "int8" else (numel + 1) // 2)
+    per_byte = _PER_BYTE[codec]
+    return scales + (numel + per_byte - 1) // per_byte
 
 
 def _non_finite_error(x: torch.Tensor, codec: str, what: str) -> NonFiniteError:
@@ -195,6 +202,10 @@ def _encode_int(tensor: torch.Tensor, codec: str) -> bytes:
     if codec == "int4":
         u = q.view(torch.uint8).view(-1, 2)  # nb·BLOCK_SIZE is even
         q = ((u[:, 0] & 0x0F) | (u[:, 1] << 4))[: (n + 1) // 2]
+    elif codec == "int2":
+        u = q.view(torch.uint8).view(-1, 4)  # nb·BLOCK_SIZE is a multiple of 4
+        packed = (u[:, 0] & 0x03) | ((u[:, 1] & 0x03) << 2) | ((u[:, 2] & 0x03) << 4)
+        q = (packed | (u[:, 3] << 6))[: (n + 3) // 4]
     else:
         q = q[:n]
     scales = _le(scale, "<f4").view(np.uint8)
@@ -259,6 +270,13 @@ def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
         q = torch.empty((codes.numel(), 2), dtype=torch.int8)
         torch.bitwise_right_shift(torch.bitwise_left_shift(codes, 4), 4, out=q[:, 0])
         torch.bitwise_right_shift(codes, 4, out=q[:, 1])
+        codes = q.view(-1)[:n]
+    elif codec == "int2":  # two's-complement pairs of bits, the lowest first: sign-extend each
+        q = torch.empty((codes.numel(), 4), dtype=torch.int8)
+        for k in range(4):
+            torch.bitwise_right_shift(torch.bitwise_left_shift(codes, 6 - 2 * k), 6, out=q[:, k])
+        if bool(q.view(-1)[n:].any()):
+            raise CodecError(f"{codec}: payload has set padding bits after the last value")
         codes = q.view(-1)[:n]
     if n and int(codes.min()) == -(levels + 1):
         raise CodecError(f"{codec}: payload holds the code -{levels + 1}, never produced")
