@@ -7,14 +7,17 @@ import json
 import pytest
 
 from diloco.cli import main as cli_main
-from diloco.cli.plan import parse_count
+from diloco.cli.plan import parse_count, parse_rate
 from diloco.plan import (
     PlanInputs,
+    comms_bandwidths,
     decoupled_bandwidth_bps,
     dp_bandwidth_bps,
     dp_time_budget_s,
     plan,
+    recommend,
     ring_factor,
+    with_comms,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -91,3 +94,40 @@ def test_cli(capsys):
     assert out["decoupled_gbps"] == pytest.approx(0.84, rel=0.005)
     assert cli_main([*argv, "--sites", "1"]) == 2
     assert "sites must be >= 2" in capsys.readouterr().err
+
+
+def test_each_named_setting_is_priced_and_the_densest_that_fits_is_recommended():
+    p = PlanInputs(params=12e9, step_time_s=2.381, sites=8)
+    gbps = {name: bps / 1e9 for name, bps in comms_bandwidths(p).items()}
+    # default: int8 down dominates (1.031 B/value), H = 24: 12e9 · 8.25 / 2.381 / 24
+    assert gbps["default"] == pytest.approx(12e9 * 8.25 / 2.381 / 24 / 1e9, rel=1e-6)
+    assert gbps["default"] > gbps["low"] > gbps["lowest"]
+    # lowest (H = 96) is bound by the burst term 1/(P·τ) = 1/48, not 1/H
+    assert gbps["lowest"] == pytest.approx(12e9 * 4.25 / 2.381 / 48 / 1e9, rel=1e-6)
+    assert recommend(p, 10e9) == "default"
+    assert recommend(p, 1e9) == "low"
+    assert recommend(p, 0.5e9) == "lowest"
+    assert recommend(p, 0.1e9) is None
+    assert with_comms(p, "lowest").sync_every == 96
+
+
+def test_cli_says_which_comms_a_link_needs(capsys):
+    argv = ["plan", "--params", "12B", "--step-time", "2.381"]
+    assert cli_main([*argv, "--link", "1Gbps"]) == 0
+    assert "a 1 Gbps link: --comms low" in capsys.readouterr().out
+    assert cli_main([*argv, "--link", "100Mbps", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended_comms"] is None and out["link_gbps"] == pytest.approx(0.1)
+    assert set(out["comms_gbps"]) == {"default", "low", "lowest"}
+    assert cli_main([*argv, "--comms", "lowest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["sync_every"] == 96
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--link", "fast"])
+    assert "is not a link rate" in capsys.readouterr().err
+
+
+def test_parse_rate():
+    assert parse_rate("1Gbps") == 1e9
+    assert parse_rate("200Mbit") == 200e6
+    assert parse_rate("2.5g") == 2.5e9
+    assert parse_rate("0.5") == 0.5e9

@@ -190,3 +190,24 @@ def test_a_round_holding_a_quorum_of_early_contributions_closes_within_one_cycle
         now += 0.05
     assert committed_at is not None, "the round holding a quorum never closed"
     assert committed_at <= 0.1 + cycle + 0.1  # first opened at 0.1, one cycle, one poll
+
+
+def test_an_h_schedule_ticks_faster_for_its_early_cycles_then_at_h():
+    state, layout, _ = make_state(P=2, sync_every=8, early_sync_every=2, early_cycles=2)
+    s = join(state, "a", layout)
+    assert state.sync_every() == 2
+    request, next_at = state.tick(0.0)
+    assert next_at == pytest.approx(0.1)  # 2 steps of 0.1 s over 2 fragments (8 would be 0.4)
+    now = 0.0
+    while min(state.versions) < 2:  # two cycles: each fragment merged twice
+        assert now < 100.0, state.versions
+        if request is not None:
+            answer(state, "a", s, request.fragment, now)
+            state.poll(now)
+        now += 1.0
+        request, _ = state.tick(now)
+    assert state.sync_every() == 8
+    with pytest.raises(ValueError, match="go together"):
+        SyncerConfig(early_sync_every=4)
+    with pytest.raises(ValueError, match="needs the syncer's clock"):
+        SyncerConfig(early_sync_every=4, early_cycles=2, schedule="learner")

@@ -23,12 +23,17 @@ does not enter as long as the link carries:
 
 This is the bandwidth of a learner's site; a central syncer's site receives D − 1 such
 streams (a syncer sharded across the sites spreads that load).
+
+Each named communication setting (``--comms``, ``diloco.wire.comms``) fixes H and the two
+codecs; :func:`comms_bandwidths` prices each with the codec's real bytes per value (block
+scales and offsets included), and :func:`recommend` picks the densest one a link carries.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from diloco.wire.comms import COMMS, DEFAULT_SETTING, bytes_per_value
 from diloco.wire.protocol import ProtocolConfig
 
 
@@ -42,13 +47,13 @@ class PlanInputs:
     """D, datacenters (one learner per site for Decoupled DiLoCo)."""
     dp_bits: int = 16
     """Bits per gradient value data-parallel sends (16: bf16, 32: fp32)."""
-    up_bits: int = 4
+    up_bits: float = 4
     """Bits per value of a learner's outer gradient (4: int4, the paper's choice)."""
-    down_bits: int = 4
+    down_bits: float = 4
     """Bits per value of a merged fragment sent back to the learners."""
     num_fragments: int = ProtocolConfig.num_fragments
     """P."""
-    sync_every: int = ProtocolConfig.sync_every
+    sync_every: int = DEFAULT_SETTING.sync_every
     """H: each fragment is sent every H steps."""
     tau: float = 2.0
     """τ: steps a fragment may take to arrive."""
@@ -65,7 +70,9 @@ class PlanInputs:
             raise ValueError(
                 f"sites must be >= 2 (one site needs no wide-area link), got {self.sites}"
             )
-        for name in ("dp_bits", "up_bits", "down_bits", "num_fragments", "sync_every"):
+        if not self.up_bits > 0 or not self.down_bits > 0:
+            raise ValueError(f"bits must be > 0, got {self.up_bits} up, {self.down_bits} down")
+        for name in ("dp_bits", "num_fragments", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.tau > 0:
@@ -102,8 +109,41 @@ def decoupled_bandwidth_bps(p: PlanInputs) -> float:
     return p.params * max(p.up_bits, p.down_bits) / p.step_time_s * per_step
 
 
-def plan(p: PlanInputs) -> dict:
+def with_comms(p: PlanInputs, name: str) -> PlanInputs:
+    """``p`` with H and the codecs' bits (their real bytes per value) of setting ``name``."""
+    s = COMMS[name]
+    return replace(
+        p,
+        sync_every=s.sync_every,
+        up_bits=8 * bytes_per_value(s.up_codec),
+        down_bits=8 * bytes_per_value(s.down_codec),
+    )
+
+
+def comms_bandwidths(p: PlanInputs) -> dict[str, float]:
+    """``BW_dec`` in bits/s of every named setting, densest first (P, τ, N, t from ``p``)."""
+    return {name: decoupled_bandwidth_bps(with_comms(p, name)) for name in COMMS}
+
+
+def recommend(p: PlanInputs, link_bps: float) -> str | None:
+    """The densest named setting whose ``BW_dec`` fits a link of ``link_bps`` (None: none
+    does; a longer H, ``--sync-every``, is the next lever). Pure.
+
+    >>> recommend(PlanInputs(params=1e9, step_time_s=1.0), 1e12)
+    'default'
+    """
+    if not link_bps > 0:
+        raise ValueError(f"link bandwidth must be > 0, got {link_bps}")
+    fits = [name for name, bps in comms_bandwidths(p).items() if bps <= link_bps]
+    return fits[0] if fits else None
+
+
+def plan(p: PlanInputs, link_bps: float | None = None) -> dict:
+    """The plan as JSON-able data; with ``link_bps``, the named setting it recommends."""
     dp, dec = dp_bandwidth_bps(p), decoupled_bandwidth_bps(p)
+    extra = {} if link_bps is None else {"link_gbps": link_bps / 1e9}
+    if link_bps is not None:
+        extra["recommended_comms"] = recommend(p, link_bps)
     return {
         "inputs": asdict(p),
         "dp_gbps": dp / 1e9,
@@ -111,4 +151,6 @@ def plan(p: PlanInputs) -> dict:
         "ratio": dp / dec,
         "dp_bits_per_step": dp_bits_per_step(p),
         "dp_time_budget_s": dp_time_budget_s(p),
+        "comms_gbps": {name: bps / 1e9 for name, bps in comms_bandwidths(p).items()},
+        **extra,
     }

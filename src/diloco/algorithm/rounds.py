@@ -230,6 +230,21 @@ def tick_period(step_s: float | None, *, sync_every: int, fragments: int) -> flo
     return min(max(step_s * sync_every / fragments, MIN_TICK_S), MAX_TICK_S)
 
 
+def scheduled_sync_every(
+    cycles: float, *, sync_every: int, early_sync_every: int = 0, early_cycles: int = 0
+) -> int:
+    """H for the syncer's clock after ``cycles`` cycles (a cycle: each served fragment merged
+    once; the mean of their versions): ``early_sync_every`` for the first ``early_cycles``,
+    ``sync_every`` after (an H schedule: short periods while the model changes fast). Pure.
+
+    >>> [scheduled_sync_every(c, sync_every=24, early_sync_every=8, early_cycles=10) for c in (0, 9.9, 10)]
+    [8, 8, 24]
+    """
+    if early_sync_every > 0 and cycles < early_cycles:
+        return early_sync_every
+    return sync_every
+
+
 @dataclass(frozen=True)
 class Tick:
     fragment: int | None

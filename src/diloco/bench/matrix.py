@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.syncer.config import SyncerConfig
-from diloco.wire.protocol import ProtocolConfig
+from diloco.wire.comms import DEFAULT_SETTING as DEFAULT_COMMS
 
 MODES = ("decoupled", "sync", "dp")
 CONDITIONS = ("clean", "chaos", "slow")
@@ -32,9 +31,9 @@ LOW_BANDWIDTH = (("decoupled", 96, "int4", "int4"), ("sync", 96, "int4", "int4")
 """(mode, H, up codec, down codec) runs added to the sweep's grid."""
 DEFAULT_SETTING = {
     "mode": "decoupled",
-    "H": ProtocolConfig.sync_every,
-    "up_codec": SyncerConfig.up_codec,
-    "down_codec": SyncerConfig.down_codec,
+    "H": DEFAULT_COMMS.sync_every,
+    "up_codec": DEFAULT_COMMS.up_codec,
+    "down_codec": DEFAULT_COMMS.down_codec,
 }
 """The default configuration the sweep's losses are compared with."""
 

@@ -7,12 +7,25 @@ from collections.abc import Callable
 
 from diloco.config import ConfigError, add_options, from_namespace
 from diloco.runtime.config_files import read_config_file
+from diloco.wire.comms import COMMS_FIELDS
 
 
 def load_config_file(path: str, cls: type):
     """Read configuration ``cls`` from JSON or TOML file ``path``
     (``diloco.runtime.config_files``); ``ConfigError`` names what is wrong."""
     return read_config_file(path, cls)
+
+
+def config_from_args(cls: type, args, load: Callable[[str], object] | None = None):
+    """Configuration ``cls`` from a configured command's parsed flags: ``--config FILE`` read
+    by ``load`` (default :func:`load_config_file`) gives the values the flags given override.
+    ``--comms`` given as a flag names H and the codecs anew: the file's values of those
+    (written resolved) give way unless they are given as flags too."""
+    base = (
+        (load or (lambda path: load_config_file(path, cls)))(args.config) if args.config else None
+    )
+    unset = COMMS_FIELDS if hasattr(args, "comms") else ()
+    return from_namespace(cls, args, base=base, unset=unset)
 
 
 def configured_command(
@@ -42,9 +55,7 @@ def configured_command(
 
     def main(args) -> int:
         try:
-            read = load or (lambda path: load_config_file(path, cls))
-            base = read(args.config) if args.config else None
-            config = from_namespace(cls, args, base=base)
+            config = config_from_args(cls, args, load)
         except (ConfigError, OSError, ValueError) as exc:
             print(f"diloco {name}: {exc}", file=sys.stderr)
             return 2

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from diloco.plan import PlanInputs, plan
+from diloco.plan import PlanInputs, plan, with_comms
+from diloco.wire.comms import COMMS
 
 
 def parse_count(text: str) -> float:
@@ -21,6 +22,21 @@ def parse_count(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a parameter count (e.g. 12B, 350M)"
         ) from None
+
+
+def parse_rate(text: str) -> float:
+    """``1Gbps``, ``200Mbit``, ``2.5G``, ``0.5`` (Gbps) → bits per second."""
+    t = text.strip().lower().removesuffix("ps").removesuffix("bit").removesuffix("b")
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}.get(t[-1:], 0.0)
+    try:
+        value = float(t[:-1] if scale else t) * (scale or 1e9)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a link rate (e.g. 1Gbps, 200Mbps, 0.5 for Gbps)"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a link rate must be > 0 (got {text!r})")
+    return value
 
 
 def register(subparsers) -> None:
@@ -41,6 +57,18 @@ def register(subparsers) -> None:
     p.add_argument("--tau", type=float, default=d.tau, help="overlap in steps")
     p.add_argument("--utilization", type=float, default=d.utilization, help="target, in (0, 1)")
     p.add_argument("--dp-overlap", type=float, default=d.dp_overlap, help="in [0, 1]")
+    p.add_argument(
+        "--comms",
+        choices=tuple(COMMS),
+        help="take H and the codecs' bits from this named setting (overrides --sync-every, "
+        "--bits, --down-bits)",
+    )
+    p.add_argument(
+        "--link",
+        type=parse_rate,
+        metavar="RATE",
+        help="each site's wide-area link (e.g. 1Gbps, 200Mbps): say which --comms it needs",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=main)
 
@@ -60,10 +88,12 @@ def main(args: argparse.Namespace) -> int:
             utilization=args.utilization,
             dp_overlap=args.dp_overlap,
         )
+        if args.comms:
+            inputs = with_comms(inputs, args.comms)
     except ValueError as exc:
         print(f"diloco plan: error: {exc}", file=sys.stderr)
         return 2
-    out = plan(inputs)
+    out = plan(inputs, args.link)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -78,7 +108,20 @@ def main(args: argparse.Namespace) -> int:
     )
     print(
         f"  Decoupled DiLoCo (P={p.num_fragments}, H={p.sync_every}, tau={p.tau:g}, "
-        f"{p.up_bits}-bit up / {p.down_bits}-bit down): {out['decoupled_gbps']:.3g} Gbps per site"
+        f"{p.up_bits:.3g}-bit up / {p.down_bits:.3g}-bit down): {out['decoupled_gbps']:.3g} Gbps "
+        "per site"
     )
     print(f"  ratio {out['ratio']:.0f}x")
+    print("  named settings (--comms), per site:")
+    for name, gbps in out["comms_gbps"].items():
+        print(f"    {name:<8} {gbps:9.3g} Gbps   {COMMS[name].describe()}")
+    if args.link is not None:
+        pick = out["recommended_comms"]
+        rate = f"a {args.link / 1e9:g} Gbps link"
+        print(
+            f"  {rate}: --comms {pick}"
+            if pick
+            else f"  {rate} carries none of them: raise --sync-every beyond "
+            f"{COMMS['lowest'].sync_every} (and --tau) or add bandwidth"
+        )
     return 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from diloco.config.common import RecipeConfig
 from diloco.runtime.schema import option
 from diloco.syncer.config import SyncerConfig
-from diloco.wire.protocol import ProtocolConfig
+from diloco.wire.comms import DEFAULT_SETTING
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -57,7 +57,7 @@ class ReplicaConfig:
     """Sequences per step (default: the recipe's)."""
     slow: float = option(1.0, metavar="F")
     """Emulated slowdown of each step's compute (3: it takes 3x as long)."""
-    sync_every: int = option(ProtocolConfig.sync_every, metavar="H")
+    sync_every: int = option(DEFAULT_SETTING.sync_every, metavar="H")
     """H: inner steps between two syncs of the whole model."""
     fragments: int = option(1, metavar="P")
     """Streaming fragments (1: torchft's plain DiLoCo)."""

@@ -7,9 +7,8 @@ rebuilt as command-line text, and a child reads the same dataclasses the launche
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from diloco.config import to_dict
@@ -110,9 +109,7 @@ def service_config(config: RunConfig) -> ServiceConfig:
     for all M learners on the learners' schedule, without a grace window."""
     syncer = config.syncer
     if config.mode == "sync":
-        syncer = dataclasses.replace(
-            syncer, schedule="learner", wait_for_all=config.learners, gamma=0.0
-        )
+        syncer = replace(syncer, schedule="learner", wait_for_all=config.learners, gamma=0.0)
     return ServiceConfig(
         recipe=config.recipe,
         syncer=syncer,
@@ -162,7 +159,8 @@ def worker_config(
     signal_free = config.ray.backend == "ray" and config.minutes
     return WorkerConfig(
         recipe=config.recipe,
-        protocol=config.syncer.protocol,
+        # the run's syncer owns the exchange: no budget check against codecs given beside it
+        protocol=replace(config.syncer.protocol, comms=None),
         security=ClientSecurityConfig(token_file=token_file or config.token_file),
         device=config.device,
         syncer=syncer,

@@ -92,7 +92,16 @@ def run(config: WorkerConfig) -> int:
     except (AuthConfigError, CheckpointMismatch) as exc:
         print(f"diloco learner: {exc}", file=sys.stderr)
         return 2
-    proc.train(stop)
+    try:
+        proc.train(stop)
+    except RuntimeError as exc:
+        if proc.learner.link.error is None:
+            raise
+        # the syncer cannot be trained with (refused join, wrong shards, over --comms):
+        # one line, nothing to flush to it, exit non-zero
+        print(f"diloco learner {config.id}: {exc}", file=sys.stderr)
+        proc.learner.close(flush=False)
+        return 1
     proc.finish()
     if world > 1:  # every file is closed; a rank's teardown can abort (see exit_now)
         from diloco.runtime.exit import exit_now
@@ -202,6 +211,7 @@ class LearnerProcess:
         config, recipe, workdir = self.config, self.recipe, self.workdir
         return LearnerConfig(
             num_fragments=config.protocol.num_fragments,
+            comms=config.protocol.comms,
             rebase_own=not config.overwrite_own,
             max_stretch=config.max_stretch,
             learner_id=config.id,

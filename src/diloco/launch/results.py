@@ -7,6 +7,7 @@ from pathlib import Path
 
 from diloco.launch.syncers import is_syncer
 from diloco.runtime.jsonl import read_jsonl
+from diloco.wire.comms import DEFAULT_COMMS
 
 
 def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
@@ -60,6 +61,13 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
         slot.restarts for name, slot in sup.slots.items() if is_syncer(name)
     )
     summary["shards"] = config.shards
+    syncer = config.syncer
+    summary["exchange"] = {  # what sized the bytes above (--comms and what overrode it)
+        "comms": syncer.protocol.comms or DEFAULT_COMMS,
+        "sync_every": syncer.protocol.sync_every,
+        "up_codec": syncer.up_codec,
+        "down_codec": syncer.down_codec,
+    }
     return summary
 
 

@@ -25,6 +25,10 @@ class LearnerConfig:
     paper's rule."""
     alpha: float = 0.0
     """Mixing on receive: θ_p ← αθ_p + (1−α)Θ_p; 0 overwrites (the paper's rule)."""
+    comms: str | None = None
+    """The most traffic this learner's link accepts, as a named setting
+    (``diloco.wire.comms``): a syncer whose exchange costs more bytes per parameter per step
+    is refused at join (fatal: ``step`` raises it). None: whatever the syncer runs."""
     tokens_per_step: int = 0
     """The most tokens one step may hold (batch × sequence), declared to the syncer at join:
     it refuses contributions claiming more (0: not declared)."""

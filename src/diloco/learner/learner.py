@@ -224,15 +224,8 @@ class Learner(Settling, Stopping, Restoring):
         options = client_link_options(
             token=cfg.token, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )
-        options.update(link_options or {})
-        return open_link(
-            syncer,
-            self.learner_id,
-            self.layout,
-            self.listener,
-            tokens_per_step=cfg.tokens_per_step,
-            **options,
-        )
+        options.update(tokens_per_step=cfg.tokens_per_step, comms=cfg.comms, **(link_options or {}))
+        return open_link(syncer, self.learner_id, self.layout, self.listener, **options)
 
     # ----------------------------------------------------------------- public
     def step(self, tokens: int) -> list[int]:

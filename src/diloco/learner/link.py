@@ -34,6 +34,7 @@ from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire import keepalive
+from diloco.wire.comms import CommsBudgetError, check_budget
 from diloco.wire.protocol import CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class SyncerLink:
         max_backoff_s: float = 5.0,
         encoder: UploadEncoder | None = None,
         check_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
+        comms: str | None = None,
     ) -> None:
         """``listener`` hears everything the link learns and answers what it asks, on the
         link's threads (``diloco.learner.listener``). ``encoder`` turns a job into the bytes
@@ -109,6 +111,8 @@ class SyncerLink:
         join). The default insists that this one syncer owns every fragment, so a learner
         given a single shard of a sharded syncer fails with a clear error
         (``diloco.learner.shards`` passes its own check when it fans out to several shards).
+        ``comms``: the named setting whose traffic is the most this link accepts; a syncer
+        whose exchange is heavier is refused at join (fatal; ``diloco.wire.comms``).
         ``rpc_timeout_s``: the deadline of a join, and the least an upload gets (a big upload
         on a slow link gets more: ``diloco.learner.pacing.upload_deadline_s``)."""
         self.name = address
@@ -125,6 +129,7 @@ class SyncerLink:
         self.rpc_timeout_s = rpc_timeout_s
         self.max_backoff_s = max_backoff_s
         self.tokens_per_step = tokens_per_step
+        self.comms = comms
         self.encoder = encoder or UploadEncoder()
         self.schedule = "learner"
         """Who drives the rounds, as the syncer said at the last join (``"learner"`` until
@@ -266,8 +271,9 @@ class SyncerLink:
                     log.error("%s", self.error)
                     return
                 log.debug("link to %s lost: %s", self.address, code)
-            except ShardError as exc:  # wrong set of shards: retrying cannot fix it
-                self.error = RuntimeError(f"syncer shards: {exc}")
+            except (ShardError, CommsBudgetError) as exc:  # retrying cannot fix either
+                what = "syncer shards" if isinstance(exc, ShardError) else "--comms"
+                self.error = RuntimeError(f"{what}: {exc}")
                 log.error("%s", self.error)
                 self.connected.clear()
                 self._leave_quietly()
@@ -389,6 +395,13 @@ class SyncerLink:
         )
         self._stub, self._session = stub, reply.session  # so that a refusal can leave cleanly
         self._check_join(self, info)  # may raise ShardError: fatal
+        if self.comms is not None:  # may raise CommsBudgetError: fatal
+            check_budget(
+                self.comms,
+                sync_every=reply.sync_every,
+                up_codec=reply.up_codec,
+                down_codec=reply.down_codec,
+            )
         self.shard_info, self._owned = info, frozenset(info.fragments)
         self._heartbeat_s, self.up_codec = max(0.05, reply.heartbeat_s), reply.up_codec
         self.schedule = reply.schedule

@@ -24,7 +24,7 @@ import inspect
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 _CLI = "cli"
@@ -186,19 +186,32 @@ def add_options(
         add_options(group, section, exclude=exclude, defaults=defaults, sparse=sparse)
 
 
-def from_namespace(cls: type, ns: argparse.Namespace, *, base: Any = None, **overrides: Any) -> Any:
+def from_namespace(
+    cls: type,
+    ns: argparse.Namespace,
+    *,
+    base: Any = None,
+    unset: Collection[str] = (),
+    **overrides: Any,
+) -> Any:
     """Build ``cls`` from parsed flags: its options found in ``ns``, nested sections built
     the same way, then ``overrides``. An option not in ``ns`` (a ``sparse`` parser) takes its
-    value from ``base`` (e.g. read from a configuration file) or else the dataclass default.
+    value from ``base`` (e.g. read from a configuration file) or else the dataclass default;
+    fields named in ``unset`` (at any depth) never take ``base``'s (a setting given on the
+    command line that derives them: ``--comms`` and the H and codecs it names).
     A missing required field or a bad value raises ``ConfigError``."""
     kwargs = (
-        {f.name: getattr(base, f.name) for f in dataclasses.fields(cls) if f.init}
+        {
+            f.name: getattr(base, f.name)
+            for f in dataclasses.fields(cls)
+            if f.init and f.name not in unset
+        }
         if base is not None
         else {}
     )
     kwargs.update(
         {
-            name: from_namespace(sub, ns, base=getattr(base, name, None))
+            name: from_namespace(sub, ns, base=getattr(base, name, None), unset=unset)
             for name, sub in sections(cls).items()
         }
     )
@@ -244,7 +257,7 @@ def command_flags(obj: Any, *, skip: Sequence[str] = ()) -> list[str]:
     out: list[str] = []
     for f in options(type(obj)):
         value = getattr(obj, f.name)
-        if f.name in skip or value == default_of(f):
+        if f.name in skip or value == default_of(f) or value == _resolved_default(obj, f):
             continue
         flag = flag_name(f)
         if isinstance(value, bool) and f.metadata[_CLI]["type"] is None:
@@ -257,6 +270,14 @@ def command_flags(obj: Any, *, skip: Sequence[str] = ()) -> list[str]:
     for name in sections(type(obj)):
         out += command_flags(getattr(obj, name), skip=skip)
     return out
+
+
+def _resolved_default(obj: Any, f: dataclasses.Field) -> Any:
+    """What a field whose default is None resolves to in ``obj`` when not given (a value
+    the dataclass derives on creation, e.g. H from ``--comms``); ``None`` for the others."""
+    if default_of(f) is not None or getattr(obj, f.name) is None:
+        return None
+    return getattr(dataclasses.replace(obj, **{f.name: None}), f.name)
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.algorithm.codecs import CODECS
+from diloco.algorithm.codecs import CODECS, check_codec
 from diloco.algorithm.guard import (
     DEFAULT_K,
     DEFAULT_MAX_RATIO,
@@ -14,6 +14,7 @@ from diloco.algorithm.guard import (
 )
 from diloco.algorithm.rounds import SCHEDULES
 from diloco.runtime.schema import option
+from diloco.wire.comms import comms_setting
 from diloco.wire.protocol import ProtocolConfig
 
 MERGE_RULES = ("rda", "mean")
@@ -35,6 +36,12 @@ class SyncerConfig:
     """P and H (``diloco.wire.protocol``): with the syncer's schedule, each fragment's round
     opens once per H fleet steps; a model cut by ``SyncerServer.for_model`` or the syncer
     process has P fragments (one built from an explicit layout has the layout's)."""
+    early_sync_every: int = option(0, metavar="H0")
+    """An H schedule on the syncer's clock: H0 instead of H for the first
+    ``--early-cycles`` cycles of the clock (a cycle: each fragment merged once), then H (0:
+    off; ``diloco.algorithm.rounds.scheduled_sync_every``)."""
+    early_cycles: int = option(0, metavar="N")
+    """Cycles of the clock that run at ``--early-sync-every``."""
     quorum: int = option(1, metavar="K")
     """K: contributions a round needs before the grace window starts."""
     gamma: float = option(0.8)
@@ -59,11 +66,13 @@ class SyncerConfig:
     """``"share"``: scale a round's merged delta by the share of the live learners' tokens it
     holds (``diloco.algorithm.outer.round_share``), so the outer lr does not depend on M;
     ``"none"``: apply every round at the full lr."""
-    up_codec: str = option("int4", choices=CODECS)
-    """Codec learners use for their outer gradients."""
-    down_codec: str = option("int8", choices=CODECS)
+    up_codec: str = option(None, type=str, choices=CODECS)  # type: ignore[assignment]
+    """Codec learners use for their outer gradients (default: the ``--comms`` setting's,
+    int4)."""
+    down_codec: str = option(None, type=str, choices=CODECS)  # type: ignore[assignment]
     """Codec of the deltas the syncer broadcasts (``W(v) − W(v−1)``, with the rounding kept
-    in W for the next one); keyframes (join, resync) are always fp32."""
+    in W for the next one; default: the ``--comms`` setting's, int8); keyframes (join,
+    resync) are always fp32."""
     merge_rule: str = option("rda", flag="--merge", choices=MERGE_RULES)
     """``"rda"``: radial–directional averaging for every non-embedding tensor (embeddings by
     weighted mean); ``"mean"``: weighted mean for every tensor (an ablation)."""
@@ -100,8 +109,19 @@ class SyncerConfig:
     """Distinct learner ids the syncer remembers; joins of new ids beyond it are refused."""
 
     def __post_init__(self) -> None:
+        named = comms_setting(self.protocol.comms)  # resolved once: the config holds values
+        self.up_codec = named.up_codec if self.up_codec is None else self.up_codec
+        self.down_codec = named.down_codec if self.down_codec is None else self.down_codec
+        for codec in (self.up_codec, self.down_codec):
+            check_codec(codec)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES} (got {self.schedule!r})")
+        if self.early_sync_every < 0 or self.early_cycles < 0:
+            raise ValueError("--early-sync-every and --early-cycles must be >= 0")
+        if (self.early_sync_every > 0) != (self.early_cycles > 0):
+            raise ValueError("--early-sync-every and --early-cycles go together (or neither)")
+        if self.early_sync_every and self.schedule != "syncer":
+            raise ValueError("--early-sync-every needs the syncer's clock (--schedule syncer)")
         if self.merge_rule not in MERGE_RULES:
             raise ValueError(f"merge_rule must be one of {MERGE_RULES} (got {self.merge_rule!r})")
         if self.weighting not in WEIGHTINGS:

@@ -41,6 +41,7 @@ from diloco.algorithm.rounds import (
     decide_round,
     fleet_step_time,
     next_tick,
+    scheduled_sync_every,
     tick_period,
 )
 from diloco.algorithm.shards import shard_fragments
@@ -300,7 +301,7 @@ class SyncerState(LearnerRoster, RoundClosing):
             counters["steps"],
             now - since,
             self.fleet_step_s(),
-            slack=self.config.protocol.sync_every,
+            slack=self.sync_every(),
         )
         round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
         earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
@@ -322,9 +323,24 @@ class SyncerState(LearnerRoster, RoundClosing):
             raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
         return norm
 
+    def sync_every(self) -> int:
+        """H now: ``--sync-every``, or ``--early-sync-every`` for the clock's first
+        ``--early-cycles`` cycles (``rounds.scheduled_sync_every``; cycles counted from the
+        committed versions, so a restarted syncer resumes the schedule where it was)."""
+        cfg = self.config
+        if not cfg.early_sync_every:
+            return cfg.protocol.sync_every
+        cycles = sum(self.versions[p] for p in self.served) / max(len(self.served), 1)
+        return scheduled_sync_every(
+            cycles,
+            sync_every=cfg.protocol.sync_every,
+            early_sync_every=cfg.early_sync_every,
+            early_cycles=cfg.early_cycles,
+        )
+
     def _guard_period(self) -> int:
         """H for the norm guard's step-scaled bounds: on the syncer's clock only (0: none)."""
-        return self.config.protocol.sync_every if self.config.schedule == "syncer" else 0
+        return self.sync_every() if self.config.schedule == "syncer" else 0
 
     def _param_norm(self, fragment: int) -> float:
         """‖Θ_p‖ for the norm guard, computed once per version (every upload asks for it)."""
@@ -393,9 +409,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         self.expire(now)
         live = self.live(now)
         period = tick_period(
-            self.fleet_step_s(now),
-            sync_every=self.config.protocol.sync_every,
-            fragments=len(self.served),
+            self.fleet_step_s(now), sync_every=self.sync_every(), fragments=len(self.served)
         )
         # A round open with no answer when its turn comes again (its learners died or could
         # not answer) is asked again; one with answers closes within its grace window.
@@ -479,7 +493,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         (``H`` fleet steps, when the fragment's turn comes again), at least τ steps; the
         lease before any step estimate exists."""
         period = tick_period(
-            estimates.step_s, sync_every=self.config.protocol.sync_every, fragments=len(self.served)
+            estimates.step_s, sync_every=self.sync_every(), fragments=len(self.served)
         )
         if period is None:
             return self.config.lease_s

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.runtime.schema import option
+from diloco.wire.comms import COMMS, comms_setting
 
 CHUNK_BYTES = 1 << 20
 """Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
@@ -35,11 +36,20 @@ class ProtocolConfig:
 
     num_fragments: int = option(24, flag="--fragments", metavar="P")
     """P: fragments the model is cut into (the syncer and every learner must agree)."""
-    sync_every: int = option(24, metavar="H")
+    comms: str | None = option(None, choices=tuple(COMMS), metavar="|".join(COMMS))
+    """The named communication setting (``diloco.wire.comms``): H and the syncer's codecs,
+    each overridden by its own flag. default: H=24, int4 up, int8 down; low: topk2 up, int4
+    down; lowest: the same at H=96. Given to a learner by hand, the most its link accepts: it
+    refuses a syncer whose exchange is heavier."""
+    sync_every: int = option(None, type=int, metavar="H")  # type: ignore[assignment]
     """H: inner steps between two synchronisations of one fragment (the syncer's clock opens
-    each fragment's round once per H fleet steps)."""
+    each fragment's round once per H fleet steps); default: the ``--comms`` setting's (24)."""
 
     def __post_init__(self) -> None:
+        if self.sync_every is None:  # resolved once, here: the configuration holds the value
+            object.__setattr__(self, "sync_every", comms_setting(self.comms).sync_every)
+        else:
+            comms_setting(self.comms)  # a bad name is refused either way
         if self.num_fragments < 1 or self.sync_every < 1:
             raise ValueError(
                 f"--fragments and --sync-every must be >= 1 "

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from diloco.syncer.config import SyncerConfig
-from diloco.wire.protocol import ProtocolConfig
+from diloco.wire.comms import DEFAULT_SETTING
 
 
 def peer_kwargs(spec, budget) -> dict:
@@ -27,7 +27,7 @@ def peer_kwargs(spec, budget) -> dict:
         "learners": budget.learners,
         "recipe": budget.recipe,
         "seed": spec.seed,
-        "sync_every": ProtocolConfig.sync_every,
+        "sync_every": DEFAULT_SETTING.sync_every,
         "outer_lr": SyncerConfig.outer_lr,
         "outer_momentum": SyncerConfig.outer_momentum,
         "wan": tuple(budget.wan),

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from diloco.wire.protocol import ProtocolConfig
+from diloco.wire.comms import DEFAULT_SETTING
 
 TORCHFT_PACKAGE = "torchft-nightly"
 TORCHFT_PIN = "2026.10.26"
@@ -78,7 +78,7 @@ class PeerSettings:
     minutes: float = 1.0
     tokens: int = 0
     rounds: int = 0
-    sync_every: int = ProtocolConfig.sync_every
+    sync_every: int = DEFAULT_SETTING.sync_every
     fragments: int = 1
     sync_delay: int = 0
     outer_lr: float = 1.0
