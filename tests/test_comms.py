@@ -17,6 +17,7 @@ from diloco.config import ConfigError, from_dict, to_dict
 from diloco.config.run import RunConfig, load_run_config
 from diloco.config.service import ServiceConfig
 from diloco.launch.children import write_config
+from diloco.learner.config import LearnerConfig
 from diloco.syncer.config import SyncerConfig
 from diloco.wire.comms import (
     COMMS,
@@ -62,6 +63,10 @@ def test_a_learners_budget_refuses_a_heavier_syncer_and_takes_a_lighter_one():
     check_budget("default", sync_every=96, up_codec="topk2", down_codec="int4")  # lighter
     with pytest.raises(CommsBudgetError, match=r"H=24, int4 up, int8 down: 2\.6x the traffic"):
         check_budget("low", sync_every=24, up_codec="int4", down_codec="int8")
+    with pytest.raises(CommsBudgetError, match="cannot be priced"):  # fatal, not retried
+        check_budget("low", sync_every=24, up_codec="int3", down_codec="int8")
+    with pytest.raises(ValueError, match="--comms must be one of"):
+        LearnerConfig(comms="fast")  # refused at once, not at join
 
 
 def test_the_command_line_and_config_files_resolve_comms_the_same_way(tmp_path):

@@ -13,6 +13,8 @@ import torch
 from kit import join_state, syncer_state, tiny_model
 
 from diloco.algorithm.rounds import fleet_step_time, next_tick, tick_period
+from diloco.config import from_dict
+from diloco.config.run import RunConfig
 from diloco.syncer.config import SyncerConfig
 from diloco.wire.protocol import ProtocolConfig
 
@@ -207,6 +209,12 @@ def test_an_h_schedule_ticks_faster_for_its_early_cycles_then_at_h():
         now += 1.0
         request, _ = state.tick(now)
     assert state.sync_every() == 8
+    # the guard's sizes covered periods of 2 steps: a delta of 8 is not judged by them
+    assert state.norms.size_reference(0, 1) is None and state.norms.size_reference(1, 1) is None
+    with pytest.raises(ValueError, match="must be below --sync-every"):
+        SyncerConfig(early_sync_every=24, early_cycles=2)
+    with pytest.raises(ValueError, match="needs --mode decoupled"):
+        from_dict(RunConfig, {"mode": "sync", "syncer": {"early_sync_every": 8, "early_cycles": 2}})
     with pytest.raises(ValueError, match="go together"):
         SyncerConfig(early_sync_every=4)
     with pytest.raises(ValueError, match="needs the syncer's clock"):

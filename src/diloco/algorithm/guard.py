@@ -237,6 +237,11 @@ class NormHistory:
                 queue = table[fragment].setdefault(learner, deque(maxlen=self.window))
                 queue.append(value)
 
+    def forget_sizes(self) -> None:
+        """Drop every remembered size (check 3): the period they covered has changed."""
+        for by_learner in self._sizes:
+            by_learner.clear()
+
     def forget(self, learner: str) -> None:
         """Drop a learner's norms (its id was forgotten by the syncer)."""
         for by_learner in (*self._norms, *self._sizes):

@@ -67,7 +67,7 @@ def register(subparsers) -> None:
         "--link",
         type=parse_rate,
         metavar="RATE",
-        help="each site's wide-area link (e.g. 1Gbps, 200Mbps): say which --comms it needs",
+        help="each site's wide-area link in bits/s (1Gbps, 200Mbps; a bare number is Gbps): say which --comms it needs",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=main)

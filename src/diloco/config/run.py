@@ -153,6 +153,8 @@ class RunConfig:
                 raise ValueError(f"{flag} must be >= {low} (got {value})")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1 (got {self.batch_size})")
+        if self.mode != "decoupled" and self.syncer.early_sync_every:
+            raise ValueError("--early-sync-every needs --mode decoupled (the syncer's clock)")
         if self.mode == "dp" and self.device != DeviceConfig():
             raise ValueError("--device/--bf16 are for learners; --mode dp trains on CPU")
         if self.dashboard != "off":

@@ -95,7 +95,8 @@ def run(config: WorkerConfig) -> int:
     try:
         proc.train(stop)
     except RuntimeError as exc:
-        if proc.learner.link.error is None:
+        link = getattr(getattr(proc.learner, "leader", None) or proc.learner, "link", None)
+        if getattr(link, "error", None) is None:  # (an island's ranks, --no-sync: no link)
             raise
         # the syncer cannot be trained with (refused join, wrong shards, over --comms):
         # one line, nothing to flush to it, exit non-zero

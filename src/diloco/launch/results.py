@@ -67,6 +67,11 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
         "sync_every": syncer.protocol.sync_every,
         "up_codec": syncer.up_codec,
         "down_codec": syncer.down_codec,
+        **(
+            {"early_sync_every": syncer.early_sync_every, "early_cycles": syncer.early_cycles}
+            if syncer.early_sync_every
+            else {}
+        ),
     }
     return summary
 

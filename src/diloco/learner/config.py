@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.learner.pacing import DEFAULT_LAG_STEPS, DEFAULT_MAX_STRETCH
+from diloco.wire.comms import comms_setting
 from diloco.wire.protocol import ProtocolConfig
 
 
@@ -81,6 +82,8 @@ class LearnerConfig:
     """PEM private key of ``tls_cert``."""
 
     def __post_init__(self) -> None:
+        if self.comms is not None:
+            comms_setting(self.comms)  # a bad name is refused here, not at join
         if self.num_fragments < 1:
             raise ValueError(f"num_fragments must be >= 1 (got {self.num_fragments})")
         if not 0.0 <= self.alpha < 1.0:

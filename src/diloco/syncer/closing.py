@@ -146,6 +146,7 @@ class RoundClosing:
         self._param_norms.pop(fragment, None)
         self.versions[fragment] += 1
         self.rounds_committed += 1
+        self.note_period()
         record = {
             "event": "round",
             "t": now,

@@ -120,6 +120,11 @@ class SyncerConfig:
             raise ValueError("--early-sync-every and --early-cycles must be >= 0")
         if (self.early_sync_every > 0) != (self.early_cycles > 0):
             raise ValueError("--early-sync-every and --early-cycles go together (or neither)")
+        if self.early_sync_every >= self.protocol.sync_every:
+            raise ValueError(
+                f"--early-sync-every ({self.early_sync_every}) must be below --sync-every "
+                f"({self.protocol.sync_every}): short periods first"
+            )
         if self.early_sync_every and self.schedule != "syncer":
             raise ValueError("--early-sync-every needs the syncer's clock (--schedule syncer)")
         if self.merge_rule not in MERGE_RULES:

@@ -194,7 +194,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             shard=self.state.shard[0],
             num_shards=self.state.shard[1],
             schedule=cfg.schedule,
-            sync_every=cfg.protocol.sync_every,
+            sync_every=self.state.sync_every(),  # (an H schedule: the H it runs at now)
             committed_uploads=committed,
             logged_from=logged_from,
         )

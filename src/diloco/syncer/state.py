@@ -143,6 +143,8 @@ class SyncerState(LearnerRoster, RoundClosing):
         """Each fragment's last commit logs: persisted with every commit of it."""
         self._closing: set[int] = set()
         """Fragments whose round ``close_rounds`` took and ``apply`` has not committed yet."""
+        self._period_now = self.sync_every()
+        """The H the norm guard's sizes were recorded at (``note_period``)."""
 
     def restore_history(self, fragment: int, logs: Sequence[CommitLog]) -> None:
         """Take in a restored fragment's persisted commit logs (oldest first): a resend of an
@@ -337,6 +339,16 @@ class SyncerState(LearnerRoster, RoundClosing):
             early_sync_every=cfg.early_sync_every,
             early_cycles=cfg.early_cycles,
         )
+
+    def note_period(self) -> None:
+        """After a commit: when the H schedule moves on to another H, forget the norm guard's
+        sizes (check 3). They covered periods of the old H: a delta of the new, longer one
+        would be judged by them and, refused, never enter the history (the lock-out of
+        ``guard.covers_a_period``)."""
+        period = self.sync_every()
+        if period != self._period_now:
+            self._period_now = period
+            self.norms.forget_sizes()
 
     def _guard_period(self) -> int:
         """H for the norm guard's step-scaled bounds: on the syncer's clock only (0: none)."""

@@ -93,8 +93,11 @@ class CommsBudgetError(ValueError):
 def check_budget(name: str, *, sync_every: int, up_codec: str, down_codec: str) -> None:
     """Raise :class:`CommsBudgetError` if a syncer running H = ``sync_every`` with these codecs
     costs a learner's link more than setting ``name`` (a pure decision, checked at join)."""
-    have = exchange_bytes(sync_every, up_codec, down_codec)
     budget = setting_bytes(name)
+    try:
+        have = exchange_bytes(sync_every, up_codec, down_codec)
+    except ValueError as exc:  # a codec this learner does not know, H < 1: not within it
+        raise CommsBudgetError(f"the syncer's exchange cannot be priced: {exc}") from None
     if have > budget * (1 + 1e-9):
         raise CommsBudgetError(
             f"the syncer runs H={sync_every}, {up_codec} up, {down_codec} down: "
