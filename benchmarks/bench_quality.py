@@ -14,13 +14,15 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
   (``sync-outer-LR-MU`` the same in synchronous mode); ``no-share``: without the round share
   (``--outer-scale none``); ``decoupled-P1``: the whole model as one fragment;
 - ``lowbw``: the documented low-bandwidth setting (H = 64, int4 both ways; ``lowbw-LR-MU``
-  with that outer step);
+  with that outer step; ``sparse-LR-MU`` and ``sparse-up-LR-MU`` likewise);
 - ``sparse``: top-k 2-bit exchanges both ways (``--up-codec topk2 --down-codec topk2``);
   ``sparse-up``: topk2 up, int4 down; ``sparse-down``: int4 up, topk2 down; ``sparse-mean``:
-  both ways with the weighted mean instead of RDA;
+  both ways with the weighted mean instead of RDA; ``int2``: dense ternary (int2) both ways;
 - ``dp-muon``, ``decoupled-muon``: the inner optimizer Muon (hidden matrices; AdamW for the
   rest) instead of AdamW; any setting as ``SETTING+muon`` with Muon, and as ``SETTING@LR``
-  with the peak inner lr LR (``sparse+muon@6e-3``);
+  with the peak inner lr LR (``sparse+muon@6e-3``); ``SETTING-HN`` with sync period H = N
+  (``sparse-up-H96+muon@6e-3``); ``SETTING-earlyH0forN`` with the H schedule H0 for the
+  clock's first N cycles (``decoupled-early8for8``);
 - ``sync-P1``, ``sync-fp32``, ``sync-mean``, ``sync-torchft-like``: synchronous mode with what
   torchft's DiLoCo does differently (one fragment, fp32 both ways, the plain mean; all three).
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -70,6 +73,8 @@ SETTINGS["sparse"] = ["--mode=decoupled", "--up-codec=topk2", "--down-codec=topk
 SETTINGS["sparse-up"] = ["--mode=decoupled", "--up-codec=topk2", "--down-codec=int4"]
 SETTINGS["sparse-down"] = ["--mode=decoupled", "--down-codec=topk2"]
 SETTINGS["sparse-mean"] = [*SETTINGS["sparse"], "--merge=mean"]
+# dense ternary (int2) exchanges both ways with error feedback
+SETTINGS["int2"] = ["--mode=decoupled", "--up-codec=int2", "--down-codec=int2"]
 # the inner optimizer: Muon for the hidden matrices, AdamW for the rest (one peak lr)
 SETTINGS["dp-muon"] = ["--mode=dp", "--inner-optimizer=muon"]
 SETTINGS["decoupled-muon"] = ["--mode=decoupled", "--inner-optimizer=muon"]
@@ -77,12 +82,16 @@ OUTER_PREFIXES = {  # NAME-LR-MU: the setting's flags with that outer step
     "outer": ["--mode=decoupled"],
     "sync-outer": ["--mode=sync"],
     "lowbw": LOW_BANDWIDTH,
+    "sparse": SETTINGS["sparse"],
+    "sparse-up": SETTINGS["sparse-up"],
+    "int2": SETTINGS["int2"],
 }
 
 
 def setting_args(setting: str) -> list[str]:
     """The ``diloco run`` flags of a setting: a named one, or NAME-LR-MU (``outer-0.6-0.7``);
-    ``SETTING@LR`` is SETTING with the peak inner learning rate LR (``dp-muon@6e-3``)."""
+    ``SETTING@LR`` is SETTING with the peak inner learning rate LR (``dp-muon@6e-3``),
+    ``SETTING+muon`` with Muon, ``SETTING-HN`` with sync period H = N."""
     if "@" in setting:
         base, _, inner_lr = setting.partition("@")
         return [*setting_args(base), f"--inner-lr={float(inner_lr)}"]
@@ -90,6 +99,13 @@ def setting_args(setting: str) -> list[str]:
         return [*setting_args(setting.removesuffix("+muon")), "--inner-optimizer=muon"]
     if setting in SETTINGS:
         return SETTINGS[setting]
+    base, _, period = setting.rpartition("-H")
+    if base and period.isdigit():
+        return [*setting_args(base), f"--sync-every={int(period)}"]
+    base, _, early = setting.rpartition("-early")
+    if base and re.fullmatch(r"\d+for\d+", early):
+        h0, cycles = early.split("for")
+        return [*setting_args(base), f"--early-sync-every={h0}", f"--early-cycles={cycles}"]
     prefix, _, mu = setting.rpartition("-")
     prefix, _, lr = prefix.rpartition("-")
     try:

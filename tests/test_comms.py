@@ -59,9 +59,9 @@ def test_settings_are_ordered_densest_first_and_priced_with_real_codec_bytes():
 
 
 def test_a_learners_budget_refuses_a_heavier_syncer_and_takes_a_lighter_one():
-    check_budget("low", sync_every=24, up_codec="topk2", down_codec="int4")  # exactly it
+    check_budget("low", sync_every=64, up_codec="int4", down_codec="int4")  # exactly it
     check_budget("default", sync_every=96, up_codec="topk2", down_codec="int4")  # lighter
-    with pytest.raises(CommsBudgetError, match=r"H=24, int4 up, int8 down: 2\.6x the traffic"):
+    with pytest.raises(CommsBudgetError, match=r"H=24, int4 up, int8 down: 3\.9x the traffic"):
         check_budget("low", sync_every=24, up_codec="int4", down_codec="int8")
     with pytest.raises(CommsBudgetError, match="cannot be priced"):  # fatal, not retried
         check_budget("low", sync_every=24, up_codec="int3", down_codec="int8")
@@ -74,19 +74,19 @@ def test_the_command_line_and_config_files_resolve_comms_the_same_way(tmp_path):
         args = build_parser().parse_args(["run", *argv])
         return config_from_args(RunConfig, args, load_run_config)
 
-    c = run_config("--comms", "lowest", "--down-codec", "int8")
+    c = run_config("--comms", "lowest", "--up-codec", "int8")
     assert (c.syncer.protocol.sync_every, c.syncer.up_codec, c.syncer.down_codec) == (
-        96,
-        "topk2",
+        192,
         "int8",
+        "int4",
     )
     # a run's config.json holds the resolved values and repeats the run exactly
     assert from_dict(RunConfig, json.loads(json.dumps(to_dict(c)))) == c
     # --comms beside a file names H and the codecs anew (the file's were written resolved)
     path = write_config(tmp_path / "config.json", RunConfig())
     again = run_config(f"--config={path}", "--comms", "low")
-    assert (again.syncer.protocol.sync_every, again.syncer.up_codec) == (24, "topk2")
-    assert again.syncer.down_codec == "int4"
+    assert (again.syncer.protocol.sync_every, again.syncer.up_codec) == (64, "int4")
+    assert again.syncer.down_codec == "int4"  # the file's int8 gave way
     with pytest.raises(ConfigError, match="unknown key"):
         from_dict(ServiceConfig, {"syncer": {"comms": "low"}})  # it lives in the protocol
 

@@ -102,25 +102,27 @@ def test_each_named_setting_is_priced_and_the_densest_that_fits_is_recommended()
     # default: int8 down dominates (1.031 B/value), H = 24: 12e9 · 8.25 / 2.381 / 24
     assert gbps["default"] == pytest.approx(12e9 * 8.25 / 2.381 / 24 / 1e9, rel=1e-6)
     assert gbps["default"] > gbps["low"] > gbps["lowest"]
-    # lowest (H = 96) is bound by the burst term 1/(P·τ) = 1/48, not 1/H
-    assert gbps["lowest"] == pytest.approx(12e9 * 4.25 / 2.381 / 48 / 1e9, rel=1e-6)
+    # lowest: H = 192, int4 both ways; τ at least H/P = 8 steps (the clock's next ask), so
+    # the burst term 1/(P·τ) does not price it as H = 2P = 48
+    assert gbps["lowest"] == pytest.approx(12e9 * 4.25 / 2.381 / 192 / 1e9, rel=1e-6)
+    assert with_comms(p, "lowest").tau == 8.0 and with_comms(p, "default").tau == 2.0
     assert recommend(p, 10e9) == "default"
     assert recommend(p, 1e9) == "low"
-    assert recommend(p, 0.5e9) == "lowest"
+    assert recommend(p, 0.12e9) == "lowest"
     assert recommend(p, 0.1e9) is None
-    assert with_comms(p, "lowest").sync_every == 96
+    assert with_comms(p, "lowest").sync_every == 192
 
 
 def test_cli_says_which_comms_a_link_needs(capsys):
     argv = ["plan", "--params", "12B", "--step-time", "2.381"]
     assert cli_main([*argv, "--link", "1Gbps"]) == 0
     assert "a 1 Gbps link: --comms low" in capsys.readouterr().out
-    assert cli_main([*argv, "--link", "100Mbps", "--json"]) == 0
+    assert cli_main([*argv, "--link", "50Mbps", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["recommended_comms"] is None and out["link_gbps"] == pytest.approx(0.1)
+    assert out["recommended_comms"] is None and out["link_gbps"] == pytest.approx(0.05)
     assert set(out["comms_gbps"]) == {"default", "low", "lowest"}
     assert cli_main([*argv, "--comms", "lowest", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["inputs"]["sync_every"] == 96
+    assert json.loads(capsys.readouterr().out)["inputs"]["sync_every"] == 192
     with pytest.raises(SystemExit):
         cli_main([*argv, "--link", "fast"])
     assert "is not a link rate" in capsys.readouterr().err

@@ -110,13 +110,17 @@ def decoupled_bandwidth_bps(p: PlanInputs) -> float:
 
 
 def with_comms(p: PlanInputs, name: str) -> PlanInputs:
-    """``p`` with H and the codecs' bits (their real bytes per value) of setting ``name``."""
+    """``p`` with H and the codecs' bits (their real bytes per value) of setting ``name``,
+    and τ at least ``H/P``: on the syncer's clock a fragment is asked for once per ``H/P``
+    steps, so an upload has until the next one (a long H spreads its bursts out; with the
+    paper's τ = 2 the burst term would price every H above ``2P`` as ``2P``)."""
     s = COMMS[name]
     return replace(
         p,
         sync_every=s.sync_every,
         up_bits=8 * bytes_per_value(s.up_codec),
         down_bits=8 * bytes_per_value(s.down_codec),
+        tau=max(p.tau, s.sync_every / p.num_fragments),
     )
 
 

@@ -35,8 +35,8 @@ class CommsSetting:
 
 COMMS: dict[str, CommsSetting] = {
     "default": CommsSetting(24, "int4", "int8"),
-    "low": CommsSetting(24, "topk2", "int4"),
-    "lowest": CommsSetting(96, "topk2", "int4"),
+    "low": CommsSetting(64, "int4", "int4"),
+    "lowest": CommsSetting(192, "int4", "int4"),
 }
 """The named settings, densest first (``diloco plan`` recommends the first that fits)."""
 DEFAULT_COMMS = "default"

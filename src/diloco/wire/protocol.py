@@ -38,9 +38,9 @@ class ProtocolConfig:
     """P: fragments the model is cut into (the syncer and every learner must agree)."""
     comms: str | None = option(None, choices=tuple(COMMS), metavar="|".join(COMMS))
     """The named communication setting (``diloco.wire.comms``): H and the syncer's codecs,
-    each overridden by its own flag. default: H=24, int4 up, int8 down; low: topk2 up, int4
-    down; lowest: the same at H=96. Given to a learner by hand, the most its link accepts: it
-    refuses a syncer whose exchange is heavier."""
+    each overridden by its own flag. default: H=24, int4 up, int8 down; low: H=64, int4 both
+    ways; lowest: H=192, int4 both ways. Given to a learner by hand, the most its link
+    accepts: it refuses a syncer whose exchange is heavier."""
     sync_every: int = option(None, type=int, metavar="H")  # type: ignore[assignment]
     """H: inner steps between two synchronisations of one fragment (the syncer's clock opens
     each fragment's round once per H fleet steps); default: the ``--comms`` setting's (24)."""
