@@ -76,17 +76,18 @@ def make_state(joined_at=0.0, **cfg):
     return state, layout
 
 
-def submit(state, lid, delta, now):
+def submit(state, lid, delta, now, *, steps=4, step_time_s=0.1):
+    """An upload of fragment 0 by ``lid`` of ``steps`` steps (10 tokens each)."""
     return state.submit(
         lid,
         state.learners[lid].session,
         fragment=0,
         base_version=state.versions[0],
-        steps=4,
-        tokens=40,
+        steps=steps,
+        tokens=10 * steps,
         delta=delta,
-        step_time_s=0.1,
-        nbytes=4,
+        step_time_s=step_time_s,
+        nbytes=4 * delta.numel(),
         now=now,
     )
 
@@ -179,18 +180,7 @@ def test_a_huge_delta_claiming_2_24_steps_from_a_learner_that_just_joined_is_ref
     theta = float(state.params[0].norm())
 
     def upload(lid, delta, steps, now):
-        return state.submit(
-            lid,
-            state.learners[lid].session,
-            fragment=0,
-            base_version=state.versions[0],
-            steps=steps,
-            tokens=10 * steps,
-            delta=delta,
-            step_time_s=0.01,
-            nbytes=4 * n,
-            now=now,
-        )
+        return submit(state, lid, delta, now, steps=steps, step_time_s=0.01)
 
     for i in range(4):  # the honest learner's history: ~0.07 x the fragment's norm
         assert upload("good", 0.01 * torch.randn(n, generator=gen), 24, 100.5 + 0.5 * i).accept
@@ -262,18 +252,7 @@ def test_short_first_deltas_of_a_long_period_do_not_lock_the_fragment_out():
 
     def upload(lid, size, steps, now):
         delta = torch.randn(n, generator=gen)
-        return state.submit(
-            lid,
-            state.learners[lid].session,
-            fragment=0,
-            base_version=state.versions[0],
-            steps=steps,
-            tokens=10 * steps,
-            delta=delta * size * theta / delta.norm(),
-            step_time_s=0.1,
-            nbytes=4 * n,
-            now=now,
-        )
+        return submit(state, lid, delta * size * theta / delta.norm(), now, steps=steps)
 
     for i, lid in enumerate(("good", "bad", "third")):  # 4 warm-up steps each
         assert upload(lid, 0.001, 4, 0.5 + 0.1 * i).accept
