@@ -43,6 +43,11 @@ def _elementwise_bound(x: torch.Tensor, codec: str) -> torch.Tensor:
     if codec == "bf16":
         return x.abs() * 2.0**-8 + TINY
     n = x.numel()
+    if codec == "sign1":  # one payload: at most its block's largest |x|
+        pad = torch.zeros(-(-n // BLOCK_SIZE) * BLOCK_SIZE, dtype=torch.float64)
+        pad[:n] = x.abs()
+        absmax = pad.view(-1, BLOCK_SIZE).amax(1).repeat_interleave(BLOCK_SIZE)[:n]
+        return absmax * (1 + 2.0**-20) + TINY
     pad = torch.zeros(-(-n // BLOCK_SIZE) * BLOCK_SIZE, dtype=torch.float64)
     pad[:n] = x.abs()
     absmax = pad.view(-1, BLOCK_SIZE).amax(1).repeat_interleave(BLOCK_SIZE)[:n]
@@ -181,8 +186,12 @@ def test_zero_is_exact_and_zero_blocks_have_zero_scale(codec):
     x[BLOCK_SIZE + 7] = 5.0  # only block 1 is non-zero
     x[BLOCK_SIZE + 9] = 0.0
     y = _roundtrip(x, codec)
-    assert bool((y[x == 0] == 0).all())
-    if codec in LEVELS:
+    if codec == "sign1":  # one bit per value: only whole zero blocks stay zero
+        assert bool((y[:BLOCK_SIZE] == 0).all()) and bool((y[2 * BLOCK_SIZE :] == 0).all())
+        assert float(y[BLOCK_SIZE + 7]) == pytest.approx(5.0 / BLOCK_SIZE)
+    else:
+        assert bool((y[x == 0] == 0).all())
+    if codec in (*LEVELS, "sign1"):
         scales = struct.unpack("<4f", encode(x, codec)[:16])
         assert scales[0] == scales[2] == scales[3] == 0.0 and scales[1] > 0
 
@@ -282,7 +291,7 @@ def test_wrong_length_refused(codec, n):
         with pytest.raises(CodecError, match="expected"):
             decode(bad, n, codec)
     # topk2's size follows its chunks and kept values only: 129 and 131 values have one size
-    other = {"topk2": n + TOPK_CHUNK, "int2": n + 4}.get(codec, n + 2)  # (int2: 4 per byte)
+    other = {"topk2": n + TOPK_CHUNK, "int2": n + 4, "sign1": n + 8}.get(codec, n + 2)
     with pytest.raises(CodecError):
         decode(data, other, codec)
 
@@ -385,18 +394,23 @@ def test_topk2_sizes_and_its_bytes_per_value():
     assert encoded_nbytes(big, "int4") / encoded_nbytes(big, "topk2") > 6.5
 
 
-def test_topk2_with_error_feedback_delivers_what_it_drops_later():
-    """The use it is made for: a sender keeps x − decode(encode(x)) and adds it to the next
-    payload; over many payloads of the same vector the receiver's sum tracks the sender's."""
+def assert_error_feedback_delivers(codec: str, n: int, rounds: int) -> None:
+    """The use lossy codecs are made for: a sender keeps x − decode(encode(x)) and adds it to
+    the next payload; over many payloads of the same vector the receiver's sum tracks the
+    sender's (within 5% after ``rounds``) and nothing is lost on the way."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3 * TOPK_CHUNK, generator=g) * torch.rand(3 * TOPK_CHUNK, generator=g)
-    residual, received, rounds = torch.zeros_like(x), torch.zeros_like(x), 300
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g)
+    residual, received = torch.zeros_like(x), torch.zeros_like(x)
     for _ in range(rounds):
-        sent = decode(encode(x + residual, "topk2"), x.numel(), "topk2")
+        sent = decode(encode(x + residual, codec), x.numel(), codec)
         residual = x + residual - sent
         received += sent
     assert torch.allclose(received + residual, rounds * x, rtol=1e-4, atol=1e-2)
     assert float((received - rounds * x).norm() / (rounds * x).norm()) < 0.05
+
+
+def test_topk2_with_error_feedback_delivers_what_it_drops_later():
+    assert_error_feedback_delivers("topk2", 3 * TOPK_CHUNK, rounds=300)
 
 
 def _topk_payload(n: int = 2 * TOPK_CHUNK + 40) -> tuple[bytearray, int, int]:
@@ -465,3 +479,50 @@ def test_topk2_keeps_the_lower_offsets_of_equal_magnitudes():
     x[5::3] = -1.0
     y = _roundtrip(x, "topk2")
     assert torch.equal(y.double(), _topk_expected(x))
+
+
+# ---------------------------------------------------------------------------------- sign1
+
+
+def test_golden_bytes_sign1_lowest_bit_first_mean_magnitude_scale():
+    x = torch.tensor([1.0, -3.0, 0.0, 2.0, -2.0, 0.0, 0.0, 4.0, -4.0])  # one partial block
+    data = encode(x, "sign1")
+    assert data[:4] == struct.pack("<f", 16.0 / 9)  # mean |x| over the 9 real values
+    assert data[4:] == bytes([0b0001_0010, 0b0000_0001])  # bits 1, 4 and 8 are negative
+    s = 16.0 / 9
+    assert decode(data, 9, "sign1").tolist() == pytest.approx([s, -s, s, s, -s, s, s, s, -s])
+    assert encoded_nbytes(9, "sign1") == 4 + 2
+
+
+@pytest.mark.parametrize("n", [1, 8, 127, 128, 129, 1000])
+def test_sign1_is_each_blocks_mean_magnitude_with_each_values_sign(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    y = _roundtrip(x, "sign1")
+    for b in range(-(-n // BLOCK_SIZE)):
+        block = x[b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE].double()
+        expected = torch.where(block < 0, -1.0, 1.0).double() * block.abs().mean()
+        assert torch.allclose(y[b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE].double(), expected)
+
+
+def test_sign1_bytes_per_value():
+    big = 1_000_000
+    assert encoded_nbytes(big, "sign1") == 4 * -(-big // BLOCK_SIZE) + big // 8
+    assert encoded_nbytes(big, "int4") / encoded_nbytes(big, "sign1") > 3.3
+
+
+def test_sign1_with_error_feedback_delivers_what_it_rounds_later():
+    # (slower than topk2's: a large value waits until its block's residuals grow the scale)
+    assert_error_feedback_delivers("sign1", 3 * BLOCK_SIZE + 7, rounds=1000)
+
+
+@pytest.mark.parametrize("bad", ["negative scale", "nan scale", "padding bit"])
+def test_sign1_crafted_payloads_are_refused(bad):
+    data = bytearray(encode(torch.randn(10), "sign1"))
+    if bad == "negative scale":
+        data[0:4] = struct.pack("<f", -1.0)
+    elif bad == "nan scale":
+        data[0:4] = struct.pack("<f", float("nan"))
+    else:
+        data[-1] |= 0x80  # value 15 of 10
+    with pytest.raises(CodecError, match="scale|padding"):
+        decode(bytes(data), 10, "sign1")

@@ -10,7 +10,8 @@ Public names (other packages and users rely on them):
   the share of a cycle a round holds (its step scale).
 - ``decide_round``, ``admit_contribution`` (module ``rounds``): when a round closes and
   whether a (possibly stale) contribution is accepted.
-- ``codecs.encode`` / ``codecs.decode`` (module ``codecs``): wire formats fp32, bf16, int8, int4, topk2.
+- ``codecs.encode`` / ``codecs.decode`` (module ``codecs``): wire formats fp32, bf16, int8, int4,
+  int2, sign1, topk2.
 
 Names are imported lazily so a partially built tree stays importable.
 """
