@@ -3,6 +3,8 @@ lost replies against real processes, each audited for exactly-once accounting.
 
 Run (as root: the syncer's disk is a tmpfs that fills up):
 ``.venv/bin/python benchmarks/bench_torture.py --seeds 0-49 --out /tmp/torture``
+(``--comms NAME``, ``--up-codec``, ``--down-codec``: the syncer's exchange, for the audit
+with other codecs)
 
 Each seed is one ``diloco.launch.torture.Torture`` run (a ``diloco syncer`` process and three
 ``diloco learner`` processes of the tiny recipe, each behind its own relay; ``--seconds`` of
@@ -50,6 +52,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="training time per run")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--keep", action="store_true", help="keep every run's files")
+    parser.add_argument("--comms", default="default", help="the syncer's --comms setting")
+    parser.add_argument("--up-codec", help="the syncer's --up-codec (default: the setting's)")
+    parser.add_argument("--down-codec", help="the syncer's --down-codec (default: the setting's)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(
@@ -61,7 +66,14 @@ def main() -> int:
     results = {}
     for seed in seeds_of(args.seeds):
         workdir = args.out / str(seed)
-        result = Torture(TortureSpec(seed=seed, seconds=args.seconds), workdir).run()
+        spec = TortureSpec(
+            seed=seed,
+            seconds=args.seconds,
+            comms=args.comms,
+            up_codec=args.up_codec,
+            down_codec=args.down_codec,
+        )
+        result = Torture(spec, workdir).run()
         r = result.to_dict()
         (workdir / "result.json").write_text(json.dumps(r, indent=1))
         results[seed] = r

@@ -64,6 +64,12 @@ class TortureSpec:
     disk_full_s: tuple[float, float] = (2.0, 6.0)
     """How long the disk stays full (drawn uniformly): shorter than the syncer's retries
     (about 3 s) it is ridden out, longer it fails the syncer."""
+    comms: str = "default"
+    """The syncer's ``--comms`` setting (its H and codecs)."""
+    up_codec: str | None = None
+    """The syncer's ``--up-codec`` (None: the setting's)."""
+    down_codec: str | None = None
+    """The syncer's ``--down-codec`` (None: the setting's)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,9 @@ class Torture:
             f"--bind={self.address or '127.0.0.1:0'}",
             f"--state-dir={self.state_dir}",
             f"--port-file={self._port_file}",
+            *([f"--comms={self.spec.comms}"] if self.spec.comms != "default" else []),
+            *([f"--up-codec={self.spec.up_codec}"] if self.spec.up_codec else []),
+            *([f"--down-codec={self.spec.down_codec}"] if self.spec.down_codec else []),
             "--exit-with-parent",
         )
         self.syncer = Child("syncer", argv, self.workdir / "syncer.log")
