@@ -18,6 +18,8 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
 - ``sparse``: top-k 2-bit exchanges both ways (``--up-codec topk2 --down-codec topk2``);
   ``sparse-up``: topk2 up, int4 down; ``sparse-down``: int4 up, topk2 down; ``sparse-mean``:
   both ways with the weighted mean instead of RDA; ``int2``: dense ternary (int2) both ways;
+  ``sign1``: dense sign bits both ways; ``sign1-up``: sign1 up, int4 down; ``sign1-nofb``:
+  sign1 both ways, Θ set to the wire image at every commit (``--down-feedback off``);
 - ``dp-muon``, ``decoupled-muon``: the inner optimizer Muon (hidden matrices; AdamW for the
   rest) instead of AdamW; any setting as ``SETTING+muon`` with Muon, and as ``SETTING@LR``
   with the peak inner lr LR (``sparse+muon@6e-3``); ``SETTING-HN`` with sync period H = N
@@ -75,6 +77,12 @@ SETTINGS["sparse-down"] = ["--mode=decoupled", "--down-codec=topk2"]
 SETTINGS["sparse-mean"] = [*SETTINGS["sparse"], "--merge=mean"]
 # dense ternary (int2) exchanges both ways with error feedback
 SETTINGS["int2"] = ["--mode=decoupled", "--up-codec=int2", "--down-codec=int2"]
+# dense sign (sign1: one bit per value and a mean-magnitude scale per block) with error
+# feedback: both ways, or up only with int4 down
+SETTINGS["sign1"] = ["--mode=decoupled", "--up-codec=sign1", "--down-codec=sign1"]
+SETTINGS["sign1-up"] = ["--mode=decoupled", "--up-codec=sign1", "--down-codec=int4"]
+# ... and without error feedback down: the syncer's Θ takes the wire image at every commit
+SETTINGS["sign1-nofb"] = [*SETTINGS["sign1"], "--down-feedback=off"]
 # the inner optimizer: Muon for the hidden matrices, AdamW for the rest (one peak lr)
 SETTINGS["dp-muon"] = ["--mode=dp", "--inner-optimizer=muon"]
 SETTINGS["decoupled-muon"] = ["--mode=decoupled", "--inner-optimizer=muon"]
@@ -85,6 +93,9 @@ OUTER_PREFIXES = {  # NAME-LR-MU: the setting's flags with that outer step
     "sparse": SETTINGS["sparse"],
     "sparse-up": SETTINGS["sparse-up"],
     "int2": SETTINGS["int2"],
+    "sign1": SETTINGS["sign1"],
+    "sign1-up": SETTINGS["sign1-up"],
+    "sign1-nofb": SETTINGS["sign1-nofb"],
 }
 
 

@@ -9,7 +9,9 @@
 namespace; the kernel's ``tbf`` shapes each link in both directions; ``diloco.wan``), with
 the default recipe and settings of each mode; ``torchft``: ``python -m
 diloco.cli.torchft_peer`` with the same flags (torchft's DiLoCo, H = 24, one fragment,
-every replica group on its link). Fixed wall time, so every mode spends the same
+every replica group on its link); ``lowest``: decoupled with ``--comms lowest`` and Muon
+(``--inner-optimizer muon --inner-lr 6e-3``, the setting's measured use). Fixed wall time,
+so every mode spends the same
 seconds; ``rate=none`` is the harness unshaped (the same namespaces and routing).
 
 **Measures** (from each run's ``summary.json``): tokens/s over the training time; held-out
@@ -34,7 +36,10 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("dp", "sync", "decoupled", "torchft")
+MODES = ("dp", "sync", "decoupled", "torchft", "lowest")
+MODE_FLAGS = {  # a mode that is a setting of another: its diloco run flags
+    "lowest": ["--mode=decoupled", "--comms=lowest", "--inner-optimizer=muon", "--inner-lr=6e-3"]
+}
 RATES = ("none", "1gbit", "300mbit", "100mbit", "30mbit", "10mbit", "3mbit", "1mbit", "300kbit")
 KNEE_SHARE = 0.9
 
@@ -60,7 +65,8 @@ def run_cell(out: Path, mode: str, rate: str, rtt: str, seed: int, args) -> dict
             command = [sys.executable, "-m", "diloco.cli.torchft_peer", *common]
             command += [f"--run-dir={run_dir}", "--json"]
         else:
-            command = [sys.executable, "-m", "diloco.cli", "run", f"--mode={mode}", *common]
+            flags = MODE_FLAGS.get(mode, [f"--mode={mode}"])
+            command = [sys.executable, "-m", "diloco.cli", "run", *flags, *common]
             command += [f"--runs-dir={out / 'runs'}", f"--name={name}", "--no-view"]
         t0 = time.time()
         log_path = out / "logs" / f"{name}.log"

@@ -48,8 +48,17 @@ def train_to_the_end(tmp_path, learners: int, **training) -> tuple[list[Learner]
 
 
 @pytest.mark.timeout(120)
-def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_cuts(tmp_path):
-    server = start_syncer(tmp_path, max_staleness=0, norm_guard_k=0.0)
+@pytest.mark.parametrize(
+    ("up_codec", "down_codec"),
+    # the default, and the codecs whose error feedback holds back most of each delta
+    [("int4", "int8"), ("topk2", "sign1")],
+)
+def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_cuts(
+    tmp_path, up_codec, down_codec
+):
+    server = start_syncer(
+        tmp_path, max_staleness=0, norm_guard_k=0.0, up_codec=up_codec, down_codec=down_codec
+    )
     relays = [Relay(server.address, name=f"relay-{i}") for i in range(3)]
     learners: list[Learner] = []
     try:
@@ -313,3 +322,30 @@ def test_host_copies_are_immediate_off_cuda():
     copy = copies.take(1)
     assert copy.ready()
     assert torch.equal(copy.value(), layout.gather(1, learner_params))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("down_feedback", [True, False])
+def test_without_down_feedback_the_syncer_holds_exactly_what_its_learners_hold(
+    tmp_path, down_feedback
+):
+    """sign1 down rounds most of each change away. With error feedback (the default) the
+    syncer keeps that rounding in Θ − W; without it every commit sets Θ to the wire image W
+    it sent, so the exported model is the one the learners hold, at every version."""
+    server = start_syncer(
+        tmp_path, up_codec="sign1", down_codec="sign1", down_feedback=down_feedback
+    )
+    try:
+        learners, threads = start_training([server.address] * 2)
+        for t in threads:
+            t.join(timeout=60)
+        for lr in learners:
+            lr.close(flush=True)
+    finally:
+        server.stop()  # the committer has stopped: Θ and W stay as they are
+    assert min(server.state.versions) >= 2
+    gaps = [float((server.state.params[p] - server.service.wire(p)).abs().max()) for p in range(P)]
+    if down_feedback:
+        assert max(gaps) > 0  # the rounding waits in Θ − W
+    else:
+        assert gaps == [0.0] * P

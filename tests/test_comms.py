@@ -36,13 +36,18 @@ def test_each_setting_names_h_and_both_codecs_and_a_flag_beside_it_wins():
     assert (plain.protocol.sync_every, plain.up_codec, plain.down_codec) == (24, "int4", "int8")
     for name, s in COMMS.items():
         c = SyncerConfig(protocol=ProtocolConfig(comms=name))
-        assert (c.protocol.sync_every, c.up_codec, c.down_codec) == (
+        assert (c.protocol.sync_every, c.up_codec, c.down_codec, c.down_feedback) == (
             s.sync_every,
             s.up_codec,
             s.down_codec,
+            s.down_feedback,
         )
-    mixed = SyncerConfig(protocol=ProtocolConfig(comms="lowest", sync_every=64), up_codec="int8")
-    assert (mixed.protocol.sync_every, mixed.up_codec, mixed.down_codec) == (64, "int8", "int4")
+        flipped = SyncerConfig(
+            protocol=ProtocolConfig(comms=name), down_feedback=not s.down_feedback
+        )
+        assert flipped.down_feedback is not s.down_feedback
+    mixed = SyncerConfig(protocol=ProtocolConfig(comms="lowest", sync_every=128), up_codec="int8")
+    assert (mixed.protocol.sync_every, mixed.up_codec, mixed.down_codec) == (128, "int8", "sign1")
     with pytest.raises(ValueError, match="--comms must be one of default, low, lowest"):
         ProtocolConfig(comms="fast")
     with pytest.raises(ValueError, match="--comms must be one of"):
@@ -59,9 +64,9 @@ def test_settings_are_ordered_densest_first_and_priced_with_real_codec_bytes():
 
 
 def test_a_learners_budget_refuses_a_heavier_syncer_and_takes_a_lighter_one():
-    check_budget("low", sync_every=64, up_codec="int4", down_codec="int4")  # exactly it
+    check_budget("low", sync_every=24, up_codec="sign1", down_codec="sign1")  # exactly it
     check_budget("default", sync_every=96, up_codec="topk2", down_codec="int4")  # lighter
-    with pytest.raises(CommsBudgetError, match=r"H=24, int4 up, int8 down: 3\.9x the traffic"):
+    with pytest.raises(CommsBudgetError, match=r"H=24, int4 up, int8 down: 5\.0x the traffic"):
         check_budget("low", sync_every=24, up_codec="int4", down_codec="int8")
     with pytest.raises(CommsBudgetError, match="cannot be priced"):  # fatal, not retried
         check_budget("low", sync_every=24, up_codec="int3", down_codec="int8")
@@ -76,17 +81,19 @@ def test_the_command_line_and_config_files_resolve_comms_the_same_way(tmp_path):
 
     c = run_config("--comms", "lowest", "--up-codec", "int8")
     assert (c.syncer.protocol.sync_every, c.syncer.up_codec, c.syncer.down_codec) == (
-        192,
+        64,
         "int8",
-        "int4",
+        "sign1",
     )
+    assert c.syncer.down_feedback is False
     # a run's config.json holds the resolved values and repeats the run exactly
     assert from_dict(RunConfig, json.loads(json.dumps(to_dict(c)))) == c
     # --comms beside a file names H and the codecs anew (the file's were written resolved)
     path = write_config(tmp_path / "config.json", RunConfig())
     again = run_config(f"--config={path}", "--comms", "low")
-    assert (again.syncer.protocol.sync_every, again.syncer.up_codec) == (64, "int4")
-    assert again.syncer.down_codec == "int4"  # the file's int8 gave way
+    assert (again.syncer.protocol.sync_every, again.syncer.up_codec) == (24, "sign1")
+    assert again.syncer.down_codec == "sign1"  # the file's int8 gave way
+    assert again.syncer.down_feedback is False  # and its feedback
     with pytest.raises(ConfigError, match="unknown key"):
         from_dict(ServiceConfig, {"syncer": {"comms": "low"}})  # it lives in the protocol
 
@@ -168,6 +175,25 @@ def test_the_flags_that_rebuild_a_configuration_name_the_setting_not_its_values(
 
     lowest = SyncerConfig(protocol=ProtocolConfig(comms="lowest"))
     assert command_flags(lowest) == ["--comms", "lowest"]
-    mixed = SyncerConfig(protocol=ProtocolConfig(comms="lowest", sync_every=64), up_codec="int8")
-    assert command_flags(mixed) == ["--up-codec", "int8", "--comms", "lowest", "--sync-every", "64"]
+    mixed = SyncerConfig(protocol=ProtocolConfig(comms="lowest", sync_every=96), up_codec="int8")
+    assert command_flags(mixed) == ["--up-codec", "int8", "--comms", "lowest", "--sync-every", "96"]
     assert command_flags(SyncerConfig()) == []
+    off = SyncerConfig(down_feedback=False)
+    assert command_flags(off) == ["--down-feedback", "off"]
+    assert SyncerConfig(down_feedback=True).down_feedback is True
+
+
+def test_down_feedback_is_on_or_off_on_the_command_line(capsys):
+    def syncer_of(*argv):
+        args = build_parser().parse_args(["run", *argv])
+        return config_from_args(RunConfig, args, load_run_config).syncer
+
+    assert syncer_of().down_feedback is True
+    assert syncer_of("--down-feedback", "off").down_feedback is False
+    assert syncer_of("--down-feedback", "ON").down_feedback is True
+    lowest = COMMS["lowest"].down_feedback
+    assert syncer_of("--comms", "lowest").down_feedback is lowest
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["run", "--down-feedback", "maybe"])
+    assert exc.value.code == 2
+    assert "expected on or off, got 'maybe'" in capsys.readouterr().err

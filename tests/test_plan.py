@@ -102,15 +102,18 @@ def test_each_named_setting_is_priced_and_the_densest_that_fits_is_recommended()
     # default: int8 down dominates (1.031 B/value), H = 24: 12e9 · 8.25 / 2.381 / 24
     assert gbps["default"] == pytest.approx(12e9 * 8.25 / 2.381 / 24 / 1e9, rel=1e-6)
     assert gbps["default"] > gbps["low"] > gbps["lowest"]
-    # lowest: H = 192, int4 both ways; τ at least H/P = 8 steps (the clock's next ask), so
-    # the burst term 1/(P·τ) does not price it as H = 2P = 48
-    assert gbps["lowest"] == pytest.approx(12e9 * 4.25 / 2.381 / 192 / 1e9, rel=1e-6)
-    assert with_comms(p, "lowest").tau == 8.0 and with_comms(p, "default").tau == 2.0
+    # low: H = 24, sign1 both ways (1.25 bits per value: a bit and a float32 per 128)
+    assert gbps["low"] == pytest.approx(12e9 * 1.25 / 2.381 / 24 / 1e9, rel=1e-6)
+    # lowest: H = 64; τ at least H/P steps (the clock's next ask), so the burst term
+    # 1/(P·τ) does not price it as H = 2P = 48
+    assert gbps["lowest"] == pytest.approx(12e9 * 1.25 / 2.381 / 64 / 1e9, rel=1e-6)
+    assert with_comms(p, "lowest").tau == pytest.approx(64 / 24)
+    assert with_comms(p, "default").tau == 2.0
     assert recommend(p, 10e9) == "default"
     assert recommend(p, 1e9) == "low"
-    assert recommend(p, 0.12e9) == "lowest"
-    assert recommend(p, 0.1e9) is None
-    assert with_comms(p, "lowest").sync_every == 192
+    assert recommend(p, 0.1e9) == "lowest"
+    assert recommend(p, 0.09e9) is None
+    assert with_comms(p, "lowest").sync_every == 64
 
 
 def test_cli_says_which_comms_a_link_needs(capsys):
@@ -122,7 +125,7 @@ def test_cli_says_which_comms_a_link_needs(capsys):
     assert out["recommended_comms"] is None and out["link_gbps"] == pytest.approx(0.05)
     assert set(out["comms_gbps"]) == {"default", "low", "lowest"}
     assert cli_main([*argv, "--comms", "lowest", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["inputs"]["sync_every"] == 192
+    assert json.loads(capsys.readouterr().out)["inputs"]["sync_every"] == 64
     with pytest.raises(SystemExit):
         cli_main([*argv, "--link", "fast"])
     assert "is not a link rate" in capsys.readouterr().err

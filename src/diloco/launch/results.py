@@ -67,6 +67,7 @@ def summarize(config, run_dir, plans, sup, facts: dict) -> dict:
         "sync_every": syncer.protocol.sync_every,
         "up_codec": syncer.up_codec,
         "down_codec": syncer.down_codec,
+        "down_feedback": syncer.down_feedback,
         **(
             {"early_sync_every": syncer.early_sync_every, "early_cycles": syncer.early_cycles}
             if syncer.early_sync_every

@@ -115,6 +115,15 @@ def default_of(f: dataclasses.Field) -> Any:
     return None
 
 
+def on_off(text: str) -> bool:
+    """A flag's ``on``/``off`` (or ``true``/``false``) as a bool: the ``type`` of a switch
+    whose default is derived (None until resolved), so it takes a value, not ``--no-x``."""
+    value = {"on": True, "true": True, "off": False, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value
+
+
 def _scalar_type(cls: type, name: str) -> type:
     """The scalar type a field's flag parses to, from its annotation (``int | None`` -> int)."""
     hint = typing.get_type_hints(cls)[name]
@@ -262,6 +271,8 @@ def command_flags(obj: Any, *, skip: Sequence[str] = ()) -> list[str]:
         flag = flag_name(f)
         if isinstance(value, bool) and f.metadata[_CLI]["type"] is None:
             out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, bool):  # an on_off switch
+            out += [flag, "on" if value else "off"]
         elif isinstance(value, list):
             for item in value:
                 out += [flag, str(item)]

@@ -18,11 +18,14 @@ restarted syncer reports the versions on disk. A syncer never stays up unable to
 value every learner holding version v holds, bit for bit. A commit sends ``d = Θ_p − W_p``
 in the down codec and moves ``W_p`` by the decoded ``d̂`` (the rounding stays in ``Θ_p − W_p``
 and goes out with the next delta); a learner applies the same ``W + d̂``. ``W_p`` is persisted
-with the commit, so a restarted syncer goes on sending deltas its learners can apply.
+with the commit, so a restarted syncer goes on sending deltas its learners can apply. With
+``down_feedback`` off the rounding is dropped instead: Θ_p takes the value ``W_p`` before the
+commit is persisted, so Θ_p and ``W_p`` are equal at every version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -195,6 +198,10 @@ class Committer:
         if commit.changed:
             delta = codecs.encode(commit.params - self._wire[p], codec)
             wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
+            if not self.state.config.down_feedback:  # Θ_p takes the value learners will hold
+                with self.lock:
+                    self.state.params[p].copy_(wire)
+                commit = dataclasses.replace(commit, params=wire.clone())
         else:
             delta, wire = b"", self._wire[p]
         if self.store is not None:

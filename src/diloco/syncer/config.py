@@ -13,7 +13,7 @@ from diloco.algorithm.guard import (
     DEFAULT_WINDOW,
 )
 from diloco.algorithm.rounds import SCHEDULES
-from diloco.runtime.schema import option
+from diloco.runtime.schema import on_off, option
 from diloco.wire.comms import comms_setting
 from diloco.wire.protocol import ProtocolConfig
 
@@ -73,6 +73,12 @@ class SyncerConfig:
     """Codec of the deltas the syncer broadcasts (``W(v) − W(v−1)``, with the rounding kept
     in W for the next one; default: the ``--comms`` setting's, int8); keyframes (join,
     resync) are always fp32."""
+    down_feedback: bool = option(None, type=on_off, metavar="on|off")  # type: ignore[assignment]
+    """on: what the down codec rounds away stays in ``Θ_p − W_p`` and goes out with the next
+    delta (error feedback); off: every commit sets Θ_p to the W_p it sent, so the syncer and
+    its learners hold the same values and the outer momentum alone carries the merged deltas
+    into later steps (docs/algorithm.md, "Sign exchanges"). Default: the ``--comms``
+    setting's (on, but off for ``lowest``)."""
     merge_rule: str = option("rda", flag="--merge", choices=MERGE_RULES)
     """``"rda"``: radial–directional averaging for every non-embedding tensor (embeddings by
     weighted mean); ``"mean"``: weighted mean for every tensor (an ablation)."""
@@ -112,6 +118,8 @@ class SyncerConfig:
         named = comms_setting(self.protocol.comms)  # resolved once: the config holds values
         self.up_codec = named.up_codec if self.up_codec is None else self.up_codec
         self.down_codec = named.down_codec if self.down_codec is None else self.down_codec
+        if self.down_feedback is None:
+            self.down_feedback = named.down_feedback
         for codec in (self.up_codec, self.down_codec):
             check_codec(codec)
         if self.schedule not in SCHEDULES:

@@ -2,8 +2,9 @@
 
 A setting fixes the three things that size the exchange: H (each fragment leaves every H inner
 steps), the codec of the learners' outer gradients (up) and that of the merged changes the
-syncer broadcasts (down). ``ProtocolConfig.comms`` names one; any of the three given
-explicitly beside it wins (``--comms lowest --sync-every 64``). The measurements behind each
+syncer broadcasts (down), and with the latter whether the syncer keeps the down codec's
+rounding for the next delta (down feedback). ``ProtocolConfig.comms`` names one; any of them
+given explicitly beside it wins (``--comms lowest --sync-every 128``). The measurements behind each
 (held-out loss against data-parallel, bytes per token) are in benchmarks/RESULTS.md
 ("Named communication settings"); ``diloco plan`` says which one a link needs.
 
@@ -27,16 +28,20 @@ class CommsSetting:
     """The learners' outer gradients (``diloco.algorithm.codecs``)."""
     down_codec: str
     """The merged changes the syncer broadcasts."""
+    down_feedback: bool = True
+    """Whether the syncer keeps the down codec's rounding for the next delta
+    (``SyncerConfig.down_feedback``)."""
 
     def describe(self) -> str:
-        """``H=24, int4 up, int8 down``."""
-        return f"H={self.sync_every}, {self.up_codec} up, {self.down_codec} down"
+        """``H=24, int4 up, int8 down`` (``, no down feedback`` when it is off)."""
+        feedback = "" if self.down_feedback else ", no down feedback"
+        return f"H={self.sync_every}, {self.up_codec} up, {self.down_codec} down{feedback}"
 
 
 COMMS: dict[str, CommsSetting] = {
     "default": CommsSetting(24, "int4", "int8"),
-    "low": CommsSetting(64, "int4", "int4"),
-    "lowest": CommsSetting(192, "int4", "int4"),
+    "low": CommsSetting(24, "sign1", "sign1", down_feedback=False),
+    "lowest": CommsSetting(64, "sign1", "sign1", down_feedback=False),
 }
 """The named settings, densest first (``diloco plan`` recommends the first that fits)."""
 DEFAULT_COMMS = "default"
@@ -45,9 +50,10 @@ DEFAULT_SETTING = COMMS[DEFAULT_COMMS]
 """Its values: ``DEFAULT_SETTING.sync_every`` is the default H everywhere."""
 
 
-COMMS_FIELDS = frozenset({"sync_every", "up_codec", "down_codec"})
+COMMS_FIELDS = frozenset({"sync_every", "up_codec", "down_codec", "down_feedback"})
 """The configuration fields a named setting gives a value (``ProtocolConfig.sync_every``,
-``SyncerConfig.up_codec`` and ``down_codec``) when they are not given themselves."""
+``SyncerConfig.up_codec``, ``down_codec`` and ``down_feedback``) when they are not given
+themselves."""
 
 
 def comms_setting(name: str | None) -> CommsSetting:
