@@ -104,28 +104,28 @@ def test_each_named_setting_is_priced_and_the_densest_that_fits_is_recommended()
     assert gbps["default"] > gbps["low"] > gbps["lowest"]
     # low: H = 24, sign1 both ways (1.25 bits per value: a bit and a float32 per 128)
     assert gbps["low"] == pytest.approx(12e9 * 1.25 / 2.381 / 24 / 1e9, rel=1e-6)
-    # lowest: H = 64; τ at least H/P steps (the clock's next ask), so the burst term
+    # lowest: H = 128; τ at least H/P steps (the clock's next ask), so the burst term
     # 1/(P·τ) does not price it as H = 2P = 48
-    assert gbps["lowest"] == pytest.approx(12e9 * 1.25 / 2.381 / 64 / 1e9, rel=1e-6)
-    assert with_comms(p, "lowest").tau == pytest.approx(64 / 24)
+    assert gbps["lowest"] == pytest.approx(12e9 * 1.25 / 2.381 / 128 / 1e9, rel=1e-6)
+    assert with_comms(p, "lowest").tau == pytest.approx(128 / 24)
     assert with_comms(p, "default").tau == 2.0
     assert recommend(p, 10e9) == "default"
     assert recommend(p, 1e9) == "low"
-    assert recommend(p, 0.1e9) == "lowest"
-    assert recommend(p, 0.09e9) is None
-    assert with_comms(p, "lowest").sync_every == 64
+    assert recommend(p, 0.05e9) == "lowest"
+    assert recommend(p, 0.045e9) is None
+    assert with_comms(p, "lowest").sync_every == 128
 
 
 def test_cli_says_which_comms_a_link_needs(capsys):
     argv = ["plan", "--params", "12B", "--step-time", "2.381"]
     assert cli_main([*argv, "--link", "1Gbps"]) == 0
     assert "a 1 Gbps link: --comms low" in capsys.readouterr().out
-    assert cli_main([*argv, "--link", "50Mbps", "--json"]) == 0
+    assert cli_main([*argv, "--link", "20Mbps", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["recommended_comms"] is None and out["link_gbps"] == pytest.approx(0.05)
+    assert out["recommended_comms"] is None and out["link_gbps"] == pytest.approx(0.02)
     assert set(out["comms_gbps"]) == {"default", "low", "lowest"}
     assert cli_main([*argv, "--comms", "lowest", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["inputs"]["sync_every"] == 64
+    assert json.loads(capsys.readouterr().out)["inputs"]["sync_every"] == 128
     with pytest.raises(SystemExit):
         cli_main([*argv, "--link", "fast"])
     assert "is not a link rate" in capsys.readouterr().err
