@@ -4,7 +4,7 @@ A setting fixes the three things that size the exchange: H (each fragment leaves
 steps), the codec of the learners' outer gradients (up) and that of the merged changes the
 syncer broadcasts (down), and with the latter whether the syncer keeps the down codec's
 rounding for the next delta (down feedback). ``ProtocolConfig.comms`` names one; any of them
-given explicitly beside it wins (``--comms lowest --sync-every 128``). The measurements behind each
+given explicitly beside it wins (``--comms lowest --sync-every 64``). The measurements behind each
 (held-out loss against data-parallel, bytes per token) are in benchmarks/RESULTS.md
 ("Named communication settings"); ``diloco plan`` says which one a link needs.
 
