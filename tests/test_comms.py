@@ -197,3 +197,18 @@ def test_down_feedback_is_on_or_off_on_the_command_line(capsys):
         build_parser().parse_args(["run", "--down-feedback", "maybe"])
     assert exc.value.code == 2
     assert "expected on or off, got 'maybe'" in capsys.readouterr().err
+
+
+def test_a_configuration_file_from_before_down_feedback_keeps_it_on(tmp_path):
+    """Files written before ``down_feedback`` existed hold the resolved H and codecs and no
+    ``down_feedback``: their runs kept the down codec's rounding, and so does reading them,
+    whatever their ``--comms`` name means now."""
+    old = {"protocol": {"comms": "low", "sync_every": 64}, "up_codec": "int4", "down_codec": "int4"}
+    assert from_dict(SyncerConfig, old).down_feedback is True
+    written = to_dict(SyncerConfig(protocol=ProtocolConfig(comms="low")))
+    assert from_dict(SyncerConfig, written).down_feedback is False  # new files say it
+    assert from_dict(SyncerConfig, {"protocol": {"comms": "low"}}).down_feedback is False
+    run = to_dict(RunConfig())
+    del run["syncer"]["down_feedback"]
+    run["syncer"]["protocol"]["comms"] = "lowest"
+    assert from_dict(RunConfig, run).syncer.down_feedback is True

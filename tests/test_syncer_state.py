@@ -351,3 +351,14 @@ def test_an_upload_during_a_dropped_rounds_close_is_admitted_at_the_kept_version
     (commit,), _ = state.poll(1.3)
     assert commit.record["participants"] == ["b"]
     assert admission.version + 1 == commit.version == 1
+
+
+def test_taking_the_wire_image_makes_the_guard_measure_the_new_value():
+    """Down feedback off: Θ_p takes the wire image after the outer step; the norm guard's
+    ‖Θ_p‖ (cached per version) must be that of the new value, not of the unrounded one."""
+    state, _, _ = make_state()
+    before = state._param_norm(0)
+    wire = state.params[0] * 3
+    state.take_wire_image(0, wire)
+    assert torch.equal(state.params[0], wire)
+    assert state._param_norm(0) == pytest.approx(3 * before)

@@ -419,7 +419,7 @@ def _decode_topk(mv: memoryview, n: int) -> torch.Tensor:
 def _block_counts(n: int) -> torch.Tensor:
     """Real values in each of the ``⌈n / BLOCK_SIZE⌉`` blocks (the last may be partial). Pure."""
     nb = -(-n // BLOCK_SIZE)
-    counts = torch.full((nb,), float(BLOCK_SIZE), dtype=torch.float64)
+    counts = torch.full((nb,), float(BLOCK_SIZE), dtype=torch.float32)
     if nb:
         counts[-1] = n - (nb - 1) * BLOCK_SIZE
     return counts
@@ -430,10 +430,10 @@ def _encode_sign(x: torch.Tensor) -> bytes:
     nb = -(-n // BLOCK_SIZE)
     buf = torch.zeros(nb * BLOCK_SIZE, dtype=torch.float32)
     buf[:n] = x
-    blocks = buf.view(nb, BLOCK_SIZE)
-    # float64: a sum of values near float32's max overflows float32; the mean never does
-    scale = (blocks.abs().double().sum(1) / _block_counts(n)).float()
     bits = (buf < 0).to(torch.uint8).view(-1, 8)  # nb·BLOCK_SIZE is a multiple of 8
+    # each |x| / count before the sum (in place, after the signs were read): a sum of values
+    # near float32's max would overflow float32, and a float64 copy costs 8 bytes per value
+    scale = buf.view(nb, BLOCK_SIZE).abs_().div_(_block_counts(n)[:, None]).sum(1)
     packed = bits[:, 0].clone()
     for k in range(1, 8):
         packed |= bits[:, k] << k

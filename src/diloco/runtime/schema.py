@@ -304,10 +304,14 @@ def from_dict(cls: type, data: dict[str, Any], *, where: str = "") -> Any:
     """Build dataclass ``cls`` from ``data`` (as :func:`to_dict` writes it).
 
     Unknown keys and values of the wrong type are refused with :class:`ConfigError` naming
-    the key; missing keys take the dataclass default; the dataclass's own checks run.
+    the key; missing keys take the dataclass default; the dataclass's own checks run. A
+    class with a static ``upgrade_file_data(data) -> data`` reads files of older versions.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__}: expected an object, got {data!r:.80}")
+    upgrade = getattr(cls, "upgrade_file_data", None)  # files written by older versions
+    if upgrade is not None:
+        data = upgrade(data)
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(known))

@@ -20,7 +20,9 @@ in the down codec and moves ``W_p`` by the decoded ``d̂`` (the rounding stays i
 and goes out with the next delta); a learner applies the same ``W + d̂``. ``W_p`` is persisted
 with the commit, so a restarted syncer goes on sending deltas its learners can apply. With
 ``down_feedback`` off the rounding is dropped instead: Θ_p takes the value ``W_p`` before the
-commit is persisted, so Θ_p and ``W_p`` are equal at every version.
+commit is persisted, so Θ_p and ``W_p`` are equal at every persisted version (in memory, from
+the outer step until its delta is encoded, moments later, Θ_p is the unrounded value; the
+norm guard's ‖Θ_p‖ is taken anew after the change).
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ class Committer:
             wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
             if not self.state.config.down_feedback:  # Θ_p takes the value learners will hold
                 with self.lock:
-                    self.state.params[p].copy_(wire)
+                    self.state.take_wire_image(p, wire)
                 commit = dataclasses.replace(commit, params=wire.clone())
         else:
             delta, wire = b"", self._wire[p]

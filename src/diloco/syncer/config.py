@@ -77,8 +77,8 @@ class SyncerConfig:
     """on: what the down codec rounds away stays in ``Θ_p − W_p`` and goes out with the next
     delta (error feedback); off: every commit sets Θ_p to the W_p it sent, so the syncer and
     its learners hold the same values and the outer momentum alone carries the merged deltas
-    into later steps (docs/algorithm.md, "Sign exchanges"). Default: the ``--comms``
-    setting's (on, but off for ``lowest``)."""
+    into later steps (docs/algorithm.md, "Down without error feedback"). Default: the
+    ``--comms`` setting's (on for ``default``, off for ``low`` and ``lowest``)."""
     merge_rule: str = option("rda", flag="--merge", choices=MERGE_RULES)
     """``"rda"``: radial–directional averaging for every non-embedding tensor (embeddings by
     weighted mean); ``"mean"``: weighted mean for every tensor (an ablation)."""
@@ -113,6 +113,17 @@ class SyncerConfig:
     """Accepted norms a fragment needs before the median applies."""
     max_learner_ids: int = 1024
     """Distinct learner ids the syncer remembers; joins of new ids beyond it are refused."""
+
+    @staticmethod
+    def upgrade_file_data(data: dict) -> dict:
+        """A configuration file written before ``down_feedback`` existed holds the resolved
+        H and codecs and no ``down_feedback``: its run kept the down codec's rounding, so it
+        is read with down feedback on (not the value its ``--comms`` name has now)."""
+        protocol = data.get("protocol")
+        resolved = isinstance(protocol, dict) and "sync_every" in protocol
+        if resolved and {"up_codec", "down_codec"} <= data.keys() and "down_feedback" not in data:
+            return {**data, "down_feedback": True}
+        return data
 
     def __post_init__(self) -> None:
         named = comms_setting(self.protocol.comms)  # resolved once: the config holds values

@@ -354,6 +354,12 @@ class SyncerState(LearnerRoster, RoundClosing):
         """H for the norm guard's step-scaled bounds: on the syncer's clock only (0: none)."""
         return self.sync_every() if self.config.schedule == "syncer" else 0
 
+    def take_wire_image(self, fragment: int, wire: torch.Tensor) -> None:
+        """Θ_p := ``wire``, the value learners will hold (``down_feedback`` off; lock held):
+        the guard's ‖Θ_p‖ is computed anew from it."""
+        self.params[fragment].copy_(wire)
+        self._param_norms.pop(fragment, None)
+
     def _param_norm(self, fragment: int) -> float:
         """‖Θ_p‖ for the norm guard, computed once per version (every upload asks for it)."""
         if fragment not in self._param_norms:
