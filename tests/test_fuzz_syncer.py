@@ -192,6 +192,7 @@ MUTATIONS = st.one_of(
         st.just("header_drift"), st.sampled_from(["steps", "tokens", "base_version", "fragment"])
     ),
     st.tuples(st.just("oversized_chunk"), st.integers(1, 1024)),
+    st.tuples(st.just("final_fragments"), st.lists(int32, min_size=1, max_size=40)),
     st.tuples(st.just("empty"), st.none()),
     st.tuples(st.just("token"), st.text(alphabet=ASCII, max_size=40)),
 )
@@ -255,6 +256,9 @@ def mutate(h: Harness, kind: str, value):
             pb.UploadChunk(**{**head, "chunk_index": i, "data": piece, "num_chunks": len(pieces)})
             for i, piece in enumerate(pieces)
         ]
+    elif kind == "final_fragments":  # names out of range, twice, too many, or not final
+        valid = len(set(value)) == len(value) <= P and all(0 <= f < P for f in value)
+        chunks = h.chunks(p, final=not valid, final_fragments=value)
     elif kind == "empty":
         chunks = []
     elif kind == "token":

@@ -16,6 +16,7 @@ from diloco.algorithm.rounds import fleet_step_time, next_tick, tick_period
 from diloco.config import from_dict
 from diloco.config.run import RunConfig
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.state import Refused
 from diloco.wire.protocol import ProtocolConfig
 
 
@@ -32,7 +33,9 @@ def join(state, lid, layout, now=0.0, steps_per_s=10.0):
     return session
 
 
-def answer(state, lid, session, fragment, now, steps=2, tokens=20, value=1.0, final=False):
+def answer(
+    state, lid, session, fragment, now, steps=2, tokens=20, value=1.0, final=False, names=()
+):
     n = state.layout.fragments[fragment].numel
     return state.submit(
         lid,
@@ -46,6 +49,7 @@ def answer(state, lid, session, fragment, now, steps=2, tokens=20, value=1.0, fi
         nbytes=n,
         now=now,
         final=final,
+        final_fragments=names,
     )
 
 
@@ -219,3 +223,58 @@ def test_an_h_schedule_ticks_faster_for_its_early_cycles_then_at_h():
         SyncerConfig(early_sync_every=4)
     with pytest.raises(ValueError, match="needs the syncer's clock"):
         SyncerConfig(early_sync_every=4, early_cycles=2, schedule="learner")
+
+
+def test_a_fleet_that_stops_together_merges_one_round_per_fragment_over_slow_links():
+    # seen over a 300 kbit/s link with --comms lowest: every learner flushed all its
+    # fragments at the end; their finals arrived one by one and, nobody being live any more,
+    # each closed a round of its own: up to 4 full outer steps (and 4 momentum steps) per
+    # fragment instead of one, and the final model was far worse than the one before
+    state, layout, _ = make_state(P=2, sync_every=4)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    answer(state, "a", sa, 0, now=1.0, final=True, names=[0, 1])
+    answer(state, "b", sb, 0, now=1.01, final=True, names=[0, 1])  # nobody is live now
+    (commit,) = state.poll(1.01)[0]
+    assert commit.fragment == 0 and commit.record["participants"] == ["a", "b"]
+    answer(state, "a", sa, 1, now=1.02, final=True)  # b's final of 1 is on its way ...
+    commits, wake = state.poll(1.02)
+    assert commits == [] and wake is not None  # ... so fragment 1's round waits for it
+    assert state.finals_due(1, 1.02) == {"b": pytest.approx(wake)}
+    answer(state, "b", sb, 1, now=1.5, final=True)
+    (commit,) = state.poll(1.5)[0]
+    assert commit.fragment == 1 and commit.record["participants"] == ["a", "b"]
+    assert state.versions == [1, 1]
+
+
+def test_a_flush_is_not_waited_for_once_its_learner_is_gone_or_silent():
+    state, layout, _ = make_state(P=2, sync_every=4, lease_s=2.0)
+    sa, sb, sc = (join(state, lid, layout) for lid in "abc")
+    answer(state, "a", sa, 0, now=1.0, final=True, names=[0, 1])
+    answer(state, "b", sb, 0, now=1.0, final=True, names=[0, 1])
+    answer(state, "c", sc, 0, now=1.0, final=True, names=[0])
+    state.poll(1.0)
+    answer(state, "a", sa, 1, now=1.1, final=True)
+    assert state.poll(1.1)[0] == []  # b named fragment 1, c did not
+    state.leave("b", sb, now=1.2)  # b left without sending it: not waited for
+    (commit,) = state.poll(1.2)[0]
+    assert commit.fragment == 1 and commit.record["participants"] == ["a"]
+    # a flush whose learner heartbeats no more is waited for until its lease runs out
+    state2, layout2, _ = make_state(P=2, sync_every=4, lease_s=2.0)
+    sa, sb = join(state2, "a", layout2), join(state2, "b", layout2)
+    answer(state2, "a", sa, 1, now=1.0, final=True, names=[0, 1])
+    answer(state2, "b", sb, 1, now=1.0, final=True, names=[1])
+    state2.poll(1.0)
+    answer(state2, "b", sb, 0, now=1.0, final=True)  # (b had not named 0: nothing waits)
+    assert state2.poll(1.5)[0] == []  # a's final of 0 is due until its lease ends at 3.0
+    (commit,) = state2.poll(3.01)[0]
+    assert commit.fragment == 0 and commit.record["participants"] == ["b"]
+
+
+@pytest.mark.parametrize("final, names", [(False, [0]), (True, [0, 0]), (True, [2]), (True, [-1])])
+def test_bad_final_fragments_are_refused_and_change_nothing(final, names):
+    state, layout, _ = make_state(P=2, sync_every=4)
+    sa = join(state, "a", layout)
+    with pytest.raises(Refused, match="final_fragments"):
+        answer(state, "a", sa, 0, now=1.0, final=final, names=names)
+    assert state.rounds.get(0) is None or not state.rounds[0].contributions
+    assert not state.learners["a"].stopping and not state.learners["a"].finals_due

@@ -521,6 +521,7 @@ class SyncerLink:
                     step_time_s=job.step_time_s,
                     final=job.final,
                     upload_id=job.upload_id,
+                    final_fragments=job.final_fragments if i == 0 else (),
                 )
 
         try:

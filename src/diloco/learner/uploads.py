@@ -36,6 +36,9 @@ class UploadJob:
     """The learner is stopping: the syncer merges this without waiting for its clock."""
     upload_id: int = 0
     """Names this delta on the wire across resends (given by the link when first sent)."""
+    final_fragments: tuple[int, ...] = ()
+    """With ``final``: every fragment the flush sends (the syncer waits for them when
+    nobody is live, so a fleet that stops together merges one round per fragment)."""
     attempts: int = 0
     """Times it was sent without an answer (``MAX_RESENDS`` bounds the resends)."""
     resend_at: float = 0.0

@@ -66,6 +66,11 @@ class LearnerInfo:
     """It sent a *final* contribution: it is flushing before it stops and answers no more
     requests, so the clock neither asks it nor waits for it (a late answer of its own then
     merges with the others' answers, or alone when nobody else is live)."""
+    finals_due: set[int] = field(default_factory=set)
+    """The fragments its flush named (``final_fragments`` of its first final upload) that
+    have not arrived yet: with nobody live, their rounds wait for them (``finals_due``)."""
+    stopping_since: float | None = None
+    """When its first final upload arrived."""
     contributions: int = 0
     last_tokens: int | None = None
     """Tokens of this learner's last accepted contribution (the round share's fallback)."""

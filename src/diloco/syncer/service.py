@@ -333,6 +333,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                     final=header.final,
                     upload_id=header.upload_id,
                     delta_norm=norm,
+                    final_fragments=tuple(header.final_fragments),
                 )
                 current = self.state.versions[header.fragment]
                 if admission.version is not None:

@@ -186,6 +186,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         final: bool = False,
         upload_id: int = 0,
         delta_norm: float | None = None,
+        final_fragments: Collection[int] = (),
     ) -> Admission:
         """Put a decoded contribution into fragment ``fragment``'s open round.
 
@@ -197,11 +198,15 @@ class SyncerState(LearnerRoster, RoundClosing):
         schedule a contribution that finds no open round waits for the fragment's next tick;
         a ``final`` one (the learner is stopping and will not answer again) counts as its
         answer to that round, so learners that stop one after another are merged with the
-        others and no extra round is made for them. An ``upload_id`` the learner's accepted
+        others and no extra round is made for them. ``final_fragments`` (with the first
+        final upload of a session): every fragment its flush sends; while nobody is live, a
+        round waits for those of them still on their way (``finals_due``), so a fleet that
+        stops over slow links still merges one round per fragment. An ``upload_id`` the learner's accepted
         uploads already hold is a resend (its reply was lost): answered with the version it
         was admitted at, and nothing changes.
         """
         info = self.session_of(learner_id, session)
+        self._check_final_fragments(final, final_fragments)
         known = self.receipts.admitted(learner_id, upload_id, fragment)
         if known is not None:
             self.emit({"event": "resent", "t": now, "learner": learner_id, "fragment": fragment})
@@ -224,7 +229,10 @@ class SyncerState(LearnerRoster, RoundClosing):
         )
         info.last_seen = now
         info.live = info.live or info.connected
+        if final and not info.stopping:
+            info.finals_due, info.stopping_since = set(final_fragments), now
         info.stopping = info.stopping or final
+        info.finals_due.discard(fragment)
         info.bytes_up += nbytes
         self.bytes_up += nbytes
         if step_time_s > 0:
@@ -463,8 +471,45 @@ class SyncerState(LearnerRoster, RoundClosing):
     def _quorum(self) -> int:
         return self.config.wait_for_all or self.config.quorum
 
+    def _check_final_fragments(self, final: bool, final_fragments: Collection[int]) -> None:
+        """``final_fragments`` come with a final upload, each a fragment of the layout, once."""
+        if not final_fragments:
+            return
+        count = self.layout.num_fragments
+        if not final:
+            raise Refused("INVALID_ARGUMENT", "final_fragments need a final upload")
+        if len(set(final_fragments)) != len(final_fragments) or not all(
+            0 <= p < count for p in final_fragments
+        ):
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"final_fragments must be distinct fragments in [0, {count}), "
+                f"got {_span(sorted(final_fragments))}",
+            )
+
+    def finals_due(self, fragment: int, now: float) -> dict[str, float]:
+        """The stopping learners whose flush named ``fragment`` and whose final for it has not
+        arrived, each with the time it stops being waited for: its lease running out (it is
+        connected and heartbeats) or one of the clock's longest waits after its flush began,
+        whichever comes first. A learner that leaves or whose stream closes is not waited for."""
+        lease = self.config.lease_s
+        longest = max(self._longest_wait(self.estimates()), lease)
+        due = {}
+        for lid, i in self.learners.items():
+            if not (i.stopping and i.connected and fragment in i.finals_due):
+                continue
+            until = min(i.last_seen + lease, (i.stopping_since or now) + longest)
+            if now < until:
+                due[lid] = until
+        return due
+
     def _decide(self, now: float, fragment: int, live: set[str]):
         round_ = self.rounds[fragment]
+        if not live and round_.contributions and not self.config.wait_for_all:
+            due = self.finals_due(fragment, now)  # (the fleet is stopping: one round each)
+            if due:
+                names = ", ".join(sorted(due))
+                return False, min(due.values()), f"waiting for the final progress of {names}"
         if round_.opened_at is None:
             if live:
                 return False, None, "waiting for the fragment's next tick"

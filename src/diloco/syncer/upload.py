@@ -65,6 +65,12 @@ def receive_upload(
                     "INVALID_ARGUMENT",
                     f"num_chunks must be in [1, {max_chunks}], got {chunk.num_chunks}",
                 )
+            if len(chunk.final_fragments) > state.layout.num_fragments:
+                raise Refused(
+                    "INVALID_ARGUMENT",
+                    f"{len(chunk.final_fragments)} final_fragments for "
+                    f"{state.layout.num_fragments} fragments",
+                )
             on_header(expected)
         elif _header_fields(chunk) != _header_fields(header):
             raise Refused("INVALID_ARGUMENT", f"chunk {i} header differs from chunk 0")
@@ -94,7 +100,8 @@ def receive_upload(
 
 
 def _header_fields(chunk: pb.UploadChunk) -> tuple:
-    """Fields every chunk of one upload must repeat unchanged."""
+    """Fields every chunk of one upload must repeat unchanged (``final_fragments``: read from
+    the first chunk only)."""
     return (
         chunk.learner_id,
         chunk.session,
