@@ -24,7 +24,8 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
   rest) instead of AdamW; any setting as ``SETTING+muon`` with Muon, and as ``SETTING@LR``
   with the peak inner lr LR (``sparse+muon@6e-3``); ``SETTING-HN`` with sync period H = N
   (``sparse-up-H96+muon@6e-3``); ``SETTING-earlyH0forN`` with the H schedule H0 for the
-  clock's first N cycles (``decoupled-early8for8``);
+  clock's first N cycles (``decoupled-early8for8``); ``SETTING-olrVtoF`` with the outer lr's
+  cosine decay over V versions down to F × lr (``decoupled-olr33to0.1``);
 - ``sync-P1``, ``sync-fp32``, ``sync-mean``, ``sync-torchft-like``: synchronous mode with what
   torchft's DiLoCo does differently (one fragment, fp32 both ways, the plain mean; all three).
 
@@ -117,6 +118,10 @@ def setting_args(setting: str) -> list[str]:
     if base and re.fullmatch(r"\d+for\d+", early):
         h0, cycles = early.split("for")
         return [*setting_args(base), f"--early-sync-every={h0}", f"--early-cycles={cycles}"]
+    base, _, decay = setting.rpartition("-olr")
+    if base and re.fullmatch(r"\d+to[0-9.]+", decay):
+        versions, final = decay.split("to")
+        return [*setting_args(base), f"--outer-lr-decay={versions}", f"--outer-lr-final={final}"]
     prefix, _, mu = setting.rpartition("-")
     prefix, _, lr = prefix.rpartition("-")
     try:

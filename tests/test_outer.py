@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from diloco.algorithm import NesterovOuter, round_share
+from diloco.algorithm.outer import scheduled_outer_lr
 
 
 def test_design_vector_one_step():
@@ -72,3 +73,26 @@ def test_round_share():
         round_share([0], [1])
     with pytest.raises(ValueError):
         round_share([1], [-1])
+
+
+def test_scheduled_outer_lr_decays_by_cosine_then_holds():
+    lrs = [scheduled_outer_lr(v, lr=1.0, decay_versions=2, final=0.2) for v in range(4)]
+    assert lrs == pytest.approx([1.0, 0.6, 0.2, 0.2])
+    assert scheduled_outer_lr(5, lr=0.6, decay_versions=0, final=0.2) == 0.6
+
+
+@pytest.mark.parametrize(
+    "version, decay, final", [(-1, 2, 0.5), (0, -1, 0.5), (0, 2, 0.0), (0, 2, 1.5)]
+)
+def test_scheduled_outer_lr_refuses_bad_input(version, decay, final):
+    with pytest.raises(ValueError):
+        scheduled_outer_lr(version, lr=1.0, decay_versions=decay, final=final)
+
+
+def test_step_takes_a_scheduled_lr():
+    outer = NesterovOuter(lr=0.7, momentum=0.9)
+    theta = torch.zeros(1)
+    outer.step(0, theta, torch.tensor([0.5]), lr=0.35)  # half the design vector's step
+    assert float(theta) == pytest.approx(-0.3325)
+    with pytest.raises(ValueError):
+        outer.step(0, theta, torch.tensor([0.5]), lr=0.0)

@@ -362,3 +362,25 @@ def test_taking_the_wire_image_makes_the_guard_measure_the_new_value():
     state.take_wire_image(0, wire)
     assert torch.equal(state.params[0], wire)
     assert state._param_norm(0) == pytest.approx(3 * before)
+
+
+def test_outer_lr_schedule_steps_by_the_fragments_version():
+    # decay over 2 versions to 0.25 × lr: the steps of versions 1, 2, 3 use 1.0, 0.625, 0.25
+    state, layout, _ = make_state(P=1, quorum=1, outer_lr_decay=2, outer_lr_final=0.25)
+    n = layout.fragments[0].numel
+    sa = join(state, "a", layout)
+    used = []
+    for version in range(3):
+        before = state.params[0].clone()
+        submit(state, "a", sa, 0, torch.ones(n), now=1.0 + version, base=version)
+        commits, _ = state.poll(1.0 + version)
+        assert [c.version for c in commits] == [version + 1]
+        used.append(commits[0].record["outer_lr"])
+        assert torch.allclose(state.params[0], before - used[-1])
+    assert used == pytest.approx([1.0, 0.625, 0.25])
+
+
+@pytest.mark.parametrize("cfg", [{"outer_lr_decay": -1}, {"outer_lr_final": 0.0}])
+def test_outer_lr_schedule_refuses_bad_settings(cfg):
+    with pytest.raises(ValueError, match="outer-lr"):
+        SyncerConfig(**cfg)

@@ -9,15 +9,17 @@ Fragments are merged at different times, so every fragment keeps its own momentu
 the state of one fragment is independent of all others and can be saved on its own
 (1/P of the model per commit).
 
-With ``lr = 1.0, μ = 0.0`` (the defaults here and in ``SyncerConfig``, chosen from the sweep
-recorded in ``docs/algorithm.md``) the outer step replaces the global fragment by the merged
-learners' fragment; the syncer scales each round's merged delta by ``round_share`` first. The DiLoCo
-lineage's ``0.7 / 0.9`` was tuned for H = 500 and is far worse at H = 24 (shared DESIGN §4d,
-and our sweep).
+With ``lr = 1.0, μ = 0.0`` (this class's defaults) the outer step replaces the global
+fragment by the merged learners' fragment. The syncer runs at ``SyncerConfig``'s lr 0.6 and
+μ 0.7 (the sweep in docs/algorithm.md, "Outer optimizer") and scales each round's merged
+delta by ``round_share`` first. The DiLoCo lineage's ``0.7 / 0.9`` was tuned for H = 500 and
+is far worse at H = 24 (shared DESIGN §4d, and our sweep). ``scheduled_outer_lr`` gives an
+optional cosine decay of the lr over a fragment's versions.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -58,6 +60,31 @@ def round_share(contributed: Sequence[int], expected_absent: Sequence[int | None
     return here / (here + absent)
 
 
+def scheduled_outer_lr(version: int, *, lr: float, decay_versions: int, final: float) -> float:
+    """The outer lr of the step that makes fragment version ``version + 1``.
+
+    ``decay_versions`` V = 0: ``lr`` at every version. Otherwise a cosine from ``lr`` at
+    version 0 down to ``final × lr`` at version V, and ``final × lr`` from there on. The
+    schedule counts a fragment's own committed versions, which the syncer persists, so a
+    restarted syncer resumes it where it was.
+
+    >>> [round(scheduled_outer_lr(v, lr=0.6, decay_versions=4, final=0.5), 4) for v in range(6)]
+    [0.6, 0.5561, 0.45, 0.3439, 0.3, 0.3]
+    >>> scheduled_outer_lr(7, lr=0.6, decay_versions=0, final=0.5)
+    0.6
+    """
+    if version < 0 or decay_versions < 0:
+        raise ValueError(
+            f"version and decay_versions must be >= 0 (got {version}, {decay_versions})"
+        )
+    if not 0.0 < final <= 1.0:
+        raise ValueError(f"the final outer lr fraction must be in (0, 1], got {final}")
+    if decay_versions == 0:
+        return lr
+    progress = min(version, decay_versions) / decay_versions
+    return lr * (final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 class NesterovOuter:
     """Per-fragment Nesterov SGD. Not thread-safe: the syncer calls it under its state lock."""
 
@@ -70,22 +97,28 @@ class NesterovOuter:
         self.momentum = float(momentum)
         self._buffers: dict[int, torch.Tensor] = {}
 
-    def step(self, fragment: int, params: torch.Tensor, delta: torch.Tensor) -> None:
+    def step(
+        self, fragment: int, params: torch.Tensor, delta: torch.Tensor, *, lr: float | None = None
+    ) -> None:
         """Apply one outer step to ``params`` (fragment ``fragment``'s flat tensor) in place.
 
-        ``delta`` is the merged outer gradient, same shape as ``params``. With μ = 0 no
+        ``delta`` is the merged outer gradient, same shape as ``params``; ``lr``: this step's
+        learning rate (default: ``self.lr``; a schedule passes its own). With μ = 0 no
         momentum buffer is kept.
         """
         if params.shape != delta.shape:
             raise ValueError(f"params {tuple(params.shape)} and delta {tuple(delta.shape)} differ")
+        lr = self.lr if lr is None else float(lr)
+        if not lr > 0:
+            raise ValueError(f"outer lr must be > 0, got {lr}")
         if self.momentum == 0.0:
-            params.sub_(delta, alpha=self.lr)
+            params.sub_(delta, alpha=lr)
             return
         buf = self._buffers.get(fragment)
         if buf is None:
             buf = self._buffers[fragment] = torch.zeros_like(params, dtype=torch.float32)
         buf.mul_(self.momentum).add_(delta)
-        params.sub_(delta, alpha=self.lr).sub_(buf, alpha=self.lr * self.momentum)
+        params.sub_(delta, alpha=lr).sub_(buf, alpha=lr * self.momentum)
 
     def fragment_state(self, fragment: int) -> dict[str, torch.Tensor]:
         """Serializable state of one fragment: ``{"momentum": tensor}`` or ``{}``."""

@@ -17,7 +17,7 @@ import torch
 
 from diloco.algorithm.guard import consensus_cosines, secret_generator
 from diloco.algorithm.merge import cap_weights, is_embedding_name
-from diloco.algorithm.outer import round_share
+from diloco.algorithm.outer import round_share, scheduled_outer_lr
 from diloco.syncer.receipts import CommitLog
 from diloco.syncer.records import Closing, Commit, Contribution, FragmentRound, is_suspect
 
@@ -142,7 +142,13 @@ class RoundClosing:
             return Commit(fragment, admitted, params, state, record, log, history, changed=False)
         self.last_commit_at[fragment] = now
         param_norm = self._param_norm(fragment)  # ‖Θ_p‖ the round's norms were judged by
-        self.outer.step(fragment, self.params[fragment], merged)
+        outer_lr = scheduled_outer_lr(
+            admitted,
+            lr=self.config.outer_lr,
+            decay_versions=self.config.outer_lr_decay,
+            final=self.config.outer_lr_final,
+        )
+        self.outer.step(fragment, self.params[fragment], merged, lr=outer_lr)
         self._param_norms.pop(fragment, None)
         self.versions[fragment] += 1
         self.rounds_committed += 1
@@ -167,6 +173,7 @@ class RoundClosing:
             "increments": [c.increments for c in contribs],
             "reason": closing.reason,
             "share": round(closing.share, 6),
+            "outer_lr": round(outer_lr, 6),
             "excluded": closing.excluded,
             "cosines": closing.cosines,
             "delta_norm": float(merged.norm()),

@@ -62,6 +62,12 @@ class SyncerConfig:
     """Outer Nesterov learning rate (see docs/algorithm.md for the sweep behind it)."""
     outer_momentum: float = option(0.7)
     """Outer Nesterov momentum μ."""
+    outer_lr_decay: int = option(0, metavar="V")
+    """A cosine decay of the outer lr over each fragment's first V versions, down to
+    ``--outer-lr-final`` × ``--outer-lr`` (0: a constant outer lr;
+    ``diloco.algorithm.outer.scheduled_outer_lr``)."""
+    outer_lr_final: float = option(0.1, metavar="F")
+    """Where ``--outer-lr-decay`` ends, as a fraction of ``--outer-lr``, in (0, 1]."""
     outer_scale: str = option("share", choices=OUTER_SCALES)
     """``"share"``: scale a round's merged delta by the share of the live learners' tokens it
     holds (``diloco.algorithm.outer.round_share``), so the outer lr does not depend on M;
@@ -158,6 +164,10 @@ class SyncerConfig:
             raise ValueError(f"quorum must be >= 1 (got {self.quorum})")
         if not self.outer_lr > 0:
             raise ValueError(f"--outer-lr must be > 0 (got {self.outer_lr})")
+        if self.outer_lr_decay < 0:
+            raise ValueError(f"--outer-lr-decay must be >= 0 (0: off; got {self.outer_lr_decay})")
+        if not 0.0 < self.outer_lr_final <= 1.0:
+            raise ValueError(f"--outer-lr-final must be in (0, 1] (got {self.outer_lr_final})")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"--outer-momentum must be in [0, 1) (got {self.outer_momentum})")
         if self.gamma < 0 or self.tau < 0:
