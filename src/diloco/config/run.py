@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from diloco.config.common import DeviceConfig, RecipeConfig
 from diloco.dashboard.wandb_log import WANDB_MODES
+from diloco.learner.config import CLOSE_BOUND_S
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
 from diloco.runtime.schema import option
@@ -135,8 +136,10 @@ class RunConfig:
     and 3."""
     start_timeout_s: float = option(60.0, hidden=True, flag="--start-timeout")
     """Seconds a process may take to start (and the syncer to answer) before the run fails."""
-    stop_timeout_s: float = option(30.0, hidden=True, flag="--stop-timeout")
-    """Seconds learners get to flush and exit at the end before they are killed."""
+    stop_timeout_s: float = option(CLOSE_BOUND_S + 5.0, hidden=True, flag="--stop-timeout")
+    """Seconds learners get to flush and exit at the end before they are killed: their clean
+    stop's bound and 5 s (before 2026-11-27 30 s, which killed learners of ``--comms
+    lowest`` still draining on a 100 kbit/s link)."""
 
     def __post_init__(self) -> None:
         """Refuse values no run can have (``ValueError`` naming the flag: exit 2 at the CLI)."""

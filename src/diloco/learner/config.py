@@ -9,6 +9,14 @@ from diloco.learner.pacing import DEFAULT_LAG_STEPS, DEFAULT_MAX_STRETCH
 from diloco.wire.comms import comms_setting
 from diloco.wire.protocol import ProtocolConfig
 
+FLUSH_TIMEOUT_S = 10.0
+"""``LearnerConfig.flush_timeout_s``'s default."""
+MAX_DRAIN_S = 30.0
+"""The longest ``close`` waits for its merged fragments on the syncer's clock."""
+CLOSE_BOUND_S = FLUSH_TIMEOUT_S + MAX_DRAIN_S
+"""How long a learner's clean stop can take at its defaults (flush, then drain); what a
+launcher that stops learners must give them before it kills them."""
+
 
 @dataclass(kw_only=True)
 class LearnerConfig:
@@ -54,7 +62,7 @@ class LearnerConfig:
     your process is left alone. 1 keeps the buffers its link threads free from staying
     resident in per-thread arenas (at 50M parameters: peak memory 1.45x the plain loop's
     with default arenas, 1.24x with one); ``diloco learner`` uses 1."""
-    flush_timeout_s: float = 10.0
+    flush_timeout_s: float = FLUSH_TIMEOUT_S
     """How long ``close`` waits for queued uploads to go out."""
     drain_timeout_s: float = 3.0
     """After the final flush, how long ``close`` waits for the merged fragments to come back,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+from diloco.learner.config import MAX_DRAIN_S
+
 
 class Stopping:
     """The stopping half of ``diloco.learner.learner.Learner`` (it uses the learner's
@@ -79,7 +81,7 @@ class Stopping:
         wait = self.config.drain_timeout_s
         if wait > 0 and self.link.schedule == "syncer" and self._step_time:
             cycle = self.link.sync_every * self._step_time
-            wait = max(wait, min(1.5 * cycle, 30.0))
+            wait = max(wait, min(1.5 * cycle, MAX_DRAIN_S))
         return wait
 
     def _undrained(self) -> list[int]:
