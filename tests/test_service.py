@@ -108,6 +108,10 @@ def test_learners_train_and_end_with_the_syncers_parameters(tmp_path):
     finally:
         server.stop()
     tape = read_tape(tmp_path / "events.jsonl")
+    # each flush named what it sent (the syncer waits for those when nobody is live)
+    stopping = [r for r in tape if r["event"] == "stopping"]
+    assert sorted(r["learner"] for r in stopping) == ["l0", "l1"]
+    assert all(r["finals"] == list(range(P)) for r in stopping)
     rounds = [r for r in tape if r["event"] == "round"]
     assert {r["fragment"] for r in rounds} == set(range(P))
     assert sum(r["event"] == "join" for r in tape) >= 2

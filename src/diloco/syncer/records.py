@@ -350,3 +350,9 @@ def state_digest(state) -> str:
         i = state.learners[lid]
         h.update(repr((lid, i.session, i.observer, i.connected)).encode())
     return h.hexdigest()
+
+
+def span(fragments: list[int]) -> str:
+    """Short text for a list of fragments (the first few, then how many more)."""
+    head = ", ".join(map(str, fragments[:6]))
+    return head + (f", ... ({len(fragments)} in all)" if len(fragments) > 6 else "")

@@ -1,20 +1,22 @@
 """The syncer's learner table: who joined, with which session, who is live, who is gone.
 
 A mixin of :class:`diloco.syncer.state.SyncerState` (it uses the state's ``config``,
-``layout``, ``learners``, ``norms`` and ``emit``): the decisions about membership live here,
+``layout``, ``learners``, ``norms``, ``emit`` and, for the finals a stopping fleet waits
+for, ``estimates`` and ``_longest_wait``): the decisions about membership live here,
 the rounds in ``state.py``. Not thread-safe: callers hold the state's lock.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from diloco.syncer.records import (
     MAX_STEP_TIME_S,
     LearnerInfo,
     Refused,
     check_id,
+    span,
     update_rate,
 )
 
@@ -178,6 +180,58 @@ class LearnerRoster:
             for i in self.learners.values()
             if i.live and not (i.observer or i.stopping) and now - i.last_seen <= lease
         }
+
+    def check_final_fragments(self, final: bool, final_fragments: Collection[int]) -> None:
+        """``final_fragments`` come with a final upload, each a fragment of the layout, once
+        (``Refused`` otherwise, before anything changes)."""
+        if not final_fragments:
+            return
+        count = self.layout.num_fragments
+        if not final:
+            raise Refused("INVALID_ARGUMENT", "final_fragments need a final upload")
+        if len(set(final_fragments)) != len(final_fragments) or not all(
+            0 <= p < count for p in final_fragments
+        ):
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"final_fragments must be distinct fragments in [0, {count}), "
+                f"got {span(sorted(final_fragments))}",
+            )
+
+    def finals_due(self, fragment: int, now: float) -> dict[str, float]:
+        """The stopping learners whose flush named ``fragment`` and whose final for it has not
+        arrived, each with the time it stops being waited for: its lease running out (it is
+        connected and heartbeats) or one of the clock's longest waits after its flush began,
+        whichever comes first. A learner that leaves or whose stream closes is not waited for."""
+        lease = self.config.lease_s
+        longest = max(self._longest_wait(self.estimates()), lease)
+        due = {}
+        for lid, i in self.learners.items():
+            if not (i.stopping and i.connected and fragment in i.finals_due):
+                continue
+            until = min(i.last_seen + lease, (i.stopping_since or now) + longest)
+            if now < until:
+                due[lid] = until
+        return due
+
+    def note_final(
+        self, info: LearnerInfo, fragment: int, *, final: bool, final_fragments, now: float
+    ) -> None:
+        """An upload of ``fragment`` arrived from ``info``'s learner: its first *final* one
+        makes it stopping and names the finals its flush sends (a ``stopping`` record); any
+        upload of a fragment settles that fragment's due final."""
+        if final and not info.stopping:
+            info.finals_due, info.stopping_since = set(final_fragments), now
+            self.emit(
+                {
+                    "event": "stopping",
+                    "t": now,
+                    "learner": info.learner_id,
+                    "finals": sorted(info.finals_due),
+                }
+            )
+        info.stopping = info.stopping or final
+        info.finals_due.discard(fragment)
 
     def forget(self, learner_id: str, *, now: float, reason: str) -> None:
         """Remove an id from the table (its guard history too; a ``forget`` record)."""

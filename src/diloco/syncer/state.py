@@ -58,6 +58,7 @@ from diloco.syncer.records import (
     RoundRequest,
     check_counters,
     learn_tokens_per_step,
+    span,
     state_digest,
 )
 from diloco.syncer.roster import LearnerRoster
@@ -206,7 +207,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         was admitted at, and nothing changes.
         """
         info = self.session_of(learner_id, session)
-        self._check_final_fragments(final, final_fragments)
+        self.check_final_fragments(final, final_fragments)
         known = self.receipts.admitted(learner_id, upload_id, fragment)
         if known is not None:
             self.emit({"event": "resent", "t": now, "learner": learner_id, "fragment": fragment})
@@ -229,10 +230,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         )
         info.last_seen = now
         info.live = info.live or info.connected
-        if final and not info.stopping:
-            info.finals_due, info.stopping_since = set(final_fragments), now
-        info.stopping = info.stopping or final
-        info.finals_due.discard(fragment)
+        self.note_final(info, fragment, final=final, final_fragments=final_fragments, now=now)
         info.bytes_up += nbytes
         self.bytes_up += nbytes
         if step_time_s > 0:
@@ -387,7 +385,7 @@ class SyncerState(LearnerRoster, RoundClosing):
             raise Refused(
                 "INVALID_ARGUMENT",
                 f"fragment {fragment} is not served by this syncer (shard {self.shard[0]}/"
-                f"{self.shard[1]} owns {_span(self.served)}): send it to its owner shard",
+                f"{self.shard[1]} owns {span(self.served)}): send it to its owner shard",
             )
 
     def note_refusal(
@@ -470,38 +468,6 @@ class SyncerState(LearnerRoster, RoundClosing):
 
     def _quorum(self) -> int:
         return self.config.wait_for_all or self.config.quorum
-
-    def _check_final_fragments(self, final: bool, final_fragments: Collection[int]) -> None:
-        """``final_fragments`` come with a final upload, each a fragment of the layout, once."""
-        if not final_fragments:
-            return
-        count = self.layout.num_fragments
-        if not final:
-            raise Refused("INVALID_ARGUMENT", "final_fragments need a final upload")
-        if len(set(final_fragments)) != len(final_fragments) or not all(
-            0 <= p < count for p in final_fragments
-        ):
-            raise Refused(
-                "INVALID_ARGUMENT",
-                f"final_fragments must be distinct fragments in [0, {count}), "
-                f"got {_span(sorted(final_fragments))}",
-            )
-
-    def finals_due(self, fragment: int, now: float) -> dict[str, float]:
-        """The stopping learners whose flush named ``fragment`` and whose final for it has not
-        arrived, each with the time it stops being waited for: its lease running out (it is
-        connected and heartbeats) or one of the clock's longest waits after its flush began,
-        whichever comes first. A learner that leaves or whose stream closes is not waited for."""
-        lease = self.config.lease_s
-        longest = max(self._longest_wait(self.estimates()), lease)
-        due = {}
-        for lid, i in self.learners.items():
-            if not (i.stopping and i.connected and fragment in i.finals_due):
-                continue
-            until = min(i.last_seen + lease, (i.stopping_since or now) + longest)
-            if now < until:
-                due[lid] = until
-        return due
 
     def _decide(self, now: float, fragment: int, live: set[str]):
         round_ = self.rounds[fragment]
@@ -586,9 +552,3 @@ class SyncerState(LearnerRoster, RoundClosing):
             elif wait_until is not None:
                 wake = wait_until if wake is None else min(wake, wait_until)
         return closing, wake
-
-
-def _span(fragments: list[int]) -> str:
-    """Short text for a list of fragments (the first few, then how many more)."""
-    head = ", ".join(map(str, fragments[:6]))
-    return head + (f", ... ({len(fragments)} in all)" if len(fragments) > 6 else "")
