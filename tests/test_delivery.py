@@ -160,3 +160,32 @@ def test_an_upload_committed_whose_answer_died_with_the_life_is_found_at_the_fir
         assert restored.merged_steps[0] == 6
     finally:
         restored.close(flush=False)
+
+
+def test_a_final_upload_names_the_finals_still_waiting_on_its_link():
+    from diloco.learner.uploads import UploadQueue
+
+    queue = UploadQueue(lambda job: 1)
+    for fragment, final in ((0, False), (1, True), (2, True)):
+        queue.put(UploadJob(fragment, 0, 2, 20, torch.zeros(1), 0.0, final=final))
+    assert queue.final_fragments() == [1, 2]
+    queue.withdraw(1)  # (a delivered or withdrawn final is no longer named)
+    assert queue.final_fragments() == [2]
+
+
+def test_a_held_queue_sends_nothing_until_released():
+    import threading
+
+    from diloco.learner.uploads import UploadQueue
+
+    queue, stop, taken = UploadQueue(lambda job: 1), threading.Event(), []
+    with queue.holding():
+        queue.put(UploadJob(0, 0, 2, 20, torch.zeros(1), 0.0, final=True))
+        sender = threading.Thread(target=lambda: taken.append(queue.take(lambda: True, stop)))
+        sender.start()
+        sender.join(0.3)
+        assert sender.is_alive() and not taken  # held: the job waits
+        queue.put(UploadJob(1, 0, 2, 20, torch.zeros(1), 0.0, final=True))
+    sender.join(5)
+    assert not sender.is_alive() and taken[0].fragment == 0
+    assert queue.final_fragments() == [1]

@@ -278,3 +278,38 @@ def test_bad_final_fragments_are_refused_and_change_nothing(final, names):
         answer(state, "a", sa, 0, now=1.0, final=final, names=names)
     assert state.rounds.get(0) is None or not state.rounds[0].contributions
     assert not state.learners["a"].stopping and not state.learners["a"].finals_due
+
+
+def test_what_settles_a_due_final_and_what_does_not():
+    state, layout, _ = make_state(P=2, sync_every=4)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    answer(state, "a", sa, 0, now=1.0, final=True, names=[0, 1])
+    answer(state, "b", sb, 0, now=1.0, final=True, names=[0, 1])
+    state.poll(1.0)
+    # a non-final upload of 1 (a resend from before the flush) does not settle a's final ...
+    answer(state, "a", sa, 1, now=1.1)
+    assert state.poll(1.1)[0] == [] and set(state.finals_due(1, 1.1)) == {"a", "b"}
+    # ... a final the syncer refuses will not come again: nothing waits for it
+    n = layout.fragments[1].numel
+    with pytest.raises(Refused):
+        state.submit("b", sb, fragment=1, base_version=7, steps=2, tokens=20,
+                     delta=torch.ones(n), step_time_s=0.1, nbytes=n, now=1.2, final=True)  # fmt: skip
+    assert set(state.finals_due(1, 1.2)) == {"a"}
+    answer(state, "a", sa, 1, now=1.3, final=True, names=[1])
+    (commit,) = state.poll(1.3)[0]
+    assert commit.fragment == 1 and commit.record["participants"] == ["a"]
+
+
+def test_a_stopping_syncer_and_the_learners_schedule_do_not_wait_for_finals():
+    state, layout, _ = make_state(P=2, sync_every=4)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    answer(state, "a", sa, 0, now=1.0, final=True, names=[0, 1])
+    answer(state, "b", sb, 1, now=1.0, final=True, names=[0, 1])
+    assert state.poll(1.0)[0] == []  # each round waits for the other's final ...
+    commits, _ = state.poll(1.0, wait_for_finals=False)  # ... but not at the syncer's stop
+    assert sorted(c.fragment for c in commits) == [0, 1]
+    state, layout, _ = make_state(P=2, sync_every=4, schedule="learner", gamma=0.0)
+    sa, sb = join(state, "a", layout), join(state, "b", layout)
+    answer(state, "a", sa, 0, now=1.0, final=True, names=[0, 1])
+    answer(state, "b", sb, 1, now=1.0, final=True, names=[0, 1])
+    assert sorted(c.fragment for c in state.poll(1.0)[0]) == [0, 1]

@@ -138,8 +138,8 @@ class RunConfig:
     """Seconds a process may take to start (and the syncer to answer) before the run fails."""
     stop_timeout_s: float = option(CLOSE_BOUND_S + 5.0, hidden=True, flag="--stop-timeout")
     """Seconds learners get to flush and exit at the end before they are killed: their clean
-    stop's bound and 5 s (before 2026-11-27 30 s, which killed learners of ``--comms
-    lowest`` still draining on a 100 kbit/s link)."""
+    stop's bound (``diloco.learner.config.CLOSE_BOUND_S``) and 5 s (before 2026-11-27 30 s,
+    which killed learners of ``--comms lowest`` still draining on a 100 kbit/s link)."""
 
     def __post_init__(self) -> None:
         """Refuse values no run can have (``ValueError`` naming the flag: exit 2 at the CLI)."""

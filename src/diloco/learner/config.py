@@ -13,9 +13,12 @@ FLUSH_TIMEOUT_S = 10.0
 """``LearnerConfig.flush_timeout_s``'s default."""
 MAX_DRAIN_S = 30.0
 """The longest ``close`` waits for its merged fragments on the syncer's clock."""
-CLOSE_BOUND_S = FLUSH_TIMEOUT_S + MAX_DRAIN_S
-"""How long a learner's clean stop can take at its defaults (flush, then drain); what a
-launcher that stops learners must give them before it kills them."""
+LINK_CLOSE_S = 10.0
+"""About the longest a link's close takes (its Leave call and thread joins)."""
+CLOSE_BOUND_S = 2 * FLUSH_TIMEOUT_S + MAX_DRAIN_S + LINK_CLOSE_S
+"""How long a learner's clean stop can take at its defaults: waiting for its link to come
+back (at most the flush timeout), the flush, the drain and the link's close; what a launcher
+that stops learners must give them before it kills them."""
 
 
 @dataclass(kw_only=True)

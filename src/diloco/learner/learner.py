@@ -210,8 +210,6 @@ class Learner(Settling, Stopping, Restoring):
         self._state = "starting"
         self._closed = False
         self._flushed: set[int] = set()
-        self._final_fragments: tuple[int, ...] = ()
-        """What the flush under way will send as final (named on its uploads)."""
         self.close_report: dict = {}
         """What ``close`` did: fragments flushed, whether the uploads went out and the merges
         holding them came back in time (``drained``), and the fragments that did not."""
@@ -479,7 +477,6 @@ class Learner(Settling, Stopping, Restoring):
                 job_id=entry.job_id,
                 final=snapshot.final,
                 upload_id=upload_id,
-                final_fragments=self._final_fragments if snapshot.final else (),
             )
         )
 

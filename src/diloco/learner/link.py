@@ -15,6 +15,7 @@ refused join (another model) is fatal: ``error`` is set and the owner raises it 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -190,6 +191,10 @@ class SyncerLink:
         """Take back the queued, not yet sent job of ``fragment`` (None if there is none: it
         was sent or is being sent, and will be answered)."""
         return self.queue.withdraw(fragment)
+
+    def holding(self) -> contextlib.AbstractContextManager[None]:
+        """Send nothing while inside (``UploadQueue.holding``)."""
+        return self.queue.holding()
 
     def backlog_s(self, fragment: int) -> float:
         """How long this link's waiting uploads take at its measured rate (``fragment``: for
@@ -503,6 +508,9 @@ class SyncerLink:
         pieces = [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [
             view[:0]
         ]
+        # a final names itself and the finals still waiting here (read now: after a rejoin
+        # the ones already delivered are not named again)
+        finals = sorted({job.fragment, *self.queue.final_fragments()}) if job.final else []
 
         def chunks():
             for i, piece in enumerate(pieces):
@@ -521,7 +529,7 @@ class SyncerLink:
                     step_time_s=job.step_time_s,
                     final=job.final,
                     upload_id=job.upload_id,
-                    final_fragments=job.final_fragments if i == 0 else (),
+                    final_fragments=finals if i == 0 else (),
                 )
 
         try:

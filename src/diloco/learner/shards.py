@@ -18,9 +18,10 @@ syncer owns every fragment), several give a ``ShardedLink``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 from diloco.algorithm.fragments import FragmentLayout
@@ -176,6 +177,14 @@ class ShardedLink:
         """``SyncerLink.withdraw`` on the owner shard's link."""
         link = self.owner(fragment)
         return link.withdraw(fragment) if link is not None else None
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """``SyncerLink.holding`` on every shard's link."""
+        with contextlib.ExitStack() as stack:
+            for link in self.links:
+                stack.enter_context(link.holding())
+            yield
 
     def backlog_s(self, fragment: int) -> float:
         """``SyncerLink.backlog_s`` of the owner shard's link (0 if it is not known)."""

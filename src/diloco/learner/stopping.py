@@ -30,15 +30,11 @@ class Stopping:
             stats = self.link.stats
             failed_before = stats.uploads_failed + stats.stale_replies
             self._send_copied(wait=True)  # (a CUDA learner's copies still on their way)
-            self._final_fragments = tuple(  # what the loop below queues (at least)
-                p
-                for p in range(self.layout.num_fragments)
-                if self.versions[p] >= 0 and self.anchors[p] is not None and self.steps_since[p]
-            )
-            for p in range(self.layout.num_fragments):
-                if self.versions[p] >= 0 and self._queue(p, final=True):
-                    self._flushed.add(p)
-            self._send_copied(wait=True)
+            with self.link.holding():  # all queued before the first goes: it names them all
+                for p in range(self.layout.num_fragments):
+                    if self.versions[p] >= 0 and self._queue(p, final=True):
+                        self._flushed.add(p)
+                self._send_copied(wait=True)
             idle = self.link.wait_idle(max(0.0, deadline - time.monotonic()))
             self._settle()
             unanswered = bool(self._ledger.unanswered())

@@ -9,11 +9,12 @@ keeps order and counts; the link's sender thread sends and answers. Thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,6 @@ class UploadJob:
     """The learner is stopping: the syncer merges this without waiting for its clock."""
     upload_id: int = 0
     """Names this delta on the wire across resends (given by the link when first sent)."""
-    final_fragments: tuple[int, ...] = ()
-    """With ``final``: every fragment the flush sends (the syncer waits for them when
-    nobody is live, so a fleet that stops together merges one round per fragment)."""
     attempts: int = 0
     """Times it was sent without an answer (``MAX_RESENDS`` bounds the resends)."""
     resend_at: float = 0.0
@@ -90,6 +88,7 @@ class UploadQueue:
         self._queued_count = 0
         self._in_flight = 0
         self._in_flight_bytes = 0
+        self._held = 0
         self._upload_ids = itertools.count(secrets.randbits(40) << 20)
 
     def put(self, job: UploadJob) -> UploadJob | None:
@@ -106,6 +105,25 @@ class UploadQueue:
         """Take back the waiting (never sent) job of ``fragment``, if any."""
         with self.cond:
             return self._jobs.pop(fragment, None)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Send nothing while inside (a flush queues all its finals first, so the first one
+        sent names them all)."""
+        with self.cond:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self._held -= 1
+                self.cond.notify_all()
+
+    def final_fragments(self) -> list[int]:
+        """The fragments of the final jobs waiting to be sent or to go again: what a final
+        upload names (the syncer waits for them when nobody is live)."""
+        with self.cond:
+            return sorted({j.fragment for j in (*self._jobs.values(), *self._resends) if j.final})
 
     def queued_ids(self) -> set[int]:
         """Job ids waiting to be sent for the first time."""
@@ -128,7 +146,9 @@ class UploadQueue:
         (or nothing is due yet: ask again). The job is then in flight until ``done``; it has
         its upload id."""
         with self.cond:
-            while not stopping.is_set() and (not (self._jobs or self._resends) or not ready()):
+            while not stopping.is_set() and (
+                not (self._jobs or self._resends) or self._held or not ready()
+            ):
                 self.cond.wait(0.2)
             if stopping.is_set():
                 return None

@@ -91,7 +91,7 @@ class Committer:
         try:
             now = time.time()
             with self.lock:
-                commits, _ = self.state.poll(now)
+                commits, _ = self.state.poll(now, wait_for_finals=False)
             for commit in commits:
                 self._publish(commit, now)
         except Exception as exc:  # (the disk failed on the last commits: said, not raised)

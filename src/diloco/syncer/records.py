@@ -65,10 +65,14 @@ class LearnerInfo:
     stopping: bool = False
     """It sent a *final* contribution: it is flushing before it stops and answers no more
     requests, so the clock neither asks it nor waits for it (a late answer of its own then
-    merges with the others' answers, or alone when nobody else is live)."""
+    merges with the others' answers; when nobody is live, with the finals still on their
+    way, ``finals_due``)."""
     finals_due: set[int] = field(default_factory=set)
-    """The fragments its flush named (``final_fragments`` of its first final upload) that
-    have not arrived yet: with nobody live, their rounds wait for them (``finals_due``)."""
+    """The fragments its final uploads named (``final_fragments``: the finals its link still
+    had to send) that have not been admitted yet: on the syncer's clock with nobody live,
+    their rounds wait for them (``finals_due``)."""
+    finals_delivered: set[int] = field(default_factory=set)
+    """The fragments whose final this session has delivered (admitted, or refused for good)."""
     stopping_since: float | None = None
     """When its first final upload arrived."""
     contributions: int = 0
@@ -348,7 +352,8 @@ def state_digest(state) -> str:
         h.update(repr(state.norms.of(p)).encode())  # per learner
     for lid in sorted(state.learners):
         i = state.learners[lid]
-        h.update(repr((lid, i.session, i.observer, i.connected)).encode())
+        h.update(repr((lid, i.session, i.observer, i.connected, i.stopping)).encode())
+        h.update(repr(sorted(i.finals_due)).encode())
     return h.hexdigest()
 
 

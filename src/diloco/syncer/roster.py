@@ -199,10 +199,11 @@ class LearnerRoster:
             )
 
     def finals_due(self, fragment: int, now: float) -> dict[str, float]:
-        """The stopping learners whose flush named ``fragment`` and whose final for it has not
-        arrived, each with the time it stops being waited for: its lease running out (it is
-        connected and heartbeats) or one of the clock's longest waits after its flush began,
-        whichever comes first. A learner that leaves or whose stream closes is not waited for."""
+        """The stopping learners whose finals named ``fragment`` and whose final for it has
+        not been admitted, each with the time it stops being waited for: its lease running
+        out (it heartbeats while it flushes) or one of the clock's longest waits (at least
+        the lease) after its first final arrived, whichever comes first. A learner that
+        leaves or whose stream closes is not waited for."""
         lease = self.config.lease_s
         longest = max(self._longest_wait(self.estimates()), lease)
         due = {}
@@ -215,23 +216,42 @@ class LearnerRoster:
         return due
 
     def note_final(
-        self, info: LearnerInfo, fragment: int, *, final: bool, final_fragments, now: float
+        self,
+        info: LearnerInfo,
+        fragment: int,
+        final: bool,
+        final_fragments: Collection[int],
+        *,
+        now: float,
+        settled: bool,
     ) -> None:
-        """An upload of ``fragment`` arrived from ``info``'s learner: its first *final* one
-        makes it stopping and names the finals its flush sends (a ``stopping`` record); any
-        upload of a fragment settles that fragment's due final."""
-        if final and not info.stopping:
-            info.finals_due, info.stopping_since = set(final_fragments), now
+        """A valid upload of ``fragment`` arrived from ``info``'s learner. A *final* one makes
+        it stopping (the first: a ``stopping`` record) and adds the finals it names that this
+        session has not delivered to ``finals_due``; once admitted (``settled``; a stale
+        one will be sent again) it is delivered. Other uploads change nothing here."""
+        if not final:
+            return
+        if not info.stopping:
+            info.stopping, info.stopping_since = True, now
             self.emit(
                 {
                     "event": "stopping",
                     "t": now,
                     "learner": info.learner_id,
-                    "finals": sorted(info.finals_due),
+                    "finals": sorted(final_fragments),
                 }
             )
-        info.stopping = info.stopping or final
-        info.finals_due.discard(fragment)
+        info.finals_due |= set(final_fragments) - info.finals_delivered
+        if settled:
+            info.finals_delivered.add(fragment)
+            info.finals_due.discard(fragment)
+
+    def forget_final(self, info: LearnerInfo, fragment: int, final: bool) -> None:
+        """A final of a stopping learner was refused: it will not be sent again, so nothing
+        waits for it. (A refused upload never makes a learner stopping.)"""
+        if final and info.stopping:
+            info.finals_delivered.add(fragment)
+            info.finals_due.discard(fragment)
 
     def forget(self, learner_id: str, *, now: float, reason: str) -> None:
         """Remove an id from the table (its guard history too; a ``forget`` record)."""

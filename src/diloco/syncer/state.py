@@ -211,18 +211,23 @@ class SyncerState(LearnerRoster, RoundClosing):
         known = self.receipts.admitted(learner_id, upload_id, fragment)
         if known is not None:
             self.emit({"event": "resent", "t": now, "learner": learner_id, "fragment": fragment})
+            self.note_final(info, fragment, final, final_fragments, now=now, settled=True)
             return Admission(True, 1.0, 0, False, "already accepted", known)
-        norm = self._check_contribution(
-            info,
-            fragment,
-            base_version,
-            steps=steps,
-            tokens=tokens,
-            delta=delta,
-            step_time_s=step_time_s,
-            now=now,
-            norm=delta_norm,
-        )
+        try:
+            norm = self._check_contribution(
+                info,
+                fragment,
+                base_version,
+                steps=steps,
+                tokens=tokens,
+                delta=delta,
+                step_time_s=step_time_s,
+                now=now,
+                norm=delta_norm,
+            )
+        except Refused:
+            self.forget_final(info, fragment, final)  # (it will not come again)
+            raise
         admission = admit_contribution(
             base_version=base_version,
             current_version=self.versions[fragment],
@@ -230,7 +235,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         )
         info.last_seen = now
         info.live = info.live or info.connected
-        self.note_final(info, fragment, final=final, final_fragments=final_fragments, now=now)
+        self.note_final(info, fragment, final, final_fragments, now=now, settled=admission.accept)
         info.bytes_up += nbytes
         self.bytes_up += nbytes
         if step_time_s > 0:
@@ -469,9 +474,14 @@ class SyncerState(LearnerRoster, RoundClosing):
     def _quorum(self) -> int:
         return self.config.wait_for_all or self.config.quorum
 
-    def _decide(self, now: float, fragment: int, live: set[str]):
+    def _decide(self, now: float, fragment: int, live: set[str], wait_for_finals: bool = True):
         round_ = self.rounds[fragment]
-        if not live and round_.contributions and not self.config.wait_for_all:
+        if (
+            not live
+            and round_.contributions
+            and wait_for_finals
+            and self.config.schedule == "syncer"
+        ):
             due = self.finals_due(fragment, now)  # (the fleet is stopping: one round each)
             if due:
                 names = ", ".join(sorted(due))
@@ -528,17 +538,23 @@ class SyncerState(LearnerRoster, RoundClosing):
             return self.config.lease_s
         return max(period * len(self.served), self.config.tau * estimates.step_s)
 
-    def poll(self, now: float) -> tuple[list[Commit], float | None]:
+    def poll(
+        self, now: float, *, wait_for_finals: bool = True
+    ) -> tuple[list[Commit], float | None]:
         """Close every round that should close at ``now`` and commit it (``close_rounds``,
         each one's ``Closing.merge`` and ``apply`` in one go).
 
         Returns the commits (in fragment order) and the earliest time a waiting round must
         be decided again (``None``: only a new arrival or liveness change can close one).
+        ``wait_for_finals`` False (a syncer that stops): rounds do not wait for the finals of
+        stopping learners still on their way (``finals_due``).
         """
-        closing, wake = self.close_rounds(now)
+        closing, wake = self.close_rounds(now, wait_for_finals=wait_for_finals)
         return [self.apply(c, c.merge(), now) for c in closing], wake
 
-    def close_rounds(self, now: float) -> tuple[list[Closing], float | None]:
+    def close_rounds(
+        self, now: float, *, wait_for_finals: bool = True
+    ) -> tuple[list[Closing], float | None]:
         """Take every round that should close at ``now`` out of the open rounds, with what
         its merge needs (its weights, the direction check's verdict, its share); ``wake`` as
         for ``poll``. Each must then be merged and passed to ``apply``, in this order."""
@@ -546,7 +562,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         live = self.live(now)
         closing, wake = [], None
         for fragment in sorted(self.rounds):
-            close, wait_until, reason = self._decide(now, fragment, live)
+            close, wait_until, reason = self._decide(now, fragment, live, wait_for_finals)
             if close:
                 closing.append(self._close(fragment, reason, now, live))
             elif wait_until is not None:
