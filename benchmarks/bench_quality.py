@@ -20,6 +20,8 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
   both ways with the weighted mean instead of RDA; ``int2``: dense ternary (int2) both ways;
   ``sign1``: dense sign bits both ways; ``sign1-up``: sign1 up, int4 down; ``sign1-nofb``:
   sign1 both ways, Θ set to the wire image at every commit (``--down-feedback off``);
+  ``sign1-up-nofb``: sign1 up, int4 down, the same; ``sign1w-nofb``: sign1w (wide blocks,
+  1024 values per scale) both ways, the same;
 - ``dp-muon``, ``decoupled-muon``: the inner optimizer Muon (hidden matrices; AdamW for the
   rest) instead of AdamW; any setting as ``SETTING+muon`` with Muon, and as ``SETTING@LR``
   with the peak inner lr LR (``sparse+muon@6e-3``); ``SETTING-HN`` with sync period H = N
@@ -84,6 +86,11 @@ SETTINGS["sign1"] = ["--mode=decoupled", "--up-codec=sign1", "--down-codec=sign1
 SETTINGS["sign1-up"] = ["--mode=decoupled", "--up-codec=sign1", "--down-codec=int4"]
 # ... and without error feedback down: the syncer's Θ takes the wire image at every commit
 SETTINGS["sign1-nofb"] = [*SETTINGS["sign1"], "--down-feedback=off"]
+SETTINGS["sign1-up-nofb"] = [*SETTINGS["sign1-up"], "--down-feedback=off"]
+# sign1 with wide blocks (1024 values per scale), both ways, without down feedback
+SETTINGS["sign1w-nofb"] = [
+    "--mode=decoupled", "--up-codec=sign1w", "--down-codec=sign1w", "--down-feedback=off",
+]  # fmt: skip
 # the inner optimizer: Muon for the hidden matrices, AdamW for the rest (one peak lr)
 SETTINGS["dp-muon"] = ["--mode=dp", "--inner-optimizer=muon"]
 SETTINGS["decoupled-muon"] = ["--mode=decoupled", "--inner-optimizer=muon"]
@@ -97,6 +104,8 @@ OUTER_PREFIXES = {  # NAME-LR-MU: the setting's flags with that outer step
     "sign1": SETTINGS["sign1"],
     "sign1-up": SETTINGS["sign1-up"],
     "sign1-nofb": SETTINGS["sign1-nofb"],
+    "sign1-up-nofb": SETTINGS["sign1-up-nofb"],
+    "sign1w-nofb": SETTINGS["sign1w-nofb"],
 }
 
 

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from diloco.algorithm.codecs import (
     BLOCK_SIZE,
     CODECS,
+    SIGN_BLOCKS,
     TOPK_CHUNK,
     TOPK_K,
+    WIDE_BLOCK_SIZE,
     CodecError,
     NonFiniteError,
     check_codec,
@@ -43,10 +45,11 @@ def _elementwise_bound(x: torch.Tensor, codec: str) -> torch.Tensor:
     if codec == "bf16":
         return x.abs() * 2.0**-8 + TINY
     n = x.numel()
-    if codec == "sign1":  # one payload: at most its block's largest |x|
-        pad = torch.zeros(-(-n // BLOCK_SIZE) * BLOCK_SIZE, dtype=torch.float64)
+    if codec in SIGN_BLOCKS:  # one payload: at most its block's largest |x|
+        block = SIGN_BLOCKS[codec]
+        pad = torch.zeros(-(-n // block) * block, dtype=torch.float64)
         pad[:n] = x.abs()
-        absmax = pad.view(-1, BLOCK_SIZE).amax(1).repeat_interleave(BLOCK_SIZE)[:n]
+        absmax = pad.view(-1, block).amax(1).repeat_interleave(block)[:n]
         return absmax * (1 + 2.0**-20) + TINY
     pad = torch.zeros(-(-n // BLOCK_SIZE) * BLOCK_SIZE, dtype=torch.float64)
     pad[:n] = x.abs()
@@ -182,21 +185,22 @@ def test_roundtrip_constant_tiny_huge_and_odd_lengths(codec, n, value):
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_zero_is_exact_and_zero_blocks_have_zero_scale(codec):
-    x = torch.zeros(3 * BLOCK_SIZE + 5)
-    x[BLOCK_SIZE + 7] = 5.0  # only block 1 is non-zero
-    x[BLOCK_SIZE + 9] = 0.0
+    block = SIGN_BLOCKS.get(codec, BLOCK_SIZE)
+    x = torch.zeros(3 * block + 5)
+    x[block + 7] = 5.0  # only block 1 is non-zero
+    x[block + 9] = 0.0
     y = _roundtrip(x, codec)
-    if codec == "sign1":  # one bit per value: only whole zero blocks stay zero
-        assert bool((y[:BLOCK_SIZE] == 0).all()) and bool((y[2 * BLOCK_SIZE :] == 0).all())
-        assert float(y[BLOCK_SIZE + 7]) == pytest.approx(5.0 / BLOCK_SIZE)
+    if codec in SIGN_BLOCKS:  # one bit per value: only whole zero blocks stay zero
+        assert bool((y[:block] == 0).all()) and bool((y[2 * block :] == 0).all())
+        assert float(y[block + 7]) == pytest.approx(5.0 / block)
     else:
         assert bool((y[x == 0] == 0).all())
-    if codec in (*LEVELS, "sign1"):
+    if codec in (*LEVELS, *SIGN_BLOCKS):
         scales = struct.unpack("<4f", encode(x, codec)[:16])
         assert scales[0] == scales[2] == scales[3] == 0.0 and scales[1] > 0
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "sign1"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "sign1", "sign1w"])
 def test_int_codecs_near_float32_max_decode_finite(codec):
     x = torch.tensor([F32_MAX, -F32_MAX, 1.0, 3e38])
     y = _roundtrip(x, codec)
@@ -291,7 +295,9 @@ def test_wrong_length_refused(codec, n):
         with pytest.raises(CodecError, match="expected"):
             decode(bad, n, codec)
     # topk2's size follows its chunks and kept values only: 129 and 131 values have one size
-    other = {"topk2": n + TOPK_CHUNK, "int2": n + 4, "sign1": n + 8}.get(codec, n + 2)
+    other = {"topk2": n + TOPK_CHUNK, "int2": n + 4, "sign1": n + 8, "sign1w": n + 8}.get(
+        codec, n + 2
+    )
     with pytest.raises(CodecError):
         decode(data, other, codec)
 
@@ -494,35 +500,50 @@ def test_golden_bytes_sign1_lowest_bit_first_mean_magnitude_scale():
     assert encoded_nbytes(9, "sign1") == 4 + 2
 
 
-@pytest.mark.parametrize("n", [1, 8, 127, 128, 129, 1000])
-def test_sign1_is_each_blocks_mean_magnitude_with_each_values_sign(n):
+@pytest.mark.parametrize("codec", ["sign1", "sign1w"])
+@pytest.mark.parametrize("n", [1, 8, 127, 128, 129, 1000, 1024, 1025, 3000])
+def test_sign1_is_each_blocks_mean_magnitude_with_each_values_sign(codec, n):
+    size = SIGN_BLOCKS[codec]
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
-    y = _roundtrip(x, "sign1")
-    for b in range(-(-n // BLOCK_SIZE)):
-        block = x[b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE].double()
+    y = _roundtrip(x, codec)
+    for b in range(-(-n // size)):
+        block = x[b * size : (b + 1) * size].double()
         expected = torch.where(block < 0, -1.0, 1.0).double() * block.abs().mean()
-        assert torch.allclose(y[b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE].double(), expected)
+        assert torch.allclose(y[b * size : (b + 1) * size].double(), expected)
 
 
 def test_sign1_bytes_per_value():
     big = 1_000_000
     assert encoded_nbytes(big, "sign1") == 4 * -(-big // BLOCK_SIZE) + big // 8
+    assert encoded_nbytes(big, "sign1w") == 4 * -(-big // WIDE_BLOCK_SIZE) + big // 8
     assert encoded_nbytes(big, "int4") / encoded_nbytes(big, "sign1") > 3.3
+    assert encoded_nbytes(big, "sign1") / encoded_nbytes(big, "sign1w") > 1.2
 
 
-def test_sign1_with_error_feedback_delivers_what_it_rounds_later():
+def test_sign1w_golden_bytes_one_scale_for_a_thousand_values():
+    x = torch.ones(1025)
+    x[1] = -3.0
+    data = encode(x, "sign1w")
+    assert len(data) == 2 * 4 + 129
+    assert struct.unpack("<2f", data[:8]) == pytest.approx(((1023 + 3.0) / 1024, 1.0))
+    assert data[8:] == bytes([0b0000_0010]) + bytes(128)
+
+
+@pytest.mark.parametrize("codec", ["sign1", "sign1w"])
+def test_sign1_with_error_feedback_delivers_what_it_rounds_later(codec):
     # (slower than topk2's: a large value waits until its block's residuals grow the scale)
-    assert_error_feedback_delivers("sign1", 3 * BLOCK_SIZE + 7, rounds=1000)
+    assert_error_feedback_delivers(codec, 3 * SIGN_BLOCKS[codec] + 7, rounds=1000)
 
 
+@pytest.mark.parametrize("codec", ["sign1", "sign1w"])
 @pytest.mark.parametrize("bad", ["negative scale", "nan scale", "padding bit"])
-def test_sign1_crafted_payloads_are_refused(bad):
-    data = bytearray(encode(torch.randn(10), "sign1"))
+def test_sign1_crafted_payloads_are_refused(codec, bad):
+    data = bytearray(encode(torch.randn(10), codec))
     if bad == "negative scale":
         data[0:4] = struct.pack("<f", -1.0)
     elif bad == "nan scale":
         data[0:4] = struct.pack("<f", float("nan"))
     else:
         data[-1] |= 0x80  # value 15 of 10
-    with pytest.raises(CodecError, match="scale|padding"):
-        decode(bytes(data), 10, "sign1")
+    with pytest.raises(CodecError, match=f"{codec}: .*(scale|padding)"):
+        decode(bytes(data), 10, codec)

@@ -11,7 +11,7 @@ Public names (other packages and users rely on them):
 - ``decide_round``, ``admit_contribution`` (module ``rounds``): when a round closes and
   whether a (possibly stale) contribution is accepted.
 - ``codecs.encode`` / ``codecs.decode`` (module ``codecs``): wire formats fp32, bf16, int8, int4,
-  int2, sign1, topk2.
+  int2, sign1, sign1w, topk2.
 
 Names are imported lazily so a partially built tree stays importable.
 """
