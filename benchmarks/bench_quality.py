@@ -20,8 +20,8 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
   both ways with the weighted mean instead of RDA; ``int2``: dense ternary (int2) both ways;
   ``sign1``: dense sign bits both ways; ``sign1-up``: sign1 up, int4 down; ``sign1-nofb``:
   sign1 both ways, Θ set to the wire image at every commit (``--down-feedback off``);
-  ``sign1-up-nofb``: sign1 up, int4 down, the same; ``sign1w-nofb``: sign1w (wide blocks,
-  1024 values per scale) both ways, the same;
+  ``sign1-up-nofb``: sign1 up, int4 down, the same; ``sign1w-up``: sign1w (wide blocks,
+  1024 values per scale) up, int4 down; ``sign1w-nofb``: sign1w both ways, no down feedback;
 - ``dp-muon``, ``decoupled-muon``: the inner optimizer Muon (hidden matrices; AdamW for the
   rest) instead of AdamW; any setting as ``SETTING+muon`` with Muon, and as ``SETTING@LR``
   with the peak inner lr LR (``sparse+muon@6e-3``); ``SETTING-HN`` with sync period H = N
@@ -87,7 +87,9 @@ SETTINGS["sign1-up"] = ["--mode=decoupled", "--up-codec=sign1", "--down-codec=in
 # ... and without error feedback down: the syncer's Θ takes the wire image at every commit
 SETTINGS["sign1-nofb"] = [*SETTINGS["sign1"], "--down-feedback=off"]
 SETTINGS["sign1-up-nofb"] = [*SETTINGS["sign1-up"], "--down-feedback=off"]
-# sign1 with wide blocks (1024 values per scale), both ways, without down feedback
+# sign1 with wide blocks (1024 values per scale): up with int4 down, or both ways without
+# down feedback
+SETTINGS["sign1w-up"] = ["--mode=decoupled", "--up-codec=sign1w", "--down-codec=int4"]
 SETTINGS["sign1w-nofb"] = [
     "--mode=decoupled", "--up-codec=sign1w", "--down-codec=sign1w", "--down-feedback=off",
 ]  # fmt: skip

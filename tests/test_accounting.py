@@ -329,11 +329,12 @@ def test_host_copies_are_immediate_off_cuda():
 def test_without_down_feedback_the_syncer_holds_exactly_what_its_learners_hold(
     tmp_path, down_feedback
 ):
-    """sign1 down rounds most of each change away. With error feedback (the default) the
-    syncer keeps that rounding in Θ − W; without it every commit sets Θ to the wire image W
-    it sent, so the exported model is the one the learners hold, at every version."""
+    """sign1w down (``--comms lowest``'s) rounds most of each change away. With error
+    feedback (the default) the syncer keeps that rounding in Θ − W; without it every commit
+    sets Θ to the wire image W it sent, so the exported model is the one the learners hold,
+    at every version."""
     server = start_syncer(
-        tmp_path, up_codec="sign1", down_codec="sign1", down_feedback=down_feedback
+        tmp_path, up_codec="sign1w", down_codec="sign1w", down_feedback=down_feedback
     )
     try:
         learners, threads = start_training([server.address] * 2)

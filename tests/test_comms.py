@@ -47,7 +47,7 @@ def test_each_setting_names_h_and_both_codecs_and_a_flag_beside_it_wins():
         )
         assert flipped.down_feedback is not s.down_feedback
     mixed = SyncerConfig(protocol=ProtocolConfig(comms="lowest", sync_every=64), up_codec="int8")
-    assert (mixed.protocol.sync_every, mixed.up_codec, mixed.down_codec) == (64, "int8", "sign1")
+    assert (mixed.protocol.sync_every, mixed.up_codec, mixed.down_codec) == (64, "int8", "sign1w")
     with pytest.raises(ValueError, match="--comms must be one of default, low, lowest"):
         ProtocolConfig(comms="fast")
     with pytest.raises(ValueError, match="--comms must be one of"):
@@ -83,7 +83,7 @@ def test_the_command_line_and_config_files_resolve_comms_the_same_way(tmp_path):
     assert (c.syncer.protocol.sync_every, c.syncer.up_codec, c.syncer.down_codec) == (
         128,
         "int8",
-        "sign1",
+        "sign1w",
     )
     assert c.syncer.down_feedback is False
     # a run's config.json holds the resolved values and repeats the run exactly

@@ -104,15 +104,16 @@ def test_each_named_setting_is_priced_and_the_densest_that_fits_is_recommended()
     assert gbps["default"] > gbps["low"] > gbps["lowest"]
     # low: H = 24, sign1 both ways (1.25 bits per value: a bit and a float32 per 128)
     assert gbps["low"] == pytest.approx(12e9 * 1.25 / 2.381 / 24 / 1e9, rel=1e-6)
-    # lowest: H = 128; τ at least H/P steps (the clock's next ask), so the burst term
-    # 1/(P·τ) does not price it as H = 2P = 48
-    assert gbps["lowest"] == pytest.approx(12e9 * 1.25 / 2.381 / 128 / 1e9, rel=1e-6)
+    # lowest: H = 128, sign1w both ways (1.03125 bits per value: a float32 per 1024); τ at
+    # least H/P steps (the clock's next ask), so the burst term 1/(P·τ) does not price it
+    # as H = 2P = 48
+    assert gbps["lowest"] == pytest.approx(12e9 * 1.03125 / 2.381 / 128 / 1e9, rel=1e-6)
     assert with_comms(p, "lowest").tau == pytest.approx(128 / 24)
     assert with_comms(p, "default").tau == 2.0
     assert recommend(p, 10e9) == "default"
     assert recommend(p, 1e9) == "low"
     assert recommend(p, 0.05e9) == "lowest"
-    assert recommend(p, 0.045e9) is None
+    assert recommend(p, 0.04e9) is None
     assert with_comms(p, "lowest").sync_every == 128
 
 

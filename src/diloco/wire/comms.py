@@ -41,7 +41,7 @@ class CommsSetting:
 COMMS: dict[str, CommsSetting] = {
     "default": CommsSetting(24, "int4", "int8"),
     "low": CommsSetting(24, "sign1", "sign1", down_feedback=False),
-    "lowest": CommsSetting(128, "sign1", "sign1", down_feedback=False),
+    "lowest": CommsSetting(128, "sign1w", "sign1w", down_feedback=False),
 }
 """The named settings, densest first (``diloco plan`` recommends the first that fits)."""
 DEFAULT_COMMS = "default"
