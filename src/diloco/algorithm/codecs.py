@@ -45,7 +45,7 @@ as ``+scale`` unless its whole block is zero. ``0.156`` bytes per value (3.4× f
 one payload's error is up to the block's ``absmax``, and error feedback sends it later (as for
 the others). **sign1w** is the same with wide blocks of ``WIDE_BLOCK_SIZE = 1024`` values per
 scale (``nw = ⌈n / 1024⌉``): ``0.129`` bytes per value, 17% fewer than sign1, for the links of
-the lowest setting, where the scales are a sixth of sign1's bytes.
+the lowest setting, where the scales are a fifth of sign1's bytes.
 
 The bounds hold up to float32 rounding (a few ulps of absmax, see :func:`roundtrip_error_bound`);
 values below float32's smallest normal (~1.2e-38) may lose all precision in a block whose absmax
@@ -442,6 +442,9 @@ def _encode_sign(x: torch.Tensor, block: int) -> bytes:
     # each |x| / count before the sum (in place, after the signs were read): a sum of values
     # near float32's max would overflow float32, and a float64 copy costs 8 bytes per value
     scale = buf.view(nb, block).abs_().div_(_block_counts(n, block)[:, None]).sum(1)
+    # a mean is at most its largest |x|, but the rounding of a block whose length is not a
+    # power of two can carry it above float32's max: keep what is sent decodable
+    scale.clamp_(max=_F32_MAX)
     packed = bits[:, 0].clone()
     for k in range(1, 8):
         packed |= bits[:, k] << k
