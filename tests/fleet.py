@@ -66,13 +66,13 @@ def start_syncer(tmp_path, interceptors=(), **cfg) -> SyncerServer:
 
 
 def start_training(
-    addresses: list[str], pace: float = 0.015, prepare=None
+    addresses: list[str], pace: float = 0.015, prepare=None, **options
 ) -> tuple[list[Learner], list[threading.Thread]]:
-    """One learner per address (``prepare(learner)`` first, if given), joined, each training
-    ``STEPS`` steps on its own thread."""
+    """One learner per address (``prepare(learner)`` first, if given; ``options``: more
+    ``LearnerConfig`` fields), joined, each training ``STEPS`` steps on its own thread."""
     models = [make_model(10 + i) for i in range(len(addresses))]
     learners = [
-        Learner(m, syncer=a, num_fragments=P, learner_id=f"l{i}", tokens_per_step=8)
+        Learner(m, syncer=a, num_fragments=P, learner_id=f"l{i}", tokens_per_step=8, **options)
         for i, (m, a) in enumerate(zip(models, addresses, strict=True))
     ]
     for lr in learners:

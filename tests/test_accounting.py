@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 from fleet import STEPS, P, finish_training, make_model, merged_steps, start_syncer, start_training
-from kit import run_diloco_json
+from kit import run_diloco_json, wait_until
 
 from diloco.algorithm import balanced_fragments
 from diloco.launch.relay import Relay
@@ -350,3 +350,99 @@ def test_without_down_feedback_the_syncer_holds_exactly_what_its_learners_hold(
         assert max(gaps) > 0  # the rounding waits in Θ − W
     else:
         assert gaps == [0.0] * P
+
+
+@pytest.mark.timeout(120)
+def test_learners_that_leave_without_the_final_download_are_merged_exactly_once(tmp_path):
+    """``drain_timeout_s=0``: each learner leaves as soon as the syncer has accepted its
+    flush. The syncer still merges every flushed step exactly once, after the learners have
+    gone; none of them receives the rounds that merged its final progress."""
+    server = start_syncer(tmp_path)
+    try:
+        learners, threads = start_training([server.address] * 2, drain_timeout_s=0.0)
+        finish_training(server, learners, threads)
+    finally:
+        server.stop()
+    rounds = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "round"]
+    for i, lr in enumerate(learners):
+        report = lr.close_report
+        assert report["flush_ok"] and report["undrained"] and report["drain_s"] < 1.0, report
+        unsent = lr.unsent()
+        for p in range(P):
+            assert merged_steps(rounds, f"l{i}", p) + unsent[p] == STEPS, (i, p)
+    # the last learner to leave holds no fragment's last version: its flush was merged after
+    # it left, and nothing came down to it
+    last = learners[-1]
+    assert all(last.versions[p] < server.state.versions[p] for p in range(P))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_whose_learners_skip_the_final_download_stays_exact(tmp_path):
+    """``diloco run --drain-timeout 0``: the learners stop without waiting for their flush to
+    come back merged, the audit finds every step merged exactly once, and the syncer's
+    final versions (the export) are past what any learner holds. (``--flush-timeout``
+    reaches the learners the same way.)"""
+    from diloco.report.audit_files import audit_directories
+
+    summary = run_diloco_json(
+        "run", "--recipe=tiny", "--learners=2", "--steps=60", "--minutes=2",
+        "--eval-every=0", "--drain-timeout=0", "--flush-timeout=25", f"--runs-dir={tmp_path}",
+        "--name=nodrain", "--json", timeout=110,
+    )  # fmt: skip
+    assert summary["stopped_by"] == "learners finished"
+    run_dir = tmp_path / "nodrain"
+    given = json.loads((run_dir / "config" / "learner-0.json").read_text())
+    assert (given["flush_timeout_s"], given["drain_timeout_s"]) == (25.0, 0.0)
+    workdirs = {f"learner-{i}": run_dir / "learners" / f"learner-{i}" for i in range(2)}
+    audit = audit_directories(run_dir / "syncer", workdirs)
+    assert audit.problems == [] and audit.steps_trained == 120, audit.problems
+    stop = [r for r in read_tape(run_dir / "syncer" / "events.jsonl") if r["event"] == "stop"]
+    # the final score waited for the last commits (the learners were gone before them)
+    scored = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert scored["versions"] == sum(stop[-1]["versions"]), (scored, stop[-1]["versions"])
+    for workdir in workdirs.values():
+        final = json.loads((workdir / "final.json").read_text())
+        assert final["close"]["flush_ok"] and final["close"]["undrained"], final["close"]
+        assert all(
+            held < last for held, last in zip(final["versions"], stop[-1]["versions"], strict=True)
+        ), (final["versions"], stop[-1]["versions"])
+
+
+@pytest.mark.parametrize("name", ["flush_timeout_s", "drain_timeout_s"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_a_learners_stop_timeouts_are_finite_and_not_negative(name, value):
+    from diloco.learner.config import LearnerConfig
+
+    with pytest.raises(ValueError, match=name):
+        LearnerConfig(**{name: value})
+
+
+@pytest.mark.timeout(60)
+def test_status_says_how_many_admitted_contributions_wait_for_their_commit(tmp_path):
+    """``StatusReply.waiting``: contributions admitted and not yet committed. While the
+    committer is held (its lock), a leaving learner's finals wait in their rounds and are
+    counted; once it runs again they are committed and the count is 0, which ``diloco run``
+    waits for before it scores the final model."""
+    from diloco.wire import diloco_pb2 as pb
+
+    server = start_syncer(tmp_path)
+    try:
+        learners, threads = start_training([server.address], drain_timeout_s=0.0)
+        for t in threads:
+            t.join(timeout=60)
+
+        def waiting() -> int:
+            return server.service.Status(pb.StatusRequest(), None).waiting
+
+        wait_until(lambda: waiting() == 0, 20, "the last answers to be committed")
+        with server.service._commit_lock:  # the committer closes no round meanwhile
+            learners[0].close(flush=True)
+            held = waiting()
+            versions = list(server.state.versions)
+        flushed = learners[0].close_report["flushed"]
+        assert held == flushed > 0, (held, flushed)
+        wait_until(lambda: waiting() == 0, 20, "the finals to be committed")
+        moved = sum(v > before for v, before in zip(server.state.versions, versions, strict=True))
+        assert moved == flushed
+    finally:
+        server.stop()

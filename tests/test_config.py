@@ -273,4 +273,30 @@ def test_a_run_gives_its_learners_time_to_stop_cleanly_before_it_kills_them():
 
     learner = LearnerConfig()
     assert 2 * learner.flush_timeout_s + MAX_DRAIN_S < CLOSE_BOUND_S  # link, flush, drain
-    assert RunConfig().stop_timeout_s > CLOSE_BOUND_S
+    assert RunConfig().stop_after_s > CLOSE_BOUND_S
+    # a longer flush (a slow link) is waited for; without a drain, no time for one
+    assert RunConfig(flush_timeout_s=60.0).stop_after_s > 2 * 60.0 + MAX_DRAIN_S
+    flush = learner.flush_timeout_s
+    assert 2 * flush < RunConfig(drain_timeout_s=0.0).stop_after_s < CLOSE_BOUND_S
+    assert RunConfig(stop_timeout_s=7.0).stop_after_s == 7.0  # given: as given
+    # derived when asked, not written: a saved run given a longer flush waits for it
+    assert RunConfig().stop_timeout_s is None
+
+
+@pytest.mark.parametrize(
+    "field, value, flag",
+    [
+        ("flush_timeout_s", -1.0, "--flush-timeout"),
+        ("flush_timeout_s", float("inf"), "--flush-timeout"),
+        ("drain_timeout_s", float("nan"), "--drain-timeout"),
+        ("stop_timeout_s", float("inf"), "--stop-timeout"),
+    ],
+)
+def test_a_stop_timeout_that_is_negative_or_unbounded_is_refused(field, value, flag):
+    from diloco.config.worker import WorkerConfig
+
+    with pytest.raises(ValueError, match=flag):
+        RunConfig(**{field: value})
+    if field != "stop_timeout_s":  # a learner by hand: the same flags, the same refusal
+        with pytest.raises(ValueError, match=flag):
+            WorkerConfig(id="x", **{field: value})

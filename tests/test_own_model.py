@@ -218,7 +218,7 @@ def test_diloco_status_prints_the_documented_fields(tmp_path):
         assert done.returncode == 0, done.stderr
         doc = __import__("json").loads(done.stdout)
         assert set(doc) == {f.name for f in pb.StatusReply.DESCRIPTOR.fields}
-        assert doc["versions"] == [0, 0] and doc["failure"] == ""
+        assert doc["versions"] == [0, 0] and doc["failure"] == "" and doc["waiting"] == 0
         assert [row["learner_id"] for row in doc["learners"]] == ["a"]
         text = run_diloco("status", server.address, timeout=60)
         assert text.returncode == 0 and "serving" in text.stdout and "a: live" in text.stdout

@@ -354,19 +354,19 @@ def test_merge_status_takes_each_fragment_from_its_owner():
 
     a = pb.StatusReply(
         syncer_id="a", versions=[5, 0, 7, 0], rounds=12, bytes_up=100, fragments=[0, 2],
-        shard=0, num_shards=2, uptime_s=9.0,
+        shard=0, num_shards=2, uptime_s=9.0, waiting=2,
         learners=[pb.LearnerStatus(learner_id="x", live=True, step=10, contributions=3,
                                    bytes_up=40)],
     )  # fmt: skip
     b = pb.StatusReply(
         syncer_id="b", versions=[0, 4, 0, 6], rounds=10, bytes_up=50, fragments=[1, 3],
-        shard=1, num_shards=2, uptime_s=8.0,
+        shard=1, num_shards=2, uptime_s=8.0, waiting=1,
         learners=[pb.LearnerStatus(learner_id="x", live=False, step=11, contributions=2,
                                    bytes_up=10)],
     )  # fmt: skip
     m = merge_status([a, b])
     assert list(m.versions) == [5, 4, 7, 6] and list(m.fragments) == [0, 1, 2, 3]
-    assert (m.rounds, m.bytes_up, m.uptime_s, m.num_shards) == (22, 150, 8.0, 2)
+    assert (m.rounds, m.bytes_up, m.uptime_s, m.num_shards, m.waiting) == (22, 150, 8.0, 2, 3)
     (x,) = m.learners
     assert (x.step, x.contributions, x.bytes_up, x.live) == (11, 5, 50, False)
     assert list(a.learners)[0].contributions == 3  # the inputs are not modified

@@ -54,7 +54,8 @@ def main(args: argparse.Namespace) -> int:
     health = f"FAILED: {reply.failure}" if reply.failure else "serving"
     print(
         f"syncer {reply.syncer_id} {health}, up {reply.uptime_s:.0f} s: {reply.rounds} rounds, "
-        f"versions {list(reply.versions)}, {reply.refused} refused uploads"
+        f"versions {list(reply.versions)}, {reply.waiting} contributions waiting for their "
+        f"commit, {reply.refused} refused uploads"
     )
     for ls in reply.learners:
         live = "live" if ls.live else "gone"

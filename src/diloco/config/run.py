@@ -8,11 +8,12 @@ twin reads it back (``diloco.sim.twin``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from diloco.config.common import DeviceConfig, RecipeConfig
 from diloco.dashboard.wandb_log import WANDB_MODES
-from diloco.learner.config import CLOSE_BOUND_S
+from diloco.learner.config import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, close_bound_s
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
 from diloco.runtime.schema import option
@@ -89,6 +90,15 @@ class RunConfig:
     max_stretch: int = option(DEFAULT_MAX_STRETCH, metavar="K")
     """Learners on a slow link defer requests while their upload backlog is long, at most K-1
     times in a row per fragment (1: never; ``diloco.learner.pacing``)."""
+    flush_timeout_s: float = option(FLUSH_TIMEOUT_S, flag="--flush-timeout", metavar="SECONDS")
+    """At their clean stop, how long learners wait for their final uploads to be answered
+    (what is not is their unsent tail): on slow links (``--wan``), what one whole model of
+    the up codec takes on the link."""
+    drain_timeout_s: float = option(DRAIN_TIMEOUT_S, flag="--drain-timeout", metavar="SECONDS")
+    """At their clean stop, how long learners wait for their flushed progress to come back
+    merged; 0: they leave once the syncer has accepted it, without the final download (a
+    whole model's worth of the down codec per learner; the export, the syncer's Θ, holds
+    the flushed progress all the same)."""
     overwrite_own: bool = option(False)
     """Learners apply a merge holding their own delta by the paper's overwrite, dropping the
     steps trained while it was in flight (default: keep them)."""
@@ -136,10 +146,21 @@ class RunConfig:
     and 3."""
     start_timeout_s: float = option(60.0, hidden=True, flag="--start-timeout")
     """Seconds a process may take to start (and the syncer to answer) before the run fails."""
-    stop_timeout_s: float = option(CLOSE_BOUND_S + 5.0, hidden=True, flag="--stop-timeout")
-    """Seconds learners get to flush and exit at the end before they are killed: their clean
-    stop's bound (``diloco.learner.config.CLOSE_BOUND_S``) and 5 s (before 2026-11-27 30 s,
-    which killed learners of ``--comms lowest`` still draining on a 100 kbit/s link)."""
+    stop_timeout_s: float | None = option(None, type=float, hidden=True, flag="--stop-timeout")
+    """Seconds learners get to flush and exit at the end before they are killed; default:
+    their clean stop's bound at ``--flush-timeout`` and ``--drain-timeout``
+    (``diloco.learner.config.close_bound_s``: 65 s at the defaults) and 5 s (before
+    2026-11-27 30 s, which killed learners of ``--comms lowest`` still draining on a
+    100 kbit/s link)."""
+
+    @property
+    def stop_after_s(self) -> float:
+        """Seconds learners get to stop cleanly at the end before they are killed:
+        ``--stop-timeout``, else their clean stop's bound at ``--flush-timeout`` and
+        ``--drain-timeout`` and 5 s."""
+        if self.stop_timeout_s is not None:
+            return self.stop_timeout_s
+        return close_bound_s(self.flush_timeout_s, self.drain_timeout_s) + 5.0
 
     def __post_init__(self) -> None:
         """Refuse values no run can have (``ValueError`` naming the flag: exit 2 at the CLI)."""
@@ -154,6 +175,13 @@ class RunConfig:
         ):
             if not value >= low:
                 raise ValueError(f"{flag} must be >= {low} (got {value})")
+        for flag, value in (
+            ("--flush-timeout", self.flush_timeout_s),
+            ("--drain-timeout", self.drain_timeout_s),
+            ("--stop-timeout", self.stop_timeout_s or 0.0),
+        ):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{flag} must be a finite number of seconds >= 0 (got {value})")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1 (got {self.batch_size})")
         if self.mode != "decoupled" and self.syncer.early_sync_every:

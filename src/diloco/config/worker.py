@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from diloco.chaos import CORRUPT_HOWS
 from diloco.config.common import ClientSecurityConfig, DeviceConfig, RecipeConfig
+from diloco.learner.config import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
 from diloco.runtime.schema import option
@@ -67,6 +69,16 @@ class WorkerConfig:
     max_stretch: int = option(DEFAULT_MAX_STRETCH, metavar="K")
     """Upload pacing: while the upload backlog is long, defer the syncer's requests, at most
     K-1 times in a row per fragment (1: never defer; ``diloco.learner.pacing``)."""
+    flush_timeout_s: float = option(FLUSH_TIMEOUT_S, flag="--flush-timeout", metavar="SECONDS")
+    """At a clean stop (SIGTERM, the end), how long to wait for the final uploads to be
+    answered; what is not is the unsent tail. On a slow link: what one whole model of the up
+    codec takes on it (keep the scheduler's grace period above it)."""
+    drain_timeout_s: float = option(DRAIN_TIMEOUT_S, flag="--drain-timeout", metavar="SECONDS")
+    """At a clean stop, after the flush, how long to wait for the merged fragments to come
+    back (on the syncer's clock at least 1.5 of its cycles, that extension capped at 30 s);
+    0: leave once the syncer has accepted the flush, without the final download (the
+    progress is merged all the same unless the syncer restarts before it commits it; this
+    learner ends holding its own values)."""
     workdir: str | None = option(None, metavar="DIR")
     """Directory for progress and checkpoints."""
     island: str = option("ddp", choices=("ddp", "fsdp"))
@@ -86,3 +98,13 @@ class WorkerConfig:
     """Epoch seconds the corruption starts."""
     corrupt_end: float = option(0.0)
     """Epoch seconds it ends (0: never)."""
+
+    def __post_init__(self) -> None:
+        """Refuse stop timeouts no learner can keep (``ValueError`` naming the flag: exit 2
+        at the CLI, nothing started)."""
+        for flag, value in (
+            ("--flush-timeout", self.flush_timeout_s),
+            ("--drain-timeout", self.drain_timeout_s),
+        ):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{flag} must be a finite number of seconds >= 0 (got {value})")

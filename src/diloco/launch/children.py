@@ -179,6 +179,8 @@ def worker_config(
         wait_for_merge=sync_lag(config),
         overwrite_own=config.overwrite_own,
         max_stretch=config.max_stretch,
+        flush_timeout_s=config.flush_timeout_s,
+        drain_timeout_s=config.drain_timeout_s,
         exit_with_parent=True,
         **corrupt,
     )

@@ -215,6 +215,8 @@ class LearnerProcess:
             comms=config.protocol.comms,
             rebase_own=not config.overwrite_own,
             max_stretch=config.max_stretch,
+            flush_timeout_s=config.flush_timeout_s,
+            drain_timeout_s=config.drain_timeout_s,
             learner_id=config.id,
             # what one step of this island holds: the syncer refuses claims above it
             tokens_per_step=(config.batch_size or recipe.batch_size)

@@ -370,14 +370,14 @@ class Launch:
         config, sup = self.config, self.sup
         plans = [p for p in self.prep.plans if p.id in sup.slots]  # those that started
         train_end = time.time()
-        codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout_s)
+        codes = sup.stop([p.id for p in plans], timeout=config.stop_after_s)
         counters = self.fabric.counters() if self.fabric else None
         names = syncer_names(config.shards)
         for name in names:
             if not sup.running(name):  # it may be down for a chaos restart: bring it back
                 sup.slots[name].restart_at = 0.0
         sup.poll()
-        status = wait_for_status(self.status_client, timeout=config.start_timeout_s)
+        status = wait_for_settled(self.status_client, timeout=config.start_timeout_s)
         if status is not None:
             self.evaluator.wait_for_versions(list(status.versions), timeout=5.0)
         val_final, versions = self.evaluator.evaluate()
@@ -465,12 +465,17 @@ def shut_down(sup) -> None:
         sup.close()
 
 
-def wait_for_status(client: StatusClient, timeout: float):
-    """The syncer's status, polled until it answers or ``timeout`` seconds pass (None)."""
+def wait_for_settled(client: StatusClient, timeout: float):
+    """The syncer's status once every contribution it admitted is in a committed version
+    (``waiting`` 0; learners that left without waiting for their final merges,
+    ``--drain-timeout 0``, are then in the final score), polled until then or ``timeout``
+    seconds pass, or it has failed: the last status it answered, or None if it never did."""
     deadline = time.monotonic() + timeout
+    status = None
     while time.monotonic() < deadline:
-        status = client.fetch()
-        if status is not None:
-            return status
+        fetched = client.fetch()
+        status = fetched if fetched is not None else status
+        if status is not None and (status.waiting == 0 or status.failure):
+            break  # (a failed syncer commits nothing more)
         time.sleep(0.2)
-    return None
+    return status

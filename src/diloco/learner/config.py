@@ -11,14 +11,27 @@ from diloco.wire.protocol import ProtocolConfig
 
 FLUSH_TIMEOUT_S = 10.0
 """``LearnerConfig.flush_timeout_s``'s default."""
+DRAIN_TIMEOUT_S = 3.0
+"""``LearnerConfig.drain_timeout_s``'s default."""
 MAX_DRAIN_S = 30.0
 """The longest ``close`` waits for its merged fragments on the syncer's clock."""
 LINK_CLOSE_S = 10.0
 """About the longest a link's close takes (its Leave call and thread joins)."""
-CLOSE_BOUND_S = 2 * FLUSH_TIMEOUT_S + MAX_DRAIN_S + LINK_CLOSE_S
-"""How long a learner's clean stop can take at its defaults: waiting for its link to come
-back (at most the flush timeout), the flush, the drain and the link's close; what a launcher
-that stops learners must give them before it kills them."""
+
+
+def close_bound_s(
+    flush_timeout_s: float = FLUSH_TIMEOUT_S, drain_timeout_s: float = DRAIN_TIMEOUT_S
+) -> float:
+    """How long a learner's clean stop can take: waiting for its link to come back (at most
+    the flush timeout), the flush, the drain (none when ``drain_timeout_s`` is 0, else at
+    most the longer of it and ``MAX_DRAIN_S``) and the link's close; what a launcher that
+    stops learners must give them before it kills them. Pure."""
+    drain = max(drain_timeout_s, MAX_DRAIN_S) if drain_timeout_s > 0 else 0.0
+    return 2 * flush_timeout_s + drain + LINK_CLOSE_S
+
+
+CLOSE_BOUND_S = close_bound_s()
+"""``close_bound_s`` at the learner's defaults."""
 
 
 @dataclass(kw_only=True)
@@ -66,12 +79,22 @@ class LearnerConfig:
     resident in per-thread arenas (at 50M parameters: peak memory 1.45x the plain loop's
     with default arenas, 1.24x with one); ``diloco learner`` uses 1."""
     flush_timeout_s: float = FLUSH_TIMEOUT_S
-    """How long ``close`` waits for queued uploads to go out."""
-    drain_timeout_s: float = 3.0
+    """How long ``close`` (and a flush on SIGTERM) waits for the final uploads to be
+    answered; what is still unanswered then is the unsent tail (``close_report``). On a slow
+    link give it what one whole model of the up codec takes: sign1w's 0.129 bytes per
+    parameter for 0.84M parameters take 29 s at 30 kbit/s."""
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     """After the final flush, how long ``close`` waits for the merged fragments to come back,
-    so a learner that stops cleanly ends holding the global values (0: do not wait). On the
-    syncer's clock the flushed progress is merged at each fragment's next tick, so the wait
-    is at least 1.5 cycles of the clock (H of this learner's steps), at most 30 s."""
+    so a learner that stops cleanly ends holding the global values. On the syncer's clock
+    the flushed progress is merged at each fragment's next tick, so the wait is at least 1.5
+    cycles of the clock (H of this learner's steps), at most 30 s. 0: leave as soon as the
+    syncer has accepted the flush. The flushed progress is merged all the same (the syncer
+    keeps what it accepted), but this learner ends holding its own values, not the merged
+    ones, and the final download (up to a whole model's worth of the down codec) is not
+    sent: for a fleet whose result is the syncer's export, on links where that download
+    counts. The price: a syncer that restarts before it commits the flushed progress loses
+    it, since the learner is gone and cannot send it again (with a drain, a learner whose
+    link drops while it waits leaves too)."""
     max_stretch: int = DEFAULT_MAX_STRETCH
     """Upload pacing (``diloco.learner.pacing``): while this learner's upload backlog would
     take longer than ``pace_lag_steps`` of its steps to drain, it defers the syncer's requests,
@@ -101,3 +124,7 @@ class LearnerConfig:
             raise ValueError(
                 f"alpha must be in [0, 1) (got {self.alpha}); 0 overwrites with the global value"
             )
+        for name in ("flush_timeout_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if not 0.0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0 (got {value})")

@@ -156,6 +156,7 @@ class Committer:
                     if request is not None:
                         self._ask(request)
                     closing, wake_at = self.state.close_rounds(t0)
+                    self._closing = [len(r.contributions) + len(r.left_out) for r in closing]
                 if tick_at is not None:
                     wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
                 for round_ in closing:
@@ -163,6 +164,15 @@ class Committer:
                     with self.lock:
                         commit = self.state.apply(round_, merged, t0)
                     self._publish_in_time(commit, t0)
+                    with self.lock:
+                        self._closing.pop(0)
+
+    def waiting(self) -> int:
+        """Contributions admitted and not yet in a published commit: in open rounds, or in
+        rounds the committer has closed and is merging, persisting or broadcasting (lock
+        held)."""
+        open_rounds = sum(len(r.contributions) for r in self.state.rounds.values())
+        return open_rounds + sum(self._closing)
 
     def _publish_in_time(self, commit: Commit, t0: float) -> None:
         """``_publish``, failing the syncer if it takes longer than ``COMMIT_DEADLINE_S``."""

@@ -106,6 +106,9 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         self._commit_lock = threading.Lock()
         """Held while a commit is made, persisted and published: by the committer, and by
         ``stop`` for the last commits (never two publishers of one ``W_p``)."""
+        self._closing: list[int] = []
+        """The contributions of each round the committer has closed and not yet published,
+        in order (``waiting``)."""
         self.failure: BaseException | None = None
         """Why the syncer cannot do its job (None while it can); see the module docstring."""
         self.on_failure = on_failure
@@ -460,6 +463,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 shard=s.shard[0],
                 num_shards=s.shard[1],
                 failure=repr(self.failure) if self.failure is not None else "",
+                waiting=self.waiting(),
             )
 
     def committed_hash(self) -> str:

@@ -217,7 +217,7 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., live: _Optional[bool] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., state: _Optional[str] = ..., contributions: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("syncer_id", "versions", "rounds", "bytes_up", "bytes_down", "learners", "uptime_s", "refused", "fragments", "shard", "num_shards", "failure")
+    __slots__ = ("syncer_id", "versions", "rounds", "bytes_up", "bytes_down", "learners", "uptime_s", "refused", "fragments", "shard", "num_shards", "failure", "waiting")
     SYNCER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class StatusReply(_message.Message):
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     syncer_id: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     rounds: int
@@ -242,4 +243,5 @@ class StatusReply(_message.Message):
     shard: int
     num_shards: int
     failure: str
-    def __init__(self, syncer_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., rounds: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
+    waiting: int
+    def __init__(self, syncer_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., rounds: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., failure: _Optional[str] = ..., waiting: _Optional[int] = ...) -> None: ...

@@ -221,7 +221,7 @@ class Growth:
         sup.tape(
             {"event": "resize", "t": time.time(), "world": world, "added": [p.id for p in added]}
         )
-        sup.stop(names, timeout=self.config.stop_timeout_s)  # SIGTERM: final group checkpoint
+        sup.stop(names, timeout=self.config.stop_after_s)  # SIGTERM: final group checkpoint
         sup.generation += 1
         self.members += added
         sup.group = [p.id for p in self.members]
@@ -250,7 +250,7 @@ def finish(
 
     facts["train_end"] = time.time()
     plans = [p for p in plans if p.id in sup.slots]  # (not those still waiting to join)
-    facts["codes"] = codes = sup.stop([p.id for p in plans], timeout=config.stop_timeout_s)
+    facts["codes"] = codes = sup.stop([p.id for p in plans], timeout=config.stop_after_s)
     counters = fabric.counters() if fabric is not None else None
     facts["val_final"] = evaluator.evaluate()
     facts["scores"] = (facts.pop("scores_initial"), evaluator.scores)
