@@ -28,6 +28,8 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
   (``sparse-up-H96+muon@6e-3``); ``SETTING-earlyH0forN`` with the H schedule H0 for the
   clock's first N cycles (``decoupled-early8for8``); ``SETTING-olrVtoF`` with the outer lr's
   cosine decay over V versions down to F × lr (``decoupled-olr33to0.1``);
+  ``SETTING-nodrain`` with learners that stop without the final download
+  (``--drain-timeout 0``: the export holds their flushed progress all the same);
 - ``sync-P1``, ``sync-fp32``, ``sync-mean``, ``sync-torchft-like``: synchronous mode with what
   torchft's DiLoCo does differently (one fragment, fp32 both ways, the plain mean; all three).
 
@@ -122,6 +124,8 @@ def setting_args(setting: str) -> list[str]:
         return [*setting_args(setting.removesuffix("+muon")), "--inner-optimizer=muon"]
     if setting in SETTINGS:
         return SETTINGS[setting]
+    if setting.endswith("-nodrain"):
+        return [*setting_args(setting.removesuffix("-nodrain")), "--drain-timeout=0"]
     base, _, period = setting.rpartition("-H")
     if base and period.isdigit():
         return [*setting_args(base), f"--sync-every={int(period)}"]
