@@ -129,7 +129,12 @@ def test_kubernetes_manifests_parse_and_their_commands_are_real():
     assert syncer["args"][0] == "syncer"
     args = parse(syncer["args"])
     assert args.state_dir == "/state"
-    learner = kinds["Job/diloco-learners"]["spec"]["template"]["spec"]["containers"][0]
+    pod = kinds["Job/diloco-learners"]["spec"]["template"]["spec"]
+    # SIGTERM gives a learner its whole clean stop (flush, drain, leave) before the kill
+    from diloco.learner.config import CLOSE_BOUND_S
+
+    assert pod["terminationGracePeriodSeconds"] > CLOSE_BOUND_S
+    learner = pod["containers"][0]
     assert learner["command"] == ["sh", "-c"]
     argv = diloco_argv(learner["args"][0])
     assert argv is not None and argv[0] == "learner"

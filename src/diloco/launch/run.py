@@ -378,6 +378,12 @@ class Launch:
                 sup.slots[name].restart_at = 0.0
         sup.poll()
         status = wait_for_settled(self.status_client, timeout=config.start_timeout_s)
+        if status is not None and status.waiting:
+            print(
+                f"diloco run: {status.waiting} contributions still wait for their commit; "
+                "the final score is of the versions committed before them",
+                file=sys.stderr,
+            )
         if status is not None:
             self.evaluator.wait_for_versions(list(status.versions), timeout=5.0)
         val_final, versions = self.evaluator.evaluate()
@@ -465,17 +471,32 @@ def shut_down(sup) -> None:
         sup.close()
 
 
+SETTLED_STILL_S = 2.0
+"""With no learner live, a ``waiting`` count that has not moved for this long will not move:
+a round that waits for a learner that ended without leaving (synchronous mode) never
+closes."""
+
+
 def wait_for_settled(client: StatusClient, timeout: float):
-    """The syncer's status once every contribution it admitted is in a committed version
-    (``waiting`` 0; learners that left without waiting for their final merges,
-    ``--drain-timeout 0``, are then in the final score), polled until then or ``timeout``
-    seconds pass, or it has failed: the last status it answered, or None if it never did."""
+    """The syncer's status once every contribution it admitted is settled (``waiting`` 0;
+    learners that left without waiting for their final merges, ``--drain-timeout 0``, are
+    then in the final score), polled until then, until it has failed, stopped answering
+    after an answer or (no learner live) ``waiting`` stood still for ``SETTLED_STILL_S``, or
+    until ``timeout`` seconds pass: the last status it answered, or None if it never did."""
     deadline = time.monotonic() + timeout
-    status = None
+    status, still_since = None, time.monotonic()
     while time.monotonic() < deadline:
         fetched = client.fetch()
-        status = fetched if fetched is not None else status
-        if status is not None and (status.waiting == 0 or status.failure):
-            break  # (a failed syncer commits nothing more)
+        if fetched is None and status is not None:
+            break  # it went away: score what the evaluator has
+        if fetched is not None:
+            if status is None or fetched.waiting != status.waiting:
+                still_since = time.monotonic()
+            status = fetched
+        if status is not None:
+            live = any(ls.live for ls in status.learners)
+            stuck = not live and time.monotonic() - still_since >= SETTLED_STILL_S
+            if status.waiting == 0 or status.failure or stuck:
+                break
         time.sleep(0.2)
     return status

@@ -57,7 +57,7 @@ def merge_status(replies: Sequence[pb.StatusReply]) -> pb.StatusReply:
 
     Each fragment's version comes from the shard that owns it (a reply without ``fragments``,
     from a syncer older than shards, owns all); rounds, bytes and refusals add up; uptime is
-    the shortest, contributions waiting add up. A learner's counters (contributions, bytes) add up over the shards, its
+    the shortest, contributions waiting add up, failures are joined. A learner's counters (contributions, bytes) add up over the shards, its
     progress (step, tokens, speed, state) is the most recent any shard heard, and it is live
     only if it is live on every shard that knows it.
     """
@@ -95,6 +95,7 @@ def merge_status(replies: Sequence[pb.StatusReply]) -> pb.StatusReply:
         uptime_s=min(r.uptime_s for r in replies),
         refused=sum(r.refused for r in replies),
         waiting=sum(r.waiting for r in replies),
+        failure="; ".join(r.failure for r in replies if r.failure),
         fragments=sorted({p for r in replies for p in r.fragments}),
         shard=0,
         num_shards=len(replies),

@@ -168,9 +168,9 @@ class Committer:
                         self._closing.pop(0)
 
     def waiting(self) -> int:
-        """Contributions admitted and not yet in a published commit: in open rounds, or in
-        rounds the committer has closed and is merging, persisting or broadcasting (lock
-        held)."""
+        """Contributions admitted and not yet settled: in open rounds, or in rounds the
+        committer has closed and is merging, persisting or broadcasting (not the last
+        commits ``stop`` makes). Lock held."""
         open_rounds = sum(len(r.contributions) for r in self.state.rounds.values())
         return open_rounds + sum(self._closing)
 
