@@ -56,10 +56,11 @@ def merge_status(replies: Sequence[pb.StatusReply]) -> pb.StatusReply:
     """One ``StatusReply`` for the whole (sharded) syncer, from every shard's reply.
 
     Each fragment's version comes from the shard that owns it (a reply without ``fragments``,
-    from a syncer older than shards, owns all); rounds, bytes and refusals add up; uptime is
-    the shortest, contributions waiting add up, failures are joined. A learner's counters (contributions, bytes) add up over the shards, its
-    progress (step, tokens, speed, state) is the most recent any shard heard, and it is live
-    only if it is live on every shard that knows it.
+    from a syncer older than shards, owns all); rounds, bytes, refusals and the contributions
+    waiting add up; uptime is the shortest; failures are joined. A learner's counters
+    (contributions, bytes) add up over the shards, its progress (step, tokens, speed, state)
+    is the most recent any shard heard, and it is live only if it is live on every shard
+    that knows it.
     """
     if not replies:
         raise ValueError("no status replies to merge")
