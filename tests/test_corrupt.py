@@ -32,6 +32,13 @@ from diloco.wire.protocol import ProtocolConfig
 
 STEPS = 300  # per learner: both runs train the same steps whatever the machine's speed
 MINUTES = 2.0  # a safety cap only (both runs normally finish their steps in 7-30 s)
+#: Each learner's step takes this many times its cost. On an idle machine the tiny recipe's
+#: steps take ~8 ms: 300 of them in 2.5 s, many before the syncer's clock has measured the
+#: fleet's pace, and the corrupt run merged 99-106 rounds against 165 on a loaded machine
+#: (CI saw it end at 3.34, above this test's 0.6 x 5.52; here 2.76, its last rounds raising
+#: it by 0.044 where 0.05 is allowed). At 3x: 280-300 rounds, 2.54 and 2.76, the last rounds
+#: within 0.001 of the lowest.
+SLOW = 3
 CORRUPT = "corrupt:learners=1,how=huge,start=0s"
 #: The corrupt run may end at most this much above the clean run's held-out loss. It trains
 #: with two useful learners instead of three. Measured (3 pairs of runs): clean 2.45-2.90
@@ -195,6 +202,7 @@ def run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[dict]]:
         f"--runs-dir={tmp_path}",
         f"--name={name}",
         f"--token-file={token_file}",
+        *(f"--slow={i}={SLOW}" for i in range(3)),
         "--json",
         *extra,
         timeout=240,
