@@ -9,7 +9,10 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
 - ``sync``: synchronous DiLoCo at the defaults (P = H = 24);
 - ``sync-H1``: synchronous DiLoCo exchanging the whole model after every step
   (``--fragments 1 --sync-every 1``: parameter averaging every step);
-- ``decoupled``: the default decoupled setting;
+- ``decoupled``: the default decoupled setting until 2026-11-27 (H = 24, int4 up, int8 down);
+  ``default``: the default since (``--comms default``: H = 16, sign1 up, int2 down). Every
+  other setting starts from the former default's H and codecs (``PINNED``), so each name
+  keeps the meaning it had when it was measured;
 - ``outer-LR-MU``: decoupled with outer lr LR and Nesterov momentum MU, any numbers
   (``sync-outer-LR-MU`` the same in synchronous mode); ``no-share``: without the round share
   (``--outer-scale none``); ``decoupled-P1``: the whole model as one fragment;
@@ -22,6 +25,8 @@ default recipe; ``--steps`` for other budgets), one at a time, each setting a ``
   sign1 both ways, Θ set to the wire image at every commit (``--down-feedback off``);
   ``sign1-up-nofb``: sign1 up, int4 down, the same; ``sign1w-up``: sign1w (wide blocks,
   1024 values per scale) up, int4 down; ``sign1w-nofb``: sign1w both ways, no down feedback;
+  ``sign1-int2``: sign1 up, dense ternary (int2) down (``sign1-int2-nofb`` without down
+  feedback; ``sign1-int2-H16`` is ``default``);
 - ``dp-muon``, ``decoupled-muon``: the inner optimizer Muon (hidden matrices; AdamW for the
   rest) instead of AdamW; any setting as ``SETTING+muon`` with Muon, and as ``SETTING@LR``
   with the peak inner lr LR (``sparse+muon@6e-3``); ``SETTING-HN`` with sync period H = N
@@ -52,7 +57,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+PINNED = ["--sync-every=24", "--up-codec=int4", "--down-codec=int8"]
+"""H and the codecs every setting but ``default`` and data-parallel starts from (its own flags
+come after and win): the default until 2026-11-27, when these settings were named and
+measured."""
 SETTINGS = {
+    "default": ["--mode=decoupled"],
     "dp": ["--mode=dp"],
     "sync": ["--mode=sync"],
     "sync-H1": ["--mode=sync", "--fragments=1", "--sync-every=1"],
@@ -92,6 +102,9 @@ SETTINGS["sign1-up-nofb"] = [*SETTINGS["sign1-up"], "--down-feedback=off"]
 # sign1 with wide blocks (1024 values per scale): up with int4 down, or both ways without
 # down feedback
 SETTINGS["sign1w-up"] = ["--mode=decoupled", "--up-codec=sign1w", "--down-codec=int4"]
+# sign1 up with dense ternary (int2) down: downloads are most of the bytes
+SETTINGS["sign1-int2"] = ["--mode=decoupled", "--up-codec=sign1", "--down-codec=int2"]
+SETTINGS["sign1-int2-nofb"] = [*SETTINGS["sign1-int2"], "--down-feedback=off"]
 SETTINGS["sign1w-nofb"] = [
     "--mode=decoupled", "--up-codec=sign1w", "--down-codec=sign1w", "--down-feedback=off",
 ]  # fmt: skip
@@ -110,6 +123,7 @@ OUTER_PREFIXES = {  # NAME-LR-MU: the setting's flags with that outer step
     "sign1-nofb": SETTINGS["sign1-nofb"],
     "sign1-up-nofb": SETTINGS["sign1-up-nofb"],
     "sign1w-nofb": SETTINGS["sign1w-nofb"],
+    "sign1-int2": SETTINGS["sign1-int2"],
 }
 
 
@@ -123,7 +137,8 @@ def setting_args(setting: str) -> list[str]:
     if setting.endswith("+muon"):
         return [*setting_args(setting.removesuffix("+muon")), "--inner-optimizer=muon"]
     if setting in SETTINGS:
-        return SETTINGS[setting]
+        flags = SETTINGS[setting]
+        return flags if setting == "default" or "--mode=dp" in flags else [*PINNED, *flags]
     if setting.endswith("-nodrain"):
         return [*setting_args(setting.removesuffix("-nodrain")), "--drain-timeout=0"]
     base, _, period = setting.rpartition("-H")
@@ -146,7 +161,7 @@ def setting_args(setting: str) -> list[str]:
     if prefix not in OUTER_PREFIXES:
         known = ", ".join([*SETTINGS, *(f"{k}-LR-MU" for k in OUTER_PREFIXES)])
         raise SystemExit(f"unknown setting {setting!r}; known: {known}")
-    return [*OUTER_PREFIXES[prefix], f"--outer-lr={lr}", f"--outer-momentum={mu}"]
+    return [*PINNED, *OUTER_PREFIXES[prefix], f"--outer-lr={lr}", f"--outer-momentum={mu}"]
 
 
 DEFAULT_SETTINGS = ("dp", "sync", "sync-H1", "decoupled")
