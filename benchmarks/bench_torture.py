@@ -53,7 +53,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--keep", action="store_true", help="keep every run's files")
     parser.add_argument("--comms", default="default", help="the syncer's --comms setting")
-    parser.add_argument("--up-codec", help="the syncer's --up-codec (default: the setting's)")
+    parser.add_argument(
+        "--up-codec",
+        default=TortureSpec.up_codec,
+        help="the syncer's --up-codec (default: %(default)s, large enough for the relays to "
+        "tell uploads by their size and lose their replies; 'setting': the --comms setting's)",
+    )
     parser.add_argument("--down-codec", help="the syncer's --down-codec (default: the setting's)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -70,7 +75,7 @@ def main() -> int:
             seed=seed,
             seconds=args.seconds,
             comms=args.comms,
-            up_codec=args.up_codec,
+            up_codec=None if args.up_codec == "setting" else args.up_codec,
             down_codec=args.down_codec,
         )
         result = Torture(spec, workdir).run()

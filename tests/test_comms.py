@@ -33,7 +33,7 @@ from diloco.wire.protocol import ProtocolConfig
 def test_each_setting_names_h_and_both_codecs_and_a_flag_beside_it_wins():
     assert list(COMMS) == ["default", "low", "lowest"]
     plain = SyncerConfig()
-    assert (plain.protocol.sync_every, plain.up_codec, plain.down_codec) == (24, "int4", "int8")
+    assert (plain.protocol.sync_every, plain.up_codec, plain.down_codec) == (16, "sign1", "int2")
     for name, s in COMMS.items():
         c = SyncerConfig(protocol=ProtocolConfig(comms=name))
         assert (c.protocol.sync_every, c.up_codec, c.down_codec, c.down_feedback) == (
@@ -134,7 +134,9 @@ def test_a_learner_refuses_a_syncer_heavier_than_its_comms_and_says_why():
         )  # fmt: skip
         learners.append(light)
         wait_until(lambda: light.link.error is not None, 15, "the learner refuses the syncer")
-        with pytest.raises(RuntimeError, match="--comms: the syncer runs H=24, int4 up, int8 down"):
+        with pytest.raises(
+            RuntimeError, match="--comms: the syncer runs H=16, sign1 up, int2 down"
+        ):
             light.step(8)
         fine = Learner(
             tiny_model(0, (8, 8)), syncer=server.address, num_fragments=2, comms="default",
@@ -167,7 +169,7 @@ def test_a_learner_process_over_its_budget_exits_1_with_the_reason(tmp_path):
         server.stop()
     assert done.returncode == 1, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("diloco learner site-a: --comms: the syncer runs H=24, int4 up")
+    assert last.startswith("diloco learner site-a: --comms: the syncer runs H=16, sign1 up")
 
 
 def test_the_flags_that_rebuild_a_configuration_name_the_setting_not_its_values():

@@ -31,6 +31,7 @@ from diloco.config.worker import WorkerConfig
 from diloco.launch.children import LearnerPlan, service_config, worker_config
 from diloco.runtime.schema import default_of, sections
 from diloco.syncer.config import SyncerConfig
+from diloco.wire.comms import DEFAULT_SETTING
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,21 +96,26 @@ def _all_sections(cls):
 
 
 def test_the_protocol_defaults_are_written_once():
-    """P and H (24) are written in ProtocolConfig only; everything else refers to it."""
-    pattern = re.compile(r"\b(num_fragments|sync_every)\b[^\n=]*(=|:)\s*(int\s*=\s*)?24\b")
+    """P (24) is written in ProtocolConfig only, H (16) in the default ``--comms`` setting
+    only; everything else refers to them."""
+    written = {"num_fragments": ("24", SRC / "wire" / "protocol.py"),
+               "sync_every": ("16", SRC / "wire" / "comms.py")}  # fmt: skip
     offenders = []
-    for path in SRC.rglob("*.py"):
-        if path.name.startswith("diloco_pb2") or path == SRC / "wire" / "protocol.py":
-            continue
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            if (
-                pattern.search(line)
-                and "default=" in line
-                or re.search(r"^\s*(num_fragments|sync_every)\s*:\s*int\s*=\s*24\b", line)
-            ):
-                offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
+    for name, (value, home) in written.items():
+        pattern = re.compile(rf"\b{name}\b[^\n=]*(=|:)\s*(int\s*=\s*)?{value}\b")
+        for path in SRC.rglob("*.py"):
+            if path.name.startswith("diloco_pb2") or path == home:
+                continue
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if (
+                    pattern.search(line)
+                    and "default=" in line
+                    or re.search(rf"^\s*{name}\s*:\s*int\s*=\s*{value}\b", line)
+                ):
+                    offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
     assert offenders == []
-    assert ProtocolConfig().num_fragments == 24 and ProtocolConfig().sync_every == 24
+    assert ProtocolConfig().num_fragments == 24
+    assert ProtocolConfig().sync_every == DEFAULT_SETTING.sync_every == 16
 
 
 def test_a_run_configuration_round_trips_through_json():

@@ -103,7 +103,13 @@ def test_downloads_have_a_connection_of_their_own(tmp_path):
 def test_a_learner_on_a_slow_link_defers_and_every_step_still_lands_once(tmp_path, caplog):
     # a request every other step: the learner on the fast link keeps up with room to spare
     caplog.set_level(logging.INFO, logger="diloco.learner")
-    server = start_syncer(tmp_path, norm_guard_k=0.0, protocol=ProtocolConfig(sync_every=8))
+    # int4 up, int8 down (the former default): the throttle below is sized for their ~2 kB
+    # uploads and their downloads (the default's sign1 uploads are 3.4x smaller, and the fast
+    # learner's measured rate stays under the bound)
+    server = start_syncer(
+        tmp_path, norm_guard_k=0.0, protocol=ProtocolConfig(sync_every=8), up_codec="int4",
+        down_codec="int8",
+    )  # fmt: skip
     fast = Relay(server.address, name="fast")
     slow = Relay(server.address, name="slow")
     states: set[str] = set()

@@ -99,8 +99,9 @@ def test_cli(capsys):
 def test_each_named_setting_is_priced_and_the_densest_that_fits_is_recommended():
     p = PlanInputs(params=12e9, step_time_s=2.381, sites=8)
     gbps = {name: bps / 1e9 for name, bps in comms_bandwidths(p).items()}
-    # default: int8 down dominates (1.031 B/value), H = 24: 12e9 · 8.25 / 2.381 / 24
-    assert gbps["default"] == pytest.approx(12e9 * 8.25 / 2.381 / 24 / 1e9, rel=1e-6)
+    # default: int2 down dominates (2.25 bits per value: two bits and a float32 per 128),
+    # H = 16: 12e9 · 2.25 / 2.381 / 16
+    assert gbps["default"] == pytest.approx(12e9 * 2.25 / 2.381 / 16 / 1e9, rel=1e-6)
     assert gbps["default"] > gbps["low"] > gbps["lowest"]
     # low: H = 24, sign1 both ways (1.25 bits per value: a bit and a float32 per 128)
     assert gbps["low"] == pytest.approx(12e9 * 1.25 / 2.381 / 24 / 1e9, rel=1e-6)
@@ -111,7 +112,8 @@ def test_each_named_setting_is_priced_and_the_densest_that_fits_is_recommended()
     assert with_comms(p, "lowest").tau == pytest.approx(128 / 24)
     assert with_comms(p, "default").tau == 2.0
     assert recommend(p, 10e9) == "default"
-    assert recommend(p, 1e9) == "low"
+    assert recommend(p, 1e9) == "default"
+    assert recommend(p, 0.5e9) == "low"
     assert recommend(p, 0.05e9) == "lowest"
     assert recommend(p, 0.04e9) is None
     assert with_comms(p, "lowest").sync_every == 128
@@ -119,8 +121,8 @@ def test_each_named_setting_is_priced_and_the_densest_that_fits_is_recommended()
 
 def test_cli_says_which_comms_a_link_needs(capsys):
     argv = ["plan", "--params", "12B", "--step-time", "2.381"]
-    assert cli_main([*argv, "--link", "1Gbps"]) == 0
-    assert "a 1 Gbps link: --comms low" in capsys.readouterr().out
+    assert cli_main([*argv, "--link", "500Mbps"]) == 0
+    assert "a 0.5 Gbps link: --comms low" in capsys.readouterr().out
     assert cli_main([*argv, "--link", "20Mbps", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommended_comms"] is None and out["link_gbps"] == pytest.approx(0.02)

@@ -32,6 +32,7 @@ from diloco.sim.modes import (
     speed_factor,
 )
 from diloco.sim.twin import MachineConstants, RunFacts, measure_constants, predict, twin_report
+from diloco.wire.comms import DEFAULT_SETTING
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -321,7 +322,9 @@ def test_twin_measures_constants_and_reports(tmp_path):
     assert (c.startup_s, c.restart_s, c.steps_per_s) == (4.0, 3.0, 10.0)
     assert c.speed_ratio == pytest.approx(1.0)
     report = twin_report(run, c, seeds=3)
-    # from the join (4 s) to the end (60 s): lost 1.2 s of undelivered steps + 5 s down + 3 s
-    assert report["predicted_goodput"] == pytest.approx(1 - 9.2 / 56)
+    # from the join (4 s) to the end (60 s): lost H/2 undelivered steps at 10 steps/s (0.8 s
+    # at the default H = 16) + 5 s down + 3 s
+    lost_s = DEFAULT_SETTING.sync_every / 2 / 10.0
+    assert report["predicted_goodput"] == pytest.approx(1 - (lost_s + 5 + 3) / 56)
     assert report["measured_goodput"] == 0.7
     assert report["error_points"] == pytest.approx(100 * (report["predicted_goodput"] - 0.7))

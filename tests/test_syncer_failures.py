@@ -44,12 +44,12 @@ class Client:
 
     def join(self) -> str:
         reply = self.stub.Join(join_request(self.layout, self.learner_id), timeout=5)
-        self.session = reply.session
+        self.session, self.codec = reply.session, reply.up_codec  # uploads in the syncer's codec
         return reply.session
 
     def upload(self, upload_id: int, *, fragment: int = 0, steps: int = 4, base: int = 0):
         n = self.layout.fragments[fragment].numel
-        data = codecs.encode(torch.full((n,), 1e-3), "int4")
+        data = codecs.encode(torch.full((n,), 1e-3), self.codec)
         chunk = pb.UploadChunk(
             learner_id=self.learner_id,
             session=self.session,
@@ -57,7 +57,7 @@ class Client:
             base_version=base,
             steps=steps,
             tokens=steps * 8,
-            codec="int4",
+            codec=self.codec,
             numel=n,
             chunk_index=0,
             num_chunks=1,

@@ -33,8 +33,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from diloco.wire.comms import COMMS, DEFAULT_SETTING, bytes_per_value
+from diloco.wire.comms import COMMS, bytes_per_value
 from diloco.wire.protocol import ProtocolConfig
+
+PAPER_SYNC_EVERY = 24
+"""The paper's H, which the plan's own inputs model (with its P = 24, τ = 2 and int4 both
+ways); our default H is ``--comms default``'s."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +57,9 @@ class PlanInputs:
     """Bits per value of a merged fragment sent back to the learners."""
     num_fragments: int = ProtocolConfig.num_fragments
     """P."""
-    sync_every: int = DEFAULT_SETTING.sync_every
-    """H: each fragment is sent every H steps."""
+    sync_every: int = PAPER_SYNC_EVERY
+    """H: each fragment is sent every H steps (the paper's, with its 4-bit codecs above;
+    ``--comms NAME`` prices a named setting instead: :func:`with_comms`)."""
     tau: float = 2.0
     """τ: steps a fragment may take to arrive."""
     utilization: float = 0.9

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.wire.comms import DEFAULT_SETTING as DEFAULT_COMMS
+from diloco.wire.comms import FORMER_DEFAULT
 
 MODES = ("decoupled", "sync", "dp")
 CONDITIONS = ("clean", "chaos", "slow")
@@ -31,11 +31,13 @@ LOW_BANDWIDTH = (("decoupled", 96, "int4", "int4"), ("sync", 96, "int4", "int4")
 """(mode, H, up codec, down codec) runs added to the sweep's grid."""
 DEFAULT_SETTING = {
     "mode": "decoupled",
-    "H": DEFAULT_COMMS.sync_every,
-    "up_codec": DEFAULT_COMMS.up_codec,
-    "down_codec": DEFAULT_COMMS.down_codec,
+    "H": FORMER_DEFAULT.sync_every,
+    "up_codec": FORMER_DEFAULT.up_codec,
+    "down_codec": FORMER_DEFAULT.down_codec,
 }
-"""The default configuration the sweep's losses are compared with."""
+"""The configuration the sweep's losses are compared with: the default until 2026-11-27
+(H = 24, int4 up, int8 down; on the sweep's grid), so its rows stay comparable with the
+measurements before the default changed."""
 
 
 @dataclass(frozen=True)

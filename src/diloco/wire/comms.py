@@ -33,13 +33,13 @@ class CommsSetting:
     (``SyncerConfig.down_feedback``)."""
 
     def describe(self) -> str:
-        """``H=24, int4 up, int8 down`` (``, no down feedback`` when it is off)."""
+        """``H=16, sign1 up, int2 down`` (``, no down feedback`` when it is off)."""
         feedback = "" if self.down_feedback else ", no down feedback"
         return f"H={self.sync_every}, {self.up_codec} up, {self.down_codec} down{feedback}"
 
 
 COMMS: dict[str, CommsSetting] = {
-    "default": CommsSetting(24, "int4", "int8"),
+    "default": CommsSetting(16, "sign1", "int2"),
     "low": CommsSetting(24, "sign1", "sign1", down_feedback=False),
     "lowest": CommsSetting(128, "sign1w", "sign1w", down_feedback=False),
 }
@@ -47,7 +47,14 @@ COMMS: dict[str, CommsSetting] = {
 DEFAULT_COMMS = "default"
 """What a configuration that names none uses."""
 DEFAULT_SETTING = COMMS[DEFAULT_COMMS]
-"""Its values: ``DEFAULT_SETTING.sync_every`` is the default H everywhere."""
+"""Its values: ``DEFAULT_SETTING.sync_every`` is the default H everywhere.
+
+Until 2026-11-27 the default was H = 24, int4 up, int8 down (87× fewer bytes per token than
+data-parallel); the default now sends about 210× fewer at the same held-out loss within the
+noise (benchmarks/RESULTS.md, "The default at 200×"). ``FORMER_DEFAULT`` keeps those values:
+the measurements made before the change name it."""
+FORMER_DEFAULT = CommsSetting(24, "int4", "int8")
+"""The default until 2026-11-27 (``--sync-every 24 --up-codec int4 --down-codec int8``)."""
 
 
 COMMS_FIELDS = frozenset({"sync_every", "up_codec", "down_codec", "down_feedback"})

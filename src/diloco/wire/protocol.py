@@ -38,13 +38,13 @@ class ProtocolConfig:
     """P: fragments the model is cut into (the syncer and every learner must agree)."""
     comms: str | None = option(None, choices=tuple(COMMS), metavar="|".join(COMMS))
     """The named communication setting (``diloco.wire.comms``): H and the syncer's codecs,
-    each overridden by its own flag. default: H=24, int4 up, int8 down; low: H=24, sign1
+    each overridden by its own flag. default: H=16, sign1 up, int2 down; low: H=24, sign1
     both ways without down feedback; lowest: H=128, sign1w (wide blocks) both ways without
     down feedback. Given to a learner by hand, the most its link accepts: it refuses a
     syncer whose exchange is heavier."""
     sync_every: int = option(None, type=int, metavar="H")  # type: ignore[assignment]
     """H: inner steps between two synchronisations of one fragment (the syncer's clock opens
-    each fragment's round once per H fleet steps); default: the ``--comms`` setting's (24)."""
+    each fragment's round once per H fleet steps); default: the ``--comms`` setting's (16)."""
 
     def __post_init__(self) -> None:
         if self.sync_every is None:  # resolved once, here: the configuration holds the value
