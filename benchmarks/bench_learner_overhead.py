@@ -8,7 +8,8 @@ bytes of Shakespeare) runs in a fresh process per measurement:
 
 - ``plain``: the loop alone (only the model class is imported from diloco: no Learner, no
   gRPC);
-- ``learner``: the loop plus ``diloco.Learner`` (P = H = 24, the syncer's clock), talking to
+- ``learner``: the loop plus ``diloco.Learner`` (P = H = 24, int4 up, int8 down: the default
+  exchange until 2026-11-27, pinned so the results stay comparable; the syncer's clock), talking to
   a syncer in another process (``SyncerServer.for_model``, same seed); ``--arenas 1`` sets
   its ``malloc_arenas`` (as ``diloco learner`` does), default: the process left alone.
 
@@ -110,7 +111,12 @@ def serve(args) -> None:
     model = build(args.layers, args.dim)
     params = sum(p.numel() for p in model.parameters())
     with SyncerServer.for_model(
-        model, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=24))
+        model,
+        config=SyncerConfig(
+            protocol=ProtocolConfig(num_fragments=24, sync_every=24),
+            up_codec="int4",
+            down_codec="int8",
+        ),
     ) as server:
         del model
         print(server.address, flush=True)

@@ -6,7 +6,7 @@ Clean runs at equal tokens (M = 4 learners × batch 8 × 800 steps = 3.28M token
 default recipe; ``--steps`` for other budgets), one at a time, each setting a ``diloco run`` with:
 
 - ``dp``: data-parallel, global batch 32;
-- ``sync``: synchronous DiLoCo at the defaults (P = H = 24);
+- ``sync``: synchronous DiLoCo at P = H = 24, int4 up, int8 down (pinned, below);
 - ``sync-H1``: synchronous DiLoCo exchanging the whole model after every step
   (``--fragments 1 --sync-every 1``: parameter averaging every step);
 - ``decoupled``: the default decoupled setting until 2026-11-27 (H = 24, int4 up, int8 down);
@@ -164,7 +164,7 @@ def setting_args(setting: str) -> list[str]:
     return [*PINNED, *OUTER_PREFIXES[prefix], f"--outer-lr={lr}", f"--outer-momentum={mu}"]
 
 
-DEFAULT_SETTINGS = ("dp", "sync", "sync-H1", "decoupled")
+DEFAULT_SETTINGS = ("dp", "sync", "sync-H1", "decoupled", "default")
 
 
 def run(out: Path, setting: str, seed: int, extra: list[str], steps: int = 800) -> dict:

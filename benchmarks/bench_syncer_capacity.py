@@ -97,6 +97,7 @@ def serve(args: argparse.Namespace) -> int:
         lease_s=10.0,
         heartbeat_s=2.0,
         up_codec="int4",
+        down_codec="int8",  # the codecs it was measured with (the default until 2026-11-27)
         schedule=args.schedule,
         protocol=ProtocolConfig(sync_every=args.fragments),
     )

@@ -50,8 +50,9 @@ def train_to_the_end(tmp_path, learners: int, **training) -> tuple[list[Learner]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("up_codec", "down_codec"),
-    # the default, and the codecs whose error feedback holds back most of each delta
-    [("int4", "int8"), ("topk2", "sign1")],
+    # the default, the default until 2026-11-27, and the codecs whose error feedback holds
+    # back most of each delta
+    [("sign1", "int2"), ("int4", "int8"), ("topk2", "sign1")],
 )
 def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_cuts(
     tmp_path, up_codec, down_codec

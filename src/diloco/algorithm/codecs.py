@@ -1,10 +1,12 @@
 """Wire formats for tensors: ``fp32``, ``bf16``, ``int8``, ``int4``, ``int2``, ``sign1``, ``sign1w`` and the sparse ``topk2``.
 
-Why these (DESIGN §1): learners send outer gradients ``Δ = A_p − θ_p`` *up* to the syncer in
-``int4`` by default; the paper found int4 outer gradients about as good as bf16, while dense
-2-bit values collapse. The syncer sends each version *down* as a delta against what learners
-hold, in ``int8`` by default (its rounding stays on the syncer and goes out with the next
-delta); keyframes are ``fp32``. ``topk2`` is for links where those are too many bytes: 2-bit
+Why these (DESIGN §1): learners send outer gradients ``Δ = A_p − θ_p`` *up* to the syncer,
+in ``sign1`` by default (``int4`` until 2026-11-27; the paper found int4 outer gradients about
+as good as bf16; signs with the learners' error feedback cost about as little). The syncer
+sends each version *down* as a delta against what learners hold, in ``int2`` by default
+(``int8`` until 2026-11-27; its rounding stays on the syncer and goes out with the next
+delta); keyframes are ``fp32``. The default's choice is measured in benchmarks/RESULTS.md
+("The default at 200×"). ``topk2`` is for links where those are too many bytes: 2-bit
 values of each chunk's few largest entries, the rest carried by error feedback both ways.
 
 Payloads are raw little-endian bytes (never pickle). A payload carries no header: the receiver

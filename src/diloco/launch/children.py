@@ -94,8 +94,9 @@ def sync_lag(config: RunConfig) -> int:
     otherwise: never wait). So every learner contributes once to every round, and a fast
     learner runs at most one cycle of H steps ahead of the slowest one.
 
-    Why this lag and no smaller one: with P = H a learner sends every other fragment in the
-    H − 1 steps before it waits, so whatever round it waits for, its peers owe a fragment that
+    Why this lag and no smaller one: with P ≥ H (the default: 24 fragments over 16 steps, one
+    or two at each step) a learner sends every other fragment in the H − 1 steps before it
+    waits, so whatever round it waits for, its peers owe a fragment that
     they send before they wait themselves, and no two learners can wait for each other. A
     restarted learner resumes at another phase of the schedule; with a lag of 1 it and its
     peers each waited for a fragment the other sends later (a deadlock, seen in a test).

@@ -74,10 +74,10 @@ class SyncerConfig:
     ``"none"``: apply every round at the full lr."""
     up_codec: str = option(None, type=str, choices=CODECS)  # type: ignore[assignment]
     """Codec learners use for their outer gradients (default: the ``--comms`` setting's,
-    int4)."""
+    sign1)."""
     down_codec: str = option(None, type=str, choices=CODECS)  # type: ignore[assignment]
     """Codec of the deltas the syncer broadcasts (``W(v) − W(v−1)``, with the rounding kept
-    in W for the next one; default: the ``--comms`` setting's, int8); keyframes (join,
+    in W for the next one; default: the ``--comms`` setting's, int2); keyframes (join,
     resync) are always fp32."""
     down_feedback: bool = option(None, type=on_off, metavar="on|off")  # type: ignore[assignment]
     """on: what the down codec rounds away stays in ``Θ_p − W_p`` and goes out with the next

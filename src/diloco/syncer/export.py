@@ -10,7 +10,7 @@ it. Without a model, :func:`parameters_by_name` gives the parameters alone.
 
 What is exported is Θ, the syncer's exact global value of each fragment at its latest
 committed version (a fragment never committed has its initial value). Learners hold the
-syncer's wire image of it, which differs by the rounding of the int8 deltas sent down
+syncer's wire image of it, which differs by the rounding of the deltas sent down
 (``diloco.syncer.service``).
 """
 

@@ -50,7 +50,7 @@ DEFAULT_SETTING = COMMS[DEFAULT_COMMS]
 """Its values: ``DEFAULT_SETTING.sync_every`` is the default H everywhere.
 
 Until 2026-11-27 the default was H = 24, int4 up, int8 down (87× fewer bytes per token than
-data-parallel); the default now sends about 210× fewer at the same held-out loss within the
+data-parallel); the default now sends about 211× fewer at the same held-out loss within the
 noise (benchmarks/RESULTS.md, "The default at 200×"). ``FORMER_DEFAULT`` keeps those values:
 the measurements made before the change name it."""
 FORMER_DEFAULT = CommsSetting(24, "int4", "int8")

@@ -1,7 +1,7 @@
 """External peers in ``diloco bench``: the same cell, trained by another implementation.
 
 ``torchft``: torchft's DiLoCo (:func:`diloco.baselines.torchft.peer.run_torchft`) on the same recipe,
-seed, learners and batch size, H = 24 (one fragment: torchft's plain DiLoCo), our syncer's
+seed, learners and batch size, our default H (one fragment: torchft's plain DiLoCo), our syncer's
 default outer optimizer (``SyncerConfig``'s lr and Nesterov momentum). Its lighthouse waits for every replica, so it is
 synchronous DiLoCo as torchft runs it. Clean cells stop at the matrix's token budget
 (M × steps × batch × context, met at the next sync), slow cells at the wall-time budget with
