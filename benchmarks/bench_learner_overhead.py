@@ -35,6 +35,7 @@ import sys
 import time
 
 from diloco.syncer.config import SyncerConfig
+from diloco.wire.comms import FORMER_DEFAULT
 from diloco.wire.protocol import ProtocolConfig
 
 WARMUP = 5
@@ -113,9 +114,9 @@ def serve(args) -> None:
     with SyncerServer.for_model(
         model,
         config=SyncerConfig(
-            protocol=ProtocolConfig(num_fragments=24, sync_every=24),
-            up_codec="int4",
-            down_codec="int8",
+            protocol=ProtocolConfig(num_fragments=24, sync_every=FORMER_DEFAULT.sync_every),
+            up_codec=FORMER_DEFAULT.up_codec,
+            down_codec=FORMER_DEFAULT.down_codec,
         ),
     ) as server:
         del model

@@ -57,7 +57,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-PINNED = ["--sync-every=24", "--up-codec=int4", "--down-codec=int8"]
+from diloco.wire.comms import FORMER_DEFAULT
+
+PINNED = [
+    f"--sync-every={FORMER_DEFAULT.sync_every}",
+    f"--up-codec={FORMER_DEFAULT.up_codec}",
+    f"--down-codec={FORMER_DEFAULT.down_codec}",
+]
 """H and the codecs every setting but ``default`` and data-parallel starts from (its own flags
 come after and win): the default until 2026-11-27, when these settings were named and
 measured."""
