@@ -14,9 +14,8 @@ import time
 import grpc
 import pytest
 import torch
-from kit import join_request, local_syncer, tiny_model, wait_until
+from kit import Peer, local_syncer, tiny_model, wait_until
 
-from diloco.algorithm import codecs
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
@@ -45,71 +44,6 @@ def config(**overrides) -> SyncerConfig:
         "quorum": 1,
     }
     return SyncerConfig(**{**base, **overrides})
-
-
-class Peer:
-    """A client of the wire protocol, honest or not: it says what it is told to say."""
-
-    def __init__(self, server: SyncerServer, learner_id: str, *, token: str | None = None):
-        self.server, self.learner_id = server, learner_id
-        self.channel = grpc.insecure_channel(server.address)
-        self.stub = pb_grpc.SyncerStub(self.channel)
-        self.metadata = auth.call_metadata(token)
-        self.session = ""
-
-    def join(self, tokens_per_step: int = 0, timeout: float = 5.0) -> pb.JoinReply:
-        layout = self.server.layout
-        reply = self.stub.Join(
-            join_request(layout, self.learner_id, tokens_per_step=tokens_per_step),
-            timeout=timeout,
-            metadata=self.metadata,
-        )
-        self.session = reply.session
-        return reply
-
-    def heartbeat(self, *, steps_per_s: float = 10.0, tokens: int = 0) -> bool:
-        reply = self.stub.Heartbeat(
-            pb.HeartbeatRequest(
-                learner_id=self.learner_id,
-                session=self.session,
-                steps_per_s=steps_per_s,
-                tokens=tokens,
-                state="training",
-            ),
-            timeout=5,
-            metadata=self.metadata,
-        )
-        return reply.known
-
-    def leave(self) -> None:
-        self.stub.Leave(
-            pb.LeaveRequest(learner_id=self.learner_id, session=self.session),
-            timeout=5,
-            metadata=self.metadata,
-        )
-
-    def upload(
-        self, fragment: int, delta: torch.Tensor, *, steps=24, tokens=240, step_time_s=0.1
-    ) -> pb.UploadReply:
-        payload = codecs.encode(delta, "fp32")
-        chunk = pb.UploadChunk(
-            learner_id=self.learner_id,
-            session=self.session,
-            fragment=fragment,
-            base_version=self.server.state.versions[fragment],
-            steps=steps,
-            tokens=tokens,
-            codec="fp32",
-            numel=delta.numel(),
-            chunk_index=0,
-            num_chunks=1,
-            data=payload,
-            step_time_s=step_time_s,
-        )
-        return self.stub.Upload(iter([chunk]), timeout=10, metadata=self.metadata)
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 def numel(server: SyncerServer, fragment: int) -> int:

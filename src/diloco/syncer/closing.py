@@ -131,7 +131,7 @@ class RoundClosing:
         if merged is None:
             record = {
                 "event": "dropped",
-                "t": now,
+                "t": self.wall_of(now),
                 "fragment": fragment,
                 "version": admitted,
                 "excluded": closing.excluded,
@@ -155,7 +155,7 @@ class RoundClosing:
         self.note_period()
         record = {
             "event": "round",
-            "t": now,
+            "t": self.wall_of(now),
             "fragment": fragment,
             "version": self.versions[fragment],
             "participants": [c.learner_id for c in contribs],
@@ -167,7 +167,7 @@ class RoundClosing:
             "tokens": sum(c.tokens for c in contribs),
             "tokens_by_learner": {c.learner_id: c.tokens for c in contribs},
             "bytes_up": sum(c.nbytes for c in contribs),
-            "opened_at": round_.opened_at,
+            "opened_at": None if round_.opened_at is None else self.wall_of(round_.opened_at),
             "wait_s": round(now - (round_.opened_at or now), 6),
             "asked": len(round_.asked) if round_.asked is not None else None,
             "increments": [c.increments for c in contribs],

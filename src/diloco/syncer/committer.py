@@ -36,6 +36,7 @@ import grpc
 import torch
 
 from diloco.algorithm import codecs
+from diloco.runtime import clock
 from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe
 from diloco.syncer.state import Commit, fragment_digest
 
@@ -89,7 +90,7 @@ class Committer:
         if self.failure is not None or not self._commit_lock.acquire(timeout=1.0):
             return
         try:
-            now = time.time()
+            now = clock.monotonic()
             with self.lock:
                 commits, _ = self.state.poll(now, wait_for_finals=False)
             for commit in commits:
@@ -109,7 +110,7 @@ class Committer:
         self._stopping.set()
         for sub in list(self._subscribers):
             sub.close()
-        self._note({"event": "failed", "t": time.time(), "error": repr(exc)[:300]})
+        self._note({"event": "failed", "t": clock.wall(), "error": repr(exc)[:300]})
         if self.on_failure is not None:
             self.on_failure(exc)
 
@@ -144,13 +145,13 @@ class Committer:
     def _run_clock(self) -> None:
         wake_at: float | None = None
         while not self._stopping.is_set():
-            timeout = 0.25 if wake_at is None else min(0.25, max(0.0, wake_at - time.time()))
+            timeout = 0.25 if wake_at is None else min(0.25, max(0.0, wake_at - clock.monotonic()))
             self._wake.wait(timeout)
             self._wake.clear()
             with self._commit_lock:
                 if self._stopping.is_set():
                     return
-                t0 = time.time()
+                t0 = clock.monotonic()
                 with self.lock:
                     request, tick_at = self.state.tick(t0)
                     if request is not None:
@@ -177,7 +178,7 @@ class Committer:
     def _publish_in_time(self, commit: Commit, t0: float) -> None:
         """``_publish``, failing the syncer if it takes longer than ``COMMIT_DEADLINE_S``."""
         hung = TimeoutError(f"a commit was still being written after {COMMIT_DEADLINE_S:g} s")
-        handle = self.watchdog.arm(time.monotonic() + COMMIT_DEADLINE_S, lambda: self._fail(hung))
+        handle = self.watchdog.arm(clock.monotonic() + COMMIT_DEADLINE_S, lambda: self._fail(hung))
         try:
             self._publish(commit, t0)
         finally:
@@ -191,7 +192,7 @@ class Committer:
         self._note(
             {
                 "event": "tick",
-                "t": time.time(),
+                "t": clock.wall(),
                 "fragment": request.fragment,
                 "version": request.version,
                 "asked": len(request.asked),
@@ -229,7 +230,7 @@ class Committer:
             )
         record = dict(commit.record)
         record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
-        record["sync_s"] = round(time.time() - t0, 6)
+        record["sync_s"] = round(clock.monotonic() - t0, 6)
         record["bytes_delta"] = len(delta)
         _retrying(lambda: self._emit(record, sync=True))
         with self.lock:  # on disk: resends are answered from it, drops reported
@@ -262,7 +263,7 @@ class Committer:
                     contributors=contributors,
                     dropped=dropped,
                 )
-            self.state.record_sync_time(time.time() - t0)
+            self.state.record_sync_time(clock.monotonic() - t0)
 
     def _since(self, fragment: int, version: int) -> tuple[frozenset[str], dict]:
         """Everyone merged into ``fragment`` after ``version``, and per learner the upload

@@ -99,7 +99,7 @@ class LearnerRoster:
         self.emit(
             {
                 "event": "join",
-                "t": now,
+                "t": self.wall_of(now),
                 "learner": learner_id,
                 "observer": observer,
                 "rejoin": old is not None,
@@ -138,7 +138,7 @@ class LearnerRoster:
         update_rate(info, now, tokens, self.config.ema_decay)
         if not info.live and info.connected:
             info.live = True
-            self.emit({"event": "revive", "t": now, "learner": learner_id})
+            self.emit({"event": "revive", "t": self.wall_of(now), "learner": learner_id})
         return info
 
     def leave(self, learner_id: str, session: str, *, now: float, reason: str = "left") -> None:
@@ -155,7 +155,9 @@ class LearnerRoster:
         info.connected = False
         info.live = False
         info.state = reason
-        self.emit({"event": "leave", "t": now, "learner": learner_id, "reason": reason})
+        self.emit(
+            {"event": "leave", "t": self.wall_of(now), "learner": learner_id, "reason": reason}
+        )
 
     def expire(self, now: float) -> None:
         """Drop learners whose lease ran out from the live set (they may come back)."""
@@ -166,7 +168,7 @@ class LearnerRoster:
                 self.emit(
                     {
                         "event": "expire",
-                        "t": now,
+                        "t": self.wall_of(now),
                         "learner": info.learner_id,
                         "silent_s": round(now - info.last_seen, 3),
                     }
@@ -236,7 +238,7 @@ class LearnerRoster:
             self.emit(
                 {
                     "event": "stopping",
-                    "t": now,
+                    "t": self.wall_of(now),
                     "learner": info.learner_id,
                     "finals": sorted(final_fragments),
                 }
@@ -257,7 +259,9 @@ class LearnerRoster:
         """Remove an id from the table (its guard history too; a ``forget`` record)."""
         if self.learners.pop(learner_id, None) is not None:
             self.norms.forget(learner_id)
-            self.emit({"event": "forget", "t": now, "learner": learner_id, "reason": reason})
+            self.emit(
+                {"event": "forget", "t": self.wall_of(now), "learner": learner_id, "reason": reason}
+            )
 
     def _longest_gone(self, now: float) -> str | None:
         """The id whose holder is gone (left, stream closed or lease expired) the longest and

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import threading
-import time
 from collections.abc import Collection, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
+from diloco.runtime import clock
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.service import (
     SyncerService,
@@ -140,6 +140,7 @@ class SyncerServer:
             self.config,
             versions=versions,
             emit=emit,
+            wall_of=clock.wall_of,
             fragments=owned,
             shard=shard,
             embeddings=self._embeddings,
@@ -239,7 +240,7 @@ class SyncerServer:
         self.tape.append(
             {
                 "event": "start",
-                "t": time.time(),
+                "t": clock.wall(),
                 "syncer_id": self.state.syncer_id,
                 "shard": list(self.state.shard),
                 "fragments": list(self.state.served),
@@ -309,7 +310,7 @@ class SyncerServer:
         ender.join(timeout=5)
         if self.tape is not None:
             self.tape.try_append(
-                {"event": "stop", "t": time.time(), "versions": list(self.state.versions)}
+                {"event": "stop", "t": clock.wall(), "versions": list(self.state.versions)}
             )
             self.tape.close()
 
@@ -332,7 +333,7 @@ def recovered_record(state: SyncerState, fragment: int, taped: Taped, logs) -> d
     merged = newest.merged if newest is not None else {}
     return {
         "event": "recovered",
-        "t": time.time(),
+        "t": clock.wall(),
         "fragment": fragment,
         "version": version,
         "taped_version": taped_version,

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
 import torch
 
 from diloco.algorithm import codecs
+from diloco.runtime import clock
 from diloco.runtime.watchdog import Watchdog
 from diloco.syncer.broadcast import Keyframe, Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
@@ -87,7 +87,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         self.store = store
         self.tape = tape
         self.lock = threading.Lock()
-        self.started_at = time.time()
+        self.started_at = clock.monotonic()
         self._subscribers: dict[Subscriber, Callable[[], None]] = {}
         """Every subscription whose handler runs, and how to end it (give its place back,
         cancel its call): a newer subscription of the same learner does (``_replace``)."""
@@ -123,13 +123,13 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
     def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused, rpc: str):
         """Tape the refusal (``refused`` record) and answer with its status; never returns."""
         with self.lock:
-            self.state.note_refusal(learner_id, err.code, err.message, time.time(), rpc=rpc)
+            self.state.note_refusal(learner_id, err.code, err.message, clock.monotonic(), rpc=rpc)
         context.abort(getattr(grpc.StatusCode, err.code), err.message[:MAX_REASON_CHARS])
 
     def refuse_unauthenticated(self, method: str, reason: str) -> None:
         """Called by the token interceptor for a call it turned away (no state is touched)."""
         with self.lock:
-            self.state.note_refusal("", "UNAUTHENTICATED", reason, time.time(), rpc=method)
+            self.state.note_refusal("", "UNAUTHENTICATED", reason, clock.monotonic(), rpc=method)
 
     def check_caller(self, context: grpc.ServicerContext, learner_id: str) -> None:
         """Raise ``Refused("PERMISSION_DENIED")`` unless the call's token may act as
@@ -176,7 +176,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                     layout_hash=request.layout_hash,
                     num_fragments=request.num_fragments,
                     observer=request.observer,
-                    now=time.time(),
+                    now=clock.monotonic(),
                     tokens_per_step=request.tokens_per_step,
                 )
                 versions = list(self.state.versions)
@@ -284,7 +284,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 self._subscribers.pop(sub, None)
                 if not any(s.session == sub.session for s in self._subscribers):
                     self.state.leave(
-                        sub.learner_id, sub.session, now=time.time(), reason="stream closed"
+                        sub.learner_id, sub.session, now=clock.monotonic(), reason="stream closed"
                     )
             self._wake.set()
 
@@ -332,7 +332,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                     delta=delta,
                     step_time_s=header.step_time_s,
                     nbytes=len(payload),
-                    now=time.time(),
+                    now=clock.monotonic(),
                     final=header.final,
                     upload_id=header.upload_id,
                     delta_norm=norm,
@@ -352,7 +352,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                     who.get("learner_id", ""),
                     "CANCELLED",
                     "the upload did not arrive in time",
-                    time.time(),
+                    clock.monotonic(),
                     rpc="Upload",
                 )
             return pb.UploadReply()
@@ -368,7 +368,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         """``receive_upload`` under the upload's deadlines: ``first_chunk_s`` for the first
         chunk, then that plus the upload's size at ``MIN_UPLOAD_BPS``; past a deadline the
         call is cancelled (its chunk iterator raises ``grpc.RpcError``)."""
-        started = time.monotonic()
+        started = clock.monotonic()
         handle = [self.watchdog.arm(started + self.first_chunk_s, context.cancel)]
 
         def on_header(nbytes: int) -> None:
@@ -404,7 +404,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 self.state.heartbeat(
                     request.learner_id,
                     request.session,
-                    now=time.time(),
+                    now=clock.monotonic(),
                     step=max(0, request.step),
                     tokens=max(0, request.tokens),
                     steps_per_s=sps if 0 <= sps < 1e9 else 0.0,  # NaN and Inf report as 0
@@ -427,14 +427,16 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Leave")
         with self.lock:
-            self.state.leave(request.learner_id, request.session, now=time.time(), reason="left")
+            self.state.leave(
+                request.learner_id, request.session, now=clock.monotonic(), reason="left"
+            )
         self._wake.set()
         return pb.LeaveReply()
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         with self.lock:
             s = self.state
-            live = s.live(time.time())
+            live = s.live(clock.monotonic())
             learners = [
                 pb.LearnerStatus(
                     learner_id=i.learner_id,
@@ -457,7 +459,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 bytes_up=s.bytes_up,
                 bytes_down=s.bytes_down,
                 learners=learners,
-                uptime_s=time.time() - self.started_at,
+                uptime_s=clock.monotonic() - self.started_at,
                 refused=s.refused,
                 fragments=s.served,
                 shard=s.shard[0],

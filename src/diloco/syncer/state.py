@@ -1,8 +1,9 @@
 """The syncer's state machine: learners, open rounds, commits. No sockets, no sleeps.
 
-Every method takes ``now`` (seconds, any monotonic-ish clock) so tests drive it with a fake
-clock. The gRPC server (``server.py``) only decodes requests, calls these methods under one
-lock, persists commits and broadcasts them.
+Every method takes ``now`` (seconds on a monotonic clock: the server passes
+``diloco.runtime.clock.monotonic()``) so tests drive it with a fake clock. The gRPC server
+(``server.py``) only decodes requests, calls these methods under one lock, persists commits
+and broadcasts them.
 
 Per fragment p the state holds the global value Θ_p (fp32, the single source of truth), its
 version, the outer optimizer's momentum and at most one round. A round collects one
@@ -89,11 +90,15 @@ class SyncerState(LearnerRoster, RoundClosing):
         fragments: Sequence[int] | None = None,
         shard: tuple[int, int] = (0, 1),
         embeddings: Collection[str] | None = None,
+        wall_of: Callable[[float], float] = float,
     ) -> None:
         """``fragments`` (default: those of ``shard``) are the fragments this syncer owns;
         ``embeddings``: the parameter names merged by weighted mean (the model's embedding
         tables and output head, ``diloco.algorithm.embeddings``; None: the name rule
-        ``diloco.algorithm.merge.is_embedding_name``)."""
+        ``diloco.algorithm.merge.is_embedding_name``). ``wall_of``: the wall time of a
+        ``now`` (the server's: ``diloco.runtime.clock.wall_of``): decisions take ``now``
+        from a monotonic clock, the records they emit carry ``t = wall_of(now)``; by
+        default ``t = now`` (a test's fake clock)."""
         if len(params) != layout.num_fragments:
             raise ValueError(
                 f"{len(params)} parameter vectors for {layout.num_fragments} fragments"
@@ -125,6 +130,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         self.norms = NormHistory(layout.num_fragments, config.norm_guard_window)
         self.learners: dict[str, LearnerInfo] = {}
         self.emit = emit
+        self.wall_of = wall_of
         self.syncer_id = uuid.uuid4().hex[:12]
         self.rounds_committed = 0
         self.refused = 0
@@ -210,7 +216,14 @@ class SyncerState(LearnerRoster, RoundClosing):
         self.check_final_fragments(final, final_fragments)
         known = self.receipts.admitted(learner_id, upload_id, fragment)
         if known is not None:
-            self.emit({"event": "resent", "t": now, "learner": learner_id, "fragment": fragment})
+            self.emit(
+                {
+                    "event": "resent",
+                    "t": self.wall_of(now),
+                    "learner": learner_id,
+                    "fragment": fragment,
+                }
+            )
             self.note_final(info, fragment, final, final_fragments, now=now, settled=True)
             return Admission(True, 1.0, 0, False, "already accepted", known)
         try:
@@ -244,7 +257,7 @@ class SyncerState(LearnerRoster, RoundClosing):
             self.emit(
                 {
                     "event": "stale",
-                    "t": now,
+                    "t": self.wall_of(now),
                     "learner": learner_id,
                     "fragment": fragment,
                     "reason": admission.reason,
@@ -402,7 +415,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         self.emit(
             {
                 "event": "refused",
-                "t": now,
+                "t": self.wall_of(now),
                 "rpc": rpc,
                 "learner": learner_id[:64],
                 "code": code,
