@@ -41,7 +41,7 @@ def row(seed: int, r: dict) -> str:
         f"| {seed} | {r['syncer_kills']} | {r['syncer_failures']} | "
         f"{r['learner_kills']} | {kinds.count('partition')} | {r['replies_lost']} | "
         f"{a['commits']} | {a['uploads_merged']} | {a['steps_trained']} | "
-        f"{a['steps_lost_at_kills']} | {a['longest_stall_s']:.1f} | "
+        f"{a['steps_lost_at_kills']} | {a['steps_unknown']} | {a['longest_stall_s']:.1f} | "
         f"{'exact' if a['ok'] else 'FAILED'} |"
     )
 
@@ -65,9 +65,9 @@ def main() -> int:
     print(
         "| seed | syncer kills | syncer failed (disk) | learner kills | partitions | "
         "replies lost | commits | uploads merged | steps (clean lives) | steps lost at "
-        "kills | longest stall s | audit |"
+        "kills | steps unknown | longest stall s | audit |"
     )
-    print("|" + "---|" * 12)
+    print("|" + "---|" * 13)
     results = {}
     for seed in seeds_of(args.seeds):
         workdir = args.out / str(seed)

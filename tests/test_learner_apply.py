@@ -340,7 +340,8 @@ def test_an_answer_is_settled_before_a_rejoin_reported_after_it(made):
     job = queued_job(learner)
     # accepted at version 1; then the syncer died before committing that round
     learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=job.delta.clone()))
-    learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
+    # restored version 1; its logs, complete from version 0, do not hold the delta
+    learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,), [], [0])
     learner.apply_arrived()
     assert learner.in_flight() == {}
     assert learner.steps_since[0] == 4  # undelivered again: it goes out with the next
@@ -497,8 +498,8 @@ def test_an_answer_reported_after_the_rejoin_to_a_restarted_syncer_is_judged_by_
     successor (two threads). Settled in that order, the delta waited for a merge by a syncer
     that never held it, and its steps were counted as merged (55 to 73 steps of a fragment
     lost, twice in 30 runs). An answer names the syncer instance that gave it: one from an
-    instance the learner already saw replaced is judged by its successor's restored
-    versions, as the rejoin judges the answers settled before it."""
+    instance the learner already saw replaced is judged by its successor's kept commit
+    logs, as the rejoin judges the answers settled before it."""
     model, learner = made
     v0 = torch.arange(12.0)
     learner.listener.on_rejoin("127.0.0.1:1", "first-syncer", [0], (0,))
@@ -506,7 +507,7 @@ def test_an_answer_reported_after_the_rejoin_to_a_restarted_syncer_is_judged_by_
     train(model, learner, 0.5, steps=4)
     assert learner._queue(0)
     job = queued_job(learner)
-    learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,))  # restored version 1
+    learner.listener.on_rejoin("127.0.0.1:1", "its-successor", [1], (0,), [], [0])
     accepted = UploadResult(
         "accepted", admitted=1, sent=job.delta.clone(), syncer_id="first-syncer"
     )
@@ -517,7 +518,8 @@ def test_an_answer_reported_after_the_rejoin_to_a_restarted_syncer_is_judged_by_
     train(model, learner, 0.5, steps=2)
     assert learner._queue(0)
     job = queued_job(learner)
-    learner.listener.on_rejoin("127.0.0.1:1", "third-syncer", [3], (0,))  # restored version 3
+    # restored version 3, whose kept logs hold the delta's upload id
+    learner.listener.on_rejoin("127.0.0.1:1", "third-syncer", [3], (0,), [job.upload_id], [0])
     merged_before = UploadResult(
         "accepted", admitted=1, sent=job.delta.clone(), syncer_id="its-successor"
     )
@@ -549,6 +551,43 @@ def test_a_rejoin_past_a_syncer_it_never_saw_returns_what_that_syncer_did_not_co
     on_the_ledger = {e.upload_id for _, e in learner._ledger.items()}
     assert on_the_ledger == set(kept)
     assert learner.steps_since[0] == 3  # the lost delta's steps go out again
+
+
+def test_a_delta_admitted_before_every_log_the_syncer_kept_is_unknown_never_guessed(made):
+    """Issue 46, defect 1: a delta accepted at version 1, whose merge never came back (a
+    partition), judged at a rejoin to a syncer whose logs are complete only from version 2:
+    today's code took it as merged because a restored version (3) is past its admission, so
+    steps no commit may have merged were counted merged. Its fate is unknown: it leaves the
+    ledger, is not sent again, and its steps are counted in the ``unknown`` column."""
+    model, learner = made
+    learner.listener.on_rejoin("127.0.0.1:1", "first", [0], (0,))
+    start(model, learner, torch.arange(12.0))
+    train(model, learner, 0.5, steps=3)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    learner.listener.on_result(job, UploadResult("accepted", admitted=1, sent=job.delta))
+    learner.apply_arrived()
+    learner.listener.on_rejoin("127.0.0.1:1", "restarted", [3], (0,), [], [2])
+    learner.apply_arrived()
+    books = learner.accounting()
+    assert learner.in_flight() == {} and learner.steps_since[0] == 0  # not sent again
+    assert books.unknown == (3,) and books.merged == (0,)
+    assert learner.counters["unknown"] == 1
+
+
+def test_a_resend_answered_fate_unknown_is_neither_merged_nor_sent_again(made):
+    """A resend the syncer answers ``fate_unknown`` (``UploadResult("unknown")``): counted
+    unknown, off the ledger, its progress not returned."""
+    model, learner = made
+    learner.listener.on_rejoin("127.0.0.1:1", "first", [0], (0,))
+    start(model, learner, torch.arange(12.0))
+    train(model, learner, 0.5, steps=2)
+    assert learner._queue(0)
+    job = queued_job(learner)
+    learner.listener.on_result(job, UploadResult("unknown"))
+    learner.apply_arrived()
+    books = learner.accounting()
+    assert books.unknown == (2,) and books.unsent == (0,)
 
 
 def test_a_delta_accepted_by_the_syncer_it_rejoins_is_not_returned(made):

@@ -47,7 +47,9 @@ class Client:
         self.session, self.codec = reply.session, reply.up_codec  # uploads in the syncer's codec
         return reply.session
 
-    def upload(self, upload_id: int, *, fragment: int = 0, steps: int = 4, base: int = 0):
+    def upload(
+        self, upload_id: int, *, fragment: int = 0, steps: int = 4, base: int = 0, resend=False
+    ):
         n = self.layout.fragments[fragment].numel
         data = codecs.encode(torch.full((n,), 1e-3), self.codec)
         chunk = pb.UploadChunk(
@@ -64,6 +66,7 @@ class Client:
             data=data,
             step_time_s=0.1,
             upload_id=upload_id,
+            resend=resend,
         )
         return self.stub.Upload(iter([chunk]), timeout=5)
 
@@ -401,3 +404,87 @@ def test_a_rejoining_learner_is_told_of_its_uploads_still_in_an_open_round(tmp_p
     finally:
         client.close()
         server.stop()
+
+
+def commit_many(server: SyncerServer, client: Client, count: int, first_id: int) -> None:
+    """``count`` commits of fragment 0, each merging one upload of ``client``."""
+    for i in range(count):
+        v = server.state.versions[0]
+        assert client.upload(first_id + i, base=v).accepted
+        wait_until(lambda v=v: server.state.versions[0] == v + 1, timeout=10)
+
+
+def merged_ids(tape) -> list[int]:
+    return sorted(
+        uid
+        for r in read_tape(tape)
+        if r["event"] == "round"
+        for parts in r["uploads"].values()
+        for uid, _, _ in parts
+    )
+
+
+def test_a_resend_after_a_partition_longer_than_64_commits_and_a_restart_is_not_merged_again(
+    tmp_path,
+):
+    """Issue 46, defect 1: a restarted syncer rebuilt its receipts from the last 64 commit
+    logs of each fragment, so an upload merged, whose reply was lost, resent by a learner
+    cut off while 70 more commits of its fragment were made and the syncer restarted, was
+    refused as stale and its progress sent again (merged twice). The receipt log keeps
+    every commit's log; the resend is answered with its admission."""
+    state, tape = tmp_path / "state", tmp_path / "events.jsonl"
+    first = start_syncer(state, tape)
+    a, b = Client(first, "a"), Client(first, "b")
+    try:
+        assert a.upload(21).accepted  # merged by version 1; its answer never reaches a
+        wait_until(lambda: first.state.versions[0] == 1, timeout=10)
+        commit_many(first, b, 70, first_id=1000)
+    finally:
+        a.close(), b.close()
+        first.stop()
+    second = start_syncer(state, tape)
+    a = Client(second, "a")
+    try:
+        again = a.upload(21, resend=True)
+        assert again.accepted and again.reason == "already accepted", again
+        assert again.current_version == 0 and not again.fate_unknown
+        assert second.state.logged_from()[0] == 0  # every commit's log is kept
+    finally:
+        a.close()
+        second.stop()
+    assert merged_ids(tape).count(21) == 1
+
+
+def test_a_resend_older_than_every_log_kept_is_answered_fate_unknown_and_changes_nothing(
+    tmp_path,
+):
+    """Past the logs a syncer keeps (``commit_logs_kept``, here 8) the fate of an upload
+    cannot be told: a resend of one is answered ``fate_unknown`` (neither merged as new nor
+    refused as stale, which would make its learner send it again); a first send of the same
+    base is refused as stale, as ever; the kept logs stay bounded."""
+    state, tape = tmp_path / "state", tmp_path / "events.jsonl"
+    first = start_syncer(state, tape, commit_logs_kept=8)
+    a, b = Client(first, "a"), Client(first, "b")
+    try:
+        assert a.upload(21).accepted
+        wait_until(lambda: first.state.versions[0] == 1, timeout=10)
+        commit_many(first, b, 30, first_id=1000)
+    finally:
+        a.close(), b.close()
+        first.stop()
+    second = start_syncer(state, tape, commit_logs_kept=8)
+    a = Client(second, "a")
+    try:
+        assert second.state.logged_from()[0] > 1  # version 0's log was let go
+        digest = second.service.state_digest()
+        unknown = a.upload(21, resend=True)
+        assert unknown.fate_unknown and not unknown.accepted
+        assert second.service.state_digest() == digest and not second.state.rounds
+        stale = a.upload(22)  # a first send: never accepted before, so refused as stale
+        assert not stale.accepted and stale.resync and not stale.fate_unknown
+        lines = (state / "receipts.jsonl").read_text().splitlines()
+        assert len(lines) <= 1 + 2 * 8
+    finally:
+        a.close()
+        second.stop()
+    assert merged_ids(tape).count(21) == 1

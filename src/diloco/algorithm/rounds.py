@@ -154,6 +154,9 @@ class Admission:
     reason: str
     version: int | None = None
     """The fragment's version when the syncer admitted it (set by the syncer's state)."""
+    fate_unknown: bool = False
+    """Not admitted: a resend whose earlier send may have been merged, by a commit whose log
+    is no longer kept (``diloco.syncer.receipts``): neither merged nor to be sent again."""
 
 
 def staleness_discount(staleness: int) -> float:

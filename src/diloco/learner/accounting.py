@@ -10,7 +10,12 @@ learner's step count, and each of them is in exactly one of
 * ``dropped``: thrown away on purpose by the learner (a norm-guard reset, the paper's
   overwrite rule, the steps trained before the fragment first arrived);
 * ``excluded``: in a delta the syncer accepted and then left out of its round's merge (its
-  direction check): never merged.
+  direction check): never merged;
+* ``unknown``: in a delta that may or may not have been merged, and that no syncer can tell
+  any more (it was admitted before the oldest commit log the syncer keeps, and its answer
+  or its merge never reached the learner: a partition longer than the syncer's
+  ``RETAINED_COMMIT_LOGS``): neither counted merged nor sent again. 0 wherever the fate was
+  knowable.
 
 ``Learner.accounting()`` returns it; ``balanced`` checks the identity. A checker that reads
 the syncer's event tape finds the same ``merged`` steps in its ``round`` records (the
@@ -32,11 +37,20 @@ class Accounting:
     unsent: tuple[int, ...]
     dropped: tuple[int, ...]
     excluded: tuple[int, ...]
+    unknown: tuple[int, ...] = ()
+    """Per fragment (empty: 0 everywhere)."""
 
     def balanced(self) -> bool:
-        """Every trained step of every fragment is in exactly one of the five columns."""
+        """Every trained step of every fragment is in exactly one of the six columns."""
+        unknown = self.unknown or (0,) * len(self.merged)
         columns = zip(
-            self.merged, self.in_flight, self.unsent, self.dropped, self.excluded, strict=True
+            self.merged,
+            self.in_flight,
+            self.unsent,
+            self.dropped,
+            self.excluded,
+            unknown,
+            strict=True,
         )
         return all(sum(c) == self.trained for c in columns)
 
@@ -48,4 +62,5 @@ class Accounting:
             "unsent": list(self.unsent),
             "dropped": list(self.dropped),
             "excluded": list(self.excluded),
+            "unknown": list(self.unknown or (0,) * len(self.merged)),
         }

@@ -160,6 +160,8 @@ class Learner(Settling, Stopping, Restoring):
         """Per fragment, trained steps in deltas merged back (``accounting``)."""
         self.excluded_steps = [0] * P
         """Per fragment, trained steps in deltas the syncer left out of their merges."""
+        self.unknown_steps = [0] * P
+        """Per fragment, trained steps in accepted deltas whose fate no syncer can tell."""
         self._merged_recent: OrderedDict[int, tuple[int, int]] = OrderedDict()
         """Upload id -> (fragment, steps) of the last merged deltas (``settling``)."""
         self._upload_ids = itertools.count(secrets.randbits(40) << 20)
@@ -191,6 +193,7 @@ class Learner(Settling, Stopping, Restoring):
             "returned": 0,
             "merged": 0,
             "excluded": 0,
+            "unknown": 0,
             "resyncs": 0,
             "deferred": 0,
         }

@@ -530,6 +530,7 @@ class SyncerLink:
                     final=job.final,
                     upload_id=job.upload_id,
                     final_fragments=finals if i == 0 else (),
+                    resend=job.attempts > 0,
                 )
 
         try:
@@ -554,6 +555,8 @@ class SyncerLink:
         self.meter.ended(delivered=True)
         self.stats.bytes_up += len(payload)
         self.stats.uploads_sent += 1
+        if reply.fate_unknown:  # (a resend: nobody can tell whether its first send merged)
+            return UploadResult("unknown")
         if not reply.accepted:
             self.stats.stale_replies += 1
             return UploadResult("stale")

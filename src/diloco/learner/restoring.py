@@ -87,6 +87,7 @@ class Restoring:
             "merged_steps": list(self.merged_steps),
             "dropped": list(self.dropped),
             "excluded_steps": list(self.excluded_steps),
+            "unknown_steps": list(self.unknown_steps),
             "syncer_ids": dict(self._syncer_ids),
             "journal_life": self.journal.life if self.journal is not None else None,
             "layout_hash": self.layout.hash,
@@ -222,4 +223,5 @@ class Restoring:
         self.merged_steps = [int(v) for v in state.get("merged_steps", [0] * P)]
         self.dropped = [int(v) for v in state.get("dropped", [0] * P)]
         self.excluded_steps = [int(v) for v in state.get("excluded_steps", [0] * P)]
+        self.unknown_steps = [int(v) for v in state.get("unknown_steps", [0] * P)]
         self._syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}

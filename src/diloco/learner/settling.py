@@ -20,25 +20,28 @@ MERGED_REMEMBERED = 4096
 merge (``Dropped``) moves its steps from merged to excluded."""
 
 
-def committed_before(rejoin: Rejoin, p: int, admitted: int, upload_id: int) -> bool:
-    """Whether the commits a restarted syncer restored hold (merged, or left out) a delta of
-    fragment ``p`` that an earlier instance accepted at version ``admitted``.
+HELD, LOST, UNKNOWN = "held", "lost", "unknown"
+"""The fates ``fate_at_rejoin`` tells apart."""
 
-    Its commit logs say it for deltas admitted since the oldest log (``logged_from``): held
-    iff the upload id is listed, however many instances came and went in between. An older
-    delta is judged by the versions: held iff a restored version is past its admission (a
-    syncer that died with the round open restores the version it was admitted at).
+
+def fate_at_rejoin(rejoin: Rejoin, p: int, admitted: int, upload_id: int) -> str:
+    """What the syncer a learner rejoined holds of a delta of fragment ``p`` that an earlier
+    instance accepted at version ``admitted``: ``HELD`` (a kept commit log merged or left it
+    out, or a round still open holds it), ``LOST`` (admitted at or after the version from
+    which every commit's log is kept, ``logged_from``, and in none of them: its round died
+    with the instance that accepted it, so it is sent again) or ``UNKNOWN`` (admitted
+    before the kept logs, or without an id: nobody can tell; never guessed from versions).
 
     >>> r = Rejoin("a", "s", [5], (0,), frozenset({7}), (3,))
-    >>> committed_before(r, 0, 4, 7), committed_before(r, 0, 4, 8), committed_before(r, 0, 2, 8)
-    (True, False, True)
+    >>> fate_at_rejoin(r, 0, 4, 7), fate_at_rejoin(r, 0, 4, 8), fate_at_rejoin(r, 0, 2, 8)
+    ('held', 'lost', 'unknown')
     """
     if upload_id and upload_id in rejoin.committed:
-        return True
+        return HELD
     logged = rejoin.logged_from[p] if p < len(rejoin.logged_from) else -1
-    if upload_id and logged >= 0 and admitted >= logged:
-        return False
-    return p < len(rejoin.versions) and admitted < rejoin.versions[p]
+    if upload_id and 0 <= logged <= admitted:
+        return LOST
+    return UNKNOWN
 
 
 class Settling:
@@ -58,11 +61,13 @@ class Settling:
             entry = self._ledger.find(job.fragment, job.job_id)
             if entry is None:
                 continue
-            dead = result.outcome == "accepted" and self._answered_by_the_dead(
-                job.fragment, entry, result
+            dead = (
+                self._answered_by_the_dead(job.fragment, entry, result)
+                if result.outcome == "accepted"
+                else None
             )
-            if dead:
-                self._return(job.fragment, entry)  # its round died with that syncer
+            if dead in (LOST, UNKNOWN):  # not held by the successor: never recorded accepted
+                self._settle_at_rejoin(job.fragment, entry, dead)
                 continue
             if result.outcome == "accepted":
                 self._journal_settled(entry.upload_id, "accepted", result.admitted)
@@ -71,19 +76,38 @@ class Settling:
                     self._residual.add(job.fragment)  # error feedback: delta − sent is in u_p
                 entry.admitted, entry.delta = result.admitted, result.sent
                 continue
+            if result.outcome == "unknown":
+                self._forget_unknown(job.fragment, entry)
+                continue
             self._return(job.fragment, entry)
             if result.outcome == "guard" and self._reset(job.fragment):
                 self._reset_now.add(job.fragment)  # an island sends it to its other ranks
 
-    def _answered_by_the_dead(self, p: int, entry: Outgoing, result) -> bool:
-        """Whether an "accepted" answer came from a syncer instance this learner has already
-        seen replaced, for a delta its commits did not hold (``committed_before`` with the
-        successor's rejoin): the sender thread may report an answer after the link thread
-        reported the rejoin that followed it."""
+    def _answered_by_the_dead(self, p: int, entry: Outgoing, result) -> str | None:
+        """The fate (``fate_at_rejoin`` with the successor's rejoin) of a delta an "accepted"
+        answer came from a syncer instance this learner has already seen replaced (the
+        sender thread may report an answer after the link thread reported the rejoin that
+        followed it); None when the answer is not from a replaced instance."""
         successor = self._successors.get(result.syncer_id) if result.syncer_id else None
         if successor is None or p not in successor.fragments:
-            return False
-        return not committed_before(successor, p, result.admitted, entry.upload_id)
+            return None
+        return fate_at_rejoin(successor, p, result.admitted, entry.upload_id)
+
+    def _settle_at_rejoin(self, p: int, entry: Outgoing, fate: str) -> None:
+        """An accepted delta judged at a rejoin: kept on the ledger when the successor holds
+        it, returned (sent again) when its round died, forgotten as unknown otherwise."""
+        if fate == LOST:
+            self._return(p, entry)  # its round died with the syncer that accepted it
+        elif fate == UNKNOWN:
+            self._forget_unknown(p, entry)
+
+    def _forget_unknown(self, p: int, entry: Outgoing) -> None:
+        """Take ``entry`` off the ledger without sending it again or counting it merged: no
+        syncer can tell whether it was merged. Its steps are counted ``unknown``."""
+        self._ledger.remove(p, entry)
+        self._journal_settled(entry.upload_id, "unknown")
+        self.unknown_steps[p] += entry.steps
+        self.counters["unknown"] += 1
 
     def _return(self, p: int, entry: Outgoing) -> None:
         """Take ``entry`` off the ledger: its progress is undelivered again (sent next time)."""
@@ -95,7 +119,8 @@ class Settling:
 
     def _on_syncer(self, rejoin: Rejoin) -> None:
         """A (re)join: a syncer that restarted lost its open rounds, so an accepted delta
-        its commits did not hold (``committed_before``) is returned and sent again."""
+        its commits did not hold is returned and sent again, or forgotten as unknown when
+        nobody can tell (``fate_at_rejoin``)."""
         if self._unconfirmed:  # the first join (of this shard) after a restore
             self._confirm_delivered(rejoin.committed, rejoin.fragments)
         known = self._syncer_ids.get(rejoin.address)
@@ -107,8 +132,7 @@ class Settling:
             for e in [e for e in self._ledger.of(p) if e.admitted is not None]:
                 if e.syncer_id and e.syncer_id == rejoin.syncer_id:
                     continue  # accepted by this very instance
-                if not committed_before(rejoin, p, e.admitted, e.upload_id):
-                    self._return(p, e)
+                self._settle_at_rejoin(p, e, fate_at_rejoin(rejoin, p, e.admitted, e.upload_id))
 
     def _journal_settled(self, upload_id: int, how: str, version: int | None = None) -> None:
         if self.journal is not None and upload_id:
@@ -160,6 +184,7 @@ class Settling:
             tuple(unsent),
             tuple(self.dropped),
             tuple(self.excluded_steps),
+            tuple(self.unknown_steps),
         )
 
     def _in_flight(self) -> list[int]:

@@ -62,8 +62,10 @@ MAX_RESEND_PAUSE_S = 5.0
 class UploadResult:
     """The answer to one upload: ``outcome`` is ``accepted`` (``admitted`` is the fragment's
     version at admission, ``sent`` the delta as the syncer decoded it), ``guard`` (the norm
-    guard refused it), ``stale`` (too stale, resync), ``refused`` (another refusal) or
-    ``failed`` (no answer: connection lost, timeout). ``syncer_id``: the syncer instance that
+    guard refused it), ``stale`` (too stale, resync), ``refused`` (another refusal),
+    ``unknown`` (a resend whose earlier send the syncer may have merged, by a commit whose
+    log it no longer keeps: neither merged nor sent again) or ``failed`` (no answer:
+    connection lost, timeout). ``syncer_id``: the syncer instance that
     answered (its answer may reach the learner after the rejoin to a successor)."""
 
     outcome: str

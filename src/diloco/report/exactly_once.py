@@ -23,7 +23,8 @@ What it asserts (each failure is one line in ``Audit.problems``):
 3. no upload id is merged (or left out) twice, and each one is in its learner's journal with
    the same steps;
 4. per learner life that stopped cleanly, per fragment: steps merged + left out (tape) +
-   carried + unsent + dropped (its own accounting) = steps trained: **exactly once**; and
+   carried + unsent + dropped + unknown (its own accounting; an unknown delta the tape
+   merged counts once, on the tape) = steps trained: **exactly once**; and
    every upload a learner took as merged (its journal's ``settled`` lines) was merged by a
    commit. ``carried``: a life resumed from a checkpoint (a requeued job) counts the steps of
    its earlier lives too; its journal's start line says how many of them its restored
@@ -57,6 +58,10 @@ class Audit:
     steps_lost_at_kills: int = 0
     """Steps of killed lives that never reached the syncer (summed over their fragments'
     last journaled steps minus what was merged): what the crashes cost."""
+    steps_unknown: int = 0
+    """Steps of clean lives' deltas whose fate no syncer could tell them (their accounting's
+    ``unknown`` column) and that no commit on the tape merged: 0 wherever the fate was
+    knowable."""
     longest_stall_s: float = 0.0
 
     @property
@@ -206,6 +211,8 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
             step[line["p"]] = max(step[line["p"]], line["step"])
         if line.get("how") == "merged":
             lives[life].setdefault("took", {})[line["settled"]] = line.get("v")
+        if line.get("how") == "unknown":
+            lives[life].setdefault("unknown", set()).add(line["settled"])
     # an upload resent by a resumed life (same id, from its checkpoint) is that life's
     owner = {u: life for life, info in lives.items() for u in info["uploads"]}
     delivered: dict[str, dict[int, int]] = {life: defaultdict(int) for life in lives}
@@ -246,7 +253,12 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
                 )
     for life in order:
         if life == last and clean:
-            _check_clean(learner, final, delivered[life], carried, on_tape, result)
+            unknown_on_tape = defaultdict(int)  # unknown to the learner, merged all the same
+            for upload_id in lives[life].get("unknown", set()) & on_tape:
+                p, steps = lives[life]["uploads"][upload_id]
+                unknown_on_tape[p] += steps
+            books = (delivered[life], carried, unknown_on_tape)
+            _check_clean(learner, final, books, on_tape, result)
             continue
         result.lives_killed += 1
         for p, steps in delivered[life].items():
@@ -262,7 +274,8 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
         result.problems.append(f"{learner}: final.json is not from its last life")
 
 
-def _check_clean(learner, final, delivered, carried, on_tape, result: Audit) -> None:
+def _check_clean(learner, final, tape_books, on_tape, result: Audit) -> None:
+    delivered, carried, unknown_on_tape = tape_books
     books = final.get("accounting")
     if books is None:
         result.problems.append(f"{learner}: final.json has no accounting")
@@ -274,14 +287,19 @@ def _check_clean(learner, final, delivered, carried, on_tape, result: Audit) -> 
     for upload_id, p, steps in final.get("unanswered", []):
         if upload_id in on_tape:
             heard_of[p] += steps
-    for p, (unsent, dropped) in enumerate(zip(books["unsent"], books["dropped"], strict=True)):
+    unknown_books = books.get("unknown") or [0] * len(books["unsent"])
+    columns = zip(books["unsent"], books["dropped"], unknown_books, strict=True)
+    for p, (unsent, dropped, unknown) in enumerate(columns):
         unsent -= heard_of.get(p, 0)
+        unknown -= unknown_on_tape.get(p, 0)  # (the tape counts those)
+        result.steps_unknown += unknown
         tape = delivered.get(p, 0)
         before = carried[p] if carried is not None else 0
-        if tape + before + unsent + dropped != trained:
+        if tape + before + unsent + dropped + unknown != trained:
             result.problems.append(
                 f"{learner}: fragment {p}: {tape} steps merged or left out (tape) + {before} "
-                f"carried + {unsent} unsent + {dropped} dropped != {trained} trained"
+                f"carried + {unsent} unsent + {dropped} dropped + {unknown} unknown "
+                f"!= {trained} trained"
             )
 
 

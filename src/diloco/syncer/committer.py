@@ -228,6 +228,8 @@ class Committer:
                     commits=commit.history,
                 )
             )
+        if self.receipt_log is not None:  # (after the rename: a successor re-appends it)
+            _retrying(lambda: self.receipt_log.append(commit.log))
         record = dict(commit.record)
         record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
         record["sync_s"] = round(clock.monotonic() - t0, 6)

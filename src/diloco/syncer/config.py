@@ -14,6 +14,7 @@ from diloco.algorithm.guard import (
 )
 from diloco.algorithm.rounds import SCHEDULES
 from diloco.runtime.schema import on_off, option
+from diloco.syncer.receipts import RETAINED_COMMIT_LOGS
 from diloco.wire.comms import comms_setting
 from diloco.wire.protocol import ProtocolConfig
 
@@ -119,6 +120,9 @@ class SyncerConfig:
     """Accepted norms a fragment needs before the median applies."""
     max_learner_ids: int = 1024
     """Distinct learner ids the syncer remembers; joins of new ids beyond it are refused."""
+    commit_logs_kept: int = RETAINED_COMMIT_LOGS
+    """Commit logs the syncer keeps (memory and ``receipts.jsonl``): how far back the fates
+    of accepted uploads stay known; an older one is *unknown* (``diloco.syncer.receipts``)."""
 
     @staticmethod
     def upgrade_file_data(data: dict) -> dict:
@@ -209,6 +213,8 @@ class SyncerConfig:
             raise ValueError(
                 f"outer_scale must be one of {OUTER_SCALES} (got {self.outer_scale!r})"
             )
+        if self.commit_logs_kept < 1:
+            raise ValueError(f"commit_logs_kept must be >= 1 (got {self.commit_logs_kept})")
         if self.max_learner_ids < 1:
             raise ValueError(f"max_learner_ids must be >= 1 (got {self.max_learner_ids})")
         for name in ("up_codec", "down_codec"):

@@ -10,34 +10,44 @@ never merges it again; it tells a learner which of its uploads were excluded (th
 instead of merged.
 
 **Durability.** What a commit merged and left out (a :class:`CommitLog`: upload ids, steps
-and tokens per learner) is persisted *with* the commit, in the fragment's state file
-(``diloco.syncer.store``), for the last ``PERSISTED_COMMITS`` commits of each fragment. A
-restarted syncer rebuilds the fates of those uploads (:meth:`Receipts.restore`), so
+and tokens per learner) is persisted *with* the commit: in the fragment's state file (the
+last ``PERSISTED_COMMITS`` logs of the fragment, written in the same rename as Θ_p) and,
+right after that rename, appended to the state directory's receipt log
+(``diloco.syncer.receipt_log``), which keeps the last ``RETAINED_COMMIT_LOGS`` logs of the
+syncer. A restarted syncer rebuilds the fates of every log kept (:meth:`Receipts.restore`),
+so
 
 * a resend of an upload a committed round merged (its reply was lost, then the syncer died)
-  is answered, not merged a second time;
+  is answered, not merged a second time, however many commits came since, as long as the
+  log is kept;
 * an upload accepted into a round the dead syncer never committed is unknown to its
   successor: its resend is a new upload and is merged once; a learner that already had its
   "accepted" answer returns it to its undelivered progress when it rejoins, because it was
-  admitted at or after the version the successor restored (``docs/algorithm.md``, "Syncer
-  failures").
+  admitted at or after the version from which the logs are complete (``complete_from``)
+  and its id is not among those the successor holds (``docs/algorithm.md``, "Syncer
+  failures");
+* an upload admitted before ``complete_from`` (its log was let go) has a fate nobody can
+  tell any more: the syncer says so (``fate_unknown``) and the learner counts its steps as
+  *unknown*, neither merged nor sent again. Never a guess.
 
 Pure bookkeeping: no I/O, not thread-safe (the syncer's lock is held).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 PERSISTED_COMMITS = 64
-"""Commits of each fragment whose upload ids are kept in the fragment's state file."""
-REMEMBERED_UPLOADS = 4 * PERSISTED_COMMITS
-"""Accepted upload ids remembered per learner and fragment: every upload of the persisted
-commit logs (a learner has one contribution per round, rarely more than a few uploads summed
-in it), so a restarted syncer forgets none of them (a resend comes within the ~80 s a
-learner keeps resending, ``diloco.learner.uploads.MAX_RESENDS``: far fewer uploads)."""
+"""Commits of each fragment whose logs are written into the fragment's state file, in the
+same rename as the commit (the receipt log, appended after it, holds them all)."""
+RETAINED_COMMIT_LOGS = 16_384
+"""Commit logs a syncer keeps (in memory and in its receipt log), over all its fragments:
+the fates of the uploads they hold stay known across restarts and partitions. 16,384 logs
+are ~3 hours of a fleet at P = 24, H = 16 and 1 s steps (~680 commits per fragment), ~30
+hours at 10 s steps; each upload they hold costs ~150 bytes of memory and ~40 bytes of
+disk (16,384 logs of 8 learners: ~20 MB of memory, ~6 MB on disk)."""
 REPORTED_DROPS = 64
 """Most recent excluded upload ids of a learner repeated in each heartbeat reply."""
 
@@ -104,54 +114,75 @@ class Fate:
 
 
 class Receipts:
-    """Per learner and fragment, the fates of its last ``REMEMBERED_UPLOADS`` accepted
-    upload ids."""
+    """Per learner, the fates of its accepted upload ids: those of the rounds still open, and
+    those of the last ``retained_logs`` commit logs (older ones are let go with their logs,
+    which moves ``complete_from``)."""
 
-    def __init__(self, per_fragment: int = REMEMBERED_UPLOADS) -> None:
-        self.per_fragment = per_fragment
-        self._fates: dict[tuple[str, int], OrderedDict[int, Fate]] = {}
+    def __init__(self, retained_logs: int = RETAINED_COMMIT_LOGS) -> None:
+        self.retained_logs = retained_logs
+        self._fates: dict[str, dict[int, Fate]] = {}
         self._dropped: dict[str, OrderedDict[int, None]] = {}
+        self._logs: deque[tuple[int, int, list[tuple[str, int]]]] = deque()
+        """The settled logs kept, oldest first: (fragment, admitted, (learner, upload id)...)."""
+        self.complete_from: dict[int, int] = {}
+        """Per fragment, the version from which the log of every commit is kept (absent: 0,
+        every commit): an upload admitted at or after it that no kept log holds was never
+        committed."""
 
     def admitted(self, learner: str, upload_id: int, fragment: int) -> int | None:
         """The version an accepted upload of ``fragment`` was admitted at, or None if the id
         is unknown (or 0, no id)."""
-        fate = self._fates.get((learner, fragment), {}).get(upload_id) if upload_id else None
-        return None if fate is None else fate.admitted
+        fate = self._fates.get(learner, {}).get(upload_id) if upload_id else None
+        return None if fate is None or fate.fragment != fragment else fate.admitted
+
+    def fate_known(self, fragment: int, base_version: int) -> bool:
+        """Whether the fate of an upload of ``fragment`` made against ``base_version`` can be
+        told: its admission (at ``base_version`` or later) is not older than the kept logs."""
+        return base_version >= self.complete_from.get(fragment, 0)
 
     def admit(
         self, learner: str, upload_id: int, fragment: int, version: int, committed: bool = False
     ) -> None:
         """Remember an upload accepted at ``version`` (id 0: the learner gave none)."""
-        if not upload_id:
-            return
-        fates = self._fates.setdefault((learner, fragment), OrderedDict())
-        fates[upload_id] = Fate(fragment, version, committed)
-        while len(fates) > self.per_fragment:
-            fates.popitem(last=False)
+        if upload_id:
+            self._fates.setdefault(learner, {})[upload_id] = Fate(fragment, version, committed)
 
     def settle(self, log: CommitLog) -> None:
-        """Record what a closed round merged and left out."""
+        """Record what a closed round merged and left out; let the oldest logs go once more
+        than ``retained_logs`` are kept."""
+        held = []
         for learner, parts in log.merged.items():
             for part in parts:
                 self.admit(learner, part.upload_id, log.fragment, log.admitted, True)
+                held.append((learner, part.upload_id))
         for learner, parts in log.excluded.items():
             dropped = self._dropped.setdefault(learner, OrderedDict())
             for part in parts:
                 self.admit(learner, part.upload_id, log.fragment, log.admitted, True)
+                held.append((learner, part.upload_id))
                 if part.upload_id:
                     dropped[part.upload_id] = None
             while len(dropped) > REPORTED_DROPS:
                 dropped.popitem(last=False)
+        self._logs.append((log.fragment, log.admitted, held))
+        while len(self._logs) > self.retained_logs:
+            self._let_go(*self._logs.popleft())
+
+    def _let_go(self, fragment: int, admitted: int, held: list[tuple[str, int]]) -> None:
+        """Forget the oldest kept log: its uploads' fates become unknown."""
+        start = self.complete_from.get(fragment, 0)
+        self.complete_from[fragment] = max(start, admitted + 1)
+        for learner, upload_id in held:
+            fates = self._fates.get(learner)
+            fate = fates.get(upload_id) if fates is not None else None
+            if fate is not None and fate.committed and fate.admitted <= admitted:
+                del fates[upload_id]
+                if not fates:
+                    del self._fates[learner]
 
     def committed(self, learner: str) -> list[int]:
-        """The learner's upload ids that closed rounds merged or left out (remembered ones)."""
-        return [
-            u
-            for (who, _), fates in self._fates.items()
-            if who == learner
-            for u, fate in fates.items()
-            if fate.committed
-        ]
+        """The learner's upload ids that closed rounds merged or left out (kept ones)."""
+        return [u for u, fate in self._fates.get(learner, {}).items() if fate.committed]
 
     def held(self, learner: str) -> list[int]:
         """The learner's upload ids this syncer holds: merged or left out by closed rounds,
@@ -160,13 +191,19 @@ class Receipts:
         (``JoinReply.committed_uploads``): a restored learner whose previous life died
         before an answer must not send those steps again. After a restart only the
         committed ones are left (open rounds died with the syncer)."""
-        return [u for (who, _), fates in self._fates.items() if who == learner for u in fates]
+        return list(self._fates.get(learner, ()))
 
     def dropped(self, learner: str) -> list[int]:
         """The learner's most recent excluded upload ids (at most ``REPORTED_DROPS``)."""
         return list(self._dropped.get(learner, ()))
 
-    def restore(self, logs: Iterable[CommitLog]) -> None:
-        """Rebuild the fates of persisted commits (oldest first)."""
-        for log in sorted(logs, key=lambda c: (c.version, c.fragment)):
+    def restore(
+        self, logs: Iterable[CommitLog], complete_from: dict[int, int] | None = None
+    ) -> None:
+        """Rebuild the fates of persisted commits (in the order they were committed) and the
+        versions from which their logs are complete (``complete_from``; default: from
+        version 0)."""
+        for fragment, version in (complete_from or {}).items():
+            self.complete_from[fragment] = max(self.complete_from.get(fragment, 0), version)
+        for log in logs:
             self.settle(log)

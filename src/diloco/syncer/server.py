@@ -19,6 +19,7 @@ from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
 from diloco.runtime import clock
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.receipt_log import ReceiptLog
 from diloco.syncer.service import (
     SyncerService,
     pool_threads,
@@ -148,8 +149,18 @@ class SyncerServer:
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
             self.state.restore_history(p, self.store.load_commits(p))
+        receipt_log = ReceiptLog(state_dir, self.config.commit_logs_kept) if state_dir else None
+        if receipt_log is not None:
+            embedded = {p: self.store.load_commits(p) for p in restored}
+            logs = receipt_log.open({p: versions[p] for p in owned}, embedded)
+            self.state.restore_receipts(logs, receipt_log.complete_from)
         self.service = SyncerService(
-            self.state, store=self.store, tape=self.tape, wire=wire, **service_options
+            self.state,
+            store=self.store,
+            tape=self.tape,
+            receipt_log=receipt_log,
+            wire=wire,
+            **service_options,
         )
         return restored, taped
 

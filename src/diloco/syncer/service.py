@@ -35,6 +35,7 @@ from diloco.syncer.limits import (
     StreamLimits,
     stream_limits,
 )
+from diloco.syncer.receipt_log import ReceiptLog
 from diloco.syncer.state import Refused, SyncerState
 from diloco.syncer.store import (
     EventTape,
@@ -63,6 +64,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         *,
         store: FragmentStore | None,
         tape: EventTape | None,
+        receipt_log: ReceiptLog | None = None,
         allowed_learners: frozenset[str] | None = None,
         wire: dict[int, torch.Tensor] | None = None,
         secret: str | None = None,
@@ -86,6 +88,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         """Seconds an upload may wait for its first chunk (``limits.FIRST_CHUNK_S``)."""
         self.store = store
         self.tape = tape
+        self.receipt_log = receipt_log
         self.lock = threading.Lock()
         self.started_at = clock.monotonic()
         self._subscribers: dict[Subscriber, Callable[[], None]] = {}
@@ -337,6 +340,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                     upload_id=header.upload_id,
                     delta_norm=norm,
                     final_fragments=tuple(header.final_fragments),
+                    resend=header.resend,
                 )
                 current = self.state.versions[header.fragment]
                 if admission.version is not None:
@@ -362,6 +366,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             reason=admission.reason,
             resync=admission.resync,
             current_version=current,
+            fate_unknown=admission.fate_unknown,
         )
 
     def _receive(self, chunks, context: grpc.ServicerContext, who: dict[str, str]):

@@ -142,7 +142,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         self._period: float | None = None  # the period the due tick was set with
         self._cursor = 0
         self.last_commit_at: dict[int, float] = {}
-        self.receipts = Receipts()
+        self.receipts = Receipts(config.commit_logs_kept)
         """The fates of the learners' accepted uploads (``diloco.syncer.receipts``)."""
         self.history: dict[int, deque[CommitLog]] = {
             p: deque(maxlen=PERSISTED_COMMITS) for p in self.served
@@ -154,20 +154,24 @@ class SyncerState(LearnerRoster, RoundClosing):
         """The H the norm guard's sizes were recorded at (``note_period``)."""
 
     def restore_history(self, fragment: int, logs: Sequence[CommitLog]) -> None:
-        """Take in a restored fragment's persisted commit logs (oldest first): a resend of an
-        upload they merged is answered, not merged again, and excluded uploads are still
-        reported to their learners."""
+        """Take in the commit logs a restored fragment's file holds (oldest first): written
+        again with its next commit."""
         self.history[fragment].extend(logs)
-        self.receipts.restore(logs)
+
+    def restore_receipts(self, logs: Sequence[CommitLog], complete_from: dict[int, int]) -> None:
+        """Take in the kept commit logs (in commit order, ``diloco.syncer.receipt_log``) and
+        the versions from which they are complete: a resend of an upload they hold is
+        answered, not merged again, and excluded uploads are still reported."""
+        self.receipts.restore(logs, complete_from)
 
     def logged_from(self) -> list[int]:
-        """Per fragment, the version the oldest commit log kept admitted at (-1: no log): a
-        rejoining learner judges its accepted deltas admitted since by the logs."""
-        oldest = [-1] * self.layout.num_fragments
-        for p, logs in self.history.items():
-            if logs:
-                oldest[p] = logs[0].admitted
-        return oldest
+        """Per fragment, the version from which the log of every commit is kept (-1: a
+        fragment this syncer does not own): a rejoining learner's accepted delta admitted
+        since then is held iff its id is listed; an older one's fate is unknown."""
+        return [
+            self.receipts.complete_from.get(p, 0) if p in self._owned else -1
+            for p in range(self.layout.num_fragments)
+        ]
 
     def admission_version(self, fragment: int) -> int:
         """The version an upload of ``fragment`` accepted now is admitted at: the commit making
@@ -194,6 +198,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         upload_id: int = 0,
         delta_norm: float | None = None,
         final_fragments: Collection[int] = (),
+        resend: bool = False,
     ) -> Admission:
         """Put a decoded contribution into fragment ``fragment``'s open round.
 
@@ -210,22 +215,17 @@ class SyncerState(LearnerRoster, RoundClosing):
         round waits for those of them still on their way (``finals_due``), so a fleet that
         stops over slow links still merges one round per fragment. An ``upload_id`` the learner's accepted
         uploads already hold is a resend (its reply was lost): answered with the version it
-        was admitted at, and nothing changes.
+        was admitted at, and nothing changes, whatever session it carries (the learner may
+        have rejoined since its first send). A ``resend`` whose id the receipts do not hold
+        and whose base version is older than the kept commit logs may have been merged by a
+        commit whose log was let go: answered ``fate_unknown``, and nothing changes.
         """
-        info = self.session_of(learner_id, session)
         self.check_final_fragments(final, final_fragments)
         known = self.receipts.admitted(learner_id, upload_id, fragment)
-        if known is not None:
-            self.emit(
-                {
-                    "event": "resent",
-                    "t": self.wall_of(now),
-                    "learner": learner_id,
-                    "fragment": fragment,
-                }
-            )
-            self.note_final(info, fragment, final, final_fragments, now=now, settled=True)
-            return Admission(True, 1.0, 0, False, "already accepted", known)
+        if known is not None or (resend and not self.receipts.fate_known(fragment, base_version)):
+            answer = (learner_id, session, fragment, known)
+            return self._answer_resend(*answer, now=now, final=(final, final_fragments))
+        info = self.session_of(learner_id, session)
         try:
             norm = self._check_contribution(
                 info,
@@ -286,6 +286,19 @@ class SyncerState(LearnerRoster, RoundClosing):
         self.receipts.admit(learner_id, upload_id, fragment, admission.version)
         self.norms.record(fragment, norm, steps, learner_id, sync_every=self._guard_period())
         return admission
+
+    def _answer_resend(self, learner_id, session, fragment, known, *, now, final) -> Admission:
+        """A resend the receipts answer: admitted at ``known``, or its fate unknown."""
+        event = "resent" if known is not None else "fate_unknown"
+        record = {"event": event, "learner": learner_id, "fragment": fragment}
+        self.emit({**record, "t": self.wall_of(now)})
+        if known is None:
+            reason = "fate unknown: its base version is older than the commit logs kept"
+            return Admission(False, 0.0, 0, False, reason, fate_unknown=True)
+        info = self.learners.get(learner_id)
+        if info is not None and info.session == session:
+            self.note_final(info, fragment, *final, now=now, settled=True)
+        return Admission(True, 1.0, 0, False, "already accepted", known)
 
     def _into_round(self, fragment: int, contribution: Contribution, now: float) -> None:
         """Add an admitted contribution to ``fragment``'s round (made if none is open; on

@@ -107,7 +107,7 @@ class FragmentChunk(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., contributors: _Optional[_Iterable[str]] = ..., is_delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., request: _Optional[bool] = ..., unchanged: _Optional[bool] = ..., dropped_uploads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
-    __slots__ = ("learner_id", "session", "fragment", "base_version", "steps", "tokens", "codec", "numel", "chunk_index", "num_chunks", "data", "step_time_s", "final", "upload_id", "final_fragments")
+    __slots__ = ("learner_id", "session", "fragment", "base_version", "steps", "tokens", "codec", "numel", "chunk_index", "num_chunks", "data", "step_time_s", "final", "upload_id", "final_fragments", "resend")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class UploadChunk(_message.Message):
     FINAL_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     FINAL_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    RESEND_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     session: str
     fragment: int
@@ -138,19 +139,22 @@ class UploadChunk(_message.Message):
     final: bool
     upload_id: int
     final_fragments: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., step_time_s: _Optional[float] = ..., final: _Optional[bool] = ..., upload_id: _Optional[int] = ..., final_fragments: _Optional[_Iterable[int]] = ...) -> None: ...
+    resend: bool
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., data: _Optional[bytes] = ..., step_time_s: _Optional[float] = ..., final: _Optional[bool] = ..., upload_id: _Optional[int] = ..., final_fragments: _Optional[_Iterable[int]] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class UploadReply(_message.Message):
-    __slots__ = ("accepted", "reason", "resync", "current_version")
+    __slots__ = ("accepted", "reason", "resync", "current_version", "fate_unknown")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FATE_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     resync: bool
     current_version: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., resync: _Optional[bool] = ..., current_version: _Optional[int] = ...) -> None: ...
+    fate_unknown: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., resync: _Optional[bool] = ..., current_version: _Optional[int] = ..., fate_unknown: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("learner_id", "session", "step", "tokens", "steps_per_s", "state")

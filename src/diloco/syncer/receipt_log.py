@@ -1,0 +1,179 @@
+"""The receipt log: every commit's log, appended to one file of the state directory.
+
+A commit's log (``diloco.syncer.receipts.CommitLog``: which upload ids of which learner it
+merged and left out) is written twice. Into the fragment's own file, in the same rename as
+Θ_p, for the fragment's last ``PERSISTED_COMMITS`` commits: so a commit and what it merged
+can never disagree. And, right after that rename, appended to ``receipts.jsonl`` here, which
+keeps the last ``RETAINED_COMMIT_LOGS`` logs of the whole syncer: so the fates of uploads
+stay known however many commits pass while a learner is cut off, across any number of
+restarts. A crash between the rename and the append loses nothing: at the next start the
+logs the fragment files hold and this file lacks are appended (:meth:`ReceiptLog.open`).
+
+Format: JSON lines. The first is a header, ``{"receipts": 1, "complete_from": {p: v}}``:
+per fragment, the version from which the log of every commit is in the file (0 for a
+directory that kept this file from its first commit; for a directory older than this file,
+the oldest log its fragment files held). The others are commit logs, in commit order. A line
+cut short by a crash or a full disk is cut off at the next open; a malformed line elsewhere,
+or a log of a version the fragment files do not hold (a state directory rolled back under
+its receipts), is a ``StateError``: the fates it would say are not guessed.
+
+When the file holds twice the retained logs, it is rewritten with the newest
+``RETAINED_COMMIT_LOGS`` (temp file, fsync, rename), and ``complete_from`` moves past the
+logs let go. Cost per commit: one line (~40 bytes per upload it holds) and one fsync.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from diloco.syncer.receipts import RETAINED_COMMIT_LOGS, CommitLog
+from diloco.syncer.store import StateError
+
+RECEIPT_LOG = "receipts.jsonl"
+"""The receipt log's name in the state directory."""
+FORMAT = 1
+
+
+def _key(log: CommitLog) -> str:
+    return json.dumps(log.to_json(), separators=(",", ":"), sort_keys=True)
+
+
+class ReceiptLog:
+    """Appends commit logs to ``root/receipts.jsonl`` and reads them back. Not thread-safe:
+    the committer is its only writer."""
+
+    def __init__(self, root: str | os.PathLike, retained: int = RETAINED_COMMIT_LOGS) -> None:
+        self.path = Path(root) / RECEIPT_LOG
+        self.retained = retained
+        self.complete_from: dict[int, int] = {}
+        self._lines = 0
+
+    def open(
+        self, versions: Mapping[int, int], embedded: Mapping[int, Sequence[CommitLog]]
+    ) -> list[CommitLog]:
+        """Read the log, or start it (``versions``: each owned fragment's version on disk;
+        ``embedded``: the logs its file holds, oldest first), and append the embedded logs
+        it lacks. Returns every log it keeps, in commit order; ``complete_from`` says from
+        which version each fragment's logs are complete. Raises ``StateError`` or
+        ``OSError``."""
+        if self.path.exists():
+            logs = self._read(versions)
+        else:
+            start = {
+                p: (embedded[p][0].admitted if embedded.get(p) else versions.get(p, 0))
+                for p in versions
+            }
+            self._rewrite(start, [])
+            logs = []
+        kept = {_key(log) for log in logs}
+        for p in sorted(embedded):
+            for log in embedded[p]:
+                if _key(log) not in kept and log.admitted >= self.complete_from.get(p, 0):
+                    self.append(log)  # committed, but the crash came before its append
+                    logs.append(log)
+        return logs
+
+    def append(self, log: CommitLog) -> None:
+        """Append one commit's log and fsync it. ``OSError`` (disk full, I/O error) leaves
+        the file as it was."""
+        line = (_key(log) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                _write_all(fd, line, self.path)
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, size)  # no half line for the next append to follow
+                raise
+        finally:
+            os.close(fd)
+        self._lines += 1
+        if self._lines > 2 * self.retained:
+            self._compact()
+
+    def _read(self, versions: Mapping[int, int]) -> list[CommitLog]:
+        data = self.path.read_bytes()
+        cut = data.rfind(b"\n") + 1
+        if cut < len(data):  # a line cut short: the append that wrote it failed
+            with open(self.path, "r+b") as f:
+                f.truncate(cut)
+                os.fsync(f.fileno())
+        lines = data[:cut].decode().splitlines()
+        try:
+            header = json.loads(lines[0]) if lines else {}
+            if header.get("receipts") != FORMAT:
+                raise ValueError(f"no receipt log header (format {FORMAT})")
+            self.complete_from = {int(p): int(v) for p, v in header["complete_from"].items()}
+            logs = [CommitLog.from_json(json.loads(line)) for line in lines[1:]]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StateError(
+                f"{self.path} is unreadable ({exc}): the fates of the uploads it holds cannot "
+                "be told. Move it away to start it again from the fragment files (uploads "
+                "older than their logs then count as unknown)"
+            ) from None
+        ahead = [log for log in logs if log.version > versions.get(log.fragment, 0)]
+        if ahead:
+            log = ahead[0]
+            raise StateError(
+                f"{self.path} holds a commit of fragment {log.fragment} at version "
+                f"{log.version}, but its file is at version {versions.get(log.fragment, 0)}: "
+                "the fragment files were rolled back under their receipts"
+            )
+        self._lines = len(logs)
+        return logs
+
+    def _compact(self) -> None:
+        """Keep the newest ``retained`` logs; ``complete_from`` moves past the others."""
+        logs = self._read_all()
+        dropped, kept = logs[: -self.retained], logs[-self.retained :]
+        start = dict(self.complete_from)
+        for log in dropped:
+            start[log.fragment] = max(start.get(log.fragment, 0), log.admitted + 1)
+        self._rewrite(start, kept)
+
+    def _read_all(self) -> list[CommitLog]:
+        lines = self.path.read_text().splitlines()[1:]
+        return [CommitLog.from_json(json.loads(line)) for line in lines]
+
+    def _rewrite(self, complete_from: Mapping[int, int], logs: Sequence[CommitLog]) -> None:
+        """Write the header and ``logs`` to a temp file, fsync, rename, fsync the directory."""
+        header = {
+            "receipts": FORMAT,
+            "complete_from": {str(p): v for p, v in complete_from.items()},
+        }
+        text = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in [header]) + "".join(
+            _key(log) + "\n" for log in logs
+        )
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, text.encode(), tmp)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self.complete_from = dict(complete_from)
+        self._lines = len(logs)
+
+
+def _write_all(fd: int, data: bytes, path: Path) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, f"could not write {path}")
+        view = view[written:]
