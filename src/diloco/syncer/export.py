@@ -16,14 +16,14 @@ syncer's wire image of it, which differs by the rounding of the deltas sent down
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.runtime.modules import plain_module
-from diloco.syncer.store import FragmentStore, StateError
+from diloco.syncer.store import FragmentStore, StateError, replace_atomically
 
 
 class ExportError(ValueError):
@@ -85,16 +85,23 @@ def read_state_dirs(
     return params, versions
 
 
-def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path, **metadata) -> Path:
+def save_state_dict(
+    state: Mapping[str, torch.Tensor],
+    path: str | Path,
+    *,
+    fence: Callable[[], None] | None = None,
+    **metadata,
+) -> Path:
     """Write ``state`` as safetensors (each tensor its own copy: tied names share memory,
-    which safetensors refuses), atomically. ``metadata`` values are stored as strings."""
-    from safetensors.torch import save_file
+    which safetensors refuses), atomically and durably: a temporary file, fsynced, renamed,
+    the directory fsynced (``diloco.syncer.store.replace_atomically``, which calls
+    ``fence`` around the rename). ``metadata`` values are stored as strings."""
+    from safetensors.torch import save
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
-    save_file(tensors, str(tmp), metadata={k: str(v) for k, v in metadata.items()})
-    tmp.replace(path)
+    data = save(tensors, metadata={k: str(v) for k, v in metadata.items()})
+    replace_atomically(path, data, fence=fence)
     return path
 
 
