@@ -1,7 +1,7 @@
 """One syncer per state directory (issue 46, defect 2): a second syncer on a directory in use
 refuses to start; a syncer superseded by another one (its lock not honoured) fails at its
 next commit and writes nothing; a syncer stopped or SIGKILLed leaves the directory to the
-next. And a neighbour: the syncer's snapshots.
+next. And two neighbours: snapshots and exports of a state directory.
 
 Real servers on loopback, real ``diloco syncer`` processes; a raw client sends uploads so
 that each commit is one test step.
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from diloco.algorithm import codecs
 from diloco.launch.syncer_process import Snapshots
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.export import save_state_dict
+from diloco.syncer.export import ExportError, read_state_dirs, save_state_dict
 from diloco.syncer.fencing import LOCK_FILE, Superseded, claim_state_dir
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import FragmentStore, StateError, read_tape
@@ -293,3 +293,23 @@ def test_a_snapshot_is_synced_before_its_rename_and_its_directory_after(tmp_path
     assert ("fsync", tmp) in events[:renamed]
     assert ("fsync", str(tmp_path)) in events[renamed:]
     assert torch.equal(load_file(str(path))["w"], torch.ones(3))
+
+
+def test_an_export_of_shards_refuses_a_missing_shard_directory(tmp_path):
+    """Found by review: ``read_state_dirs`` skipped a shard's missing directory, so its
+    fragments were exported at their initial values as if the run had never moved them."""
+    model = tiny_model(0, (16, 32, 4), tanh=False)
+    shard0 = tmp_path / "syncer-0"
+    server = local_syncer(
+        model,
+        SyncerConfig(schedule="learner", norm_guard_k=0.0),
+        num_fragments=P,
+        state_dir=shard0,
+        shard=(0, 2),
+    )
+    server.stop()
+    initial = [t.clone() for t in server.state.params]
+    with pytest.raises(ExportError, match="syncer-1"):
+        read_state_dirs([shard0, tmp_path / "syncer-1"], server.layout, initial)
+    params, versions = read_state_dirs([shard0], server.layout, initial)  # one that exists
+    assert versions == [0, 0]

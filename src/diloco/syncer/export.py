@@ -67,11 +67,16 @@ def read_state_dirs(
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Every fragment's latest committed value across the state directories of one run (one
     per syncer shard) and its version: ``(params, versions)``; a fragment no directory holds
-    keeps its ``initial`` value at version 0. Raises ``ExportError`` if no directory exists
-    or a file is corrupt."""
-    stores = [FragmentStore(d) for d in dirs if Path(d, "meta.json").exists()]
-    if not stores:
-        raise ExportError(f"no syncer state directory in {', '.join(map(str, dirs))}")
+    keeps its ``initial`` value at version 0. Raises ``ExportError`` if any of ``dirs`` is
+    not a syncer's state directory (a shard's missing directory would otherwise export its
+    fragments at their initial values, silently) or a file is corrupt. It reads and never
+    claims: a live syncer's directory can be read."""
+    missing = [str(d) for d in dirs if not Path(d, "meta.json").is_file()]
+    if missing or not dirs:
+        raise ExportError(
+            f"not a syncer state directory (no meta.json): {', '.join(missing) or 'none given'}"
+        )
+    stores = [FragmentStore(d) for d in dirs]
     params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial]
     versions = [0] * layout.num_fragments
     for store in stores:
