@@ -126,7 +126,7 @@ def serve(config: ServiceConfig) -> int:
         max_tokens=config.max_tokens,
     )
     snapshots = Snapshots(config.snapshot_path, config.snapshot_every_s, server, model)
-    while not stop.wait(0.5) and server.failure is None:
+    while not stop.wait(0.5) and server.failure is None and snapshots.superseded is None:
         snapshots.maybe(time.monotonic())
         if outputs.watch is None and not rule.active:
             continue
@@ -140,10 +140,11 @@ def serve(config: ServiceConfig) -> int:
     outputs.close()
     if server.failure is None:
         snapshots.write()  # the last global model, after the last commit
-    else:
+    failure = server.failure or snapshots.superseded
+    if failure is not None:
         print(
             f"diloco syncer: failed, exiting to be restarted from {state_dir or 'memory'}: "
-            f"{server.failure!r}",
+            f"{failure!r}",
             file=sys.stderr,
         )
         return FAILED
@@ -197,6 +198,8 @@ class Snapshots:
     def __init__(self, path: str | None, every_s: float, server, model) -> None:
         self.path, self.every_s, self.server, self.model = path, every_s, server, model
         self._next = time.monotonic() + every_s
+        self.superseded: Exception | None = None
+        """Why no snapshot may be written: another syncer claimed the state directory."""
 
     def maybe(self, now: float) -> None:
         if self.path and self.every_s > 0 and now >= self._next:
@@ -204,14 +207,25 @@ class Snapshots:
             self.write()
 
     def write(self) -> None:
-        """Write one snapshot now (a failure is said on stderr; serving goes on)."""
-        if not self.path:
+        """Write one snapshot now: the global model and its versions, taken together
+        (``SyncerServer.global_model``), written durably. A write error is said on stderr
+        and serving goes on; a syncer another one superseded writes nothing and keeps why
+        in ``superseded`` (it must stop)."""
+        if not self.path or self.superseded is not None:
             return
         from diloco.syncer.export import save_state_dict
+        from diloco.syncer.fencing import Superseded
 
-        state = self.server.state_dict(self.model)
-        versions = list(self.server.state.versions)
+        state, versions = self.server.global_model(self.model)
         try:
-            save_state_dict(state, self.path, mode="syncer", versions=versions)
+            save_state_dict(
+                state,
+                self.path,
+                fence=self.server.check_claim,
+                mode="syncer",
+                versions=versions,
+            )
         except OSError as exc:
             print(f"diloco syncer: snapshot {self.path}: {exc}", file=sys.stderr, flush=True)
+        except Superseded as exc:
+            self.superseded = exc

@@ -13,6 +13,9 @@ answered ``UNAVAILABLE``, ``Status`` reports it, subscriptions end and ``on_fail
 directory). Nothing it answered after the last persisted commit can be lost: an upload it
 accepted and did not commit is returned to its learner's progress at rejoin, because the
 restarted syncer reports the versions on disk. A syncer never stays up unable to commit.
+A commit the store refuses because another syncer has claimed the state directory
+(``diloco.syncer.fencing.Superseded``) fails the syncer at once, without retries: it must
+never write there again.
 
 **What learners hold.** For every fragment the committer keeps the wire image ``W_p``: the
 value every learner holding version v holds, bit for bit. A commit sends ``d = Θ_p − W_p``
@@ -58,7 +61,8 @@ STOP_WAIT_S = 10.0
 
 def _retrying(write: Callable[[], None]) -> None:
     """``write()``, tried again after an ``OSError`` (``PERSIST_ATTEMPTS`` tries, pauses from
-    ``PERSIST_RETRY_S`` doubling); the last error is raised."""
+    ``PERSIST_RETRY_S`` doubling); the last error is raised. Any other error (``Superseded``)
+    is raised at once."""
     pause = PERSIST_RETRY_S
     for attempt in range(PERSIST_ATTEMPTS):
         try:

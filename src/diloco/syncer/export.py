@@ -16,14 +16,14 @@ syncer's wire image of it, which differs by the rounding of the deltas sent down
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.runtime.modules import plain_module
-from diloco.syncer.store import FragmentStore, StateError
+from diloco.syncer.store import FragmentStore, StateError, replace_atomically
 
 
 class ExportError(ValueError):
@@ -67,11 +67,16 @@ def read_state_dirs(
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Every fragment's latest committed value across the state directories of one run (one
     per syncer shard) and its version: ``(params, versions)``; a fragment no directory holds
-    keeps its ``initial`` value at version 0. Raises ``ExportError`` if no directory exists
-    or a file is corrupt."""
-    stores = [FragmentStore(d) for d in dirs if Path(d, "meta.json").exists()]
-    if not stores:
-        raise ExportError(f"no syncer state directory in {', '.join(map(str, dirs))}")
+    keeps its ``initial`` value at version 0. Raises ``ExportError`` if any of ``dirs`` is
+    not a syncer's state directory (a shard's missing directory would otherwise export its
+    fragments at their initial values, silently) or a file is corrupt. It reads and never
+    claims: a live syncer's directory can be read."""
+    missing = [str(d) for d in dirs if not Path(d, "meta.json").is_file()]
+    if missing or not dirs:
+        raise ExportError(
+            f"not a syncer state directory (no meta.json): {', '.join(missing) or 'none given'}"
+        )
+    stores = [FragmentStore(d) for d in dirs]
     params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial]
     versions = [0] * layout.num_fragments
     for store in stores:
@@ -85,16 +90,23 @@ def read_state_dirs(
     return params, versions
 
 
-def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path, **metadata) -> Path:
+def save_state_dict(
+    state: Mapping[str, torch.Tensor],
+    path: str | Path,
+    *,
+    fence: Callable[[], None] | None = None,
+    **metadata,
+) -> Path:
     """Write ``state`` as safetensors (each tensor its own copy: tied names share memory,
-    which safetensors refuses), atomically. ``metadata`` values are stored as strings."""
-    from safetensors.torch import save_file
+    which safetensors refuses), atomically and durably: a temporary file, fsynced, renamed,
+    the directory fsynced (``diloco.syncer.store.replace_atomically``, which calls
+    ``fence`` around the rename). ``metadata`` values are stored as strings."""
+    from safetensors.torch import save
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
-    save_file(tensors, str(tmp), metadata={k: str(v) for k, v in metadata.items()})
-    tmp.replace(path)
+    data = save(tensors, metadata={k: str(v) for k, v in metadata.items()})
+    replace_atomically(path, data, fence=fence)
     return path
 
 

@@ -18,7 +18,7 @@ or a log of a version the fragment files do not hold (a state directory rolled b
 its receipts), is a ``StateError``: the fates it would say are not guessed.
 
 When the file holds twice the retained logs, it is rewritten with the newest
-``RETAINED_COMMIT_LOGS`` (temp file, fsync, rename), and ``complete_from`` moves past the
+``RETAINED_COMMIT_LOGS`` (temp file, fsync, fenced rename), and ``complete_from`` moves past the
 logs let go. Cost per commit: one line (~40 bytes per upload it holds) and one fsync.
 """
 
@@ -27,11 +27,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from diloco.syncer.receipts import RETAINED_COMMIT_LOGS, CommitLog
-from diloco.syncer.store import StateError
+from diloco.syncer.store import StateError, replace_atomically
 
 RECEIPT_LOG = "receipts.jsonl"
 """The receipt log's name in the state directory."""
@@ -46,9 +46,18 @@ class ReceiptLog:
     """Appends commit logs to ``root/receipts.jsonl`` and reads them back. Not thread-safe:
     the committer is its only writer."""
 
-    def __init__(self, root: str | os.PathLike, retained: int = RETAINED_COMMIT_LOGS) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        retained: int = RETAINED_COMMIT_LOGS,
+        *,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
+        """``fence``: called before every write (``diloco.syncer.fencing.Claim.check``: a
+        syncer another one has superseded never writes)."""
         self.path = Path(root) / RECEIPT_LOG
         self.retained = retained
+        self.fence = fence
         self.complete_from: dict[int, int] = {}
         self._lines = 0
 
@@ -81,6 +90,8 @@ class ReceiptLog:
         """Append one commit's log and fsync it. ``OSError`` (disk full, I/O error) leaves
         the file as it was."""
         line = (_key(log) + "\n").encode()
+        if self.fence is not None:
+            self.fence()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
             size = os.fstat(fd).st_size
@@ -141,31 +152,14 @@ class ReceiptLog:
         return [CommitLog.from_json(json.loads(line)) for line in lines]
 
     def _rewrite(self, complete_from: Mapping[int, int], logs: Sequence[CommitLog]) -> None:
-        """Write the header and ``logs`` to a temp file, fsync, rename, fsync the directory."""
+        """Make the header and ``logs`` the whole file (``store.replace_atomically``)."""
         header = {
             "receipts": FORMAT,
             "complete_from": {str(p): v for p, v in complete_from.items()},
         }
-        text = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in [header]) + "".join(
-            _key(log) + "\n" for log in logs
-        )
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                _write_all(fd, text.encode(), tmp)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        text = json.dumps(header, separators=(",", ":")) + "\n"
+        text += "".join(_key(log) + "\n" for log in logs)
+        replace_atomically(self.path, text.encode(), fence=self.fence)
         self.complete_from = dict(complete_from)
         self._lines = len(logs)
 

@@ -19,6 +19,7 @@ from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
 from diloco.runtime import clock
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.fencing import Claim, claim_state_dir
 from diloco.syncer.receipt_log import ReceiptLog
 from diloco.syncer.service import (
     SyncerService,
@@ -102,6 +103,8 @@ class SyncerServer:
         )
         self._server, self.port = self._bind(bind, credentials, interceptors)
         self._embeddings = embeddings
+        self.claim: Claim | None = None
+        """This syncer's claim on its state directory (``diloco.syncer.fencing``), or None."""
         try:
             restored, taped = self._build(
                 initial_params,
@@ -119,6 +122,8 @@ class SyncerServer:
         except BaseException:
             self._server.stop(None)
             self._pool.shutdown(wait=False)
+            if self.claim is not None:
+                self.claim.release()
             raise
         pb_grpc.add_SyncerServicer_to_server(self.service, self._server)
         self.host = bind.rsplit(":", 1)[0]
@@ -128,11 +133,14 @@ class SyncerServer:
     def _build(self, initial_params, owned, shard, state_dir, tape_path, **service_options):
         """The tape, the store, the restored state and the service (``service_options`` go
         to ``SyncerService``); returns what ``_emit_start`` needs: ``(restored, the newest
-        version of each fragment the tape records)``."""
+        version of each fragment the tape records)``. The state directory is claimed
+        before anything in it is read (a second syncer on it: ``StateError``)."""
+        if state_dir:
+            self.claim = claim_state_dir(state_dir)
         taped = read_taped(tape_path) if tape_path else Taped()
         self.tape = EventTape(tape_path) if tape_path else None
         emit = self.tape.try_append if self.tape else (lambda record: None)
-        self.store = FragmentStore(state_dir) if state_dir else None
+        self.store = FragmentStore(state_dir, fence=self.claim.check) if state_dir else None
         params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
         versions, restored, wire = self._restore(owned, params, shard)
         self.state = SyncerState(
@@ -149,7 +157,10 @@ class SyncerServer:
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
             self.state.restore_history(p, self.store.load_commits(p))
-        receipt_log = ReceiptLog(state_dir, self.config.commit_logs_kept) if state_dir else None
+        receipt_log = None
+        if state_dir:
+            kept = self.config.commit_logs_kept
+            receipt_log = ReceiptLog(state_dir, kept, fence=self.claim.check)
         if receipt_log is not None:
             embedded = {p: self.store.load_commits(p) for p in restored}
             logs = receipt_log.open({p: versions[p] for p in owned}, embedded)
@@ -256,6 +267,7 @@ class SyncerServer:
                 "shard": list(self.state.shard),
                 "fragments": list(self.state.served),
                 "restored_fragments": len(restored),
+                "epoch": self.claim.epoch if self.claim is not None else None,
                 "versions": list(self.state.versions),
                 "digests": [fragment_digest(t) for t in self.state.params],
                 "state_hash": state_hash(self.state.versions, self.state.params),
@@ -273,13 +285,22 @@ class SyncerServer:
         model's own names, buffers and tied names: ``load_state_dict(strict=True)`` accepts
         it), or without a model as ``{parameter name: tensor}``. See
         ``diloco.syncer.export``; from a state directory: ``read_state_dirs``."""
+        return self.global_model(model)[0]
+
+    def global_model(
+        self, model: torch.nn.Module | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """``(state_dict(model), versions)``: the global model and the version of every
+        fragment it holds, taken together under the lock (a commit lands before both or
+        after both)."""
         from diloco.syncer.export import into_model, parameters_by_name
 
         with self.service.lock:
             params = [t.clone() for t in self.state.params]
+            versions = list(self.state.versions)
         if model is None:
-            return parameters_by_name(self.layout, params)
-        return into_model(model, self.layout, params)
+            return parameters_by_name(self.layout, params), versions
+        return into_model(model, self.layout, params), versions
 
     @property
     def failure(self) -> BaseException | None:
@@ -287,6 +308,13 @@ class SyncerServer:
         set, every call is refused ``UNAVAILABLE``: stop it and start it again from its state
         directory (``diloco syncer`` exits non-zero so its supervisor does that)."""
         return self.service.failure
+
+    def check_claim(self) -> None:
+        """Raise ``diloco.syncer.fencing.Superseded`` when another syncer has claimed this
+        one's state directory since it started (nothing without a state directory): a
+        program writing into the directory beside the store (a snapshot) checks first."""
+        if self.claim is not None:
+            self.claim.check()
 
     def status(self):
         """What the ``Status`` RPC answers (``diloco_pb2.StatusReply``), read in-process: the
@@ -311,7 +339,9 @@ class SyncerServer:
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (bounded by ``grace`` seconds), end the pool's threads (waiting at most
-        5 s more for handlers still returning) and close the tape."""
+        5 s more for handlers still returning), close the tape and release the state
+        directory's lock (``check_claim`` still works: the epoch stays this syncer's until
+        a successor claims the directory)."""
         self.service.stop()
         self._server.stop(grace).wait(grace + 5)
         ender = threading.Thread(
@@ -324,6 +354,8 @@ class SyncerServer:
                 {"event": "stop", "t": clock.wall(), "versions": list(self.state.versions)}
             )
             self.tape.close()
+        if self.claim is not None:
+            self.claim.release()
 
     def __enter__(self) -> SyncerServer:
         return self.start()

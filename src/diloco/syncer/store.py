@@ -3,6 +3,7 @@
 Layout of a state directory::
 
     meta.json                  layout (names, shapes, pieces), its hash, the config used
+    lock, epoch                the running syncer's claim (``diloco.syncer.fencing``)
     fragments/p007.safetensors Θ_7, momentum_7, wire_7 (what learners hold); metadata:
                                version, the fragment's last commit logs (which uploads
                                each commit merged or left out, ``diloco.syncer.receipts``),
@@ -13,7 +14,9 @@ fsync of the directory. A crash leaves either the old file or the new one, and w
 merged is in the same file as its value, so the two cannot disagree. Files are safetensors (no
 pickle); each carries a SHA-256 of its tensor bytes, fragment id, version and commit logs, so
 a corrupt file is detected at start and reported (naming the file), never silently loaded.
-Temporary files a crash left behind are removed when the directory is opened again.
+Temporary files a crash left behind are removed when the directory is opened again. Only one
+syncer writes a directory: it claims it first, and its store checks the claim around every
+rename (``fence``), so a syncer another one has superseded never writes.
 
 The **event tape** is an append-only JSONL file: one record per decision (join, leave,
 round, refusal, injected fault, ...). Lines are written with a single ``write`` on an
@@ -28,7 +31,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,11 +122,40 @@ TMP_SUFFIX = ".tmp"
 """Files written under this suffix and renamed into place once synced to disk."""
 
 
-class FragmentStore:
-    """Reads and writes one syncer's state directory."""
+def replace_atomically(
+    path: Path, data: bytes, *, tmp: Path | None = None, fence: Callable[[], None] | None = None
+) -> None:
+    """Make ``data`` the content of ``path``, whole or not at all: written to ``tmp`` (by
+    default ``path`` + ``TMP_SUFFIX``) beside it, fsynced, renamed over ``path``, then the
+    directory fsynced. ``fence`` (``diloco.syncer.fencing.Claim.check``) is called just
+    before the rename, which it refuses by raising, and again just after it, to say that a
+    rename landed when it no longer should have. Raises ``OSError`` (disk full, I/O error)
+    with ``path`` as it was and no temporary file left."""
+    tmp = tmp or path.with_name(path.name + TMP_SUFFIX)
+    try:
+        _write_synced(tmp, data)
+        if fence is not None:
+            fence()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fence is not None:
+        fence()
+    _fsync_dir(path.parent)
 
-    def __init__(self, root: str | os.PathLike) -> None:
+
+class FragmentStore:
+    """Reads and writes one syncer's state directory.
+
+    ``fence``: called before and after every rename into the directory (raising refuses
+    the write; a syncer passes its ``diloco.syncer.fencing.Claim.check``, so a syncer another
+    one has superseded never writes). Without one (export, audits, tools) nothing is
+    checked: only a syncer's store writes, and it has claimed the directory first."""
+
+    def __init__(self, root: str | os.PathLike, *, fence: Callable[[], None] | None = None) -> None:
         self.root = Path(root)
+        self.fence = fence
         self.fragment_dir = self.root / "fragments"
         self._commits: dict[int, list[CommitLog]] = {}
 
@@ -162,21 +194,18 @@ class FragmentStore:
                     f"shard {shard[0]}/{shard[1]}; give each shard its own --state-dir"
                 )
             return
-        tmp = meta_path.with_suffix(TMP_SUFFIX)
-        tmp.write_text(
-            json.dumps(
-                {
-                    "layout_hash": layout.hash,
-                    "layout": layout.to_dict(),
-                    "config": config,
-                    "shard": list(shard),
-                },
-                indent=1,
-            )
+        meta = {
+            "layout_hash": layout.hash,
+            "layout": layout.to_dict(),
+            "config": config,
+            "shard": list(shard),
+        }
+        replace_atomically(  # on disk before the rename makes it the directory's meta.json
+            meta_path,
+            json.dumps(meta, indent=1).encode(),
+            tmp=meta_path.with_suffix(TMP_SUFFIX),
+            fence=self.fence,
         )
-        _fsync(tmp)  # on disk before the rename makes it the directory's meta.json
-        os.replace(tmp, meta_path)
-        _fsync_dir(self.root)
 
     def save(
         self,
@@ -193,7 +222,8 @@ class FragmentStore:
         ``wire``: the value learners holding ``version`` hold (``diloco.syncer.service``);
         ``commits``: the fragment's last commit logs (``receipts.CommitLog.to_json``), this
         version's last. Raises ``OSError`` (disk full, I/O error) with the old file intact
-        and no temporary file left."""
+        and no temporary file left; whatever ``fence`` raises (``Superseded``) before the
+        rename, with the old file intact, or after it."""
         tensors = {"params": params.detach().contiguous()}
         if "momentum" in momentum:
             tensors["momentum"] = momentum["momentum"].detach().contiguous()
@@ -209,13 +239,7 @@ class FragmentStore:
             meta["commits"] = logs
         final = self.path(fragment)
         tmp = final.with_name(final.name + f".{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
-        try:
-            _write_synced(tmp, save(tensors, metadata=meta))
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.fragment_dir)
+        replace_atomically(final, save(tensors, metadata=meta), tmp=tmp, fence=self.fence)
 
     def load(
         self, fragment: int, numel: int
