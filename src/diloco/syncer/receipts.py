@@ -33,11 +33,23 @@ from dataclasses import dataclass, field
 
 PERSISTED_COMMITS = 64
 """Commits of each fragment whose upload ids are kept in the fragment's state file."""
-REMEMBERED_UPLOADS = 4 * PERSISTED_COMMITS
+UPLOADS_PER_ROUND = 4
+"""Uploads one learner may add to one round of a fragment (its contribution sums them); one
+more is refused ``FAILED_PRECONDITION`` (``records.check_room_in_round``) and its learner sends
+that progress again with its next upload, after the round's commit. Every admitted upload is
+named in the round's tape record and in the commit log persisted with each of the fragment's
+next ``PERSISTED_COMMITS`` commits, so without a cap zero-norm uploads, which pass every size
+check, made each commit rewrite thousands of parts. Why 4: an honest learner adds at most
+three to a round, one per request of the syncer's clock (the answer to this round, and a
+late answer to the previous one that rides along) plus its final upload when it stops (its
+link queues at most one new job per fragment, and a resend of an accepted upload is answered
+without being added); the fourth is spare. Synchronous DiLoCo's lockstep (``wait_for_all``
+with ``--wait-for-merge``) sends a fragment once per round."""
+REMEMBERED_UPLOADS = (PERSISTED_COMMITS + 1) * UPLOADS_PER_ROUND
 """Accepted upload ids remembered per learner and fragment: every upload of the persisted
-commit logs (a learner has one contribution per round, rarely more than a few uploads summed
-in it), so a restarted syncer forgets none of them (a resend comes within the ~80 s a
-learner keeps resending, ``diloco.learner.uploads.MAX_RESENDS``: far fewer uploads)."""
+commit logs and of the open round (at most ``UPLOADS_PER_ROUND`` per round), so a syncer,
+restarted or not, forgets none of them (a resend comes within the ~80 s a learner keeps
+resending, ``diloco.learner.uploads.MAX_RESENDS``: far fewer uploads)."""
 REPORTED_DROPS = 64
 """Most recent excluded upload ids of a learner repeated in each heartbeat reply."""
 

@@ -57,6 +57,7 @@ from diloco.syncer.records import (
     Refused,
     RoundRequest,
     check_counters,
+    check_room_in_round,
     learn_tokens_per_step,
     span,
     state_digest,
@@ -293,10 +294,11 @@ class SyncerState(LearnerRoster, RoundClosing):
         self, info, fragment, base_version, *, now, norm=None, **counters
     ) -> float:
         """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,
-        a fragment another shard owns, bad counters, a base version that is not committed, a
-        norm the guard refuses (judged over the steps the syncer's clock makes plausible,
-        ``plausible_steps``, and with what the learner's contribution already holds in the
-        open round). Returns the delta's norm."""
+        a fragment another shard owns, bad counters, a base version that is not committed, an
+        upload more than the learner's contribution to the open round may sum
+        (``records.check_room_in_round``), a norm the guard refuses (judged over the steps the
+        syncer's clock makes plausible, ``plausible_steps``, and with what the learner's
+        contribution already holds in the open round). Returns the delta's norm."""
         if info.observer:
             raise Refused("PERMISSION_DENIED", "observers cannot contribute")
         self.check_owned(fragment)
@@ -308,6 +310,9 @@ class SyncerState(LearnerRoster, RoundClosing):
                 "INVALID_ARGUMENT",
                 f"base version {base_version} is outside [0, {current}]: negative, or ahead of the syncer's",
             )
+        round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
+        earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
+        check_room_in_round(earlier, fragment=fragment)
         norm = float(counters["delta"].norm()) if norm is None else norm
         since = info.accepted_at.get(fragment, info.first_joined_at or now)
         steps = plausible_steps(
@@ -316,8 +321,6 @@ class SyncerState(LearnerRoster, RoundClosing):
             self.fleet_step_s(),
             slack=self.sync_every(),
         )
-        round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
-        earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
         verdict = check_norm(
             norm,
             steps,
