@@ -328,11 +328,13 @@ class SyncerState(LearnerRoster, RoundClosing):
                 fragment, self.config.norm_guard_min_history, judged=info.learner_id
             ),
             self._param_norm(fragment),
+            numel=numel,
             size_reference=self.norms.size_reference(fragment, self.config.norm_guard_min_history),
             held=earlier.norm if earlier is not None else 0.0,
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
             max_ratio=self.config.norm_guard_max_ratio,
+            zero_rms=self.config.norm_guard_zero_rms,
             sync_every=self._guard_period(),
         )
         if not verdict.accept:
