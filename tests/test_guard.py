@@ -6,7 +6,13 @@ import pytest
 import torch
 from kit import join_state, syncer_state, tiny_model
 
-from diloco.algorithm.guard import DEFAULT_K, DEFAULT_PARAM_RATIO, NormHistory, check_norm
+from diloco.algorithm.guard import (
+    DEFAULT_K,
+    DEFAULT_PARAM_RATIO,
+    DEFAULT_ZERO_RMS,
+    NormHistory,
+    check_norm,
+)
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.state import Refused
 from diloco.wire.protocol import ProtocolConfig
@@ -16,8 +22,9 @@ def test_without_history_only_the_fragments_own_norm_bounds_a_delta():
     assert check_norm(9.9, 1, None, 1.0, k=20, param_ratio=10).accept
     v = check_norm(10.1, 24, None, 1.0, k=20, param_ratio=10)
     assert not v.accept and "own norm" in v.reason
-    # An all-zero fragment without history: nothing to compare with.
-    assert check_norm(1e6, 1, None, 0.0).accept
+    # An all-zero fragment without history: an RMS per value bounds it (1 by default).
+    assert not check_norm(1e6, 1, None, 0.0, numel=100).accept
+    assert check_norm(9.9, 1, None, 0.0, numel=100).accept
 
 
 def test_per_step_norm_is_compared_with_the_reference():
@@ -260,3 +267,61 @@ def test_short_first_deltas_of_a_long_period_do_not_lock_the_fragment_out():
     assert state.versions[0] == 1  # merged: the next deltas start a new round
     for i, lid in enumerate(("good", "bad", "third")):  # a whole period: 50 x the first
         assert upload(lid, 0.05, 96, 30.0 + 0.1 * i).accept
+
+
+def test_a_fragment_whose_norm_is_zero_bounds_a_delta_by_its_number_of_values():
+    """Found by review (issue 46): while ``‖Θ_p‖ = 0`` (a LoRA-style fragment at its
+    initialization) and before the fragment had 3 accepted norms, nothing bounded a delta: one
+    of norm 1e30 was accepted. The bound is an RMS per value, ``zero_rms · sqrt(numel)``."""
+    numel = 4096
+    bound = DEFAULT_ZERO_RMS * numel**0.5
+    v = check_norm(1e30, 24, None, 0.0, numel=numel, sync_every=24)
+    assert not v.accept and "norm is 0" in v.reason
+    assert not check_norm(1.01 * bound, 1 << 24, None, 0.0, numel=numel).accept
+    # with what the learner's contribution already holds in the round
+    assert not check_norm(0.5 * bound, 24, None, 0.0, numel=numel, held=0.6 * bound).accept
+    # an honest first delta (RMS 0.28 per value, the largest measured) is accepted
+    assert check_norm(0.28 * numel**0.5, 500, None, 0.0, numel=numel, sync_every=24).accept
+    assert check_norm(0.99 * bound, 1, None, 0.0, numel=numel).accept
+    # ... and once ‖Θ_p‖ > 0, however small, the fragment's own norm bounds it instead
+    assert not check_norm(0.28 * numel**0.5, 24, None, 1e-3, numel=numel).accept
+    # k = 0 still disables the guard
+    assert check_norm(1e30, 1, None, 0.0, numel=numel, k=0).accept
+
+
+def test_the_syncer_refuses_a_huge_first_delta_of_a_zero_fragment_and_takes_an_honest_one():
+    """A real ``SyncerState`` whose fragment starts at zero (a zero-initialised ``Linear``,
+    as a LoRA adapter's B matrix): a first delta of norm 1e18 is refused with nothing
+    changed; the first delta of an honest learner that trained it is accepted."""
+    model = tiny_model(0, (16, 16, 4), tanh=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state, layout, _ = syncer_state(model, SyncerConfig(schedule="learner"), num_fragments=1)
+    assert state.params[0].norm() == 0
+    for lid in ("good", "bad"):
+        join_state(state, lid, 0.0)
+    n = layout.fragments[0].numel
+    before = state.digest()
+    with pytest.raises(Refused) as info:
+        submit(state, "bad", torch.full((n,), 1e18 / n**0.5), now=1.0)
+    assert info.value.code == "OUT_OF_RANGE" and "norm is 0" in info.value.message
+    assert state.digest() == before
+    # honest: the zero-initialised model trained 300 AdamW steps at lr 1e-3
+    trained = tiny_model(0, (16, 16, 4), tanh=False)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.zero_()
+    opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(16, 4, generator=gen)
+    for _ in range(300):
+        x = torch.randn(32, 16, generator=gen)
+        loss = ((trained(x) - x @ target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    named = dict(trained.named_parameters())
+    delta = layout.gather(0, named).detach().reshape(-1)  # Θ_p = 0: the delta is θ_p
+    assert 0 < float(delta.norm()) < DEFAULT_ZERO_RMS * n**0.5
+    assert submit(state, "good", delta, now=2.0, steps=300).accept

@@ -25,7 +25,11 @@ before they enter a round (a pure function, :func:`check_norm`):
    since the history is not persisted), and it caps what a learner that inflates its step
    counter could push through check 1. On the syncer's clock the bound follows the steps a
    delta covers (``check_norm``), but never beyond ``max_ratio · ‖Θ_p‖``, whatever the steps
-   claimed. Skipped while ``‖Θ_p‖ = 0``.
+   claimed. While ``‖Θ_p‖ = 0`` (a fragment of zero-initialised tensors: a LoRA adapter's
+   B matrix, biases) there is nothing to scale by, and checks 1 and 3 wait for history, so
+   an absolute bound takes its place: ``‖Δ‖ ≤ zero_rms · sqrt(numel)``, an RMS per value
+   (``DEFAULT_ZERO_RMS``). It applies exactly while ``‖Θ_p‖ = 0``: at any non-zero norm,
+   however small, the relative bound applies.
 3. **Against the size of its fragment's recent contributions, whatever steps it claims**
    (since 2026-11-26): refused if ``‖Δ‖`` (plus what the learner's contribution already
    holds in the open round, so splitting a delta into many uploads gains nothing) is above
@@ -44,8 +48,8 @@ before they enter a round (a pure function, :func:`check_norm`):
    the syncer's clock only deltas of half a period or more enter its reference
    (:func:`covers_a_period`: short first deltas locked fragments out at H = 96).
 
-Defaults: ``k = 20``, ``param_ratio = 10``, ``max_ratio = 32``, ``window = 32``,
-``min_history = 3``. Measured on the tiny recipe, honest per-step norms of one fragment vary
+Defaults: ``k = 20``, ``param_ratio = 10``, ``max_ratio = 32``, ``zero_rms = 1``,
+``window = 32``, ``min_history = 3``. Measured on the tiny recipe, honest per-step norms of one fragment vary
 by up to ~9× early on (the lr warm-up ramps while the first sends cover 1 to 24 steps);
 honest sizes and ``‖Δ‖ / ‖Θ_p‖`` as above and in ``DEFAULT_MAX_RATIO``; corruption by ×1000
 is far outside all three. ``k = 0`` disables the guard (non-finite norms are still refused).
@@ -88,6 +92,22 @@ fragment is still at its initialization (small weights) and a delta covers 57-22
 the largest measured (at the steepest growth, a first delta of ~380 steps; the longest
 honest delta seen covered 297). Once the fragment has history, check 3 is the tighter
 bound."""
+DEFAULT_ZERO_RMS = 1.0
+"""While ``‖Θ_p‖ = 0``, refuse ``‖Δ‖ > zero_rms · sqrt(numel)``: a root mean square over
+the fragment's values above 1, whatever steps the contribution claims.
+
+Measured 2026-11-28 (one CPU thread, AdamW, the RMS of what zero-initialised tensors moved,
+which for a fragment at 0 is its learner's delta): the ``tiny`` recipe with its biases and
+LayerNorm biases at 0 and its attention output projections set to 0 (LoRA-style), the
+recipe's warm-up and ``weight_decay``: after 500 steps at lr 3e-3 all of them together 0.048,
+the largest single tensor 0.28 (largest single value 0.37); at lr 1e-2, 0.13 and 0.19; a
+rank-8 LoRA B matrix (64 x 8) on a regression, 500 steps at lr 1e-3 / 3e-3: 0.051 / 0.056.
+AdamW moves a value by about lr per step, so a delta of RMS 1 needs every value of the
+fragment to move the same way for 1/lr steps at the peak rate (333 at lr 3e-3; a
+fragment's first delta covers up to ~380 steps, ``DEFAULT_MAX_RATIO``), which none
+approached. 1 is 3.5 x the largest measured. It is also far above an initialised weight's
+RMS (``1/sqrt(fan_in)``, 0.02-0.2), so one such delta cannot move a fragment at 0 further
+than a few initialisations' worth; once it is non-zero the relative bounds apply."""
 DEFAULT_WINDOW = 32
 """Accepted per-step norms remembered per fragment."""
 DEFAULT_MIN_HISTORY = 3
@@ -108,11 +128,13 @@ def check_norm(
     reference: float | None,
     param_norm: float,
     *,
+    numel: int | None = None,
     size_reference: float | None = None,
     held: float = 0.0,
     k: float = DEFAULT_K,
     param_ratio: float = DEFAULT_PARAM_RATIO,
     max_ratio: float = DEFAULT_MAX_RATIO,
+    zero_rms: float = DEFAULT_ZERO_RMS,
     sync_every: int = 0,
 ) -> NormVerdict:
     """Decide whether a contribution of L2 norm ``norm`` covering ``steps`` inner steps may
@@ -122,7 +144,10 @@ def check_norm(
     ``None`` while it has too little history), ``size_reference`` its reference norm
     (``NormHistory.size_reference``; ``None`` alike), ``held`` the norm the learner's
     contribution already holds in the open round (its earlier increments: the sizes are
-    judged on ``held + norm``), ``param_norm`` is ``‖Θ_p‖`` of the current global fragment.
+    judged on ``held + norm``), ``param_norm`` is ``‖Θ_p‖`` of the current global fragment
+    and ``numel`` its number of values: while ``param_norm`` is 0 check 2 cannot scale by it,
+    and the size is bounded by ``zero_rms · sqrt(numel)`` instead (``numel`` is then
+    required: ``ValueError`` without it).
     With ``sync_every`` (H) the bound of check 2 follows the steps a delta covers:
     ``min(param_ratio · max(steps / H, 1/4), max_ratio) · ‖Θ_p‖``. On the syncer's clock a
     delta covers however many steps the learner did since it last sent the fragment: a
@@ -148,6 +173,16 @@ def check_norm(
             f"delta norm {size:.4g} over {steps} steps exceeds {ratio:.3g} x the fragment's "
             f"own norm {param_norm:.4g}" + _held(held),
         )
+    if not param_norm > 0:
+        if numel is None:
+            raise ValueError("check_norm needs the fragment's numel while its norm is 0")
+        bound = zero_rms * math.sqrt(numel)
+        if size > bound:
+            return NormVerdict(
+                False,
+                f"delta norm {size:.4g} exceeds {bound:.4g} ({zero_rms:g} x the square root "
+                f"of its {numel} values) while the fragment's own norm is 0" + _held(held),
+            )
     per_step = norm / max(steps, 1)
     if reference is not None and reference > 0 and per_step > k * reference:
         return NormVerdict(

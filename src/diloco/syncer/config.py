@@ -11,6 +11,7 @@ from diloco.algorithm.guard import (
     DEFAULT_MIN_HISTORY,
     DEFAULT_PARAM_RATIO,
     DEFAULT_WINDOW,
+    DEFAULT_ZERO_RMS,
 )
 from diloco.algorithm.rounds import SCHEDULES
 from diloco.runtime.schema import on_off, option
@@ -114,6 +115,11 @@ class SyncerConfig:
     norm_guard_max_ratio: float = DEFAULT_MAX_RATIO
     """... but never more than this × ‖Θ_p‖, whatever steps it claims (the measurements
     behind it: ``diloco.algorithm.guard.DEFAULT_MAX_RATIO``)."""
+    norm_guard_zero_rms: float = DEFAULT_ZERO_RMS
+    """While ‖Θ_p‖ = 0 (nothing for the two bounds above to scale by), refuse a contribution
+    whose norm exceeds this × the square root of the fragment's number of values: a root
+    mean square per value (the measurements behind it:
+    ``diloco.algorithm.guard.DEFAULT_ZERO_RMS``)."""
     norm_guard_window: int = DEFAULT_WINDOW
     """Accepted per-step norms per fragment the running median is taken over."""
     norm_guard_min_history: int = DEFAULT_MIN_HISTORY
@@ -202,6 +208,8 @@ class SyncerConfig:
                 f"norm_guard_max_ratio ({self.norm_guard_max_ratio}) must be >= "
                 f"norm_guard_param_ratio ({self.norm_guard_param_ratio}): raise it too"
             )
+        if not self.norm_guard_zero_rms > 0:
+            raise ValueError(f"norm_guard_zero_rms must be > 0 (got {self.norm_guard_zero_rms})")
         if not self.norm_guard_k >= 0:
             raise ValueError(f"norm_guard_k must be >= 0 (0 disables it; got {self.norm_guard_k})")
         if self.norm_guard_window < 1 or self.norm_guard_min_history < 0:

@@ -36,7 +36,7 @@ Pure bookkeeping: no I/O, not thread-safe (the syncer's lock is held).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 PERSISTED_COMMITS = 64
@@ -48,6 +48,18 @@ the fates of the uploads they hold stay known across restarts and partitions. 16
 are ~3 hours of a fleet at P = 24, H = 16 and 1 s steps (~680 commits per fragment), ~30
 hours at 10 s steps; each upload they hold costs ~150 bytes of memory and ~40 bytes of
 disk (16,384 logs of 8 learners: ~20 MB of memory, ~6 MB on disk)."""
+UPLOADS_PER_ROUND = 4
+"""Uploads one learner may add to one round of a fragment (its contribution sums them); one
+more is refused ``FAILED_PRECONDITION`` (``records.check_room_in_round``) and its learner sends
+that progress again with its next upload, after the round's commit. Every admitted upload is
+named in the round's tape record, in the commit log persisted with each of the fragment's
+next ``PERSISTED_COMMITS`` commits and in the receipt log, so without a cap zero-norm uploads, which pass every size
+check, made each commit rewrite thousands of parts. Why 4: an honest learner adds at most
+three to a round, one per request of the syncer's clock (the answer to this round, and a
+late answer to the previous one that rides along) plus its final upload when it stops (its
+link queues at most one new job per fragment, and a resend of an accepted upload is answered
+without being added); the fourth is spare. Synchronous DiLoCo's lockstep (``wait_for_all``
+with ``--wait-for-merge``) sends a fragment once per round."""
 REPORTED_DROPS = 64
 """Most recent excluded upload ids of a learner repeated in each heartbeat reply."""
 
@@ -139,6 +151,12 @@ class Receipts:
         """Whether the fate of an upload of ``fragment`` made against ``base_version`` can be
         told: its admission (at ``base_version`` or later) is not older than the kept logs."""
         return base_version >= self.complete_from.get(fragment, 0)
+
+    def logged_from(self, num_fragments: int, owned: Collection[int]) -> list[int]:
+        """Per fragment, the version from which the log of every commit is kept (-1: a
+        fragment not in ``owned``): a rejoining learner's accepted delta admitted since then
+        is held iff its id is listed; an older one's fate is unknown."""
+        return [self.complete_from.get(p, 0) if p in owned else -1 for p in range(num_fragments)]
 
     def admit(
         self, learner: str, upload_id: int, fragment: int, version: int, committed: bool = False

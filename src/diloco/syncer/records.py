@@ -12,7 +12,7 @@ import torch
 
 from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import merge_contributions, token_weight
-from diloco.syncer.receipts import CommitLog, UploadPart
+from diloco.syncer.receipts import UPLOADS_PER_ROUND, CommitLog, UploadPart
 
 SUSPECT_WINDOW = 8
 """Checked contributions the direction check's verdicts are remembered for, per learner."""
@@ -313,6 +313,20 @@ def check_counters(
         )
     if not all_finite(delta):
         raise Refused("INVALID_ARGUMENT", "delta has non-finite values")
+
+
+def check_room_in_round(earlier: Contribution | None, *, fragment: int) -> None:
+    """Raise ``Refused("FAILED_PRECONDITION")`` when ``earlier``, a learner's contribution
+    to ``fragment``'s open round (None: it has none), already sums ``UPLOADS_PER_ROUND``
+    uploads. The learner takes the refusal as "not accepted": the progress stays its own and
+    goes out with its next upload of the fragment, into the next round."""
+    if earlier is not None and earlier.increments >= UPLOADS_PER_ROUND:
+        raise Refused(
+            "FAILED_PRECONDITION",
+            f"fragment {fragment}: this learner's contribution to the open round already "
+            f"holds {earlier.increments} uploads, the most one round takes "
+            f"({UPLOADS_PER_ROUND}); send it again after the round's commit",
+        )
 
 
 def check_id(learner_id: str) -> None:

@@ -58,6 +58,7 @@ from diloco.syncer.records import (
     Refused,
     RoundRequest,
     check_counters,
+    check_room_in_round,
     learn_tokens_per_step,
     span,
     state_digest,
@@ -165,13 +166,8 @@ class SyncerState(LearnerRoster, RoundClosing):
         self.receipts.restore(logs, complete_from)
 
     def logged_from(self) -> list[int]:
-        """Per fragment, the version from which the log of every commit is kept (-1: a
-        fragment this syncer does not own): a rejoining learner's accepted delta admitted
-        since then is held iff its id is listed; an older one's fate is unknown."""
-        return [
-            self.receipts.complete_from.get(p, 0) if p in self._owned else -1
-            for p in range(self.layout.num_fragments)
-        ]
+        """``Receipts.logged_from`` of the fragments this syncer owns."""
+        return self.receipts.logged_from(self.layout.num_fragments, self._owned)
 
     def admission_version(self, fragment: int) -> int:
         """The version an upload of ``fragment`` accepted now is admitted at: the commit making
@@ -319,10 +315,11 @@ class SyncerState(LearnerRoster, RoundClosing):
         self, info, fragment, base_version, *, now, norm=None, **counters
     ) -> float:
         """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,
-        a fragment another shard owns, bad counters, a base version that is not committed, a
-        norm the guard refuses (judged over the steps the syncer's clock makes plausible,
-        ``plausible_steps``, and with what the learner's contribution already holds in the
-        open round). Returns the delta's norm."""
+        a fragment another shard owns, bad counters, a base version that is not committed, an
+        upload more than the learner's contribution to the open round may sum
+        (``records.check_room_in_round``), a norm the guard refuses (judged over the steps the
+        syncer's clock makes plausible, ``plausible_steps``, and with what the learner's
+        contribution already holds in the open round). Returns the delta's norm."""
         if info.observer:
             raise Refused("PERMISSION_DENIED", "observers cannot contribute")
         self.check_owned(fragment)
@@ -334,6 +331,9 @@ class SyncerState(LearnerRoster, RoundClosing):
                 "INVALID_ARGUMENT",
                 f"base version {base_version} is outside [0, {current}]: negative, or ahead of the syncer's",
             )
+        round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
+        earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
+        check_room_in_round(earlier, fragment=fragment)
         norm = float(counters["delta"].norm()) if norm is None else norm
         since = info.accepted_at.get(fragment, info.first_joined_at or now)
         steps = plausible_steps(
@@ -342,8 +342,6 @@ class SyncerState(LearnerRoster, RoundClosing):
             self.fleet_step_s(),
             slack=self.sync_every(),
         )
-        round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
-        earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
         verdict = check_norm(
             norm,
             steps,
@@ -351,11 +349,13 @@ class SyncerState(LearnerRoster, RoundClosing):
                 fragment, self.config.norm_guard_min_history, judged=info.learner_id
             ),
             self._param_norm(fragment),
+            numel=numel,
             size_reference=self.norms.size_reference(fragment, self.config.norm_guard_min_history),
             held=earlier.norm if earlier is not None else 0.0,
             k=self.config.norm_guard_k,
             param_ratio=self.config.norm_guard_param_ratio,
             max_ratio=self.config.norm_guard_max_ratio,
+            zero_rms=self.config.norm_guard_zero_rms,
             sync_every=self._guard_period(),
         )
         if not verdict.accept:
