@@ -43,11 +43,14 @@ class ServiceConfig:
     from the working directory) returns it, built as every learner builds it
     (``diloco.runtime.model_ref``; docs/own-model.md)."""
     stop_when_learners_leave: bool = option(False)
-    """Exit (0) once every learner that joined has left and none came back within the
-    lease (``--lease``)."""
+    """Exit (0) once every learner that joined has left (or its stream closed) with nothing
+    of it still to merge, and none came back within the lease (``--lease``); a learner whose
+    lease expired while its stream stays open, or one still flushing, keeps the run going."""
     max_tokens: int = option(0, metavar="N")
-    """Exit (0) once the learners together report N trained tokens (0: no budget). Give
-    learners their own budget too: this one stops the syncer, not them."""
+    """Exit (0) once the syncer has merged N tokens into the global model (0: no budget;
+    the tokens its commits merged, per fragment, averaged over its fragments; what learners
+    claim in heartbeats never counts). Give learners their own budget too: this one stops
+    the syncer, not them."""
     snapshot_every_s: float = option(0.0, flag="--snapshot-every", metavar="SECONDS")
     """Write the global model as the model's own ``state_dict`` (safetensors) every SECONDS
     and at exit (0: only with ``--snapshot``, and then only at exit)."""

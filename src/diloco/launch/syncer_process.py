@@ -133,7 +133,7 @@ def serve(config: ServiceConfig) -> int:
         status = server.status()
         if outputs.watch is not None:  # only with --dashboard
             outputs.update(status_rows(status))
-        if (over := rule.check(status.learners, time.monotonic())) is not None:
+        if (over := rule.check(status, time.monotonic())) is not None:
             print(f"diloco syncer: the run is over: {over}", flush=True)
             break
     server.stop(grace=1.0 if server.failure is None else 0.0)  # (failed: every call refused)

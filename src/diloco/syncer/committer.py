@@ -225,6 +225,7 @@ class Committer:
                     commit.momentum,
                     wire=wire,
                     commits=commit.history,
+                    merged_tokens=commit.merged_tokens,
                 )
             )
         record = dict(commit.record)

@@ -146,7 +146,9 @@ class SyncerServer:
         )
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
-            self.state.restore_history(p, self.store.load_commits(p))
+            self.state.restore_history(
+                p, self.store.load_commits(p), self.store.load_merged_tokens(p)
+            )
         self.service = SyncerService(
             self.state, store=self.store, tape=self.tape, wire=wire, **service_options
         )

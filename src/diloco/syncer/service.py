@@ -435,21 +435,27 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         with self.lock:
             s = self.state
             live = s.live(time.time())
-            learners = [
-                pb.LearnerStatus(
-                    learner_id=i.learner_id,
-                    live=i.learner_id in live,
-                    step=i.step,
-                    tokens=i.tokens,
-                    steps_per_s=i.steps_per_s,
-                    state=i.state,
-                    contributions=i.contributions,
-                    bytes_up=i.bytes_up,
-                    bytes_down=i.bytes_down,
+            streaming = {(u.learner_id, u.session) for u in self._subscribers if not u.closed}
+            learners = []
+            for i in s.learners.values():
+                if i.observer:
+                    continue
+                connected = i.connected and (i.learner_id, i.session) in streaming
+                learners.append(
+                    pb.LearnerStatus(
+                        learner_id=i.learner_id,
+                        live=i.learner_id in live,
+                        step=i.step,
+                        tokens=i.tokens,
+                        steps_per_s=i.steps_per_s,
+                        state=i.state,
+                        contributions=i.contributions,
+                        bytes_up=i.bytes_up,
+                        bytes_down=i.bytes_down,
+                        connected=connected,
+                        finals_due=len(i.finals_due) if connected else 0,
+                    )
                 )
-                for i in s.learners.values()
-                if not i.observer
-            ]
             return pb.StatusReply(
                 syncer_id=s.syncer_id,
                 versions=s.versions,
@@ -464,6 +470,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 num_shards=s.shard[1],
                 failure=repr(self.failure) if self.failure is not None else "",
                 waiting=self.waiting(),
+                merged_tokens=s.tokens_merged(),
             )
 
     def committed_hash(self) -> str:

@@ -142,16 +142,25 @@ class SyncerState(LearnerRoster, RoundClosing):
             p: deque(maxlen=PERSISTED_COMMITS) for p in self.served
         }
         """Each fragment's last commit logs: persisted with every commit of it."""
+        self.merged_tokens = dict.fromkeys(self.served, 0)
+        """Per owned fragment, the tokens its commits merged since the run began: persisted
+        with every commit of it, restored at restart (``restore_history``)."""
         self._closing: set[int] = set()
         """Fragments whose round ``close_rounds`` took and ``apply`` has not committed yet."""
         self._period_now = self.sync_every()
         """The H the norm guard's sizes were recorded at (``note_period``)."""
 
-    def restore_history(self, fragment: int, logs: Sequence[CommitLog]) -> None:
+    def restore_history(
+        self, fragment: int, logs: Sequence[CommitLog], merged_tokens: int | None = None
+    ) -> None:
         """Take in a restored fragment's persisted commit logs (oldest first): a resend of an
         upload they merged is answered, not merged again, and excluded uploads are still
-        reported to their learners."""
+        reported to their learners. ``merged_tokens``: the total persisted with the fragment
+        (None, a file written before it was kept: what the logs merged, a lower bound)."""
         self.history[fragment].extend(logs)
+        if merged_tokens is None:
+            merged_tokens = sum(log.tokens for log in logs)
+        self.merged_tokens[fragment] = merged_tokens
         self.receipts.restore(logs)
 
     def logged_from(self) -> list[int]:
