@@ -13,8 +13,10 @@ import torch
 from kit import join_request, local_syncer, tiny_model, wait_until
 
 from diloco.algorithm import codecs
+from diloco.config.service import ServiceConfig
 from diloco.launch.syncer_stopping import StopRule
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.limits import DEFAULT_MAX_LEARNERS
 from diloco.syncer.store import FragmentStore, StateError
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -282,3 +284,20 @@ def test_a_tampered_merged_token_count_fails_the_fragment_files_checksum(tmp_pat
     path.write_bytes(data.replace(b'"merged_tokens":"500"', b'"merged_tokens":"900"'))
     with pytest.raises(StateError, match="checksum mismatch"):
         store.load(0, 4)
+
+
+def test_diloco_syncer_takes_max_learners_and_max_learner_ids_as_flags():
+    from diloco.cli import build_parser
+    from diloco.cli.common import config_from_args
+
+    def parsed(*flags: str) -> ServiceConfig:
+        return config_from_args(ServiceConfig, build_parser().parse_args(["syncer", *flags]))
+
+    config = parsed("--max-learners", "200", "--max-learner-ids", "4000")
+    assert (config.max_learners, config.syncer.max_learner_ids) == (200, 4000)
+    assert parsed().max_learners == DEFAULT_MAX_LEARNERS
+    for flags in (["--max-learners", "0"], ["--max-learners", "2000"]):
+        with pytest.raises(ValueError, match=r"--max-learners must be in \[1, --max-learner-ids"):
+            parsed(*flags)
+    with pytest.raises(ValueError, match="max_learner_ids must be >= 1"):
+        parsed("--max-learner-ids", "0")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from diloco.config.common import RecipeConfig, ServerSecurityConfig
 from diloco.runtime.schema import option
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.limits import DEFAULT_MAX_LEARNERS
 
 
 @dataclass(kw_only=True)
@@ -38,6 +39,10 @@ class ServiceConfig:
     shard: str = option("0/1", metavar="I/S")
     """Serve only shard I of S: the fragments p with p mod S == I (0/1: all); start S syncers
     with 0/S .. S-1/S and give learners every address (docs/deploy.md)."""
+    max_learners: int = option(DEFAULT_MAX_LEARNERS, metavar="N")
+    """Learners (training at once) the syncer is sized for: its caps on open uploads and
+    subscriptions (N each, + 8 subscriptions for observers) and its thread pool
+    (``diloco.syncer.limits``); at most ``--max-learner-ids``."""
     model: str | None = option(None, metavar="MODULE:CALLABLE")
     """Serve your own model instead of a recipe's: ``CALLABLE()`` of ``MODULE`` (imported
     from the working directory) returns it, built as every learner builds it
@@ -68,6 +73,11 @@ class ServiceConfig:
         split_address(self.bind, what="--bind")
         if self.model is not None:
             check_model_ref(self.model)
+        if not 1 <= self.max_learners <= self.syncer.max_learner_ids:
+            raise ValueError(
+                f"--max-learners must be in [1, --max-learner-ids ({self.syncer.max_learner_ids})]"
+                f", got {self.max_learners}"
+            )
         if self.max_tokens < 0 or self.snapshot_every_s < 0:
             raise ValueError("--max-tokens and --snapshot-every must be >= 0")
         if self.snapshot_every_s > 0 and not (self.snapshot or self.state_dir):

@@ -94,6 +94,7 @@ def serve(config: ServiceConfig) -> int:
             state_dir=state_dir,
             tape_path=tape,
             embeddings=embedding_parameter_names(model),
+            max_learners=config.max_learners,
             **server_security(config.security),
         )
     except (StateError, ValueError, OSError) as exc:

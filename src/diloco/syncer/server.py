@@ -19,6 +19,7 @@ import torch
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.limits import DEFAULT_MAX_LEARNERS
 from diloco.syncer.service import (
     SyncerService,
     pool_threads,
@@ -54,7 +55,7 @@ class SyncerServer:
         tape_path: str | Path | None = None,
         fragments: Sequence[int] | None = None,
         shard: tuple[int, int] = (0, 1),
-        max_learners: int = 64,
+        max_learners: int = DEFAULT_MAX_LEARNERS,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
         token: str | None = None,

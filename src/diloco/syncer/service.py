@@ -26,6 +26,7 @@ from diloco.runtime.watchdog import Watchdog
 from diloco.syncer.broadcast import Keyframe, Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
 from diloco.syncer.limits import (
+    DEFAULT_MAX_LEARNERS,
     FIRST_CHUNK_S,
     MIN_UPLOAD_BPS,
     SHORT_CALL_THREADS,
@@ -73,14 +74,15 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         """``wire``: the restored wire image of each fragment (default: Θ_p). ``secret``: the
         shared token (the interceptor checks it; the handlers check whose id a call may use),
         ``learner_tokens``: the shared token may not act as a learner (``diloco.wire.auth``).
-        ``limits``: caps on open streams (``diloco.syncer.limits``; default: 64 learners').
+        ``limits``: caps on open streams (``diloco.syncer.limits``; default:
+        ``DEFAULT_MAX_LEARNERS`` learners').
         ``on_failure(exc)``: called once, on the committer's thread, when the syncer fails
         (see the module docstring)."""
         self.state = state
         self.allowed_learners = allowed_learners
         self.secret = secret
         self.learner_tokens = learner_tokens
-        self.limits = limits or stream_limits(64)
+        self.limits = limits or stream_limits(DEFAULT_MAX_LEARNERS)
         self.watchdog = Watchdog()
         self.first_chunk_s = FIRST_CHUNK_S
         """Seconds an upload may wait for its first chunk (``limits.FIRST_CHUNK_S``)."""
