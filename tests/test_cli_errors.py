@@ -67,6 +67,7 @@ CASES = [
     (["syncer", "--model", "no_such_module:build"], "cannot import 'no_such_module'"),
     (["syncer", "--model", "json:dumps"], "dumps() raised"),
     (["syncer", "--snapshot-every", "5"], "--snapshot-every needs --snapshot FILE or --state-dir"),
+    (["syncer", "--max-learners", "2000"], "--max-learners must be in [1, --max-learner-ids"),
     (["export", "nowhere", "--model", "x:y", "-o", "m.safetensors"], "nor a syncer's state"),
     (["learner", "--syncer", "localhost", "--id", "a"], "is not HOST:PORT"),
     (

@@ -16,6 +16,7 @@ import pytest
 import torch
 from kit import Peer, local_syncer, tiny_model, wait_until
 
+from diloco.launch.syncer_stopping import StopRule
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
@@ -479,4 +480,26 @@ def test_an_undeclared_learner_cannot_inflate_its_tokens_per_step_later(tmp_path
                 assert mallory.upload(0, 1e-3 * ones, steps=24, tokens=tokens).accepted
     finally:
         mallory.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_claiming_2_62_tokens_does_not_end_a_standalone_run(tmp_path):
+    """``diloco syncer --max-tokens`` counts the tokens the syncer merged, never claims."""
+    server = make_server(tmp_path, config())
+    mallory, alice = Peer(server, "mallory"), Peer(server, "alice")
+    budget = StopRule(max_tokens=1000)
+    try:
+        mallory.join(), alice.join()
+        assert mallory.heartbeat(tokens=2**62)
+        assert alice.upload(0, 1e-3 * torch.ones(numel(server, 0)), tokens=240).accepted
+        status = wait_until(
+            lambda: (s := server.status()).waiting == 0 and s, 10, "alice's round merged"
+        )
+        claimed = {ls.learner_id: ls.tokens for ls in status.learners}
+        assert claimed["mallory"] == 2**62  # shown as claimed ...
+        assert status.merged_tokens == 240 // P  # ... counted as merged: alice's, 1 of P
+        assert budget.check(status, now=0.0) is None
+    finally:
+        alice.close(), mallory.close()
         server.stop()

@@ -133,23 +133,24 @@ def test_a_model_reference_fails_with_its_reason(tmp_path, monkeypatch):
             load_model(ref)
 
 
-class _Row:
-    def __init__(self, live: bool, tokens: int = 0) -> None:
-        self.live, self.tokens = live, tokens
+def _status(*connected: bool, merged_tokens: int = 0) -> pb.StatusReply:
+    """A status whose learners are connected or gone (left), nothing waiting."""
+    rows = [pb.LearnerStatus(learner_id=f"l{i}", connected=c) for i, c in enumerate(connected)]
+    return pb.StatusReply(learners=rows, merged_tokens=merged_tokens)
 
 
 def test_the_run_is_over_when_every_learner_left_for_a_lease_or_the_budget_is_spent():
     rule = StopRule(when_learners_leave=True, linger_s=5.0)
-    assert rule.check([], now=0.0) is None  # nobody joined yet: wait
-    assert rule.check([_Row(True), _Row(False)], now=1.0) is None
-    assert rule.check([_Row(False), _Row(False)], now=2.0) is None  # gone, within the lease
-    assert rule.check([_Row(True), _Row(False)], now=4.0) is None  # one came back
-    assert rule.check([_Row(False), _Row(False)], now=5.0) is None
-    assert rule.check([_Row(False), _Row(False)], now=10.0) == "every learner left (2 joined)"
+    assert rule.check(_status(), now=0.0) is None  # nobody joined yet: wait
+    assert rule.check(_status(True, False), now=1.0) is None
+    assert rule.check(_status(False, False), now=2.0) is None  # gone, within the lease
+    assert rule.check(_status(True, False), now=4.0) is None  # one came back
+    assert rule.check(_status(False, False), now=5.0) is None
+    assert rule.check(_status(False, False), now=10.0) == "every learner left (2 joined)"
     budget = StopRule(max_tokens=1000)
-    assert budget.check([_Row(True, 400), _Row(True, 500)], now=0.0) is None
-    assert "budget 1,000" in budget.check([_Row(True, 600), _Row(True, 500)], now=1.0)
-    assert StopRule().check([_Row(False)], now=100.0) is None  # no rule: never over
+    assert budget.check(_status(True, True, merged_tokens=900), now=0.0) is None
+    assert "budget 1,000" in budget.check(_status(True, True, merged_tokens=1100), now=1.0)
+    assert StopRule().check(_status(False), now=100.0) is None  # no rule: never over
     assert not StopRule().active and rule.active and budget.active
 
 

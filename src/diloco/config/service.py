@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from diloco.config.common import RecipeConfig, ServerSecurityConfig
 from diloco.runtime.schema import option
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.limits import DEFAULT_MAX_LEARNERS
 
 
 @dataclass(kw_only=True)
@@ -38,16 +39,23 @@ class ServiceConfig:
     shard: str = option("0/1", metavar="I/S")
     """Serve only shard I of S: the fragments p with p mod S == I (0/1: all); start S syncers
     with 0/S .. S-1/S and give learners every address (docs/deploy.md)."""
+    max_learners: int = option(DEFAULT_MAX_LEARNERS, metavar="N")
+    """Learners (training at once) the syncer is sized for: its caps on open uploads and
+    subscriptions (N each, + 8 subscriptions for observers) and its thread pool
+    (``diloco.syncer.limits``); at most ``--max-learner-ids``."""
     model: str | None = option(None, metavar="MODULE:CALLABLE")
     """Serve your own model instead of a recipe's: ``CALLABLE()`` of ``MODULE`` (imported
     from the working directory) returns it, built as every learner builds it
     (``diloco.runtime.model_ref``; docs/own-model.md)."""
     stop_when_learners_leave: bool = option(False)
-    """Exit (0) once every learner that joined has left and none came back within the
-    lease (``--lease``)."""
+    """Exit (0) once every learner that joined has left (or its stream closed) with nothing
+    of it still to merge, and none came back within the lease (``--lease``); a learner whose
+    lease expired while its stream stays open, or one still flushing, keeps the run going."""
     max_tokens: int = option(0, metavar="N")
-    """Exit (0) once the learners together report N trained tokens (0: no budget). Give
-    learners their own budget too: this one stops the syncer, not them."""
+    """Exit (0) once the syncer has merged N tokens into the global model (0: no budget;
+    the tokens its commits merged, per fragment, averaged over its fragments; what learners
+    claim in heartbeats never counts). Give learners their own budget too: this one stops
+    the syncer, not them."""
     snapshot_every_s: float = option(0.0, flag="--snapshot-every", metavar="SECONDS")
     """Write the global model as the model's own ``state_dict`` (safetensors) every SECONDS
     and at exit (0: only with ``--snapshot``, and then only at exit)."""
@@ -65,6 +73,11 @@ class ServiceConfig:
         split_address(self.bind, what="--bind")
         if self.model is not None:
             check_model_ref(self.model)
+        if not 1 <= self.max_learners <= self.syncer.max_learner_ids:
+            raise ValueError(
+                f"--max-learners must be in [1, --max-learner-ids ({self.syncer.max_learner_ids})]"
+                f", got {self.max_learners}"
+            )
         if self.max_tokens < 0 or self.snapshot_every_s < 0:
             raise ValueError("--max-tokens and --snapshot-every must be >= 0")
         if self.snapshot_every_s > 0 and not (self.snapshot or self.state_dir):

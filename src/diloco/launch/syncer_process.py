@@ -94,6 +94,7 @@ def serve(config: ServiceConfig) -> int:
             state_dir=state_dir,
             tape_path=tape,
             embeddings=embedding_parameter_names(model),
+            max_learners=config.max_learners,
             **server_security(config.security),
         )
     except (StateError, ValueError, OSError) as exc:
@@ -133,7 +134,7 @@ def serve(config: ServiceConfig) -> int:
         status = server.status()
         if outputs.watch is not None:  # only with --dashboard
             outputs.update(status_rows(status))
-        if (over := rule.check(status.learners, time.monotonic())) is not None:
+        if (over := rule.check(status, time.monotonic())) is not None:
             print(f"diloco syncer: the run is over: {over}", flush=True)
             break
     server.stop(grace=1.0 if server.failure is None else 0.0)  # (failed: every call refused)

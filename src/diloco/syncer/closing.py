@@ -139,8 +139,12 @@ class RoundClosing:
             }
             params = self.params[fragment].clone()
             state = self.outer.fragment_state(fragment)
-            return Commit(fragment, admitted, params, state, record, log, history, changed=False)
+            total = self.merged_tokens[fragment]
+            return Commit(
+                fragment, admitted, params, state, record, log, history, total, changed=False
+            )
         self.last_commit_at[fragment] = now
+        self.merged_tokens[fragment] += log.tokens
         param_norm = self._param_norm(fragment)  # ‖Θ_p‖ the round's norms were judged by
         outer_lr = scheduled_outer_lr(
             admitted,
@@ -187,4 +191,13 @@ class RoundClosing:
             record,
             log,
             history,
+            self.merged_tokens[fragment],
         )
+
+    def tokens_merged(self) -> int:
+        """The tokens the run has merged into the global model: the mean over the owned
+        fragments of ``merged_tokens`` (a learner's step trains every fragment and its tokens
+        reach each fragment's round once, so one fragment's total counts the fleet's merged
+        training). Tokens of contributions the direction check left out are not counted;
+        those learners' heartbeats never are."""
+        return sum(self.merged_tokens.values()) // max(len(self.merged_tokens), 1)

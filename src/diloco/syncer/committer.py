@@ -230,6 +230,7 @@ class Committer:
                     commit.momentum,
                     wire=wire,
                     commits=commit.history,
+                    merged_tokens=commit.merged_tokens,
                 )
             )
         if self.receipt_log is not None:  # (after the rename: a successor re-appends it)

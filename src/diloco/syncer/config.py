@@ -124,8 +124,9 @@ class SyncerConfig:
     """Accepted per-step norms per fragment the running median is taken over."""
     norm_guard_min_history: int = DEFAULT_MIN_HISTORY
     """Accepted norms a fragment needs before the median applies."""
-    max_learner_ids: int = 1024
-    """Distinct learner ids the syncer remembers; joins of new ids beyond it are refused."""
+    max_learner_ids: int = option(1024, metavar="N")
+    """Distinct learner ids the syncer remembers: a new id beyond them takes the place of the
+    one gone the longest, and is refused only when all of them are live."""
     commit_logs_kept: int = RETAINED_COMMIT_LOGS
     """Commit logs the syncer keeps (memory and ``receipts.jsonl``): how far back the fates
     of accepted uploads stay known; an older one is *unknown* (``diloco.syncer.receipts``)."""

@@ -53,6 +53,9 @@ up to half of ``max_learners`` of them work from one address, and the other half
 cap stays for everyone else."""
 SHORT_CALL_THREADS = 16
 """Pool threads kept for the short calls beyond the stream caps."""
+DEFAULT_MAX_LEARNERS = 64
+"""Learners a syncer is sized for unless told otherwise (``SyncerServer(max_learners=...)``,
+``diloco syncer --max-learners``): its stream caps and thread pool."""
 
 
 class LimitExceeded(Exception):

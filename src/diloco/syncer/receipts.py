@@ -90,6 +90,11 @@ class CommitLog:
     merged: dict[str, list[UploadPart]] = field(default_factory=dict)
     excluded: dict[str, list[UploadPart]] = field(default_factory=dict)
 
+    @property
+    def tokens(self) -> int:
+        """The tokens of the uploads the round merged (the excluded ones are not)."""
+        return sum(part.tokens for parts in self.merged.values() for part in parts)
+
     def to_json(self) -> dict:
         return {
             "fragment": self.fragment,

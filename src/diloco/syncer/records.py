@@ -216,8 +216,9 @@ class Commit:
     """A closed round: the new value of one fragment, to persist and then broadcast.
 
     ``log`` is what the round did with its uploads and ``history`` the fragment's last
-    commit logs (this one last, as JSON): both are persisted with the value, so a restarted
-    syncer knows what every recent commit merged. A dropped round (``changed`` False) keeps
+    commit logs (this one last, as JSON): both are persisted with the value (and the
+    fragment's running total of merged tokens), so a restarted syncer knows what every
+    recent commit merged. A dropped round (``changed`` False) keeps
     the version and the value; only its log is persisted, and nothing is broadcast."""
 
     fragment: int
@@ -227,6 +228,8 @@ class Commit:
     record: dict
     log: CommitLog
     history: list[dict]
+    merged_tokens: int
+    """The fragment's ``SyncerState.merged_tokens`` with this commit: persisted with it."""
     changed: bool = True
 
 

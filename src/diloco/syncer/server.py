@@ -20,6 +20,7 @@ from diloco.algorithm.shards import shard_fragments
 from diloco.runtime import clock
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.fencing import Claim, claim_state_dir
+from diloco.syncer.limits import DEFAULT_MAX_LEARNERS
 from diloco.syncer.receipt_log import ReceiptLog
 from diloco.syncer.service import (
     SyncerService,
@@ -56,7 +57,7 @@ class SyncerServer:
         tape_path: str | Path | None = None,
         fragments: Sequence[int] | None = None,
         shard: tuple[int, int] = (0, 1),
-        max_learners: int = 64,
+        max_learners: int = DEFAULT_MAX_LEARNERS,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
         token: str | None = None,
@@ -156,7 +157,9 @@ class SyncerServer:
         )
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
-            self.state.restore_history(p, self.store.load_commits(p))
+            self.state.restore_history(
+                p, self.store.load_commits(p), self.store.load_merged_tokens(p)
+            )
         receipt_log = None
         if state_dir:
             kept = self.config.commit_logs_kept

@@ -26,6 +26,7 @@ from diloco.runtime.watchdog import Watchdog
 from diloco.syncer.broadcast import Keyframe, Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
 from diloco.syncer.limits import (
+    DEFAULT_MAX_LEARNERS,
     FIRST_CHUNK_S,
     MIN_UPLOAD_BPS,
     SHORT_CALL_THREADS,
@@ -75,14 +76,15 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         """``wire``: the restored wire image of each fragment (default: Θ_p). ``secret``: the
         shared token (the interceptor checks it; the handlers check whose id a call may use),
         ``learner_tokens``: the shared token may not act as a learner (``diloco.wire.auth``).
-        ``limits``: caps on open streams (``diloco.syncer.limits``; default: 64 learners').
+        ``limits``: caps on open streams (``diloco.syncer.limits``; default:
+        ``DEFAULT_MAX_LEARNERS`` learners').
         ``on_failure(exc)``: called once, on the committer's thread, when the syncer fails
         (see the module docstring)."""
         self.state = state
         self.allowed_learners = allowed_learners
         self.secret = secret
         self.learner_tokens = learner_tokens
-        self.limits = limits or stream_limits(64)
+        self.limits = limits or stream_limits(DEFAULT_MAX_LEARNERS)
         self.watchdog = Watchdog()
         self.first_chunk_s = FIRST_CHUNK_S
         """Seconds an upload may wait for its first chunk (``limits.FIRST_CHUNK_S``)."""
@@ -442,21 +444,27 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         with self.lock:
             s = self.state
             live = s.live(clock.monotonic())
-            learners = [
-                pb.LearnerStatus(
-                    learner_id=i.learner_id,
-                    live=i.learner_id in live,
-                    step=i.step,
-                    tokens=i.tokens,
-                    steps_per_s=i.steps_per_s,
-                    state=i.state,
-                    contributions=i.contributions,
-                    bytes_up=i.bytes_up,
-                    bytes_down=i.bytes_down,
+            streaming = {(u.learner_id, u.session) for u in self._subscribers if not u.closed}
+            learners = []
+            for i in s.learners.values():
+                if i.observer:
+                    continue
+                connected = i.connected and (i.learner_id, i.session) in streaming
+                learners.append(
+                    pb.LearnerStatus(
+                        learner_id=i.learner_id,
+                        live=i.learner_id in live,
+                        step=i.step,
+                        tokens=i.tokens,
+                        steps_per_s=i.steps_per_s,
+                        state=i.state,
+                        contributions=i.contributions,
+                        bytes_up=i.bytes_up,
+                        bytes_down=i.bytes_down,
+                        connected=connected,
+                        finals_due=len(i.finals_due) if connected else 0,
+                    )
                 )
-                for i in s.learners.values()
-                if not i.observer
-            ]
             return pb.StatusReply(
                 syncer_id=s.syncer_id,
                 versions=s.versions,
@@ -471,6 +479,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 num_shards=s.shard[1],
                 failure=repr(self.failure) if self.failure is not None else "",
                 waiting=self.waiting(),
+                merged_tokens=s.tokens_merged(),
             )
 
     def committed_hash(self) -> str:

@@ -65,16 +65,8 @@ from diloco.syncer.records import (
 )
 from diloco.syncer.roster import LearnerRoster
 
-__all__ = [
-    "Closing",
-    "Commit",
-    "Contribution",
-    "FragmentRound",
-    "LearnerInfo",
-    "Refused",
-    "RoundRequest",
-]
-__all__ += ["SyncerState", "fragment_digest"]
+__all__ = ["Closing", "Commit", "Contribution", "FragmentRound", "LearnerInfo", "Refused"]
+__all__ += ["RoundRequest", "SyncerState", "fragment_digest"]
 
 
 class SyncerState(LearnerRoster, RoundClosing):
@@ -149,15 +141,24 @@ class SyncerState(LearnerRoster, RoundClosing):
             p: deque(maxlen=PERSISTED_COMMITS) for p in self.served
         }
         """Each fragment's last commit logs: persisted with every commit of it."""
+        self.merged_tokens = dict.fromkeys(self.served, 0)
+        """Per owned fragment, the tokens its commits merged since the run began: persisted
+        with every commit of it, restored at restart (``restore_history``)."""
         self._closing: set[int] = set()
         """Fragments whose round ``close_rounds`` took and ``apply`` has not committed yet."""
         self._period_now = self.sync_every()
         """The H the norm guard's sizes were recorded at (``note_period``)."""
 
-    def restore_history(self, fragment: int, logs: Sequence[CommitLog]) -> None:
+    def restore_history(
+        self, fragment: int, logs: Sequence[CommitLog], merged_tokens: int | None = None
+    ) -> None:
         """Take in the commit logs a restored fragment's file holds (oldest first): written
-        again with its next commit."""
+        again with its next commit. ``merged_tokens``: the total persisted with the fragment
+        (None, a file written before it was kept: what the logs merged, a lower bound)."""
         self.history[fragment].extend(logs)
+        if merged_tokens is None:
+            merged_tokens = sum(log.tokens for log in logs)
+        self.merged_tokens[fragment] = merged_tokens
 
     def restore_receipts(self, logs: Sequence[CommitLog], complete_from: dict[int, int]) -> None:
         """Take in the kept commit logs (in commit order, ``diloco.syncer.receipt_log``) and

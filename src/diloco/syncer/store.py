@@ -7,7 +7,7 @@ Layout of a state directory::
     fragments/p007.safetensors Θ_7, momentum_7, wire_7 (what learners hold); metadata:
                                version, the fragment's last commit logs (which uploads
                                each commit merged or left out, ``diloco.syncer.receipts``),
-                               sha256 of all of it
+                               the tokens its commits merged in all, sha256 of all of it
 
 A commit writes only its own fragment (1/P of the model): to a temp file, fsync, rename,
 fsync of the directory. A crash leaves either the old file or the new one, and what a commit
@@ -71,14 +71,20 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 def file_digest(
-    tensors: dict[str, torch.Tensor], fragment: str, version: str, commits: str = ""
+    tensors: dict[str, torch.Tensor],
+    fragment: str,
+    version: str,
+    commits: str = "",
+    merged_tokens: str = "",
 ) -> str:
-    """Checksum stored in a fragment file: its tensors *and* its fragment id, version and
-    commit logs (a bit flip in the metadata is as harmful as one in Θ)."""
+    """Checksum stored in a fragment file: its tensors *and* its fragment id, version,
+    commit logs and merged tokens (a bit flip in the metadata is as harmful as one in Θ)."""
     h = hashlib.sha256(tensor_digest(tensors).encode())
     h.update(f"fragment={fragment};version={version}".encode())
     if commits:
         h.update(f";commits={commits}".encode())
+    if merged_tokens:
+        h.update(f";merged_tokens={merged_tokens}".encode())
     return h.hexdigest()
 
 
@@ -158,6 +164,7 @@ class FragmentStore:
         self.fence = fence
         self.fragment_dir = self.root / "fragments"
         self._commits: dict[int, list[CommitLog]] = {}
+        self._merged_tokens: dict[int, int | None] = {}
 
     def path(self, fragment: int) -> Path:
         return self.fragment_dir / f"p{fragment:03d}.safetensors"
@@ -216,27 +223,32 @@ class FragmentStore:
         *,
         wire: torch.Tensor | None = None,
         commits: list[dict] | None = None,
+        merged_tokens: int | None = None,
     ) -> None:
         """Atomically write fragment ``fragment`` at ``version`` (returns once it is on disk).
 
         ``wire``: the value learners holding ``version`` hold (``diloco.syncer.service``);
         ``commits``: the fragment's last commit logs (``receipts.CommitLog.to_json``), this
-        version's last. Raises ``OSError`` (disk full, I/O error) with the old file intact
-        and no temporary file left; whatever ``fence`` raises (``Superseded``) before the
-        rename, with the old file intact, or after it."""
+        version's last; ``merged_tokens``: the tokens its commits merged in all
+        (``SyncerState.merged_tokens``; None: not kept). Raises ``OSError`` (disk full, I/O
+        error) with the old file intact and no temporary file left; whatever ``fence``
+        raises (``Superseded``) before the rename, with the old file intact, or after it."""
         tensors = {"params": params.detach().contiguous()}
         if "momentum" in momentum:
             tensors["momentum"] = momentum["momentum"].detach().contiguous()
         if wire is not None:
             tensors["wire"] = wire.detach().contiguous()
         logs = json.dumps(commits or [], separators=(",", ":")) if commits else ""
+        tokens = "" if merged_tokens is None else str(int(merged_tokens))
         meta = {
             "fragment": str(fragment),
             "version": str(version),
-            "sha256": file_digest(tensors, str(fragment), str(version), logs),
+            "sha256": file_digest(tensors, str(fragment), str(version), logs, tokens),
         }
         if logs:
             meta["commits"] = logs
+        if tokens:
+            meta["merged_tokens"] = tokens
         final = self.path(fragment)
         tmp = final.with_name(final.name + f".{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
         replace_atomically(final, save(tensors, metadata=meta), tmp=tmp, fence=self.fence)
@@ -245,8 +257,8 @@ class FragmentStore:
         self, fragment: int, numel: int
     ) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None:
         """Return ``(version, params, state)`` of a saved fragment, or ``None``; ``state``
-        holds ``"momentum"`` and ``"wire"`` where they were saved. The commit logs saved
-        with it are read by ``load_commits``.
+        holds ``"momentum"`` and ``"wire"`` where they were saved. The commit logs and the
+        merged tokens saved with it are read by ``load_commits`` and ``load_merged_tokens``.
 
         Raises ``StateError`` if the file is corrupt (bad format, checksum, shape).
         """
@@ -262,7 +274,11 @@ class FragmentStore:
         except Exception as exc:  # safetensors raises several types for a damaged file
             raise StateError(f"{path} is corrupt ({exc}). {_RECOVER}") from None
         if meta.get("sha256") != file_digest(
-            tensors, str(meta.get("fragment")), str(meta.get("version")), meta.get("commits", "")
+            tensors,
+            str(meta.get("fragment")),
+            str(meta.get("version")),
+            meta.get("commits", ""),
+            meta.get("merged_tokens", ""),
         ):
             raise StateError(f"{path} is corrupt: checksum mismatch. {_RECOVER}")
         if meta.get("fragment") != str(fragment) or "params" not in tensors:
@@ -283,12 +299,27 @@ class FragmentStore:
             if t.dtype != torch.float32 or t.shape != params.shape:
                 raise StateError(f"{path}: {name} does not match the parameters' shape or dtype")
         self._commits[fragment] = _parse_commits(path, meta.get("commits", ""), fragment)
+        self._merged_tokens[fragment] = _parse_merged_tokens(path, meta.get("merged_tokens"))
         return version, params, extra
 
     def load_commits(self, fragment: int) -> list[CommitLog]:
         """The commit logs saved with the fragment ``load`` read last (oldest first; empty
         for a file written before logs were kept)."""
         return list(self._commits.get(fragment, ()))
+
+    def load_merged_tokens(self, fragment: int) -> int | None:
+        """The merged tokens saved with the fragment ``load`` read last (None: a file
+        written before they were kept)."""
+        return self._merged_tokens.get(fragment)
+
+
+def _parse_merged_tokens(path: Path, text: str | None) -> int | None:
+    """The merged tokens of a fragment file's metadata (checksummed already)."""
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit()):
+        raise StateError(f"{path}: bad merged tokens {text[:32]!r}. {_RECOVER}")
+    return int(text)
 
 
 def _parse_commits(path: Path, text: str, fragment: int) -> list[CommitLog]:

@@ -199,7 +199,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("learner_id", "live", "step", "tokens", "steps_per_s", "state", "contributions", "bytes_up", "bytes_down")
+    __slots__ = ("learner_id", "live", "step", "tokens", "steps_per_s", "state", "contributions", "bytes_up", "bytes_down", "connected", "finals_due")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,8 @@ class LearnerStatus(_message.Message):
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_UP_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    FINALS_DUE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     live: bool
     step: int
@@ -218,10 +220,12 @@ class LearnerStatus(_message.Message):
     contributions: int
     bytes_up: int
     bytes_down: int
-    def __init__(self, learner_id: _Optional[str] = ..., live: _Optional[bool] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., state: _Optional[str] = ..., contributions: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
+    connected: bool
+    finals_due: int
+    def __init__(self, learner_id: _Optional[str] = ..., live: _Optional[bool] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., state: _Optional[str] = ..., contributions: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., connected: _Optional[bool] = ..., finals_due: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("syncer_id", "versions", "rounds", "bytes_up", "bytes_down", "learners", "uptime_s", "refused", "fragments", "shard", "num_shards", "failure", "waiting")
+    __slots__ = ("syncer_id", "versions", "rounds", "bytes_up", "bytes_down", "learners", "uptime_s", "refused", "fragments", "shard", "num_shards", "failure", "waiting", "merged_tokens")
     SYNCER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +239,7 @@ class StatusReply(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    MERGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     syncer_id: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     rounds: int
@@ -248,4 +253,5 @@ class StatusReply(_message.Message):
     num_shards: int
     failure: str
     waiting: int
-    def __init__(self, syncer_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., rounds: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., failure: _Optional[str] = ..., waiting: _Optional[int] = ...) -> None: ...
+    merged_tokens: int
+    def __init__(self, syncer_id: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., rounds: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., failure: _Optional[str] = ..., waiting: _Optional[int] = ..., merged_tokens: _Optional[int] = ...) -> None: ...
