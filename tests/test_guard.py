@@ -325,3 +325,45 @@ def test_the_syncer_refuses_a_huge_first_delta_of_a_zero_fragment_and_takes_an_h
     delta = layout.gather(0, named).detach().reshape(-1)  # Θ_p = 0: the delta is θ_p
     assert 0 < float(delta.norm()) < DEFAULT_ZERO_RMS * n**0.5
     assert submit(state, "good", delta, now=2.0, steps=300).accept
+
+
+def test_claimed_steps_are_bounded_by_the_pace_the_syncer_measured():
+    """Issue 46, defect 10: a 9 x ||theta|| delta is refused when it claims 8 steps and was
+    accepted when the same bytes claimed 2^24: the guard took the steps from the claim, up to
+    a slack of H steps whatever the time, at a pace the learners claimed. Now a delta is
+    credited with at most the steps the learner's measured pace (MAX_SPEEDUP x it) allows
+    since the version its previous accepted delta of the fragment was taken against (or
+    since its join)."""
+    state, layout = make_state(
+        joined_at=100.0, schedule="syncer", protocol=ProtocolConfig(sync_every=24), gamma=0.0
+    )
+    n = layout.fragments[0].numel
+    gen = torch.Generator().manual_seed(11)
+    theta = float(state.params[0].norm())
+
+    def sized(ratio):
+        delta = torch.randn(n, generator=gen)
+        return delta * ratio * theta / delta.norm()
+
+    for k in range(6):  # both step every 100 ms, on the syncer's clock
+        for lid in ("good", "bad"):
+            state.heartbeat(
+                lid, state.learners[lid].session, now=100.0 + k, step=10 * k, steps_per_s=10.0
+            )
+    state.tick(105.0)
+    assert submit(state, "good", sized(0.5), 105.0, steps=24).accept
+    (commit,) = state.poll(105.0)[0]  # version 1 at t = 105.0
+    assert submit(state, "bad", sized(0.05), 105.05, steps=1).accept  # against version 1
+    before = state.digest()
+    for steps in (8, 1 << 24):  # 0.1 s after its base was committed: a few steps at most
+        with pytest.raises(Refused) as info:
+            submit(state, "bad", sized(9.0), 105.1, steps=steps)
+        assert info.value.code == "OUT_OF_RANGE" and "own norm" in info.value.message
+    assert state.digest() == before
+    # A learner that has just joined is credited with the steps since its join.
+    join_state(state, "newcomer", 105.0)
+    with pytest.raises(Refused):
+        submit(state, "newcomer", sized(9.0), 105.1, steps=1 << 24)
+    # Honest deltas with honest claims are accepted: a short one now, a whole period later.
+    assert submit(state, "newcomer", sized(0.05), 105.1, steps=1).accept
+    assert submit(state, "bad", sized(1.0), 107.5, steps=24).accept

@@ -12,10 +12,12 @@ import pytest
 import torch
 from kit import join_state, syncer_state, tiny_model
 
+from diloco.algorithm.guard import MAX_SPEEDUP
 from diloco.algorithm.rounds import fleet_step_time, next_tick, tick_period
 from diloco.config import from_dict
 from diloco.config.run import RunConfig
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.pace import StepPace, believed_step_s
 from diloco.syncer.state import Refused
 from diloco.wire.protocol import ProtocolConfig
 
@@ -313,3 +315,51 @@ def test_a_stopping_syncer_and_the_learners_schedule_do_not_wait_for_finals():
     answer(state, "a", sa, 0, now=1.0, final=True, names=[0, 1])
     answer(state, "b", sb, 1, now=1.0, final=True, names=[0, 1])
     assert sorted(c.fragment for c in state.poll(1.0)[0]) == [0, 1]
+
+
+def test_a_claim_of_a_fast_pace_does_not_flood_the_clock():
+    """Issue 46, defect 6: one learner claiming 1e9 steps/s (heartbeats and uploads) while
+    its step counter advances at 10 steps/s, like the honest learner's, set the tick period
+    to 1 ms (1,001 ticks a second instead of 10). Claims are clamped to a band around the
+    pace the syncer measures (``MAX_SPEEDUP``), so the clock keeps within it."""
+    state, layout, _ = make_state(P=2, sync_every=2)
+    honest_step_s = 0.1
+    honest_period = tick_period(honest_step_s, sync_every=2, fragments=2)
+    sa, sb = join_state(state, "a"), None
+    for second in range(12):
+        now = float(second)
+        state.heartbeat("a", sa, now=now, step=10 * second, steps_per_s=1 / honest_step_s)
+        if second == 4:
+            sb = join_state(state, "b", now)
+        if sb is None:
+            continue
+        state.heartbeat("b", sb, now=now, step=10 * second, steps_per_s=1e9)
+        n = layout.fragments[0].numel
+        state.submit("b", sb, fragment=0, base_version=state.versions[0], steps=1,
+                     tokens=10, delta=torch.zeros(n), step_time_s=1e-9, nbytes=n, now=now)  # fmt: skip
+        assert state.fleet_step_s(now) >= honest_step_s / MAX_SPEEDUP
+        ticks, t = 0, now
+        while t < now + 1.0:  # the clock's ticks over the next second
+            request, t = state.tick(t)
+            ticks += request is not None
+            state.poll(t)
+        assert ticks <= MAX_SPEEDUP / honest_period + 1, (second, ticks)
+
+
+def test_the_pace_the_syncer_measures_and_the_claims_it_believes():
+    pace = StepPace()
+    for second in range(4):  # 10 steps a second, heartbeats a second apart
+        pace.observe(float(second), 10 * second)
+    assert pace.step_s == pytest.approx(0.1)
+    pace.observe(4.0, 10**9)  # one counter that jumps: one sample of nine
+    pace.observe(5.0, 10**9 + 10)
+    assert pace.step_s == pytest.approx(0.1)
+    pace.observe(5.1, 10**9 + 20)  # a flood of messages closes no interval
+    pace.observe(6.0, 10**9 + 20)
+    assert pace.step_s == pytest.approx(0.1) and len(pace.samples) == 6
+    fresh = StepPace()
+    for now in (0.0, 1.0, 2.0):
+        fresh.observe(now, int(10 * now))
+    assert fresh.step_s is None  # two intervals: not measured yet
+    assert believed_step_s(1e-9, 0.1, None) == pytest.approx(0.1 / MAX_SPEEDUP)
+    assert believed_step_s(3599.0, None, 0.1) == pytest.approx(0.1 * MAX_SPEEDUP)

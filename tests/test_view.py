@@ -17,6 +17,8 @@ DOCTESTED = [
     "diloco.runtime.schema",
     "diloco.wire.auth",
     "diloco.syncer.records",
+    "diloco.syncer.pace",
+    "diloco.algorithm.guard",
 ]
 
 

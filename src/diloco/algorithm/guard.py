@@ -34,9 +34,9 @@ before they enter a round (a pure function, :func:`check_norm`):
    (since 2026-11-26): refused if ``‖Δ‖`` (plus what the learner's contribution already
    holds in the open round, so splitting a delta into many uploads gains nothing) is above
    ``k ×`` the *largest* of the learners' median recent accepted norms of the fragment
-   (``NormHistory.size_reference``). Steps are claims: checks 1 and 2 judged a 9 × ‖Θ_p‖
-   delta claiming 2^24 steps (bounded only by ``plausible_steps``, thousands of steps a few
-   seconds after a join at 10 ms steps) ordinary. The largest median, not the upper median,
+   (``NormHistory.size_reference``). Steps are claims: checks 1 and 2 judge a delta over at
+   most the steps the syncer's clock allows (``plausible_steps``), and those grow with the
+   time, hundreds a few seconds after the previous delta at 10 ms steps. The largest median, not the upper median,
    because learners differ in speed and a fast one brings more steps per round (replayed on
    a tape of a mixed fleet, honest sizes reached 38 × the upper median). Measured with the
    guard in place (5 runs of ``DEFAULT_MAX_RATIO``, 16,144 uploads, none refused):
@@ -113,7 +113,12 @@ DEFAULT_WINDOW = 32
 DEFAULT_MIN_HISTORY = 3
 """Accepted norms a fragment needs before check 1 applies."""
 MAX_SPEEDUP = 4.0
-"""``plausible_steps``: a learner may be this many times faster than the fleet's step time."""
+"""How far from what the syncer measured a learner's pace is believed (``syncer.pace``): a
+claimed step time is clamped to ``[measured / 4, measured · 4]``, and the guard credits a
+learner with at most 4 times its measured pace, itself at most 4 times the fleet's."""
+STEP_SLACK = 2
+"""``plausible_steps``: steps allowed beyond what the elapsed time gives (a step begun
+before, a step boundary's rounding)."""
 
 
 @dataclass(frozen=True)
@@ -204,25 +209,28 @@ def _held(held: float) -> str:
     return f" (with {held:.4g} already in the round)" if held else ""
 
 
-def plausible_steps(steps: int, elapsed_s: float, fleet_step_s: float | None, *, slack: int) -> int:
+def plausible_steps(
+    steps: int, elapsed_s: float, fastest_step_s: float, *, slack: int = STEP_SLACK
+) -> int:
     """The steps the guard takes a delta to cover: the claimed ``steps``, at most what the
-    time since the learner's previous accepted delta of the fragment allows.
+    syncer's clock allows: ``elapsed_s`` (since the delta's steps can have begun) at one step
+    per ``fastest_step_s`` (the shortest step time the syncer credits the learner with,
+    ``syncer.pace.fastest_step_s``), plus ``slack`` steps.
 
     A learner's step count is its own claim, and a larger one makes a larger delta look
-    ordinary (a smaller per-step norm, a larger fragment bound). Time is the syncer's: in
-    ``elapsed_s`` a learner ``MAX_SPEEDUP`` times faster than the fleet (``fleet_step_s``)
-    does ``MAX_SPEEDUP · elapsed_s / fleet_step_s`` steps, plus ``slack`` (H: steps it may
-    have trained before the previous delta was accepted). Only the guard uses the bound; the
-    merge weights and the accounting keep the claim. Without a fleet estimate: the claim.
+    ordinary (a smaller per-step norm, a larger fragment bound). Only the guard uses the
+    bound; the merge weights and the accounting keep the claim.
 
-    >>> plausible_steps(10**6, elapsed_s=1.0, fleet_step_s=0.1, slack=24)
-    64
-    >>> plausible_steps(30, elapsed_s=1.0, fleet_step_s=0.1, slack=24)
+    >>> plausible_steps(1 << 24, elapsed_s=1.0, fastest_step_s=0.025)
+    42
+    >>> plausible_steps(30, elapsed_s=1.0, fastest_step_s=0.025)
     30
+    >>> plausible_steps(1 << 24, elapsed_s=0.0, fastest_step_s=0.025)
+    2
     """
-    if fleet_step_s is None or not fleet_step_s > 0:
-        return steps
-    bound = MAX_SPEEDUP * max(elapsed_s, 0.0) / fleet_step_s + slack
+    if not fastest_step_s > 0:
+        raise ValueError(f"fastest_step_s must be > 0, got {fastest_step_s}")
+    bound = max(elapsed_s, 0.0) / fastest_step_s + slack
     return max(1, min(steps, math.ceil(bound)))
 
 

@@ -155,6 +155,7 @@ class RoundClosing:
         self.outer.step(fragment, self.params[fragment], merged, lr=outer_lr)
         self._param_norms.pop(fragment, None)
         self.versions[fragment] += 1
+        self.commit_times.note(fragment, self.versions[fragment], now)
         self.rounds_committed += 1
         self.note_period()
         record = {

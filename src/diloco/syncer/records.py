@@ -12,6 +12,7 @@ import torch
 
 from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import merge_contributions, token_weight
+from diloco.syncer.pace import StepPace
 from diloco.syncer.receipts import UPLOADS_PER_ROUND, CommitLog, UploadPart
 
 SUSPECT_WINDOW = 8
@@ -86,14 +87,21 @@ class LearnerInfo:
     """Without a declared value: the bound learned from this id's first accepted
     contribution (``learn_tokens_per_step``; kept across rejoins); 0 before it."""
     step_s: float | None = None
-    """This learner's measured step time (heartbeats, uploads): the syncer's clock's pace."""
+    """Its step time as the clock believes it: its claim (heartbeats, uploads) clamped around
+    its measured one (``pace.believed_step_s``)."""
+    pace: StepPace = field(default_factory=StepPace)
+    """Its step time measured on the syncer's clock (kept across rejoins)."""
     tokens_per_s: float | None = None
     """Its measured throughput (EMA over heartbeats): the round share of an absent learner."""
     accepted_at: dict[int, float] = field(default_factory=dict)
     """When the syncer last accepted a delta of each fragment from this id (kept across
-    rejoins; before the first: ``first_joined_at``): the guard's bound on claimed steps."""
+    rejoins): the learners a round's share counts (``recent_contributors``)."""
     first_joined_at: float | None = None
     """When this id first joined this syncer (kept across rejoins)."""
+    steps_from: dict[int, float] = field(default_factory=dict)
+    """Per fragment, when the steps of its next delta can have begun (``pace.steps_since``):
+    the commit time of the version its last accepted delta was taken against, where this
+    syncer committed it (kept across rejoins): the guard's bound on claimed steps."""
     verdicts: deque[bool] = field(default_factory=lambda: deque(maxlen=SUSPECT_WINDOW))
     """Whether the direction check left each of its last checked contributions out."""
     _rate_mark: tuple[float, int] | None = None

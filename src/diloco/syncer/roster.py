@@ -1,9 +1,10 @@
 """The syncer's learner table: who joined, with which session, who is live, who is gone.
 
 A mixin of :class:`diloco.syncer.state.SyncerState` (it uses the state's ``config``,
-``layout``, ``learners``, ``norms``, ``emit`` and, for the finals a stopping fleet waits
-for, ``estimates`` and ``_longest_wait``): the decisions about membership live here,
-the rounds in ``state.py``. Not thread-safe: callers hold the state's lock.
+``layout``, ``learners``, ``norms``, ``commit_times``, ``fleet_pace``, ``emit`` and, for
+the finals a stopping fleet waits for, ``estimates`` and ``_longest_wait``): the decisions
+about membership and about the pace the syncer believes of each learner (``syncer.pace``)
+live here, the rounds in ``state.py``. Not thread-safe: callers hold the state's lock.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Collection, Sequence
 
+from diloco.algorithm.guard import plausible_steps
+from diloco.algorithm.rounds import fleet_step_time
+from diloco.syncer.pace import believed_step_s, fastest_step_s, steps_since
 from diloco.syncer.records import (
     MAX_STEP_TIME_S,
     LearnerInfo,
@@ -93,6 +97,8 @@ class LearnerRoster:
                 old.bytes_down,
             )
             info.accepted_at, info.first_joined_at = old.accepted_at, old.first_joined_at
+            info.steps_from, info.pace = old.steps_from, old.pace
+            info.pace.restart()
             info.verdicts = old.verdicts
             info.learned_tokens_per_step = old.learned_tokens_per_step
         self.learners[learner_id] = info
@@ -133,13 +139,44 @@ class LearnerRoster:
             info.state = state[:64] or info.state
         elif info.state != "left":  # alive, but its subscription closed: it resubscribes
             info.state = "no subscription"
+        info.pace.observe(now, step)
         if steps_per_s > 0:
-            info.step_s = min(1.0 / steps_per_s, MAX_STEP_TIME_S)
+            self.believe_step_time(info, 1.0 / steps_per_s, now)
         update_rate(info, now, tokens, self.config.ema_decay)
         if not info.live and info.connected:
             info.live = True
             self.emit({"event": "revive", "t": self.wall_of(now), "learner": learner_id})
         return info
+
+    def believe_step_time(self, info: LearnerInfo, claimed_s: float, now: float) -> None:
+        """Take ``info``'s claimed step time (a heartbeat's, an upload's) for the clock's
+        pace, clamped around what the syncer measured (``pace.believed_step_s``)."""
+        fleet = self.measured_step_s(now)
+        info.step_s = min(believed_step_s(claimed_s, info.pace.step_s, fleet), MAX_STEP_TIME_S)
+
+    def measured_step_s(self, now: float) -> float | None:
+        """The fleet's measured step time: the lower median of the live learners' (``pace``)."""
+        return self.fleet_pace.step_s(
+            now, lambda: fleet_step_time(self.learners[lid].pace.step_s for lid in self.live(now))
+        )
+
+    def credited_steps(self, info: LearnerInfo, fragment: int, steps: int, now: float) -> int:
+        """The steps the norm guard takes ``info``'s delta of ``fragment`` claiming ``steps``
+        to cover: at most what its measured pace allows since they can have begun
+        (``guard.plausible_steps``, ``pace.fastest_step_s``, ``pace.steps_since``)."""
+        joined = info.first_joined_at if info.first_joined_at is not None else now
+        since = steps_since(info.steps_from.get(fragment), joined)
+        fastest = fastest_step_s(info.pace.step_s, self.measured_step_s(now))
+        return plausible_steps(steps, now - since, fastest)
+
+    def note_accepted(self, info: LearnerInfo, fragment: int, base_version: int) -> None:
+        """``info``'s delta of ``fragment`` against ``base_version`` was accepted: the steps
+        of its next one begin after that version's commit (``pace.steps_since``)."""
+        committed_at = self.commit_times.at(fragment, base_version)
+        if committed_at is None:
+            info.steps_from.pop(fragment, None)
+        else:
+            info.steps_from[fragment] = committed_at
 
     def leave(self, learner_id: str, session: str, *, now: float, reason: str = "left") -> None:
         """Mark a learner gone (clean leave or its stream closed). Unknown sessions are ignored.

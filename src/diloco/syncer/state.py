@@ -27,11 +27,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from diloco.algorithm.fragments import FragmentLayout, fragment_digest
-from diloco.algorithm.guard import (
-    NormHistory,
-    check_norm,
-    plausible_steps,
-)
+from diloco.algorithm.guard import NormHistory, check_norm
 from diloco.algorithm.outer import NesterovOuter
 from diloco.algorithm.rounds import (
     Admission,
@@ -48,6 +44,7 @@ from diloco.algorithm.rounds import (
 from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.closing import RoundClosing
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.pace import CommitTimes, FleetPace
 from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog, Receipts, UploadPart
 from diloco.syncer.records import (
     Closing,
@@ -135,6 +132,8 @@ class SyncerState(LearnerRoster, RoundClosing):
         self._period: float | None = None  # the period the due tick was set with
         self._cursor = 0
         self.last_commit_at: dict[int, float] = {}
+        self.commit_times = CommitTimes(config.max_staleness + 1)
+        self.fleet_pace = FleetPace()
         self.receipts = Receipts(config.commit_logs_kept)
         """The fates of the learners' accepted uploads (``diloco.syncer.receipts``)."""
         self.history: dict[int, deque[CommitLog]] = {
@@ -224,7 +223,7 @@ class SyncerState(LearnerRoster, RoundClosing):
             return self._answer_resend(*answer, now=now, final=(final, final_fragments))
         info = self.session_of(learner_id, session)
         try:
-            norm = self._check_contribution(
+            norm, credited = self._check_contribution(
                 info,
                 fragment,
                 base_version,
@@ -249,7 +248,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         info.bytes_up += nbytes
         self.bytes_up += nbytes
         if step_time_s > 0:
-            info.step_s = step_time_s
+            self.believe_step_time(info, step_time_s, now)
         if not admission.accept:
             self.emit(
                 {
@@ -279,9 +278,10 @@ class SyncerState(LearnerRoster, RoundClosing):
         info.last_tokens = tokens
         learn_tokens_per_step(info, tokens=tokens, steps=steps)
         info.accepted_at[fragment] = now
+        self.note_accepted(info, fragment, base_version)
         admission = dataclasses.replace(admission, version=self.admission_version(fragment))
         self.receipts.admit(learner_id, upload_id, fragment, admission.version)
-        self.norms.record(fragment, norm, steps, learner_id, sync_every=self._guard_period())
+        self.norms.record(fragment, norm, credited, learner_id, sync_every=self._guard_period())
         return admission
 
     def _answer_resend(self, learner_id, session, fragment, known, *, now, final) -> Admission:
@@ -314,13 +314,14 @@ class SyncerState(LearnerRoster, RoundClosing):
 
     def _check_contribution(
         self, info, fragment, base_version, *, now, norm=None, **counters
-    ) -> float:
+    ) -> tuple[float, int]:
         """Refuse (``Refused``, nothing changed) what no round may hold: an observer's upload,
         a fragment another shard owns, bad counters, a base version that is not committed, an
         upload more than the learner's contribution to the open round may sum
         (``records.check_room_in_round``), a norm the guard refuses (judged over the steps the
-        syncer's clock makes plausible, ``plausible_steps``, and with what the learner's
-        contribution already holds in the open round). Returns the delta's norm."""
+        syncer credits the learner with, ``credited_steps``, and with what the learner's
+        contribution already holds in the open round). Returns the delta's norm and the steps
+        credited."""
         if info.observer:
             raise Refused("PERMISSION_DENIED", "observers cannot contribute")
         self.check_owned(fragment)
@@ -336,13 +337,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
         check_room_in_round(earlier, fragment=fragment)
         norm = float(counters["delta"].norm()) if norm is None else norm
-        since = info.accepted_at.get(fragment, info.first_joined_at or now)
-        steps = plausible_steps(
-            counters["steps"],
-            now - since,
-            self.fleet_step_s(),
-            slack=self.sync_every(),
-        )
+        steps = self.credited_steps(info, fragment, counters["steps"], now)
         verdict = check_norm(
             norm,
             steps,
@@ -361,7 +356,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         )
         if not verdict.accept:
             raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
-        return norm
+        return norm, steps
 
     def sync_every(self) -> int:
         """H now: ``--sync-every``, or ``--early-sync-every`` for the clock's first
@@ -448,7 +443,9 @@ class SyncerState(LearnerRoster, RoundClosing):
         return Estimates(self.fleet_step_s(), self._ema_quorum.value, self._ema_sync.value)
 
     def fleet_step_s(self, now: float | None = None) -> float | None:
-        """Median measured step time of the live learners (all known ones if ``now`` is None)."""
+        """The lower median of the live learners' step times as the clock believes them (all
+        known ones if ``now`` is None): claims clamped around what the syncer measured
+        (``believe_step_time``)."""
         live = self.live(now) if now is not None else None
         return fleet_step_time(
             i.step_s
