@@ -56,8 +56,7 @@ def main() -> int:
     parser.add_argument(
         "--up-codec",
         default=TortureSpec.up_codec,
-        help="the syncer's --up-codec (default: %(default)s, large enough for the relays to "
-        "tell uploads by their size and lose their replies; 'setting': the --comms setting's)",
+        help="the syncer's --up-codec (default: the --comms setting's)",
     )
     parser.add_argument("--down-codec", help="the syncer's --down-codec (default: the setting's)")
     args = parser.parse_args()
@@ -75,7 +74,7 @@ def main() -> int:
             seed=seed,
             seconds=args.seconds,
             comms=args.comms,
-            up_codec=None if args.up_codec == "setting" else args.up_codec,
+            up_codec=args.up_codec,
             down_codec=args.down_codec,
         )
         result = Torture(spec, workdir).run()

@@ -140,3 +140,42 @@ def test_a_throttled_relay_is_one_link_its_connections_share(echo_server):
     # connection had a link of its own)
     assert 0.55 <= shared < 2.0, shared
     assert free < 0.2, free
+
+
+def test_lost_replies_are_told_by_the_grpc_method_not_the_size(tmp_path):
+    """Issue 46: the relay told an upload from other calls by its request's size (512 bytes
+    or more), so the default exchange's sign1 uploads of a small fragment never had their
+    reply lost. It now reads the call's method from the HTTP/2 headers: every answer to an
+    upload (here of 36 bytes) is lost, no heartbeat's or join's answer is, and the syncer
+    handled each upload whose answer was lost."""
+    import grpc
+    import torch
+    from kit import Peer, local_syncer, tiny_model
+
+    from diloco.syncer.config import SyncerConfig
+
+    config = SyncerConfig(up_codec="fp32", schedule="learner", norm_guard_k=0.0)
+    server = local_syncer(tiny_model(0, (2, 4, 1), tanh=False), config, num_fragments=2)
+    relay = Relay(server.address)
+    relay.lose_replies(1.0)
+    peer = Peer(server, "a")
+    peer.channel.close()
+    peer.channel = grpc.insecure_channel(relay.address)
+    from diloco.wire import diloco_pb2_grpc as pb_grpc
+
+    peer.stub = pb_grpc.SyncerStub(peer.channel)
+    try:
+        peer.join()
+        assert peer.heartbeat()
+        n = server.layout.fragments[0].numel
+        with pytest.raises(grpc.RpcError):
+            peer.upload(0, 1e-3 * torch.ones(n))
+        assert n * 4 < 512 and relay.replies_lost == 1
+        from kit import wait_until
+
+        wait_until(lambda: server.state.versions[0] == 1, 10, "the upload's commit")
+        assert peer.heartbeat()  # (a new connection: heartbeats still answered)
+    finally:
+        peer.close()
+        relay.close()
+        server.stop()

@@ -10,7 +10,13 @@ import os
 
 import pytest
 
-from diloco.launch.torture import STALL_BOUND_S, Torture, TortureSpec, fault_schedule
+from diloco.launch.torture import (
+    FAULT_KINDS,
+    STALL_BOUND_S,
+    Torture,
+    TortureSpec,
+    fault_schedule,
+)
 from diloco.report.exactly_once import audit, longest_stall
 
 
@@ -51,7 +57,10 @@ def test_every_fault_of_the_schedule_happened(tortured):
     assert tortured.syncer_kills >= 1  # (a kill that finds it down already does nothing)
     assert tortured.syncer_failures >= 1  # it exited non-zero when its disk was full
     assert tortured.syncer_starts >= 1 + tortured.syncer_kills + tortured.syncer_failures
-    assert tortured.learner_kills == kinds.count("learner-kill")
+    assert tortured.learner_kills == kinds.count("learner-kill") + kinds.count("learner-resume")
+    assert tortured.learner_resumes == kinds.count("learner-resume") >= 1
+    assert tortured.second_syncers_refused == kinds.count("second-syncer") >= 1
+    assert "long-partition" in kinds and "clock-step" in kinds
     assert 1 <= tortured.audit.lives_killed <= tortured.learner_kills  # (one may not have
     # journaled yet: killed while it was starting)
     assert tortured.replies_lost > 0
@@ -67,7 +76,7 @@ def test_the_schedule_is_a_pure_function_of_the_spec():
     assert fault_schedule(spec) == fault_schedule(spec)
     assert fault_schedule(spec) != fault_schedule(TortureSpec(seed=8))
     kinds = [f.kind for f in fault_schedule(spec)]
-    assert sorted(set(kinds)) == ["disk-full", "learner-kill", "partition", "syncer-kill"]
+    assert sorted(set(kinds)) == sorted(FAULT_KINDS)
 
 
 # The audit itself must be able to fail: made-up tapes with each defect it looks for.

@@ -14,9 +14,9 @@ keeps running and training; bytes are always copied unchanged:
 - ``throttle(bytes_per_s)`` makes the relay a link of that rate each way (0: off), shared by
   all its connections as a real link is: each block is delivered once the link has carried it
   and everything queued on that direction before it;
-- ``lose_replies(probability)``: the first block the syncer sends back after a request of at
-  least ``REQUEST_BYTES`` (an upload, not a heartbeat) is lost with that probability, and the
-  connection cut: the syncer handled the request, the learner never hears its answer.
+- ``lose_replies(probability)``: the answer to an upload (told by its gRPC method,
+  ``diloco.launch.grpc_calls``, whatever its size or codec) is lost with that probability,
+  and the connection cut: the syncer handled the upload, the learner never hears its answer.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import socket
 import threading
 import time
 
-REQUEST_BYTES = 512
-"""``lose_replies``: a request this large or larger (an upload's chunks) has a reply to lose."""
+from diloco.launch.grpc_calls import CallWatch
 
 
 class Relay:
@@ -138,12 +137,12 @@ class Relay:
             client.settimeout(None)
             with self._lock:
                 self._conns.update((client, upstream))
-            asked = [0]  # request bytes the client sent since the syncer last answered
+            calls = CallWatch()  # which streams carry uploads (``lose_replies``)
             for a, b, way in ((client, upstream, "up"), (upstream, client, "down")):
                 pipe: queue.SimpleQueue = queue.SimpleQueue()
                 threading.Thread(target=self._read, args=(a, b, pipe), daemon=True).start()
                 threading.Thread(
-                    target=self._write, args=(a, b, pipe, way, asked), daemon=True
+                    target=self._write, args=(a, b, pipe, way, calls), daemon=True
                 ).start()
 
     def _read(self, src: socket.socket, dst: socket.socket, pipe: queue.SimpleQueue) -> None:
@@ -163,11 +162,11 @@ class Relay:
         dst: socket.socket,
         pipe: queue.SimpleQueue,
         way: str,
-        asked: list[int],
+        calls: CallWatch,
     ) -> None:
         """Writes queued blocks to ``dst`` in order, each no earlier than its due time (and,
-        throttled, than the link has carried it); ``asked`` counts the request bytes of the
-        connection not answered yet (``lose_replies``)."""
+        throttled, than the link has carried it); ``calls`` follows the connection's uploads
+        (``lose_replies``)."""
         try:
             while (item := pipe.get()) is not None:
                 due, data = item
@@ -176,8 +175,8 @@ class Relay:
                 if (wait := self._carried(way, len(data)) - time.monotonic()) > 0:
                     time.sleep(wait)
                 if way == "up":
-                    asked[0] += len(data)
-                elif self._lose(asked):
+                    calls.client_sent(data)
+                elif self._lose(len(calls.first_answers(data))):
                     return  # (the finally cuts the connection: the reply is lost)
                 dst.sendall(data)
         except OSError:
@@ -185,15 +184,14 @@ class Relay:
         finally:
             self._forget(src, dst)
 
-    def _lose(self, asked: list[int]) -> bool:
-        """Whether the block the syncer sends now is lost: an answer to a large request,
-        with the ``lose_replies`` probability."""
-        large, asked[0] = asked[0] >= REQUEST_BYTES, 0
-        if not large or self._loss <= 0.0:
+    def _lose(self, answers: int) -> bool:
+        """Whether the block the syncer sends now is lost: it starts ``answers`` answers to
+        uploads, each lost with the ``lose_replies`` probability."""
+        if not answers or self._loss <= 0.0:
             return False
         with self._lock:
-            lost = self._random.random() < self._loss
-            self.replies_lost += lost
+            lost = any(self._random.random() < self._loss for _ in range(answers))
+            self.replies_lost += answers if lost else 0
         return lost
 
     def _carried(self, way: str, nbytes: int) -> float:

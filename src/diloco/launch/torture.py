@@ -10,9 +10,20 @@ learner behind its own TCP relay (``diloco.launch.relay``). A seeded schedule of
   syncer must fail (exit non-zero), and is started again until the disk has room;
 * ``learner-kill``: SIGKILL of one learner; it comes back with the same id and no local state
   (its checkpoint is gone with its machine), joins and trains on;
+* ``learner-resume``: SIGKILL of one learner; it comes back with the same id and its local
+  state (its checkpoint and upload journal: a requeued job on the same disk) and resumes;
 * ``partition``: one learner's link is cut for a few seconds;
-* lost replies, all along: each learner's relay loses the reply to an upload with a given
-  probability (the syncer handled it; the learner never hears).
+* ``long-partition``: one learner's link is cut for longer than the syncer keeps commit logs
+  (``--commit-logs-kept``, lowered here to ``COMMIT_LOGS_KEPT`` so that a run of seconds
+  outlasts it), with a syncer kill inside: the fates it cannot learn are counted *unknown*,
+  never guessed;
+* ``second-syncer``: a second ``diloco syncer`` is started on the same state directory while
+  the first serves: it must refuse to start (exit 2) and write nothing;
+* ``clock-step``: the syncer's wall clock steps back (``runtime.clock.WALL_OFFSET_FILE_ENV``)
+  for the rest of the run: it must keep committing (its decisions run on a monotonic clock);
+* lost replies, all along: each learner's relay loses the answer to an upload (told by its
+  gRPC method, whatever its codec) with a given probability (the syncer handled it; the
+  learner never hears).
 
 At the end every fault is healed, the learners stop cleanly (SIGTERM: flush, drain, exit 0)
 and then the syncer; :func:`diloco.report.exactly_once.audit` reads the tape, the journals,
@@ -36,11 +47,28 @@ from diloco.launch.syncer_process import FAILED
 from diloco.learner.journal import JOURNAL_FILE
 from diloco.report.audit_files import FINAL_ACCOUNTING, audit_directories
 from diloco.report.exactly_once import Audit
+from diloco.runtime.clock import WALL_OFFSET_FILE_ENV
 from diloco.runtime.disk import SmallDisk
 from diloco.runtime.jsonl import read_jsonl
 from diloco.runtime.procs import Child, diloco_command
 
-FAULT_KINDS = ("syncer-kill", "disk-full", "learner-kill", "partition")
+FAULT_KINDS = (
+    "syncer-kill",
+    "disk-full",
+    "learner-kill",
+    "learner-resume",
+    "partition",
+    "long-partition",
+    "second-syncer",
+    "clock-step",
+)
+COMMIT_LOGS_KEPT = 72
+"""The syncer's ``--commit-logs-kept`` in a torture run: 3 commits of each of the 24
+fragments. While faults hit 3 tiny learners the syncer commits 5-10 times a second (a
+fragment every 2.5-5 s), so a long partition (12-16 s) outlasts the kept logs and a short
+fault (1-4 s, a lost reply's resends) mostly does not; either way nothing is guessed."""
+CLOCK_STEP_S = -40.0
+"""The ``clock-step`` fault: the syncer's wall clock goes back this far."""
 STALL_BOUND_S = 20.0
 """The longest the syncer may serve without a commit while learners train: learners come
 back within their capped reconnect backoff (5 s) of a restart, and a round holding a
@@ -59,6 +87,12 @@ class TortureSpec:
     disk_fulls: int = 1
     learner_kills: int = 2
     partitions: int = 2
+    learner_resumes: int = 1
+    long_partitions: int = 1
+    long_partition_s: tuple[float, float] = (12.0, 16.0)
+    """How long a long partition lasts (a syncer kill falls inside it)."""
+    second_syncers: int = 1
+    clock_steps: int = 1
     reply_loss: float = 0.1
     """Probability that the reply to an upload is lost."""
     disk_full_s: tuple[float, float] = (2.0, 6.0)
@@ -66,10 +100,9 @@ class TortureSpec:
     (about 3 s) it is ridden out, longer it fails the syncer."""
     comms: str = "default"
     """The syncer's ``--comms`` setting (its H and codecs)."""
-    up_codec: str | None = "int4"
-    """The syncer's ``--up-codec`` (None: the setting's). int4 by default: the relays tell
-    an upload from the other calls by its size (``relay.REQUEST_BYTES``) to lose its reply,
-    and the tiny recipe's fragments in the default's sign1 are smaller than that."""
+    up_codec: str | None = None
+    """The syncer's ``--up-codec`` (None: the setting's; the relays tell an upload by its
+    gRPC method, so the default's one-bit uploads have their replies lost too)."""
     down_codec: str | None = None
     """The syncer's ``--down-codec`` (None: the setting's)."""
 
@@ -98,11 +131,29 @@ def fault_schedule(spec: TortureSpec) -> list[Fault]:
         Fault(rng.uniform(first, last), "disk-full", -1, rng.uniform(*spec.disk_full_s))
         for _ in range(spec.disk_fulls)
     ]
+    faults += [
+        Fault(rng.uniform(first, last), kind)
+        for kind, count in (
+            ("second-syncer", spec.second_syncers),
+            ("clock-step", spec.clock_steps),
+        )
+        for _ in range(count)
+    ]
     busy: dict[int, list[tuple[float, float]]] = {i: [] for i in range(spec.learners)}
-    for kind, count in (("learner-kill", spec.learner_kills), ("partition", spec.partitions)):
+    learner_faults = (
+        ("long-partition", spec.long_partitions),
+        ("learner-kill", spec.learner_kills),
+        ("learner-resume", spec.learner_resumes),
+        ("partition", spec.partitions),
+    )
+    for kind, count in learner_faults:
         for _ in range(count):
             for _attempt in range(50):
-                at, down = rng.uniform(first, last), rng.uniform(1.0, 4.0)
+                if kind == "long-partition":
+                    down = rng.uniform(*spec.long_partition_s)
+                    at = rng.uniform(first, max(first, spec.seconds - 2.0 - down))
+                else:
+                    at, down = rng.uniform(first, last), rng.uniform(1.0, 4.0)
                 target = rng.randrange(spec.learners)
                 span = (at, at + down + 1.0)
                 if any(a < span[1] and span[0] < b for a, b in busy[target]):
@@ -116,6 +167,9 @@ def fault_schedule(spec: TortureSpec) -> list[Fault]:
                     continue
                 busy[target].append(span)
                 faults.append(Fault(at, kind, target, down))
+                if kind == "long-partition":  # the syncer restarts while it is cut off
+                    kill_at = at + rng.uniform(2.0, max(2.5, down - 6.0))
+                    faults.append(Fault(kill_at, "syncer-kill", -1, rng.uniform(0.5, 2.0)))
                 break
     return sorted(faults, key=lambda f: f.at)
 
@@ -135,6 +189,13 @@ class TortureResult:
     replies_lost: int
     commits: int
     seconds: float
+    learner_resumes: int = 0
+    """Learner processes killed and restarted from their checkpoint."""
+    second_syncers_refused: int = 0
+    """Second syncers on the state directory that refused to start (exit 2)."""
+    clock_step_commit_s: float | None = None
+    """Seconds from the syncer's wall-clock step to its next commit (None: no step, or the
+    syncer was restarted before it committed again)."""
 
     def to_dict(self) -> dict:
         return {
@@ -148,6 +209,9 @@ class TortureResult:
             "replies_lost": self.replies_lost,
             "commits": self.commits,
             "seconds": round(self.seconds, 1),
+            "learner_resumes": self.learner_resumes,
+            "second_syncers_refused": self.second_syncers_refused,
+            "clock_step_commit_s": self.clock_step_commit_s,
         }
 
 
@@ -175,6 +239,17 @@ class Torture:
         self.syncer_kills = 0
         self._t0 = time.time()
         self._log_path = self.workdir / "torture.jsonl"
+        self._offset_file = self.workdir / "wall-clock-offset"
+        self.learner_resumes = 0
+        self.second: Child | None = None
+        """A second syncer started on the state directory (``second-syncer``), until it exits."""
+        self.second_syncers_refused = 0
+        self._clock_step: tuple[float, int, Child] | None = None
+        """(when, the tape's size then, the syncer then) of a clock step not yet followed by
+        a commit of that syncer."""
+        self.clock_step_commit_s: float | None = None
+        self.problems: list[str] = []
+        """What the run itself saw go wrong (beyond the audit): added to the audit's."""
 
     # ------------------------------------------------------------------ paths
     @property
@@ -202,12 +277,14 @@ class Torture:
             f"--bind={self.address or '127.0.0.1:0'}",
             f"--state-dir={self.state_dir}",
             f"--port-file={self._port_file}",
+            f"--commit-logs-kept={COMMIT_LOGS_KEPT}",
             *([f"--comms={self.spec.comms}"] if self.spec.comms != "default" else []),
             *([f"--up-codec={self.spec.up_codec}"] if self.spec.up_codec else []),
             *([f"--down-codec={self.spec.down_codec}"] if self.spec.down_codec else []),
             "--exit-with-parent",
         )
-        self.syncer = Child("syncer", argv, self.workdir / "syncer.log")
+        env = {WALL_OFFSET_FILE_ENV: str(self._offset_file)}
+        self.syncer = Child("syncer", argv, self.workdir / "syncer.log", env=env)
         self.syncer_starts += 1
         self._serving = False
         deadline = time.monotonic() + 60
@@ -231,10 +308,13 @@ class Torture:
         if self._down_since is None:
             self._down_since = time.time()
 
-    def _start_learner(self, i: int) -> None:
+    def _start_learner(self, i: int, *, resume: bool = False) -> None:
+        """Start learner i: on a new machine (no local state), or ``resume`` from the
+        checkpoint and journal its killed life left in its work directory."""
         workdir = self.learner_dir(i)
-        for stale in ("checkpoint.pt", "delivered.json", FINAL_ACCOUNTING):
-            (workdir / stale).unlink(missing_ok=True)  # a new machine: no local state
+        stale = (FINAL_ACCOUNTING,) if resume else ("checkpoint.pt", "delivered.json")
+        for name in (*stale, FINAL_ACCOUNTING):
+            (workdir / name).unlink(missing_ok=True)
         argv = diloco_command(
             "learner",
             "--recipe=tiny",
@@ -242,11 +322,11 @@ class Torture:
             f"--index={i}",
             f"--syncer={self.relays[i].address}",
             f"--workdir={workdir}",
-            "--checkpoint-every=0",
+            "--checkpoint-every=1",
             "--exit-with-parent",
         )
         self.learners[i] = Child(f"l{i}", argv, workdir / "learner.log")
-        self._log("learner-start", learner=i)
+        self._log("learner-start", learner=i, resume=resume)
 
     # --------------------------------------------------------------------- run
     def run(self) -> TortureResult:
@@ -290,13 +370,15 @@ class Torture:
                 if when > now:
                     continue
                 restarts.remove(item)
-                if what == "learner":
-                    self._start_learner(i)
+                if what in ("learner", "learner-resume"):
+                    self._start_learner(i, resume=what == "learner-resume")
                 elif what == "heal":
                     self.relays[i].heal()
                 elif what == "free":
                     self.disk.free()
             self._keep_syncer_up(now, restarts)
+            self._watch_second_syncer(now)
+            self._watch_clock_step(now)
             time.sleep(0.05)
 
     def _inject(self, fault: Fault, now: float, restarts: list) -> None:
@@ -310,16 +392,85 @@ class Torture:
         elif fault.kind == "disk-full" and self.disk is not None:
             self.disk.fill()
             restarts.append((now + fault.down_s, "free", -1))
-        elif fault.kind == "learner-kill":
+        elif fault.kind in ("learner-kill", "learner-resume"):
             child = self.learners[fault.target]
             if child is not None and child.running:
                 child.signal(signal.SIGKILL)
                 child.proc.wait(timeout=10)
                 self.learner_kills += 1
-            restarts.append((now + fault.down_s, "learner", fault.target))
-        elif fault.kind == "partition":
+                self.learner_resumes += fault.kind == "learner-resume"
+            what = "learner-resume" if fault.kind == "learner-resume" else "learner"
+            restarts.append((now + fault.down_s, what, fault.target))
+        elif fault.kind in ("partition", "long-partition"):
             self.relays[fault.target].partition(float("inf"))
             restarts.append((now + fault.down_s, "heal", fault.target))
+        elif fault.kind == "second-syncer":
+            self._start_second_syncer()
+        elif fault.kind == "clock-step":
+            self._step_clock(now)
+
+    def _start_second_syncer(self) -> None:
+        """A second syncer on the state directory while the first one runs (a replacement
+        started beside a process that is only cut off): it must refuse to start."""
+        if self.second is not None or self.syncer is None or not self.syncer.running:
+            return
+        argv = diloco_command(
+            "syncer",
+            "--recipe=tiny",
+            "--bind=127.0.0.1:0",
+            f"--state-dir={self.state_dir}",
+            f"--port-file={self.workdir / 'second.port'}",
+            "--exit-with-parent",
+        )
+        self.second = Child("second-syncer", argv, self.workdir / "second-syncer.log")
+
+    def _watch_second_syncer(self, now: float) -> None:
+        """A second syncer must exit 2 without serving (within 60 s)."""
+        if self.second is None:
+            return
+        code = self.second.poll()
+        if code is None and now - self.second.started_at < 60:
+            return
+        served = (self.workdir / "second.port").exists()
+        if code == 2 and not served:
+            self.second_syncers_refused += 1
+        else:
+            self.problems.append(
+                f"a second syncer on the state directory {'served' if served else 'ran'} "
+                f"(exit {code}): {self.second.tail()}"
+            )
+            self.second.kill()
+        self._log("second-syncer-exited", code=code)
+        self.second = None
+
+    def _step_clock(self, now: float) -> None:
+        """Step the syncer's wall clock back (``CLOCK_STEP_S``) for the rest of the run."""
+        self._offset_file.write_text(f"{CLOCK_STEP_S}\n")
+        if self.syncer is not None and self.syncer.running and self._serving:
+            tape = self.state_dir / "events.jsonl"
+            size = tape.stat().st_size if tape.exists() else 0
+            self._clock_step = (now, size, self.syncer)
+
+    def _watch_clock_step(self, now: float) -> None:
+        """Note how long after a clock step its syncer committed again (a syncer restarted
+        before that tells nothing: it read the stepped clock from its start)."""
+        if self._clock_step is None:
+            return
+        at, size, syncer = self._clock_step
+        if syncer is not self.syncer or not syncer.running:
+            self._clock_step = None
+            return
+        with open(self.state_dir / "events.jsonl", "rb") as f:
+            f.seek(size)
+            tail = f.read()
+        if b'"event":"round"' in tail or b'"event": "round"' in tail:
+            self.clock_step_commit_s = round(now - at, 3)
+            self._clock_step = None
+        elif now - at > STALL_BOUND_S:
+            self.problems.append(
+                f"no commit in {STALL_BOUND_S:g} s after the syncer's wall clock stepped back"
+            )
+            self._clock_step = None
 
     def _keep_syncer_up(self, now: float, restarts: list) -> None:
         """Start the syncer again when it exited on its own (its disk filled up, or a start
@@ -346,6 +497,8 @@ class Torture:
             self.disk.free()
         for relay in self.relays:
             relay.heal()
+        if self.second is not None:
+            self._watch_second_syncer(time.time() + 60)  # (its verdict now)
         deadline = time.monotonic() + 90
         while not (self.syncer is not None and self.syncer.running and self._check_serving()):
             if time.monotonic() > deadline:
@@ -382,7 +535,7 @@ class Torture:
             self.syncer.stop(timeout=30)
 
     def _clean_up(self) -> None:
-        for child in [*self.learners, self.syncer]:
+        for child in [*self.learners, self.syncer, self.second]:
             if child is not None and child.running:
                 child.kill()
         for relay in self.relays:
@@ -406,6 +559,7 @@ class Torture:
             stall_bound_s=STALL_BOUND_S,
             stopped_cleanly=True,
         )
+        verdict.problems.extend(self.problems)
         return TortureResult(
             self.spec,
             verdict,
@@ -417,4 +571,7 @@ class Torture:
             sum(r.replies_lost for r in self.relays),
             verdict.commits,
             0.0,
+            self.learner_resumes,
+            self.second_syncers_refused,
+            self.clock_step_commit_s,
         )

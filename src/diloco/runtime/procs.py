@@ -44,7 +44,9 @@ class Child:
         threads: int = 1,
         cwd: str | None = None,
         stdin=subprocess.DEVNULL,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``env``: variables set for this child on top of ``child_env``."""
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
@@ -55,7 +57,7 @@ class Child:
             stdin=stdin,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=child_env(threads),
+            env={**child_env(threads), **(env or {})},
             cwd=cwd,
             start_new_session=True,
         )

@@ -127,7 +127,7 @@ class SyncerConfig:
     max_learner_ids: int = option(1024, metavar="N")
     """Distinct learner ids the syncer remembers: a new id beyond them takes the place of the
     one gone the longest, and is refused only when all of them are live."""
-    commit_logs_kept: int = RETAINED_COMMIT_LOGS
+    commit_logs_kept: int = option(RETAINED_COMMIT_LOGS, metavar="N")
     """Commit logs the syncer keeps (memory and ``receipts.jsonl``): how far back the fates
     of accepted uploads stay known; an older one is *unknown* (``diloco.syncer.receipts``)."""
 
