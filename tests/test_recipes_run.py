@@ -5,6 +5,7 @@ callback (a real Trainer against a real syncer)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -204,7 +205,11 @@ def test_learners_train_under_bf16_autocast_on_the_device_asked_for(tmp_path):
 @pytest.mark.timeout(240)
 def test_a_lightning_trainer_becomes_a_learner_with_one_callback(tmp_path):
     """A real ``lightning.Trainer`` with gradient accumulation against a real syncer: the
-    callback steps the learner once per optimizer step with the tokens of both batches."""
+    callback steps the learner once per optimizer step with the tokens of both batches.
+    Each batch takes at least 10 ms (a 300-step fit of the tiny model took 1.9 s on an idle
+    machine: over before the syncer's clock had a step estimate from the learner's
+    heartbeats, and merged 5 to 18 rounds), so the rounds do not depend on the machine's
+    speed."""
     lightning = pytest.importorskip("lightning")
     from diloco.integrations.lightning import DilocoCallback
     from diloco.syncer.server import SyncerServer
@@ -218,6 +223,7 @@ def test_a_lightning_trainer_becomes_a_learner_with_one_callback(tmp_path):
             self.model = recipe.build_model(0)
 
         def training_step(self, batch, batch_idx):
+            time.sleep(0.01)  # (the pace of a real model, see the docstring)
             return recipe.loss(self.model, batch)
 
         def configure_optimizers(self):
