@@ -27,7 +27,10 @@ pytest.importorskip("ray")
 
 pytestmark = pytest.mark.slow
 
-STEPS = 1500
+STEPS = 4000
+"""Per learner: enough that neither finishes before the syncer has moved (on an idle machine
+learner-0, alone while site b is lost, trained 1,500 steps in 21 s and finished 2 s before
+the moved syncer served; the moves take ~40 s)."""
 LEARNERS = 2
 
 
