@@ -284,17 +284,29 @@ class Peer:
     """A raw client of the wire protocol, honest or not: it says what it is told to say
     (join, heartbeat, an fp32 upload, leave), with no ledger and no retries."""
 
-    def __init__(self, server: SyncerServer, learner_id: str, *, token: str | None = None):
+    def __init__(
+        self,
+        server: SyncerServer,
+        learner_id: str,
+        *,
+        token: str | None = None,
+        generation: int = 0,
+    ):
+        """``generation``: the process generation it joins with (0: not given)."""
         self.server, self.learner_id = server, learner_id
         self.channel = grpc.insecure_channel(server.address)
         self.stub = pb_grpc.SyncerStub(self.channel)
         self.metadata = auth.call_metadata(token)
         self.session = ""
+        self.generation = generation
 
     def join(self, tokens_per_step: int = 0, timeout: float = 5.0) -> pb.JoinReply:
         layout = self.server.layout
+        request = join_request(
+            layout, self.learner_id, tokens_per_step=tokens_per_step, generation=self.generation
+        )
         reply = self.stub.Join(
-            join_request(layout, self.learner_id, tokens_per_step=tokens_per_step),
+            request,
             timeout=timeout,
             metadata=self.metadata,
         )

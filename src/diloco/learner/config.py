@@ -3,6 +3,7 @@ keyword arguments; the worker process builds it from :class:`diloco.config.worke
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from diloco.learner.pacing import DEFAULT_LAG_STEPS, DEFAULT_MAX_STRETCH
@@ -32,6 +33,15 @@ def close_bound_s(
 
 CLOSE_BOUND_S = close_bound_s()
 """``close_bound_s`` at the learner's defaults."""
+
+
+def default_generation() -> int:
+    """A learner process's generation when none is given: the wall clock in nanoseconds
+    (``time.time_ns``). A replacement started after the process it replaces has a larger
+    one as long as the two hosts' clocks agree to better than the time between the two
+    starts (NTP keeps them within milliseconds; a replacement comes seconds or minutes
+    later)."""
+    return time.time_ns()
 
 
 @dataclass(kw_only=True)
@@ -68,6 +78,14 @@ class LearnerConfig:
     across crashes. None: no journal."""
     learner_id: str | None = None
     """Identity at the syncer; default ``<hostname>-<pid>``. Keep it across restarts to rejoin."""
+    generation: int | None = None
+    """Which process of ``learner_id`` this is, sent with every join: a process started to
+    replace another of the same id must have a larger one. The syncer refuses for good a
+    join with a lower generation than one it saw for the id (the older process, a zombie
+    cut off on a partitioned node, stops with an error), and a higher one takes the id over.
+    None: ``default_generation()``, the wall clock in nanoseconds when the learner is made.
+    Give a counter your launcher increases across every restart of the id (never one that
+    starts over, as a new job's restart count does), in [1, 2^64)."""
     cpu_threads: int | None = None
     """``torch.set_num_threads(n)`` applied when the model is on CPU; None (default): the
     Learner leaves your process's thread settings alone. Several training processes sharing
@@ -120,6 +138,8 @@ class LearnerConfig:
             comms_setting(self.comms)  # a bad name is refused here, not at join
         if self.num_fragments < 1:
             raise ValueError(f"num_fragments must be >= 1 (got {self.num_fragments})")
+        if self.generation is not None and not 1 <= self.generation < 1 << 64:
+            raise ValueError(f"generation must be in [1, 2^64) (got {self.generation})")
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(
                 f"alpha must be in [0, 1) (got {self.alpha}); 0 overwrites with the global value"

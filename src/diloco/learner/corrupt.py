@@ -27,8 +27,7 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.chaos import CORRUPT_HOWS
-from diloco.learner.link import Outgoing, UploadEncoder
-from diloco.learner.uploads import UploadJob
+from diloco.learner.uploads import Outgoing, UploadEncoder, UploadJob
 
 HUGE_FACTOR = 1e3
 """What ``huge`` multiplies a delta by."""

@@ -41,7 +41,7 @@ from diloco.algorithm.fragments import (
     due_fragments,
 )
 from diloco.learner.callbacks import LearnerListener
-from diloco.learner.config import LearnerConfig
+from diloco.learner.config import LearnerConfig, default_generation
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Inbox, Rejoin, bounded, follow
 from diloco.learner.journal import UploadJournal
@@ -228,6 +228,7 @@ class Learner(Settling, Stopping, Restoring):
             token=cfg.token, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )
         options.update(tokens_per_step=cfg.tokens_per_step, comms=cfg.comms, **(link_options or {}))
+        options.setdefault("generation", cfg.generation or default_generation())
         return open_link(syncer, self.learner_id, self.layout, self.listener, **options)
 
     # ----------------------------------------------------------------- public

@@ -10,7 +10,9 @@ blocks); every submitted job gets exactly one answer through ``listener.on_resul
 
 Threads: ``link`` (connect / reconnect and the subscription stream), ``sender`` (encodes
 and uploads the jobs of its ``diloco.learner.uploads.UploadQueue``), ``heartbeat``. A
-refused join (another model) is fatal: ``error`` is set and the owner raises it to the user.
+refused first join (another model) and a join refused because a newer process of this
+learner id joined are fatal (``diloco.learner.refusals``): ``error`` is set and the owner
+raises it to the user.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from diloco.learner.address import FILE_PREFIX as ADDRESS_FILE
 from diloco.learner.address import resolve as resolve_address
 from diloco.learner.listener import LinkListener
 from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
-from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
+from diloco.learner.refusals import fatal_join_refusal, upload_refusal
+from diloco.learner.uploads import UploadEncoder, UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire import keepalive
@@ -58,32 +61,6 @@ class LinkStats:
     connects: int = 0
 
 
-@dataclass(frozen=True)
-class Outgoing:
-    """An upload as it goes on the wire."""
-
-    payload: bytes
-    """The encoded delta sent."""
-    tokens: int
-    """The tokens it claims."""
-    meant: bytes
-    """What the learner meant to send (the payload unless a fault damaged it): its residual
-    is measured against this, so damage is never fed back into the learner's progress."""
-
-
-class UploadEncoder:
-    """How a link turns a job into the bytes it sends; the seam that fault injection wraps
-    (``diloco.learner.corrupt.CorruptingEncoder``) so the link itself has no fault branches."""
-
-    def declared_tokens_per_step(self, tokens_per_step: int) -> int:
-        """The tokens per step the link declares at join."""
-        return tokens_per_step
-
-    def encode(self, job: UploadJob, codec: str) -> Outgoing:
-        payload = codecs.encode(job.delta, codec)
-        return Outgoing(payload, job.tokens, payload)
-
-
 class SyncerLink:
     """Background connection of one learner (or observer) to one syncer."""
 
@@ -103,6 +80,7 @@ class SyncerLink:
         encoder: UploadEncoder | None = None,
         check_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
         comms: str | None = None,
+        generation: int = 0,
     ) -> None:
         """``listener`` hears everything the link learns and answers what it asks, on the
         link's threads (``diloco.learner.listener``). ``encoder`` turns a job into the bytes
@@ -115,7 +93,10 @@ class SyncerLink:
         ``comms``: the named setting whose traffic is the most this link accepts; a syncer
         whose exchange is heavier is refused at join (fatal; ``diloco.wire.comms``).
         ``rpc_timeout_s``: the deadline of a join, and the least an upload gets (a big upload
-        on a slow link gets more: ``diloco.learner.pacing.upload_deadline_s``)."""
+        on a slow link gets more: ``diloco.learner.pacing.upload_deadline_s``).
+        ``generation``: this process's generation, sent with every join (0: none; a join
+        refused as superseded by a newer process of the id is fatal,
+        ``diloco.learner.refusals``)."""
         self.name = address
         """The syncer as configured: ``HOST:PORT`` or ``@FILE`` (``diloco.learner.address``);
         what the listener knows it by, whatever address it is reached at."""
@@ -131,6 +112,7 @@ class SyncerLink:
         self.max_backoff_s = max_backoff_s
         self.tokens_per_step = tokens_per_step
         self.comms = comms
+        self.generation = generation
         self.encoder = encoder or UploadEncoder()
         self.schedule = "learner"
         """Who drives the rounds, as the syncer said at the last join (``"learner"`` until
@@ -260,16 +242,9 @@ class SyncerLink:
                     self._connect_and_listen()
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if (
-                    code
-                    in (
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        grpc.StatusCode.PERMISSION_DENIED,
-                    )
-                    and not self.connected.is_set()
-                    and self._session == ""
-                ):
+                trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
+                joined_before = self.connected.is_set() or self._session != ""
+                if fatal_join_refusal(code, trailing, joined_before=joined_before):
                     self.error = RuntimeError(
                         f"the syncer at {self.address} refused this learner: {exc.details()}"
                     )
@@ -388,6 +363,7 @@ class SyncerLink:
                 tensors=tensors,
                 observer=self.observer,
                 tokens_per_step=self.encoder.declared_tokens_per_step(self.tokens_per_step),
+                generation=self.generation,
             ),
             timeout=self.rpc_timeout_s,
             metadata=self.metadata,
@@ -540,16 +516,13 @@ class SyncerLink:
         except grpc.RpcError as exc:
             self.meter.ended(delivered=False)
             code = exc.code() if hasattr(exc, "code") else None
-            if code in (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.PERMISSION_DENIED,
-                grpc.StatusCode.OUT_OF_RANGE,
-                grpc.StatusCode.UNAUTHENTICATED,
-            ):
+            trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
+            # a refused resend: its fate is unknown unless the syncer proves it never admitted
+            outcome = upload_refusal(code, trailing, resend=job.attempts > 0)
+            if outcome is not None:
                 self.stats.uploads_refused += 1
                 log.warning("upload of fragment %d refused: %s", job.fragment, exc.details())
-                return UploadResult("guard" if code == grpc.StatusCode.OUT_OF_RANGE else "refused")
+                return UploadResult(outcome)
             self.stats.uploads_failed += 1
             return UploadResult("failed")
         self.meter.ended(delivered=True)

@@ -157,6 +157,14 @@ class Receipts:
         told: its admission (at ``base_version`` or later) is not older than the kept logs."""
         return base_version >= self.complete_from.get(fragment, 0)
 
+    def never_admitted(self, learner: str, upload_id: int, fragment: int, base_version: int):
+        """Whether an upload with an id is known never to have been admitted by this syncer
+        or a predecessor whose commits it restored: its id is not held and its fate can be
+        told (``fate_known``). An accepted upload whose round died with a predecessor was
+        never merged either."""
+        unheld = upload_id and self.admitted(learner, upload_id, fragment) is None
+        return bool(unheld) and self.fate_known(fragment, base_version)
+
     def logged_from(self, num_fragments: int, owned: Collection[int]) -> list[int]:
         """Per fragment, the version from which the log of every commit is kept (-1: a
         fragment not in ``owned``): a rejoining learner's accepted delta admitted since then

@@ -44,10 +44,12 @@ one, which would multiply its merge weight by 10,000, is refused."""
 class Refused(Exception):
     """A request that is invalid; ``code`` names the gRPC status the server answers with."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, metadata: tuple[tuple[str, str], ...] = ()):
+        """``metadata``: trailing metadata the refusal carries (``wire.protocol`` keys)."""
         super().__init__(message)
         self.code = code
         self.message = message
+        self.metadata = metadata
 
 
 @dataclass

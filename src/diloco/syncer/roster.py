@@ -1,7 +1,7 @@
 """The syncer's learner table: who joined, with which session, who is live, who is gone.
 
 A mixin of :class:`diloco.syncer.state.SyncerState` (it uses the state's ``config``,
-``layout``, ``learners``, ``norms``, ``commit_times``, ``fleet_pace``, ``emit`` and, for
+``layout``, ``learners``, ``generations``, ``norms``, ``commit_times``, ``fleet_pace``, ``emit`` and, for
 the finals a stopping fleet waits for, ``estimates`` and ``_longest_wait``): the decisions
 about membership and about the pace the syncer believes of each learner (``syncer.pace``)
 live here, the rounds in ``state.py``. Not thread-safe: callers hold the state's lock.
@@ -38,6 +38,7 @@ class LearnerRoster:
         observer: bool,
         now: float,
         tokens_per_step: int = 0,
+        generation: int = 0,
     ) -> LearnerInfo:
         """Admit a learner (or observer) whose model matches the layout; returns its record.
 
@@ -47,6 +48,8 @@ class LearnerRoster:
         longest (``_longest_gone``); only a table of live ids refuses it.
         ``tokens_per_step`` (0: not declared: its first contribution sets the bound,
         ``records.tokens_per_step_bound``) bounds the tokens per step it may claim.
+        ``generation``: which process of the id joins (``diloco.syncer.generations``; 0: not
+        given); a lower one than an earlier join's is refused for good, nothing changed.
         """
         check_id(learner_id)
         if not 0 <= tokens_per_step <= self.config.max_tokens_per_step:
@@ -71,6 +74,7 @@ class LearnerRoster:
                 "FAILED_PRECONDITION",
                 "layout hash differs although tensors match: different fragmentation",
             )
+        self.generations.admit(learner_id, generation)  # (a superseded process: Refused)
         old = self.learners.get(learner_id)
         if old is None and len(self.learners) >= self.config.max_learner_ids:
             gone = self._longest_gone(now)

@@ -20,6 +20,7 @@ from diloco.algorithm.shards import shard_fragments
 from diloco.runtime import clock
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.fencing import Claim, claim_state_dir
+from diloco.syncer.generations import GenerationFile
 from diloco.syncer.limits import DEFAULT_MAX_LEARNERS
 from diloco.syncer.receipt_log import ReceiptLog
 from diloco.syncer.service import (
@@ -160,10 +161,12 @@ class SyncerServer:
             self.state.restore_history(
                 p, self.store.load_commits(p), self.store.load_merged_tokens(p)
             )
-        receipt_log = None
+        receipt_log = generation_file = None
         if state_dir:
             kept = self.config.commit_logs_kept
             receipt_log = ReceiptLog(state_dir, kept, fence=self.claim.check)
+            generation_file = GenerationFile(state_dir, fence=self.claim.check)
+            self.state.generations.restore(generation_file.load())
         if receipt_log is not None:
             embedded = {p: self.store.load_commits(p) for p in restored}
             logs = receipt_log.open({p: versions[p] for p in owned}, embedded)
@@ -173,6 +176,7 @@ class SyncerServer:
             store=self.store,
             tape=self.tape,
             receipt_log=receipt_log,
+            generation_file=generation_file,
             wire=wire,
             **service_options,
         )

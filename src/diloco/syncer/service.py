@@ -13,6 +13,7 @@ persisted and what learners hold.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ from diloco.runtime import clock
 from diloco.runtime.watchdog import Watchdog
 from diloco.syncer.broadcast import Keyframe, Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
+from diloco.syncer.fencing import Superseded
+from diloco.syncer.generations import GenerationFile
 from diloco.syncer.limits import (
     DEFAULT_MAX_LEARNERS,
     FIRST_CHUNK_S,
@@ -47,6 +50,7 @@ from diloco.syncer.upload import receive_upload
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.protocol import NOT_ADMITTED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         store: FragmentStore | None,
         tape: EventTape | None,
         receipt_log: ReceiptLog | None = None,
+        generation_file: GenerationFile | None = None,
         allowed_learners: frozenset[str] | None = None,
         wire: dict[int, torch.Tensor] | None = None,
         secret: str | None = None,
@@ -76,7 +81,8 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         """``wire``: the restored wire image of each fragment (default: Θ_p). ``secret``: the
         shared token (the interceptor checks it; the handlers check whose id a call may use),
         ``learner_tokens``: the shared token may not act as a learner (``diloco.wire.auth``).
-        ``limits``: caps on open streams (``diloco.syncer.limits``; default:
+        ``generation_file``: where the learners' highest generations are kept
+        (``diloco.syncer.generations``). ``limits``: caps on open streams (``diloco.syncer.limits``; default:
         ``DEFAULT_MAX_LEARNERS`` learners').
         ``on_failure(exc)``: called once, on the committer's thread, when the syncer fails
         (see the module docstring)."""
@@ -91,6 +97,11 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         self.store = store
         self.tape = tape
         self.receipt_log = receipt_log
+        self.generation_file = generation_file
+        """Where the learners' highest generations are kept (None: in memory only)."""
+        self._arriving: dict[tuple[str, int], int] = {}
+        """(learner id, upload id) of the uploads received and not yet answered, counted: a
+        refused copy of one of them is not said to be never admitted (``_fate_metadata``)."""
         self.lock = threading.Lock()
         self.started_at = clock.monotonic()
         self._subscribers: dict[Subscriber, Callable[[], None]] = {}
@@ -126,9 +137,12 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         self._committer.start()
 
     def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused, rpc: str):
-        """Tape the refusal (``refused`` record) and answer with its status; never returns."""
+        """Tape the refusal (``refused`` record) and answer with its status and trailing
+        metadata (``Refused.metadata``); never returns."""
         with self.lock:
             self.state.note_refusal(learner_id, err.code, err.message, clock.monotonic(), rpc=rpc)
+        if err.metadata:
+            context.set_trailing_metadata(err.metadata)
         context.abort(getattr(grpc.StatusCode, err.code), err.message[:MAX_REASON_CHARS])
 
     def refuse_unauthenticated(self, method: str, reason: str) -> None:
@@ -183,10 +197,14 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                     observer=request.observer,
                     now=clock.monotonic(),
                     tokens_per_step=request.tokens_per_step,
+                    generation=request.generation,
                 )
                 versions = list(self.state.versions)
                 committed = self.state.receipts.held(request.learner_id)
                 logged_from = self.state.logged_from()
+                unwritten = self.state.generations.changes > self.generation_file_holds()
+            if unwritten:  # on disk before this process is told it holds the id
+                self._write_generations(context)
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Join")
         cfg = self.state.config
@@ -206,6 +224,33 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             committed_uploads=committed,
             logged_from=logged_from,
         )
+
+    def generation_file_holds(self) -> int:
+        """The ``Generations.changes`` the state directory's file holds (all of them without
+        a state directory: nothing to write)."""
+        if self.generation_file is None:
+            return self.state.generations.changes
+        return self.generation_file.written
+
+    def _write_generations(self, context: grpc.ServicerContext) -> None:
+        """Persist the learners' highest generations (``diloco.syncer.generations``); a
+        write that fails answers the join ``UNAVAILABLE`` (it is tried again at the next
+        join), a superseded syncer fails."""
+
+        def snapshot():
+            with self.lock:
+                return self.state.generations.snapshot()
+
+        try:
+            self.generation_file.write(snapshot)
+        except Superseded as exc:
+            self._fail(exc)
+            self.check_alive(context)
+        except OSError as exc:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"could not persist the learner generations: {exc}"[:MAX_REASON_CHARS],
+            )
 
     def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.ServicerContext
@@ -316,52 +361,90 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext
     ) -> pb.UploadReply:
         self.check_alive(context)
-        who: dict[str, str] = {}
-        try:
-            with self.limits.hold("upload", self._caller(context)):
-                header, payload = self._receive(request_iterator, context, who)
-            numel = self.state.layout.fragments[header.fragment].numel
+        who: dict[str, object] = {}
+        counted = 0  # (1 once this upload counts as arriving)
+        with contextlib.ExitStack() as arriving:
             try:
-                delta = codecs.decode(payload, numel, header.codec)
-            except codecs.CodecError as exc:
-                raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
-            norm = float(delta.norm())  # here, not under the lock
+                with self.limits.hold("upload", self._caller(context)):
+                    header, payload = self._receive(request_iterator, context, who)
+                arriving.enter_context(self._arrival(header))
+                counted = 1
+                return self._admit(header, payload)
+            except LimitExceeded as exc:
+                err = Refused("RESOURCE_EXHAUSTED", str(exc))
+            except Refused as err_:
+                err = err_
+                err.metadata = (*err.metadata, *self._fate_metadata(who.get("header"), counted))
+            except grpc.RpcError:  # cancelled: its deadline passed (or the client went away)
+                with self.lock:
+                    self.state.note_refusal(
+                        str(who.get("learner_id", "")),
+                        "CANCELLED",
+                        "the upload did not arrive in time",
+                        clock.monotonic(),
+                        rpc="Upload",
+                    )
+                return pb.UploadReply()
+        return self._refuse(context, str(who.get("learner_id", "")), err, "Upload")
+
+    @contextlib.contextmanager
+    def _arrival(self, header: pb.UploadChunk):
+        """Count ``header``'s upload as arriving while inside (received, not yet answered)."""
+        key = (header.learner_id, header.upload_id)
+        with self.lock:
+            self._arriving[key] = self._arriving.get(key, 0) + 1
+        try:
+            yield
+        finally:
             with self.lock:
-                admission = self.state.submit(
-                    header.learner_id,
-                    header.session,
-                    fragment=header.fragment,
-                    base_version=header.base_version,
-                    steps=header.steps,
-                    tokens=header.tokens,
-                    delta=delta,
-                    step_time_s=header.step_time_s,
-                    nbytes=len(payload),
-                    now=clock.monotonic(),
-                    final=header.final,
-                    upload_id=header.upload_id,
-                    delta_norm=norm,
-                    final_fragments=tuple(header.final_fragments),
-                    resend=header.resend,
-                )
-                current = self.state.versions[header.fragment]
-                if admission.version is not None:
-                    current = admission.version
-        except LimitExceeded as exc:
-            err = Refused("RESOURCE_EXHAUSTED", str(exc))
-            return self._refuse(context, who.get("learner_id", ""), err, "Upload")
-        except Refused as err:
-            return self._refuse(context, who.get("learner_id", ""), err, "Upload")
-        except grpc.RpcError:  # cancelled: its deadline passed (or the client went away)
-            with self.lock:
-                self.state.note_refusal(
-                    who.get("learner_id", ""),
-                    "CANCELLED",
-                    "the upload did not arrive in time",
-                    clock.monotonic(),
-                    rpc="Upload",
-                )
-            return pb.UploadReply()
+                self._arriving[key] -= 1
+                if not self._arriving[key]:
+                    del self._arriving[key]
+
+    def _fate_metadata(self, header, own: int) -> tuple[tuple[str, str], ...]:
+        """The ``NOT_ADMITTED_KEY`` mark for a refused resend (``header``: its first chunk, or
+        None) this syncer can tell was never admitted (``Receipts.never_admitted``, and no
+        copy of it is arriving but its ``own`` count): its learner may send that progress
+        again. Without the mark a refused resend's fate is unknown."""
+        if header is None or not header.resend:
+            return ()
+        with self.lock:
+            if self._arriving.get((header.learner_id, header.upload_id), 0) > own:
+                return ()
+            never = self.state.receipts.never_admitted(
+                header.learner_id, header.upload_id, header.fragment, header.base_version
+            )
+        return ((NOT_ADMITTED_KEY, "1"),) if never else ()
+
+    def _admit(self, header: pb.UploadChunk, payload: bytes) -> pb.UploadReply:
+        """Decode a received upload and submit it to the state; its reply."""
+        numel = self.state.layout.fragments[header.fragment].numel
+        try:
+            delta = codecs.decode(payload, numel, header.codec)
+        except codecs.CodecError as exc:
+            raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
+        norm = float(delta.norm())  # here, not under the lock
+        with self.lock:
+            admission = self.state.submit(
+                header.learner_id,
+                header.session,
+                fragment=header.fragment,
+                base_version=header.base_version,
+                steps=header.steps,
+                tokens=header.tokens,
+                delta=delta,
+                step_time_s=header.step_time_s,
+                nbytes=len(payload),
+                now=clock.monotonic(),
+                final=header.final,
+                upload_id=header.upload_id,
+                delta_norm=norm,
+                final_fragments=tuple(header.final_fragments),
+                resend=header.resend,
+            )
+            current = self.state.versions[header.fragment]
+            if admission.version is not None:
+                current = admission.version
         self._wake.set()
         return pb.UploadReply(
             accepted=admission.accept,
@@ -371,7 +454,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             fate_unknown=admission.fate_unknown,
         )
 
-    def _receive(self, chunks, context: grpc.ServicerContext, who: dict[str, str]):
+    def _receive(self, chunks, context: grpc.ServicerContext, who: dict[str, object]):
         """``receive_upload`` under the upload's deadlines: ``first_chunk_s`` for the first
         chunk, then that plus the upload's size at ``MIN_UPLOAD_BPS``; past a deadline the
         call is cancelled (its chunk iterator raises ``grpc.RpcError``)."""

@@ -44,6 +44,7 @@ from diloco.algorithm.rounds import (
 from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.closing import RoundClosing
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.generations import Generations
 from diloco.syncer.pace import CommitTimes, FleetPace
 from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog, Receipts, UploadPart
 from diloco.syncer.records import (
@@ -134,6 +135,8 @@ class SyncerState(LearnerRoster, RoundClosing):
         self.last_commit_at: dict[int, float] = {}
         self.commit_times = CommitTimes(config.max_staleness + 1)
         self.fleet_pace = FleetPace()
+        self.generations = Generations()
+        """The highest generation each learner id joined with (``syncer.generations``)."""
         self.receipts = Receipts(config.commit_logs_kept)
         """The fates of the learners' accepted uploads (``diloco.syncer.receipts``)."""
         self.history: dict[int, deque[CommitLog]] = {

@@ -15,7 +15,7 @@ def receive_upload(
     chunks: Iterator[pb.UploadChunk],
     state: SyncerState,
     lock: Lock,
-    who: dict[str, str],
+    who: dict[str, object],
     *,
     check_caller: Callable[[str], None] = lambda learner_id: None,
     on_header: Callable[[int], None] = lambda nbytes: None,
@@ -24,7 +24,10 @@ def receive_upload(
 
     The first chunk's header is checked (the caller may act as its learner id: raises
     ``Refused`` otherwise; session, fragment, codec, numel, chunk count) before any more data
-    is read, so a stranger or a bad header costs one chunk. ``on_header(nbytes)`` is told
+    is read, so a stranger or a bad header costs one chunk. The session is not checked for
+    an upload id the receipts hold (a resend whose first reply was lost, sent before its
+    learner rejoined): ``SyncerState.submit`` answers it with its admission. ``who`` gets
+    the first chunk (``header``) and its ``learner_id``. ``on_header(nbytes)`` is told
     the upload's size once its header passed.
     """
     header = None
@@ -33,12 +36,13 @@ def receive_upload(
     expected = 0
     for i, chunk in enumerate(chunks):
         if header is None:
-            header = chunk
+            header = who["header"] = chunk
             who["learner_id"] = chunk.learner_id
             check_caller(chunk.learner_id)
-            with lock:
-                info = state.session_of(chunk.learner_id, chunk.session)
-            if info.observer:
+            with lock:  # a resend the receipts hold is answered whatever session it carries
+                held = state.receipts.admitted(chunk.learner_id, chunk.upload_id, chunk.fragment)
+                info = state.session_of(chunk.learner_id, chunk.session) if held is None else None
+            if info is not None and info.observer:
                 raise Refused("PERMISSION_DENIED", "observers cannot contribute")
             if not 0 <= chunk.fragment < state.layout.num_fragments:
                 raise Refused(

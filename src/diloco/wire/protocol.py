@@ -56,3 +56,15 @@ class ProtocolConfig:
                 f"--fragments and --sync-every must be >= 1 "
                 f"(got {self.num_fragments}, {self.sync_every})"
             )
+
+
+SUPERSEDED_KEY = "diloco-superseded"
+"""Trailing metadata of a join refused because a newer process of its learner id joined
+(``JoinRequest.generation``): its value is that newer generation. Fatal to the refused
+process: it must stop, never join again."""
+NOT_ADMITTED_KEY = "diloco-not-admitted"
+"""Trailing metadata of a refused upload whose id the syncer can tell was never admitted:
+its receipts do not hold it, its base version is within the commit logs it keeps, and no
+other copy of it is on its way in. Without it, a refused resend's fate is unknown (an
+earlier copy may have been accepted): the learner neither counts it merged nor sends it
+again."""
