@@ -27,7 +27,7 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.chaos import CORRUPT_HOWS
-from diloco.learner.link import Outgoing, UploadEncoder
+from diloco.learner.encoder import Outgoing, UploadEncoder
 from diloco.learner.uploads import UploadJob
 
 HUGE_FACTOR = 1e3

@@ -29,6 +29,7 @@ from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.address import FILE_PREFIX as ADDRESS_FILE
 from diloco.learner.address import resolve as resolve_address
+from diloco.learner.encoder import UploadEncoder
 from diloco.learner.listener import LinkListener
 from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
 from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
@@ -56,32 +57,6 @@ class LinkStats:
     keyframes: int = 0
     requests: int = 0
     connects: int = 0
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """An upload as it goes on the wire."""
-
-    payload: bytes
-    """The encoded delta sent."""
-    tokens: int
-    """The tokens it claims."""
-    meant: bytes
-    """What the learner meant to send (the payload unless a fault damaged it): its residual
-    is measured against this, so damage is never fed back into the learner's progress."""
-
-
-class UploadEncoder:
-    """How a link turns a job into the bytes it sends; the seam that fault injection wraps
-    (``diloco.learner.corrupt.CorruptingEncoder``) so the link itself has no fault branches."""
-
-    def declared_tokens_per_step(self, tokens_per_step: int) -> int:
-        """The tokens per step the link declares at join."""
-        return tokens_per_step
-
-    def encode(self, job: UploadJob, codec: str) -> Outgoing:
-        payload = codecs.encode(job.delta, codec)
-        return Outgoing(payload, job.tokens, payload)
 
 
 class SyncerLink:
