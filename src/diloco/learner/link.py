@@ -394,6 +394,7 @@ class SyncerLink:
             info.fragments,
             list(reply.committed_uploads),
             list(reply.logged_from),
+            reply.lineage,
         )
         # After the rejoin is reported: whoever waits for these versions (wait_for_global)
         # then settles that rejoin first.
