@@ -32,6 +32,11 @@ class ServiceConfig:
     """Durable state directory (restored on restart)."""
     tape: str | None = option(None, metavar="FILE")
     """Event tape path (default ``STATE_DIR/events.jsonl``)."""
+    accept_rollback: bool = option(False)
+    """Serve a state directory that was rolled back (a backup restored: its tape records
+    newer versions of it) as a new lineage: learners holding the lost versions take keyframes
+    and count what they cannot account for as unknown (``diloco.syncer.lineage``). Without
+    it such a directory is refused (exit 2). Give it once, for the start after the restore."""
     dashboard: str | None = option(None, metavar="HOST:PORT")
     """Serve the live dashboard and Prometheus ``/metrics`` here (default: none; needs the
     tape: ``--state-dir`` or ``--tape``). A network address needs ``--token-file``; the page

@@ -95,6 +95,7 @@ def serve(config: ServiceConfig) -> int:
             tape_path=tape,
             embeddings=embedding_parameter_names(model),
             max_learners=config.max_learners,
+            accept_rollback=config.accept_rollback,
             **server_security(config.security),
         )
     except (StateError, ValueError, OSError) as exc:

@@ -13,6 +13,7 @@ from diloco.learner.inbox import Dropped, Rejoin
 from diloco.learner.link import UploadJob, UploadResult
 from diloco.learner.listener import LinkListener
 from diloco.learner.pacing import DOWNLINK_BEHIND_VERSIONS, versions_missing
+from diloco.learner.settling import another_lineage
 
 log = logging.getLogger("diloco.learner.learner")
 
@@ -23,6 +24,9 @@ class LearnerListener(LinkListener):
 
     def __init__(self, learner) -> None:
         self.learner = learner
+        self.joined_lineages: dict[str, str] = dict(learner.lineages)
+        """Per syncer (shard) address, the lineage of its last join (on the link's thread;
+        the learner's own ``lineages`` follow when it settles that join)."""
 
     def on_fragment(
         self,
@@ -66,7 +70,11 @@ class LearnerListener(LinkListener):
         fragments,
         committed=(),
         logged_from=(),
+        lineage: str = "",
     ) -> None:
+        """A syncer of another lineage than the one held (``settling.another_lineage``):
+        its fragments take a rebase keyframe (``Inbox.restart``, before the subscription
+        that follows asks for what it lacks)."""
         log.info(
             "learner %s joined %s (syncer %s): fragments %s at versions %s",
             self.learner.learner_id,
@@ -75,6 +83,23 @@ class LearnerListener(LinkListener):
             list(fragments),
             list(versions),
         )
+        held = self.learner._inbox.have_versions(self.learner.versions)
+        known = self.joined_lineages.get(address)
+        another = another_lineage(known, lineage, held, list(versions), tuple(fragments))
+        if lineage:
+            self.joined_lineages[address] = lineage
+        if another:
+            log.warning(
+                "learner %s: %s serves another lineage (%s, was %s; versions %s, held %s): "
+                "its accepted uploads there count as unknown, it takes keyframes",
+                self.learner.learner_id,
+                address,
+                lineage or "not said",
+                known or "not known",
+                list(versions),
+                held,
+            )
+            self.learner._inbox.restart(fragments)
         self.learner._inbox.rejoin(
             Rejoin(
                 address,
@@ -83,6 +108,8 @@ class LearnerListener(LinkListener):
                 tuple(fragments),
                 frozenset(committed),
                 tuple(logged_from),
+                lineage,
+                another,
             )
         )
 

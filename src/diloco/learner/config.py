@@ -148,3 +148,11 @@ class LearnerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0 (got {value})")
+
+
+def default_learner_id() -> str:
+    """A learner's id when its config names none: ``HOST-PID``."""
+    import os
+    import socket
+
+    return f"{socket.gethostname()[:40]}-{os.getpid()}"

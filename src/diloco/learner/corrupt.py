@@ -27,7 +27,8 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.chaos import CORRUPT_HOWS
-from diloco.learner.uploads import Outgoing, UploadEncoder, UploadJob
+from diloco.learner.encoder import Outgoing, UploadEncoder
+from diloco.learner.uploads import UploadJob
 
 HUGE_FACTOR = 1e3
 """What ``huge`` multiplies a delta by."""

@@ -4,7 +4,10 @@ The link's threads only put things here (arrived versions, the clock's requests,
 answers, rejoins); the training thread takes them at a step boundary. Arrived versions are
 kept per fragment in stream order, as a chain: a keyframe (``base`` -1, the value itself)
 replaces whatever was pending, a delta is appended to be added on top of the version before
-it, exactly as the syncer added it (``diloco.syncer.service``).
+it, exactly as the syncer added it (``diloco.syncer.service``). After a rejoin to a syncer of
+another lineage (``restart``) the first keyframe of each of its fragments is a *rebase*
+(base ``REBASE``): applied whatever its version, since version numbers of two lineages
+do not compare.
 """
 
 from __future__ import annotations
@@ -15,7 +18,17 @@ from dataclasses import dataclass
 import torch
 
 Chain = list[tuple[int, int, torch.Tensor, frozenset[str]]]
-"""``(version, base_version, tensor, contributors)`` in stream order; base -1: a keyframe."""
+"""``(version, base_version, tensor, contributors)`` in stream order; base -1: a keyframe,
+``REBASE``: the first keyframe of another lineage."""
+
+REBASE = -2
+"""The base of a keyframe that starts another lineage's versions (``Inbox.restart``)."""
+
+
+def rebases(chain: Chain) -> bool:
+    """Whether ``chain`` holds the first keyframe of another lineage."""
+    return any(base == REBASE for _, base, _, _ in chain)
+
 
 MAX_WAITING_CHAIN = 4
 """A chain that waits (its fragment has a delta on the wire without an answer) longer than
@@ -50,15 +63,16 @@ def bounded(chain: Chain, version: int, value: torch.Tensor | None) -> Chain:
     if followed is None:
         return chain
     contributors = frozenset().union(*(item[3] for item in chain))
-    return [(followed[0], -1, followed[1], contributors)]
+    return [(followed[0], REBASE if rebases(chain) else -1, followed[1], contributors)]
 
 
 @dataclass(frozen=True)
 class Rejoin:
     """A (re)join: which syncer instance, the versions it reported, the fragments it owns,
     this learner's upload ids it holds (its commit logs', and for a syncer that did not
-    restart those in its open rounds too) and, per fragment, the version the oldest of those
-    logs admitted at (-1: none)."""
+    restart those in its open rounds too), per fragment, the version the oldest of those
+    logs admitted at (-1: none), the lineage of its versions ("": not said) and whether it
+    is another lineage than the one the learner holds versions of (``another_lineage``)."""
 
     address: str
     syncer_id: str
@@ -66,6 +80,8 @@ class Rejoin:
     fragments: tuple[int, ...]
     committed: frozenset[int] = frozenset()
     logged_from: tuple[int, ...] = ()
+    lineage: str = ""
+    another_lineage: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,11 @@ class Inbox:
         that then restarted must be settled before the rejoin to its successor)."""
         self._need_keyframe: set[int] = set()
         self._claims: dict[int, torch.Tensor] = {}
+        self._rebase: set[int] = set()
+        """Fragments whose next keyframe starts another lineage (``restart``)."""
+        self._restarted: set[int] = set()
+        """Fragments restarted since the last ``take_arrived``: what was taken before is of
+        the lineage left, and is not put back."""
 
     # ------------------------------------------------------------ link side
     def arrive(self, fragment: int, version: int, base: int, value, contributors) -> bool:
@@ -101,10 +122,25 @@ class Inbox:
                     return False
             chain = self._arrived.setdefault(fragment, [])
             if base < 0:
+                if fragment in self._rebase or rebases(chain):
+                    base = REBASE  # (a later keyframe still starts the lineage)
+                self._rebase.discard(fragment)
                 chain.clear()  # a keyframe replaces whatever was pending
                 self._need_keyframe.discard(fragment)
             chain.append((version, base, value, frozenset(contributors)))
             return True
+
+    def restart(self, fragments) -> None:
+        """The learner joined a syncer of another lineage owning ``fragments``: what arrived
+        of them is dropped, and each needs a keyframe, its first one a rebase (``REBASE``).
+        Call it before subscribing to that syncer."""
+        with self._lock:
+            for p in fragments:
+                self._arrived.pop(p, None)
+                self._claims.pop(p, None)
+                self._need_keyframe.add(p)
+                self._rebase.add(p)
+                self._restarted.add(p)
 
     def request(self, fragment: int) -> None:
         with self._lock:
@@ -159,13 +195,24 @@ class Inbox:
     def take_arrived(self) -> dict[int, Chain]:
         with self._lock:
             arrived, self._arrived = self._arrived, {}
+            self._restarted.clear()
         return arrived
 
     def put_back(self, waiting: dict[int, Chain]) -> None:
         """Chains taken but not applied yet go back in front of what arrived since (a
-        keyframe that arrived since makes them moot)."""
+        keyframe that arrived since makes them moot, and keeps their rebase; so does a
+        ``restart`` since they were taken)."""
         with self._lock:
             for p, chain in waiting.items():
+                if p in self._restarted:
+                    continue
                 later = self._arrived.get(p, [])
                 keys = [i for i, item in enumerate(later) if item[1] < 0]
-                self._arrived[p] = later[keys[-1] :] if keys else chain + later
+                if not keys:
+                    self._arrived[p] = chain + later
+                    continue
+                kept = later[keys[-1] :]
+                if rebases(chain):
+                    version, _, value, contributors = kept[0]
+                    kept[0] = (version, REBASE, value, contributors)
+                self._arrived[p] = kept

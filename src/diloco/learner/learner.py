@@ -41,9 +41,9 @@ from diloco.algorithm.fragments import (
     due_fragments,
 )
 from diloco.learner.callbacks import LearnerListener
-from diloco.learner.config import LearnerConfig, default_generation
+from diloco.learner.config import LearnerConfig, default_generation, default_learner_id
 from diloco.learner.delivery import DeliveryLog
-from diloco.learner.inbox import Inbox, Rejoin, bounded, follow
+from diloco.learner.inbox import Inbox, Rejoin, bounded, follow, rebases
 from diloco.learner.journal import UploadJournal
 from diloco.learner.ledger import Ledger
 from diloco.learner.link import UploadJob
@@ -115,7 +115,7 @@ class Learner(Settling, Stopping, Restoring):
             raise ValueError(
                 f"layout has {self.layout.num_fragments} fragments, config says {cfg.num_fragments}"
             )
-        self.learner_id = cfg.learner_id or _default_id()
+        self.learner_id = cfg.learner_id or default_learner_id()
         if cfg.malloc_arenas is not None:  # asked for: before the link's threads exist
             from diloco.learner.memory import limit_malloc_arenas
 
@@ -174,6 +174,10 @@ class Learner(Settling, Stopping, Restoring):
         self._ledger = Ledger()
         self._syncer_ids: dict[str, str] = {}
         """The syncer instance (per address) this learner's ledger was admitted by."""
+        self.lineages: dict[str, str] = {}
+        """Per syncer (shard) address, the lineage of the versions held (``settling``)."""
+        self._rebasing: set[int] = set()
+        """Fragments waiting for the first keyframe of another lineage (not sent till then)."""
         self._successors: dict[str, Rejoin] = {}
         """A replaced syncer instance's id -> the rejoin to its successor (what it restored)."""
         self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
@@ -329,9 +333,11 @@ class Learner(Settling, Stopping, Restoring):
                     self._resync(p)
                     continue
                 version, value = followed
-                if version <= self.versions[p]:
-                    continue
+                if version <= self.versions[p] and not rebases(chain):
+                    continue  # (another lineage's first value: whatever its version)
                 self._apply(p, version, value)
+                if rebases(chain):
+                    self._rebased(p)
                 if p not in self.last_applied:
                     self.last_applied.append(p)
                 self.applied += 1
@@ -418,8 +424,8 @@ class Learner(Settling, Stopping, Restoring):
     def _queue(self, p: int, *, final: bool = False) -> bool:
         """Queue fragment ``p``'s undelivered progress; True if a delta was queued. A delta
         of ``p`` still waiting to be sent is withdrawn first and goes out in this one."""
-        if self.anchors[p] is None or p in self._copying:
-            return False  # (a copy on its way: the progress since goes out next time)
+        if self.anchors[p] is None or p in self._copying or p in self._rebasing:
+            return False  # (a copy, or another lineage, on its way: it goes out next time)
         withdrawn = self.link.withdraw(p)
         if withdrawn is not None:
             entry = self._ledger.find(p, withdrawn.job_id)
@@ -588,10 +594,3 @@ class Learner(Settling, Stopping, Restoring):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(flush=exc_type is None)
-
-
-def _default_id() -> str:
-    import os
-    import socket
-
-    return f"{socket.gethostname()[:40]}-{os.getpid()}"

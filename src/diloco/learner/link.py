@@ -31,10 +31,11 @@ from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.address import FILE_PREFIX as ADDRESS_FILE
 from diloco.learner.address import resolve as resolve_address
+from diloco.learner.encoder import UploadEncoder
 from diloco.learner.listener import LinkListener
 from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
 from diloco.learner.refusals import fatal_join_refusal, upload_refusal
-from diloco.learner.uploads import UploadEncoder, UploadJob, UploadQueue, UploadResult
+from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire import keepalive
@@ -395,6 +396,7 @@ class SyncerLink:
             info.fragments,
             list(reply.committed_uploads),
             list(reply.logged_from),
+            reply.lineage,
         )
         # After the rejoin is reported: whoever waits for these versions (wait_for_global)
         # then settles that rejoin first.

@@ -40,10 +40,13 @@ class LinkListener:
         fragments: tuple[int, ...],
         committed: list[str],
         logged_from: list[int],
+        lineage: str = "",
     ) -> None:
         """After every join to ``address``: the syncer instance, its versions, the fragments
-        it owns, this learner's upload ids its commit logs hold (``committed``) and, per
-        fragment, the version its oldest log admitted at (``logged_from``)."""
+        it owns, this learner's upload ids its commit logs hold (``committed``), per
+        fragment, the version its oldest log admitted at (``logged_from``), and the lineage
+        of its versions (``diloco.syncer.lineage``; "" from a syncer that predates them).
+        Called before the subscription that follows: ``have_versions`` may change here."""
 
     def on_fragment(
         self,

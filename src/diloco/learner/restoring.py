@@ -66,8 +66,8 @@ class Restoring:
         return UploadJournal(path, self.local_step, carried)
 
     def state_dict(self) -> dict:
-        """What a restarted learner needs to carry on: global values held, versions,
-        counters, the ledger of deltas on their way, the step.
+        """What a restarted learner needs to carry on: global values held, versions, the
+        lineage they belong to, counters, the ledger of deltas on their way, the step.
 
         Save it with the model and the inner optimizer (``torch.save``; load with
         ``weights_only=True``) and pass it back as ``Learner(..., state=...)``: the learner
@@ -89,6 +89,8 @@ class Restoring:
             "excluded_steps": list(self.excluded_steps),
             "unknown_steps": list(self.unknown_steps),
             "syncer_ids": dict(self._syncer_ids),
+            "lineages": dict(self.lineages),
+            "rebasing": sorted(self._rebasing),
             "journal_life": self.journal.life if self.journal is not None else None,
             "layout_hash": self.layout.hash,
         }
@@ -225,3 +227,6 @@ class Restoring:
         self.excluded_steps = [int(v) for v in state.get("excluded_steps", [0] * P)]
         self.unknown_steps = [int(v) for v in state.get("unknown_steps", [0] * P)]
         self._syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}
+        self.lineages = {str(k): str(v) for k, v in state.get("lineages", {}).items()}
+        self._rebasing = {int(p) for p in state.get("rebasing", ()) if 0 <= int(p) < P}
+        self._inbox.restart(self._rebasing)  # (its keyframe had not come: it is asked again)

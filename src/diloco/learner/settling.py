@@ -44,6 +44,29 @@ def fate_at_rejoin(rejoin: Rejoin, p: int, admitted: int, upload_id: int) -> str
     return UNKNOWN
 
 
+def another_lineage(
+    held_lineage: str | None,
+    lineage: str,
+    held: list[int],
+    versions: list[int],
+    fragments: tuple[int, ...],
+) -> bool:
+    """Whether a syncer just joined serves another history of versions than the one the
+    learner holds values of (``diloco.syncer.lineage``): another lineage id than
+    ``held_lineage`` (both known), or for a fragment it owns a version below the one the
+    learner holds (``held``; -1: none): a syncer rolled back without a tape to tell it.
+    Its version numbers then name other values than the learner's.
+
+    >>> another_lineage("a", "b", [3], [3], (0,)), another_lineage("a", "a", [4], [3], (0,))
+    (True, True)
+    >>> another_lineage(None, "b", [3], [3], (0,)), another_lineage("a", "", [-1], [0], (0,))
+    (False, False)
+    """
+    if held_lineage and lineage and held_lineage != lineage:
+        return True
+    return any(0 <= p < min(len(held), len(versions)) and held[p] > versions[p] for p in fragments)
+
+
 class Settling:
     """The settling half of ``Learner`` (it uses the learner's inbox, ledger, counters,
     journal and the per-fragment step counts)."""
@@ -91,6 +114,8 @@ class Settling:
         successor = self._successors.get(result.syncer_id) if result.syncer_id else None
         if successor is None or p not in successor.fragments:
             return None
+        if successor.another_lineage:
+            return UNKNOWN  # its versions are not the successor's
         return fate_at_rejoin(successor, p, result.admitted, entry.upload_id)
 
     def _settle_at_rejoin(self, p: int, entry: Outgoing, fate: str) -> None:
@@ -103,8 +128,15 @@ class Settling:
 
     def _forget_unknown(self, p: int, entry: Outgoing) -> None:
         """Take ``entry`` off the ledger without sending it again or counting it merged: no
-        syncer can tell whether it was merged. Its steps are counted ``unknown``."""
+        syncer can tell whether it was merged. Its steps are counted ``unknown``, and its
+        delta is taken into θ_p as a merge of it would be (``Learner._apply``): off the
+        ledger, it would otherwise be undelivered progress, sent again with the next delta
+        (merged twice where it was merged once)."""
         self._ledger.remove(p, entry)
+        self._touch([p])
+        with torch.no_grad():
+            self.layout.add_(p, entry.delta, self.params)
+        self._reset_now.add(p)  # (an island shares the changed θ_p with its other ranks)
         self._journal_settled(entry.upload_id, "unknown")
         self.unknown_steps[p] += entry.steps
         self.counters["unknown"] += 1
@@ -120,19 +152,36 @@ class Settling:
     def _on_syncer(self, rejoin: Rejoin) -> None:
         """A (re)join: a syncer that restarted lost its open rounds, so an accepted delta
         its commits did not hold is returned and sent again, or forgotten as unknown when
-        nobody can tell (``fate_at_rejoin``)."""
+        nobody can tell (``fate_at_rejoin``). A syncer of another lineage (a state
+        directory rolled back, ``another_lineage``) can tell nothing of the versions this
+        learner's deltas were admitted at: every accepted one of its fragments is unknown,
+        and each fragment waits for its rebase keyframe (``inbox.REBASE``) before it is
+        sent again."""
         if self._unconfirmed:  # the first join (of this shard) after a restore
             self._confirm_delivered(rejoin.committed, rejoin.fragments)
         known = self._syncer_ids.get(rejoin.address)
         self._syncer_ids[rejoin.address] = rejoin.syncer_id
-        if known is None or known == rejoin.syncer_id:
+        if rejoin.lineage:
+            self.lineages[rejoin.address] = rejoin.lineage
+        if rejoin.another_lineage:
+            self._rebasing.update(rejoin.fragments)
+        elif known is None or known == rejoin.syncer_id:
             return
-        self._successors.setdefault(known, rejoin)
+        if known is not None and known != rejoin.syncer_id:
+            self._successors.setdefault(known, rejoin)
         for p in rejoin.fragments:
             for e in [e for e in self._ledger.of(p) if e.admitted is not None]:
                 if e.syncer_id and e.syncer_id == rejoin.syncer_id:
                     continue  # accepted by this very instance
+                if rejoin.another_lineage:
+                    self._forget_unknown(p, e)
+                    continue
                 self._settle_at_rejoin(p, e, fate_at_rejoin(rejoin, p, e.admitted, e.upload_id))
+
+    def _rebased(self, p: int) -> None:
+        """The rebase keyframe of ``p`` was applied: it holds the new lineage's value."""
+        self._rebasing.discard(p)
+        self._awaited.pop(p, None)  # (the versions it waited past are another lineage's)
 
     def _journal_settled(self, upload_id: int, how: str, version: int | None = None) -> None:
         if self.journal is not None and upload_id:

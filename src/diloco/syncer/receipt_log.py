@@ -13,9 +13,11 @@ Format: JSON lines. The first is a header, ``{"receipts": 1, "complete_from": {p
 per fragment, the version from which the log of every commit is in the file (0 for a
 directory that kept this file from its first commit; for a directory older than this file,
 the oldest log its fragment files held). The others are commit logs, in commit order. A line
-cut short by a crash or a full disk is cut off at the next open; a malformed line elsewhere,
-or a log of a version the fragment files do not hold (a state directory rolled back under
-its receipts), is a ``StateError``: the fates it would say are not guessed.
+cut short by a crash or a full disk is cut off at the next open; a malformed line elsewhere
+is a ``StateError``: the fates it would say are not guessed. So is a log of a version the
+fragment files do not hold (the fragment files rolled back under their receipts), unless
+the operator accepts the rollback (``diloco.syncer.lineage``): then the logs above the
+fragment files are let go (``rolled_back`` says which) and the syncer starts a new lineage.
 
 When the file holds twice the retained logs, it is rewritten with the newest
 ``RETAINED_COMMIT_LOGS`` (temp file, fsync, fenced rename), and ``complete_from`` moves past the
@@ -30,6 +32,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from diloco.syncer.lineage import Behind, behind
 from diloco.syncer.receipts import RETAINED_COMMIT_LOGS, CommitLog
 from diloco.syncer.store import StateError, replace_atomically
 
@@ -59,18 +62,26 @@ class ReceiptLog:
         self.retained = retained
         self.fence = fence
         self.complete_from: dict[int, int] = {}
+        self.rolled_back: list[Behind] = []
+        """Per fragment, the newest version its logs held above the fragment file's, when
+        ``open`` let those logs go (a rollback accepted)."""
         self._lines = 0
 
     def open(
-        self, versions: Mapping[int, int], embedded: Mapping[int, Sequence[CommitLog]]
+        self,
+        versions: Mapping[int, int],
+        embedded: Mapping[int, Sequence[CommitLog]],
+        *,
+        accept_rollback: bool = False,
     ) -> list[CommitLog]:
         """Read the log, or start it (``versions``: each owned fragment's version on disk;
         ``embedded``: the logs its file holds, oldest first), and append the embedded logs
         it lacks. Returns every log it keeps, in commit order; ``complete_from`` says from
         which version each fragment's logs are complete. Raises ``StateError`` or
-        ``OSError``."""
+        ``OSError``; with ``accept_rollback``, logs above the fragment files are let go
+        instead (``rolled_back``)."""
         if self.path.exists():
-            logs = self._read(versions)
+            logs = self._read(versions, accept_rollback)
         else:
             start = {
                 p: (embedded[p][0].admitted if embedded.get(p) else versions.get(p, 0))
@@ -107,7 +118,7 @@ class ReceiptLog:
         if self._lines > 2 * self.retained:
             self._compact()
 
-    def _read(self, versions: Mapping[int, int]) -> list[CommitLog]:
+    def _read(self, versions: Mapping[int, int], accept_rollback: bool) -> list[CommitLog]:
         data = self.path.read_bytes()
         cut = data.rfind(b"\n") + 1
         if cut < len(data):  # a line cut short: the append that wrote it failed
@@ -127,15 +138,23 @@ class ReceiptLog:
                 "be told. Move it away to start it again from the fragment files (uploads "
                 "older than their logs then count as unknown)"
             ) from None
-        ahead = [log for log in logs if log.version > versions.get(log.fragment, 0)]
-        if ahead:
-            log = ahead[0]
+        newest: dict[int, int] = {}
+        for log in logs:
+            newest[log.fragment] = max(log.version, newest.get(log.fragment, 0))
+        ahead = behind(newest, {p: versions.get(p, 0) for p in newest}, newest)
+        if ahead and not accept_rollback:
+            first = ahead[0]
             raise StateError(
-                f"{self.path} holds a commit of fragment {log.fragment} at version "
-                f"{log.version}, but its file is at version {versions.get(log.fragment, 0)}: "
-                "the fragment files were rolled back under their receipts"
+                f"{self.path} holds a commit of fragment {first.fragment} at version "
+                f"{first.reached}, but its file is at version {first.version}: the fragment "
+                "files were rolled back under their receipts. Start with --accept-rollback "
+                "to serve them as a new lineage, or restore the newer state"
             )
         self._lines = len(logs)
+        if ahead:
+            self.rolled_back = ahead
+            logs = [log for log in logs if log.version <= versions.get(log.fragment, 0)]
+            self._rewrite(self.complete_from, logs)
         return logs
 
     def _compact(self) -> None:

@@ -22,6 +22,7 @@ from diloco.syncer.config import SyncerConfig
 from diloco.syncer.fencing import Claim, claim_state_dir
 from diloco.syncer.generations import GenerationFile
 from diloco.syncer.limits import DEFAULT_MAX_LEARNERS
+from diloco.syncer.lineage import Rollback, behind, new_lineage, rollback_record, rollback_refusal
 from diloco.syncer.receipt_log import ReceiptLog
 from diloco.syncer.service import (
     SyncerService,
@@ -65,6 +66,7 @@ class SyncerServer:
         learner_tokens: bool = False,
         allowed_learners: Sequence[str] | None = None,
         embeddings: Collection[str] | None = None,
+        accept_rollback: bool = False,
     ) -> None:
         """``token``: require ``authorization: Bearer <token>`` on every call (mandatory when
         ``bind`` is not a loopback address: ``auth.AuthConfigError`` otherwise).
@@ -77,7 +79,10 @@ class SyncerServer:
         own only the fragments of shard i of S (``diloco.algorithm.shards``); ``fragments``
         overrides that list. ``embeddings``: the parameter names merged by weighted mean
         (``diloco.algorithm.embeddings.embedding_parameter_names`` of the model; ``for_model``
-        passes them; None: the name rule of ``diloco.algorithm.merge``)."""
+        passes them; None: the name rule of ``diloco.algorithm.merge``).
+        ``accept_rollback``: serve a state directory its tape (or its receipt log) shows
+        was rolled back, as a new lineage (``diloco.syncer.lineage``); without it such a
+        directory is a ``StateError``."""
         auth.check_bind(bind, token)
         if state_dir is not None and Path(state_dir).exists() and not Path(state_dir).is_dir():
             raise StateError(f"the state directory {state_dir} is a file, not a directory")
@@ -107,6 +112,9 @@ class SyncerServer:
         self._embeddings = embeddings
         self.claim: Claim | None = None
         """This syncer's claim on its state directory (``diloco.syncer.fencing``), or None."""
+        self.lineage = ""
+        """The lineage of the versions this syncer serves (``diloco.syncer.lineage``)."""
+        self._rollback: Rollback | None = None
         try:
             restored, taped = self._build(
                 initial_params,
@@ -114,6 +122,7 @@ class SyncerServer:
                 shard,
                 state_dir,
                 tape_path,
+                accept_rollback,
                 secret=token,
                 learner_tokens=learner_tokens,
                 limits=limits,
@@ -132,19 +141,28 @@ class SyncerServer:
         self._started = False
         self._emit_start(restored, taped)
 
-    def _build(self, initial_params, owned, shard, state_dir, tape_path, **service_options):
+    def _build(
+        self, initial_params, owned, shard, state_dir, tape_path, accept_rollback, **service_options
+    ):
         """The tape, the store, the restored state and the service (``service_options`` go
         to ``SyncerService``); returns what ``_emit_start`` needs: ``(restored, the newest
-        version of each fragment the tape records)``. The state directory is claimed
-        before anything in it is read (a second syncer on it: ``StateError``)."""
+        version of each fragment the tape records under the directory's lineage)``. The
+        state directory is claimed before anything in it is read (a second syncer on it:
+        ``StateError``); one rolled back is refused unless ``accept_rollback``."""
         if state_dir:
             self.claim = claim_state_dir(state_dir)
         taped = read_taped(tape_path) if tape_path else Taped()
-        self.tape = EventTape(tape_path) if tape_path else None
-        emit = self.tape.try_append if self.tape else (lambda record: None)
         self.store = FragmentStore(state_dir, fence=self.claim.check) if state_dir else None
         params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
         versions, restored, wire = self._restore(owned, params, shard)
+        held = self.store.lineage if self.store is not None else None
+        taped = taped.of_lineage(held)
+        restoring = self.store is not None and not self.store.created
+        taped_ahead = behind(taped.versions, versions, owned) if restoring else []
+        if taped_ahead and not accept_rollback:
+            raise StateError(rollback_refusal(state_dir, tape_path, taped_ahead))
+        self.tape = EventTape(tape_path) if tape_path else None
+        emit = self.tape.try_append if self.tape else (lambda record: None)
         self.state = SyncerState(
             self.layout,
             params,
@@ -169,8 +187,11 @@ class SyncerServer:
             self.state.generations.restore(generation_file.load())
         if receipt_log is not None:
             embedded = {p: self.store.load_commits(p) for p in restored}
-            logs = receipt_log.open({p: versions[p] for p in owned}, embedded)
+            logs = receipt_log.open(
+                {p: versions[p] for p in owned}, embedded, accept_rollback=accept_rollback
+            )
             self.state.restore_receipts(logs, receipt_log.complete_from)
+        self.lineage = self._lineage(held, taped_ahead, receipt_log)
         self.service = SyncerService(
             self.state,
             store=self.store,
@@ -178,9 +199,25 @@ class SyncerServer:
             receipt_log=receipt_log,
             generation_file=generation_file,
             wire=wire,
+            lineage=self.lineage,
             **service_options,
         )
         return restored, taped
+
+    def _lineage(self, held: str | None, taped_ahead, receipt_log) -> str:
+        """The lineage this syncer serves: the state directory's, or a new one (persisted
+        in it) when the operator accepted a rollback, or for a directory made before
+        lineages; a new one at every start without a state directory."""
+        if self.store is None:
+            return new_lineage()
+        logged_ahead = receipt_log.rolled_back if receipt_log is not None else []
+        if held is not None and not taped_ahead and not logged_ahead:
+            return held
+        lineage = new_lineage()
+        self.store.set_lineage(lineage)
+        if taped_ahead or logged_ahead:
+            self._rollback = Rollback(held, lineage, taped_ahead, logged_ahead)
+        return lineage
 
     def _restore(self, owned: list[int], params: list[torch.Tensor], shard: tuple[int, int]):
         """Each owned fragment's saved version, value (into ``params``), optimizer state and
@@ -262,6 +299,8 @@ class SyncerServer:
         what it merged: the commit logs persisted with the fragment say it)."""
         if self.tape is None:
             return
+        if self._rollback is not None:
+            self.tape.append(rollback_record(self._rollback, clock.wall()), sync=True)
         for p in sorted(restored):
             missing = [log for log in self.state.history[p] if not taped.holds(log)]
             if missing or self.state.versions[p] > taped.versions.get(p, 0):
@@ -275,6 +314,7 @@ class SyncerServer:
                 "fragments": list(self.state.served),
                 "restored_fragments": len(restored),
                 "epoch": self.claim.epoch if self.claim is not None else None,
+                "lineage": self.lineage,
                 "versions": list(self.state.versions),
                 "digests": [fragment_digest(t) for t in self.state.params],
                 "state_hash": state_hash(self.state.versions, self.state.params),

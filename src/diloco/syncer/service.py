@@ -77,6 +77,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         learner_tokens: bool = False,
         limits: StreamLimits | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        lineage: str = "",
     ) -> None:
         """``wire``: the restored wire image of each fragment (default: Θ_p). ``secret``: the
         shared token (the interceptor checks it; the handlers check whose id a call may use),
@@ -85,8 +86,10 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         (``diloco.syncer.generations``). ``limits``: caps on open streams (``diloco.syncer.limits``; default:
         ``DEFAULT_MAX_LEARNERS`` learners').
         ``on_failure(exc)``: called once, on the committer's thread, when the syncer fails
-        (see the module docstring)."""
+        (see the module docstring). ``lineage``: the lineage of its versions, told to
+        learners at join (``diloco.syncer.lineage``)."""
         self.state = state
+        self.lineage = lineage
         self.allowed_learners = allowed_learners
         self.secret = secret
         self.learner_tokens = learner_tokens
@@ -223,6 +226,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             sync_every=self.state.sync_every(),  # (an H schedule: the H it runs at now)
             committed_uploads=committed,
             logged_from=logged_from,
+            lineage=self.lineage,
         )
 
     def generation_file_holds(self) -> int:

@@ -2,7 +2,8 @@
 
 Layout of a state directory::
 
-    meta.json                  layout (names, shapes, pieces), its hash, the config used
+    meta.json                  layout (names, shapes, pieces), its hash, the config used,
+                               the lineage of its versions (``diloco.syncer.lineage``)
     lock, epoch                the running syncer's claim (``diloco.syncer.fencing``)
     fragments/p007.safetensors Θ_7, momentum_7, wire_7 (what learners hold); metadata:
                                version, the fragment's last commit logs (which uploads
@@ -39,6 +40,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.syncer.lineage import new_lineage
 from diloco.syncer.receipts import CommitLog
 
 log = logging.getLogger(__name__)
@@ -163,6 +165,11 @@ class FragmentStore:
         self.root = Path(root)
         self.fence = fence
         self.fragment_dir = self.root / "fragments"
+        self.lineage: str | None = None
+        """The lineage of the directory's versions (``diloco.syncer.lineage``), read or made
+        by ``initialize``; None for a directory made before lineages (``set_lineage``)."""
+        self.created = False
+        """Whether ``initialize`` made the directory (nothing in it was restored)."""
         self._commits: dict[int, list[CommitLog]] = {}
         self._merged_tokens: dict[int, int | None] = {}
 
@@ -174,7 +181,8 @@ class FragmentStore:
     ) -> None:
         """Create the directory, or check that an existing one holds the same model and, for a
         sharded syncer, the same shard (``--shard i/S``; a directory written before shards
-        existed counts as 0/1). Temporary files a crash left behind are removed."""
+        existed counts as 0/1). Temporary files a crash left behind are removed. A new
+        directory gets a new lineage; an existing one's is read into ``lineage``."""
         self.fragment_dir.mkdir(parents=True, exist_ok=True)
         for leftover in [
             *self.root.glob("*" + TMP_SUFFIX),
@@ -200,13 +208,28 @@ class FragmentStore:
                     f"{self.root} holds the state of shard {had[0]}/{had[1]}, this syncer is "
                     f"shard {shard[0]}/{shard[1]}; give each shard its own --state-dir"
                 )
+            lineage = meta.get("lineage")
+            self.lineage = lineage if isinstance(lineage, str) and lineage else None
             return
         meta = {
             "layout_hash": layout.hash,
             "layout": layout.to_dict(),
             "config": config,
             "shard": list(shard),
+            "lineage": new_lineage(),
         }
+        self._write_meta(meta)
+        self.lineage, self.created = meta["lineage"], True
+
+    def set_lineage(self, lineage: str) -> None:
+        """Make ``lineage`` the directory's (a rollback the operator accepted, or a
+        directory made before lineages): ``meta.json`` rewritten, whole or not at all."""
+        meta = json.loads((self.root / "meta.json").read_text())
+        self._write_meta({**meta, "lineage": lineage})
+        self.lineage = lineage
+
+    def _write_meta(self, meta: dict) -> None:
+        meta_path = self.root / "meta.json"
         replace_atomically(  # on disk before the rename makes it the directory's meta.json
             meta_path,
             json.dumps(meta, indent=1).encode(),
@@ -405,10 +428,23 @@ def _ends_a_line(path: Path) -> bool:
 class Taped:
     """What a tape records of the commits: the newest version of each fragment (``round``
     and ``recovered`` records) and ``(fragment, upload id)`` of every upload a ``dropped``
-    record (or a recovered log of one) names."""
+    record (or a recovered log of one) names. ``lineages``: the same newest versions per
+    lineage (``diloco.syncer.lineage``): a record of fragment p belongs to the lineage of the
+    last ``start`` record serving p before it, whose own versions count too (None: a start
+    record, or none, from before lineages)."""
 
     versions: dict[int, int] = field(default_factory=dict)
     dropped: set[tuple[int, int]] = field(default_factory=set)
+    lineages: dict[str | None, dict[int, int]] = field(default_factory=dict)
+
+    def of_lineage(self, lineage: str | None) -> Taped:
+        """What the tape records of one lineage's versions, with those of no lineage (a
+        tape from before lineages: the same directory's, as far as anyone can tell); the
+        uploads dropped: all."""
+        versions = dict(self.lineages.get(None, {}))
+        for p, v in self.lineages.get(lineage, {}).items():
+            versions[p] = max(v, versions.get(p, 0))
+        return Taped(versions, self.dropped, self.lineages)
 
     def holds(self, log: CommitLog) -> bool:
         """Whether the tape has a record of this persisted commit log."""
@@ -424,14 +460,21 @@ def read_taped(path: str | os.PathLike) -> Taped:
     from diloco.runtime.jsonl import parse_lines
 
     taped = Taped()
+    serving: dict[int, str | None] = {}  # fragment -> the lineage of the last start serving it
+    wanted = (b'"round"', b'"recovered"', b'"dropped"', b'"start"')
     try:
         with open(path, "rb") as f:
             for line in f:
-                if not any(k in line for k in (b'"round"', b'"recovered"', b'"dropped"')):
+                if not any(k in line for k in wanted):
                     continue  # (most records: decided without parsing them)
                 for r in parse_lines([line]):
+                    for p, v in _started(r, serving).items():
+                        lineage = taped.lineages.setdefault(serving[p], {})
+                        lineage[p] = max(v, lineage.get(p, 0))
                     for p, v in taped_versions([r]).items():
                         taped.versions[p] = max(v, taped.versions.get(p, 0))
+                        lineage = taped.lineages.setdefault(serving.get(p), {})
+                        lineage[p] = max(v, lineage.get(p, 0))
                     if r.get("event") == "dropped":
                         for parts in r.get("excluded_uploads", {}).values():
                             taped.dropped.update((int(r["fragment"]), int(u[0])) for u in parts)
@@ -444,6 +487,23 @@ def read_taped(path: str | os.PathLike) -> Taped:
     except FileNotFoundError:
         pass
     return taped
+
+
+def _started(record: dict, serving: dict[int, str | None]) -> dict[int, int]:
+    """For a ``start`` record: note in ``serving`` that its lineage serves its fragments
+    from here on, and return the version it started each at; ``{}`` for other records."""
+    if record.get("event") != "start":
+        return {}
+    versions = record.get("versions") or []
+    fragments = record.get("fragments")
+    owned = range(len(versions)) if fragments is None else fragments
+    lineage = record.get("lineage")
+    started = {}
+    for p in owned:
+        serving[int(p)] = lineage
+        if 0 <= int(p) < len(versions):
+            started[int(p)] = int(versions[int(p)])
+    return started
 
 
 def read_tape(path: str | os.PathLike) -> list[dict]:
