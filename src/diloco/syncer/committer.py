@@ -83,8 +83,13 @@ class Committer:
         """Stop the committer; then commit what waits for learners that are all gone (the
         rounds ``poll`` closes now), so progress flushed by the last learners is kept. A
         committer still writing a commit after ``STOP_WAIT_S`` (a stalled disk) is left to
-        it, and nothing more is committed here; a failed syncer commits nothing more."""
-        self._stopping.set()
+        it, and nothing more is committed here; a failed syncer commits nothing more.
+
+        Stopping begins under the lock: an upload admitted before it is in a round when the
+        last poll runs; one arriving after it is refused ``UNAVAILABLE`` (``Upload``), never
+        answered "accepted" by a syncer that will not commit it."""
+        with self.lock:
+            self._stopping.set()
         self._wake.set()
         for sub in list(self._subscribers):
             sub.close()

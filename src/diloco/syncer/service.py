@@ -51,6 +51,11 @@ from diloco.wire import diloco_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
+STOPPING_REASON = "the syncer is stopping: send this upload again to its successor"
+"""Why an upload arriving once ``stop`` began is refused ``UNAVAILABLE`` (a learner's link
+takes that as no answer and sends the upload again, with its id, once it has rejoined)."""
+
+
 def pool_threads(limits: StreamLimits) -> int:
     """Threads the gRPC pool needs: every stream cap plus ``SHORT_CALL_THREADS``."""
     return sum(limits.caps.values()) + SHORT_CALL_THREADS
@@ -327,6 +332,8 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
             norm = float(delta.norm())  # here, not under the lock
             with self.lock:
+                if self._stopping.is_set():  # (set under this lock: see ``Committer.stop``)
+                    raise Refused("UNAVAILABLE", STOPPING_REASON)
                 admission = self.state.submit(
                     header.learner_id,
                     header.session,
