@@ -7,6 +7,9 @@ closes.
 
 from __future__ import annotations
 
+import errno
+import os
+
 import grpc
 import pytest
 import torch
@@ -60,3 +63,98 @@ def test_an_upload_arriving_once_stop_began_is_refused_unavailable_not_accepted(
         peer.close()
         server.stop()
     assert on_disk(server, tmp_path / "state") == 1
+
+
+def fsync_failing_once_on(name: str, monkeypatch) -> list[str]:
+    """Make the first ``os.fsync`` of a file called ``name`` fail with EIO (as a failed
+    writeback reports it: once); returns the list of the names of the files fsynced."""
+    real, seen = os.fsync, []
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        seen.append(os.path.basename(path))
+        if os.path.basename(path) == name and seen.count(name) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+def test_a_failed_fsync_of_the_tape_fails_the_syncer_and_its_restart_tapes_the_commit_once(
+    tmp_path, monkeypatch
+):
+    """Issue 46, item 2 (fsyncgate): after a failed fsync the kernel may have dropped the
+    dirty pages, and a second fsync reports success for a record never written. The
+    committer "retried" a round record whose fsync failed by fsyncing again: the commit was
+    broadcast on the strength of that. A failed fsync of the tape now fails the syncer (no
+    retry); the restarted syncer tapes the commit from its fragment file if the tape lacks
+    it, and never twice."""
+    from diloco.syncer.store import SyncFailed, read_tape
+
+    server = start_syncer(tmp_path)
+    peer = Peer(server, "a")
+    delta = torch.full((server.layout.fragments[0].numel,), 1e-3)
+    try:
+        peer.join()
+        fsync_failing_once_on("events.jsonl", monkeypatch)
+        assert peer.upload(0, delta).accepted
+        wait_until(lambda: server.failure is not None, timeout=10, what="the syncer failed")
+        assert isinstance(server.failure, SyncFailed), server.failure
+        assert server.state.versions[0] == 1 and on_disk(server, tmp_path / "state") == 1
+    finally:
+        peer.close()
+        server.stop()
+        monkeypatch.undo()
+    start_syncer(tmp_path).stop()  # the restart: tapes what the tape lacks
+    records = read_tape(tmp_path / "events.jsonl")
+    taped = [r for r in records if r["event"] in ("round", "recovered") and r["fragment"] == 0]
+    assert [r["version"] for r in taped] == [1], taped
+
+
+def test_an_event_tape_refuses_every_sync_after_a_failed_fsync(tmp_path, monkeypatch):
+    """The tape itself: once an fsync failed, no later ``append(sync=True)`` may report a
+    success (the earlier record may be lost whatever a later fsync says): each raises
+    ``SyncFailed`` and writes nothing; a record the run can do without still goes."""
+    from diloco.syncer.store import EventTape, SyncFailed, read_tape
+
+    tape = EventTape(tmp_path / "events.jsonl")
+    fsync_failing_once_on("events.jsonl", monkeypatch)
+    with pytest.raises(SyncFailed):
+        tape.append({"event": "round", "fragment": 0, "version": 1}, sync=True)
+    with pytest.raises(SyncFailed):
+        tape.append({"event": "round", "fragment": 0, "version": 1}, sync=True)
+    with pytest.raises(SyncFailed):
+        tape.append({"event": "round", "fragment": 0, "version": 2}, sync=True)
+    assert tape.try_append({"event": "failed"})
+    tape.close()
+    assert [r["event"] for r in read_tape(tmp_path / "events.jsonl")] == ["round", "failed"]
+
+
+def test_a_receipt_log_line_whose_fsync_and_truncate_failed_is_not_appended_twice(
+    tmp_path, monkeypatch
+):
+    """The receipt log takes back a line whose write or fsync failed (truncating to the old
+    size) and its retry writes the line again from scratch, re-dirtying every page the failed
+    one touched: honest. But when the truncate fails too the line may be whole in the file;
+    the committer's retry appended it a second time. That is now ``SyncFailed``: the syncer
+    fails, and its restart appends what the fragment files hold and the log lacks."""
+    from diloco.syncer.committer import retrying
+    from diloco.syncer.receipt_log import RECEIPT_LOG, ReceiptLog
+    from diloco.syncer.receipts import CommitLog, UploadPart
+    from diloco.syncer.store import SyncFailed
+
+    receipts = ReceiptLog(tmp_path)
+    receipts.open({0: 0}, {})
+    fsync_failing_once_on(RECEIPT_LOG, monkeypatch)
+
+    def truncate_fails(fd, size):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "ftruncate", truncate_fails)
+    log = CommitLog(0, 1, 0, {"a": [UploadPart(7, 4, 32)]})
+    with pytest.raises(SyncFailed):
+        retrying(lambda: receipts.append(log))
+    monkeypatch.undo()
+    lines = (tmp_path / RECEIPT_LOG).read_text().splitlines()
+    assert len(lines) <= 2, lines  # the header and the log at most once

@@ -42,6 +42,7 @@ from diloco.algorithm import codecs
 from diloco.runtime import clock
 from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe
 from diloco.syncer.state import Commit, fragment_digest
+from diloco.syncer.store import SyncFailed
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,23 @@ STOP_WAIT_S = 10.0
 """How long ``stop`` waits for the committer to finish the commit it is writing."""
 
 
-def _retrying(write: Callable[[], None]) -> None:
+def retrying(write: Callable[[], None]) -> None:
     """``write()``, tried again after an ``OSError`` (``PERSIST_ATTEMPTS`` tries, pauses from
     ``PERSIST_RETRY_S`` doubling); the last error is raised. Any other error (``Superseded``)
-    is raised at once."""
+    is raised at once, and so is ``SyncFailed``: a failed fsync is not retried, since a later
+    one may report a success for data never written (``diloco.syncer.store.SyncFailed``).
+
+    What a retry of each write means: the store's ``replace_atomically`` writes a fresh
+    temporary file from scratch each time (the failed one is removed), so its fsync covers
+    every byte it renames; the receipt log truncates a failed line away and writes it again
+    from scratch, re-dirtying every page the failed write touched (a truncate it cannot make
+    is ``SyncFailed``); the tape cannot take a line back, so its failed fsync is final."""
     pause = PERSIST_RETRY_S
     for attempt in range(PERSIST_ATTEMPTS):
         try:
             return write()
+        except SyncFailed:
+            raise
         except OSError as exc:
             if attempt + 1 == PERSIST_ATTEMPTS:
                 raise
@@ -227,7 +237,7 @@ class Committer:
         else:
             delta, wire = b"", self._wire[p]
         if self.store is not None:
-            _retrying(
+            retrying(
                 lambda: self.store.save(
                     p,
                     commit.version,
@@ -239,12 +249,12 @@ class Committer:
                 )
             )
         if self.receipt_log is not None:  # (after the rename: a successor re-appends it)
-            _retrying(lambda: self.receipt_log.append(commit.log))
+            retrying(lambda: self.receipt_log.append(commit.log))
         record = dict(commit.record)
         record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
         record["sync_s"] = round(clock.monotonic() - t0, 6)
         record["bytes_delta"] = len(delta)
-        _retrying(lambda: self._emit(record, sync=True))
+        retrying(lambda: self._emit(record, sync=True))
         with self.lock:  # on disk: resends are answered from it, drops reported
             self.state.receipts.settle(commit.log)
         dropped = {

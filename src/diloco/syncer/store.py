@@ -53,6 +53,23 @@ class StateError(RuntimeError):
     """The state directory is unusable (corrupt file, other model); the message says which."""
 
 
+class SyncFailed(OSError):
+    """An ``fsync`` failed, so what was written since the file's last good ``fsync`` may
+    never reach the disk, and no later ``fsync`` can tell: after a failed writeback the kernel
+    may mark the pages clean (or drop them) and report the error once, so a second ``fsync``
+    succeeds for data that was never written ("fsyncgate"). Never retried as an I/O error
+    is: the committer fails the syncer at once, and its restart rebuilds from the fragment
+    files, each written whole and synced before its rename (``replace_atomically``)."""
+
+    @classmethod
+    def of(cls, path: Path, exc: OSError) -> SyncFailed:
+        return cls(
+            exc.errno,
+            f"fsync of {path} failed ({exc.strerror or exc}): what was "
+            "written since its last fsync may never reach the disk",
+        )
+
+
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 over the names and raw bytes of ``tensors`` (sorted by name)."""
     h = hashlib.sha256()
@@ -343,7 +360,17 @@ class EventTape:
     by such an error is closed by the next append's leading newline, so it stays one
     unreadable line (skipped by readers) and never swallows the next record.
     ``try_append`` is for records the run can do without (joins, refusals): it logs the
-    error and goes on."""
+    error and goes on.
+
+    A failed ``fsync`` (``append(sync=True)``) raises ``SyncFailed``, and so does every later
+    ``append(sync=True)``, without writing: the record whose fsync failed is in the file or
+    lost, and no later fsync can say which, so none may report a success. It is never written
+    again either (the tape is shared and append-only: there is no taking a line back). The
+    syncer fails; its restart reads the tape and writes a ``recovered`` record for every
+    commit on disk the tape lacks (``server.recovered_record``), so the commit is taped once.
+    What the restart cannot see: a record the page cache still shows whose writeback failed,
+    evicted later (a machine whose disk fails under it; its fragment files, synced, stay
+    whole)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -351,8 +378,8 @@ class EventTape:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
         self._torn = not _ends_a_line(self.path)  # an earlier process's line cut short
-        self._unsynced: bytes | None = None
-        """The last line written whose fsync failed: appended again, it is only synced."""
+        self._sync_failed: SyncFailed | None = None
+        """The failed fsync that ends this tape's synced appends (see the class docstring)."""
         self.errors = 0
         """Records ``try_append`` could not write."""
 
@@ -361,17 +388,20 @@ class EventTape:
         with self._lock:
             if self._fd < 0:
                 return
-            if line != self._unsynced:
-                data = b"\n" + line if self._torn else line
-                self._torn = True  # until the whole line is known to be written
-                written = os.write(self._fd, data)
-                if written != len(data):
-                    raise OSError(errno.ENOSPC, f"short write to the event tape {self.path}")
-                self._torn = False
-            self._unsynced = line if sync else None
+            if sync and self._sync_failed is not None:
+                raise self._sync_failed
+            data = b"\n" + line if self._torn else line
+            self._torn = True  # until the whole line is known to be written
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"short write to the event tape {self.path}")
+            self._torn = False
             if sync:
-                os.fsync(self._fd)  # (raising: a retry of this record only syncs it)
-            self._unsynced = None
+                try:
+                    os.fsync(self._fd)
+                except OSError as exc:
+                    self._sync_failed = SyncFailed.of(self.path, exc)
+                    raise self._sync_failed from exc
 
     def try_append(self, record: dict) -> bool:
         """``append``; an ``OSError`` is logged (once per 100) and counted, not raised."""
