@@ -15,13 +15,15 @@ import pytest
 import torch
 from kit import Peer, local_syncer, tiny_model, wait_until
 
+from diloco.learner.listener import LinkListener
+from diloco.learner.uploads import UploadJob, UploadResult
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.store import FragmentStore
 
 P = 2
 
 
-def start_syncer(tmp_path, **cfg):
+def start_syncer(tmp_path, bind: str = "127.0.0.1:0", **cfg):
     """A syncer on the learners' schedule with a state directory and a tape: an upload of
     the only learner opens its round, which closes at once (one upload, one commit)."""
     config = SyncerConfig(**{"schedule": "learner", "norm_guard_k": 0.0, "up_codec": "fp32", **cfg})
@@ -31,6 +33,7 @@ def start_syncer(tmp_path, **cfg):
         num_fragments=P,
         state_dir=tmp_path / "state",
         tape_path=tmp_path / "events.jsonl",
+        bind=bind,
     )
 
 
@@ -158,3 +161,56 @@ def test_a_receipt_log_line_whose_fsync_and_truncate_failed_is_not_appended_twic
     monkeypatch.undo()
     lines = (tmp_path / RECEIPT_LOG).read_text().splitlines()
     assert len(lines) <= 2, lines  # the header and the log at most once
+
+
+class Answers(LinkListener):
+    """A link's owner that holds nothing and keeps every answer."""
+
+    def __init__(self) -> None:
+        self.results: list[tuple[UploadJob, UploadResult]] = []
+
+    def on_result(self, job: UploadJob, result: UploadResult) -> None:
+        self.results.append((job, result))
+
+
+def test_a_resend_to_a_syncer_restarted_with_another_up_codec_carries_its_first_bytes(tmp_path):
+    """Issue 46, item 3: an upload whose reply was lost was encoded again, in the codec of
+    the syncer it was resent to. A syncer restarted with another ``--up-codec`` answered the
+    resend from its commit log (the first send, in the old codec, was merged), and the learner
+    recorded as ``sent`` (its error feedback) the new encoding, not what was merged. A resend
+    now carries the bytes of its first send, in their codec, which the syncer accepts for a
+    resend, so what the learner records is what the syncer decoded."""
+    from diloco.algorithm import codecs
+    from diloco.launch.relay import Relay
+    from diloco.learner.link import SyncerLink
+
+    first = start_syncer(tmp_path, up_codec="int8")
+    address = first.address
+    relay = Relay(address)
+    relay.lose_replies(1.0)  # the first send is merged; its answer never arrives
+    answers = Answers()
+    link = SyncerLink(relay.address, "a", first.layout, answers, max_backoff_s=0.2)
+    torch.manual_seed(0)
+    delta = torch.randn(first.layout.fragments[0].numel) * 1e-2
+    job = UploadJob(0, base_version=0, steps=4, tokens=32, delta=delta, step_time_s=0.1)
+    second = None
+    try:
+        link.start()
+        wait_until(link.connected.is_set, timeout=10, what="joined")
+        link.submit(job)
+        wait_until(lambda: on_disk(first, tmp_path / "state") == 1, timeout=10, what="merged")
+        wait_until(lambda: relay.replies_lost, timeout=10, what="the reply lost")
+        first.stop()
+        relay.lose_replies(0.0)
+        second = start_syncer(tmp_path, up_codec="int4", bind=address)
+        wait_until(lambda: answers.results, timeout=30, what="an answer")
+    finally:
+        link.close()
+        relay.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+    [(answered, result)] = answers.results
+    assert result.outcome == "accepted" and result.admitted == 0, result
+    merged = codecs.decode(codecs.encode(delta, "int8"), delta.numel(), "int8")
+    assert torch.equal(result.sent, merged), "the resend recorded another encoding as sent"

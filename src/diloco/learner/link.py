@@ -31,7 +31,7 @@ from diloco.learner.address import FILE_PREFIX as ADDRESS_FILE
 from diloco.learner.address import resolve as resolve_address
 from diloco.learner.listener import LinkListener
 from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
-from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
+from diloco.learner.uploads import EncodedUpload, UploadJob, UploadQueue, UploadResult
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire import keepalive
@@ -58,19 +58,6 @@ class LinkStats:
     connects: int = 0
 
 
-@dataclass(frozen=True)
-class Outgoing:
-    """An upload as it goes on the wire."""
-
-    payload: bytes
-    """The encoded delta sent."""
-    tokens: int
-    """The tokens it claims."""
-    meant: bytes
-    """What the learner meant to send (the payload unless a fault damaged it): its residual
-    is measured against this, so damage is never fed back into the learner's progress."""
-
-
 class UploadEncoder:
     """How a link turns a job into the bytes it sends; the seam that fault injection wraps
     (``diloco.learner.corrupt.CorruptingEncoder``) so the link itself has no fault branches."""
@@ -79,9 +66,9 @@ class UploadEncoder:
         """The tokens per step the link declares at join."""
         return tokens_per_step
 
-    def encode(self, job: UploadJob, codec: str) -> Outgoing:
+    def encode(self, job: UploadJob, codec: str) -> EncodedUpload:
         payload = codecs.encode(job.delta, codec)
-        return Outgoing(payload, job.tokens, payload)
+        return EncodedUpload(payload, job.tokens, payload, codec)
 
 
 class SyncerLink:
@@ -210,6 +197,8 @@ class SyncerLink:
         return self.queue.backlog_bytes()
 
     def _encoded_size(self, job: UploadJob) -> int:
+        if job.first_send is not None:  # (a resend: sent as it was)
+            return len(job.first_send.payload)
         return codecs.encoded_nbytes(job.delta.numel(), self.up_codec)
 
     def queued_jobs(self) -> set[int]:
@@ -502,8 +491,8 @@ class SyncerLink:
         if stub is None or self._stub is None:
             self.stats.uploads_failed += 1
             return UploadResult("failed")
-        outgoing = self.encoder.encode(job, self.up_codec)
-        payload = outgoing.payload
+        outgoing = job.first_send or self.encoder.encode(job, self.up_codec)
+        job.first_send, payload = outgoing, outgoing.payload  # (a resend: sent as it was)
         view = memoryview(payload)
         pieces = [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [
             view[:0]
@@ -521,7 +510,7 @@ class SyncerLink:
                     base_version=job.base_version,
                     steps=job.steps,
                     tokens=outgoing.tokens,
-                    codec=self.up_codec,
+                    codec=outgoing.codec,
                     numel=job.delta.numel(),
                     chunk_index=i,
                     num_chunks=len(pieces),
@@ -562,7 +551,7 @@ class SyncerLink:
             return UploadResult("stale")
         # The rest of the delta (the quantization residual) stays with the learner for the
         # next upload; it is measured against what the learner meant to send.
-        sent = codecs.decode(outgoing.meant, job.delta.numel(), self.up_codec)
+        sent = codecs.decode(outgoing.meant, job.delta.numel(), outgoing.codec)
         return UploadResult("accepted", reply.current_version, sent, syncer_id)
 
     def _heartbeat_loop(self) -> None:
