@@ -13,12 +13,14 @@ import os
 import grpc
 import pytest
 import torch
-from kit import Peer, local_syncer, tiny_model, wait_until
+from kit import Peer, join_request, local_syncer, tiny_model, wait_until
 
 from diloco.learner.listener import LinkListener
 from diloco.learner.uploads import UploadJob, UploadResult
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.store import FragmentStore
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
 
 P = 2
 
@@ -214,3 +216,88 @@ def test_a_resend_to_a_syncer_restarted_with_another_up_codec_carries_its_first_
     assert result.outcome == "accepted" and result.admitted == 0, result
     merged = codecs.decode(codecs.encode(delta, "int8"), delta.numel(), "int8")
     assert torch.equal(result.sent, merged), "the resend recorded another encoding as sent"
+
+
+def live_keyframes() -> list:
+    """Every ``Keyframe`` this process still holds (each a full fragment: 4 bytes per value
+    of W, and 4 more once its fp32 payload was made)."""
+    import gc
+
+    from diloco.syncer.broadcast import Keyframe
+
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is Keyframe]
+
+
+def upload_in_chunks(peer: Peer, fragment: int, value: float) -> pb.UploadReply:
+    """``peer`` uploads a delta of ``value`` everywhere to ``fragment``, in fp32, chunked."""
+    from diloco.algorithm import codecs
+    from diloco.wire.protocol import CHUNK_BYTES
+
+    numel = peer.server.layout.fragments[fragment].numel
+    payload = codecs.encode(torch.full((numel,), value), "fp32")
+    pieces = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
+    header = dict(
+        learner_id=peer.learner_id,
+        session=peer.session,
+        fragment=fragment,
+        base_version=peer.server.state.versions[fragment],
+        steps=4,
+        tokens=32,
+        codec="fp32",
+        numel=numel,
+        num_chunks=len(pieces),
+        step_time_s=0.1,
+    )
+    chunks = [pb.UploadChunk(**header, chunk_index=i, data=d) for i, d in enumerate(pieces)]
+    return peer.stub.Upload(iter(chunks), timeout=30)
+
+
+def test_streams_that_never_read_pin_at_most_one_old_keyframe_each():
+    """Issue 46, item 4: a stream whose learner does not read took every fragment's
+    keyframe at once and stalled sending the first: the keyframes of all the others stayed
+    referenced by it (a whole model, 8 bytes per parameter, per slow stream, each of another
+    version). A stream now takes one fragment at a time; what waits is the newest version
+    only (a newer keyframe replaces an unsent one), which the syncer holds anyway. So the
+    syncer holds the newest keyframe of each fragment plus at most one per slow stream."""
+    fragments, slow_streams = 4, 2
+    config = SyncerConfig(schedule="learner", norm_guard_k=0.0, up_codec="fp32")
+    # 8.4 M parameters: a fragment's keyframe (~8 MB) is far more than a stream's window
+    server = local_syncer(
+        tiny_model(0, (1024, 4096, 1024), tanh=False), config, num_fragments=fragments
+    )
+    writer = Peer(server, "writer")
+    channels, streams = [], []
+
+    def commit_every_fragment() -> None:
+        for p in range(fragments):
+            v = server.state.versions[p]
+            assert upload_in_chunks(writer, p, 1e-4).accepted
+            wait_until(lambda p=p, v=v: server.state.versions[p] > v, timeout=30)
+
+    def subscribe_and_never_read(name: str) -> None:
+        channel = grpc.insecure_channel(server.address)
+        stub = pb_grpc.SyncerStub(channel)
+        session = stub.Join(join_request(server.layout, name, observer=True), timeout=5).session
+        stream = stub.Subscribe(pb.SubscribeRequest(learner_id=name, session=session))
+        channels.append(channel)
+        streams.append(stream)
+        assert next(stream).chunk_index == 0  # its handler is sending keyframes: read no more
+
+    try:
+        writer.join()
+        for i in range(slow_streams):
+            subscribe_and_never_read(f"slow-{i}")
+            commit_every_fragment()  # each slow stream stalls at another version
+        for _ in range(3):
+            commit_every_fragment()
+        keyframes = live_keyframes()
+        held = len(keyframes)
+        assert held <= fragments + slow_streams, f"{held} keyframes held"
+    finally:
+        for stream in streams:
+            stream.cancel()
+        for channel in channels:
+            channel.close()
+        writer.close()
+        server.stop()

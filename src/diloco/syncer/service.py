@@ -244,21 +244,10 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         requests and new versions until the stream ends."""
         sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
         if any(digests):  # hash the values to compare with here, not under the lock
-            with self.lock:
-                latest = [keyframe for _, keyframe, _ in self._payloads.values()]
-            for keyframe in latest:
-                keyframe.digest  # noqa: B018 (computed once, then kept)
+            self._hash_latest()
         with self.lock:
             slot = self._replace(sub, caller, context)
-            for p, (version, keyframe, _) in self._payloads.items():
-                since = have[p] if p < len(have) else -1
-                if since == version:
-                    continue
-                if since < 0 and p < len(digests) and digests[p] == keyframe.digest:
-                    sub.confirm(p, version)  # it holds exactly this value already
-                    continue
-                contributors, dropped = self._since(p, since)
-                sub.offer(p, version, keyframe=keyframe, contributors=contributors, dropped=dropped)
+            self._offer_what_it_lacks(sub, have, digests)
         context.add_callback(sub.close)
         try:
             while context.is_active() and not self._stopping.is_set() and not sub.closed:
@@ -297,6 +286,27 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                         sub.learner_id, sub.session, now=clock.monotonic(), reason="stream closed"
                     )
             self._wake.set()
+
+    def _hash_latest(self) -> None:
+        """Compute the digest of every fragment's latest keyframe (kept by the keyframe)."""
+        with self.lock:
+            latest = [keyframe for _, keyframe, _ in self._payloads.values()]
+        for keyframe in latest:
+            keyframe.digest  # noqa: B018 (computed once, then kept)
+
+    def _offer_what_it_lacks(self, sub: Subscriber, have: list[int], digests: list[str]) -> None:
+        """Queue on a new subscription every fragment's latest version its learner does not
+        hold (lock held). A helper, not inline in the stream's generator: the generator's
+        frame lives as long as the stream and would keep the last keyframe it looked at."""
+        for p, (version, keyframe, _) in self._payloads.items():
+            since = have[p] if p < len(have) else -1
+            if since == version:
+                continue
+            if since < 0 and p < len(digests) and digests[p] == keyframe.digest:
+                sub.confirm(p, version)  # it holds exactly this value already
+                continue
+            contributors, dropped = self._since(p, since)
+            sub.offer(p, version, keyframe=keyframe, contributors=contributors, dropped=dropped)
 
     def _replace(self, sub: Subscriber, caller: Caller, context) -> Slot:
         """Register ``sub`` in the place of its learner's older subscriptions (lock held).
