@@ -112,6 +112,7 @@ def test_a_failed_fsync_of_the_tape_fails_the_syncer_and_its_restart_tapes_the_c
         server.stop()
         monkeypatch.undo()
     start_syncer(tmp_path).stop()  # the restart: tapes what the tape lacks
+    start_syncer(tmp_path).stop()  # and the next one (through the tape's index) nothing
     records = read_tape(tmp_path / "events.jsonl")
     taped = [r for r in records if r["event"] in ("round", "recovered") and r["fragment"] == 0]
     assert [r["version"] for r in taped] == [1], taped
@@ -301,3 +302,45 @@ def test_streams_that_never_read_pin_at_most_one_old_keyframe_each():
             channel.close()
         writer.close()
         server.stop()
+
+
+TICK = '{"event":"tick","t":1.0,"fragment":0,"version":0,"asked":4}\n'
+
+
+def test_a_restart_reads_only_the_tape_written_since_the_last_index(tmp_path):
+    """Issue 46, item 5: the tape is never rotated and every restart parsed all of it (a
+    long run's tape: millions of records) to find, per fragment, the newest taped version
+    and the dropped uploads its records name. A syncer keeps that in a small side file,
+    ``events.jsonl.index``, with the tape's offset it covers; a restart reads the tail
+    written since, and the whole tape only when the index does not match it."""
+    from diloco.syncer.store import read_taped
+    from diloco.syncer.tape_index import TapeIndex
+
+    tape = tmp_path / "events.jsonl"
+    with open(tape, "w") as f:
+        f.write(TICK * 1000)
+        f.write('{"event":"round","t":2.0,"fragment":1,"version":7}\n')
+        f.write('{"event":"dropped","t":2.0,"fragment":0,"excluded_uploads":{"a":[[5,4,32]]}}\n')
+    server = start_syncer(tmp_path)
+    peer = Peer(server, "a")
+    try:
+        peer.join()
+        assert peer.upload(0, torch.full((server.layout.fragments[0].numel,), 1e-3)).accepted
+        wait_until(lambda: on_disk(server, tmp_path / "state") == 1, timeout=10)
+    finally:
+        peer.close()
+        server.stop()
+    indexed = tape.stat().st_size
+    with open(tape, "a") as f:
+        f.write(TICK * 1000)  # written since: by another process sharing the tape
+        f.write('{"event":"round","t":3.0,"fragment":1,"version":8}\n')
+    taped = TapeIndex(tape).read()
+    assert taped.read_from >= indexed - 512  # the tail only (from the syncer's last record)
+    full = read_taped(tape)
+    assert taped.versions == full.versions == {0: 1, 1: 8}
+    # of the dropped uploads, the index keeps those of the commit logs a restart checks
+    assert (0, 5) in full.dropped and taped.dropped <= full.dropped
+    # the tape replaced under its index (another run's tape): read whole
+    tape.write_text('{"event":"round","t":2.0,"fragment":1,"version":3}\n' + TICK * 40)
+    again = TapeIndex(tape).read()
+    assert again.read_from == 0 and again.versions == {1: 3}

@@ -43,6 +43,7 @@ from diloco.runtime import clock
 from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe
 from diloco.syncer.state import Commit, fragment_digest
 from diloco.syncer.store import SyncFailed
+from diloco.syncer.tape_index import dropped_in
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,10 @@ class Committer:
         retrying(lambda: self._emit(record, sync=True))
         with self.lock:  # on disk: resends are answered from it, drops reported
             self.state.receipts.settle(commit.log)
+        if self.tape_index is not None:
+            self.tape_index.note(record, self.tape.end)
+            if self.tape_index.due():
+                self.save_tape_index()
         dropped = {
             lid: frozenset(u.upload_id for u in parts) for lid, parts in commit.log.excluded.items()
         }
@@ -286,6 +291,15 @@ class Committer:
                     dropped=dropped,
                 )
             self.state.record_sync_time(clock.monotonic() - t0)
+
+    def save_tape_index(self) -> None:
+        """Write the tape's index (``diloco.syncer.tape_index``; nothing without a tape),
+        keeping the dropped uploads of the commit logs a restart would check."""
+        if self.tape_index is None:
+            return
+        with self.lock:
+            logs = [log for history in self.state.history.values() for log in history]
+        self.tape_index.save(keep=dropped_in(logs))
 
     def _since(self, fragment: int, version: int) -> tuple[frozenset[str], dict]:
         """Everyone merged into ``fragment`` after ``version``, and per learner the upload

@@ -33,9 +33,9 @@ from diloco.syncer.store import (
     FragmentStore,
     StateError,
     Taped,
-    read_taped,
     state_hash,
 )
+from diloco.syncer.tape_index import TapeIndex
 from diloco.wire import auth, keepalive
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.protocol import CHUNK_BYTES, MAX_MESSAGE_BYTES
@@ -138,7 +138,8 @@ class SyncerServer:
         before anything in it is read (a second syncer on it: ``StateError``)."""
         if state_dir:
             self.claim = claim_state_dir(state_dir)
-        taped = read_taped(tape_path) if tape_path else Taped()
+        self.tape_index = TapeIndex(tape_path, shard) if tape_path else None
+        taped = self.tape_index.read() if self.tape_index else Taped()
         self.tape = EventTape(tape_path) if tape_path else None
         emit = self.tape.try_append if self.tape else (lambda record: None)
         self.store = FragmentStore(state_dir, fence=self.claim.check) if state_dir else None
@@ -173,6 +174,7 @@ class SyncerServer:
             store=self.store,
             tape=self.tape,
             receipt_log=receipt_log,
+            tape_index=self.tape_index,
             wire=wire,
             **service_options,
         )
@@ -258,10 +260,12 @@ class SyncerServer:
         what it merged: the commit logs persisted with the fragment say it)."""
         if self.tape is None:
             return
+        recovered: list[dict] = []
         for p in sorted(restored):
             missing = [log for log in self.state.history[p] if not taped.holds(log)]
             if missing or self.state.versions[p] > taped.versions.get(p, 0):
-                self.tape.append(recovered_record(self.state, p, taped, missing))
+                recovered.append(recovered_record(self.state, p, taped, missing))
+                self.tape.append(recovered[-1])
         self.tape.append(
             {
                 "event": "start",
@@ -281,6 +285,9 @@ class SyncerServer:
             },
             sync=True,
         )
+        for record in recovered:  # (synced with the start record)
+            self.tape_index.note(record, self.tape.end)
+        self.service.save_tape_index()  # (a restart reads the tape from here on)
 
     def state_dict(self, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The global model now (Θ of every owned fragment; the others at their initial
@@ -353,6 +360,8 @@ class SyncerServer:
         ender.start()
         ender.join(timeout=5)
         if self.tape is not None:
+            if self.service.failure is None:
+                self.service.save_tape_index()
             self.tape.try_append(
                 {"event": "stop", "t": clock.wall(), "versions": list(self.state.versions)}
             )

@@ -43,6 +43,7 @@ from diloco.syncer.store import (
     FragmentStore,
     state_hash,
 )
+from diloco.syncer.tape_index import TapeIndex
 from diloco.syncer.upload import receive_upload
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
@@ -71,6 +72,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         store: FragmentStore | None,
         tape: EventTape | None,
         receipt_log: ReceiptLog | None = None,
+        tape_index: TapeIndex | None = None,
         allowed_learners: frozenset[str] | None = None,
         wire: dict[int, torch.Tensor] | None = None,
         secret: str | None = None,
@@ -96,6 +98,8 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         self.store = store
         self.tape = tape
         self.receipt_log = receipt_log
+        self.tape_index = tape_index
+        """The tape's index (``diloco.syncer.tape_index``), kept up to date by the committer."""
         self.lock = threading.Lock()
         self.started_at = clock.monotonic()
         self._subscribers: dict[Subscriber, Callable[[], None]] = {}

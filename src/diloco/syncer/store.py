@@ -382,6 +382,8 @@ class EventTape:
         """The failed fsync that ends this tape's synced appends (see the class docstring)."""
         self.errors = 0
         """Records ``try_append`` could not write."""
+        self.end = 0
+        """The tape offset just past the line the last ``append`` wrote."""
 
     def append(self, record: dict, *, sync: bool = False) -> None:
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
@@ -396,6 +398,7 @@ class EventTape:
             if written != len(data):
                 raise OSError(errno.ENOSPC, f"short write to the event tape {self.path}")
             self._torn = False
+            self.end = os.lseek(self._fd, 0, os.SEEK_CUR)  # (O_APPEND: just past this line)
             if sync:
                 try:
                     os.fsync(self._fd)
@@ -435,10 +438,13 @@ def _ends_a_line(path: Path) -> bool:
 class Taped:
     """What a tape records of the commits: the newest version of each fragment (``round``
     and ``recovered`` records) and ``(fragment, upload id)`` of every upload a ``dropped``
-    record (or a recovered log of one) names."""
+    record (or a recovered log of one) names. ``read_from``: the tape offset this reading
+    began at (0: the whole tape); ``end``: the offset just past the last whole line read."""
 
     versions: dict[int, int] = field(default_factory=dict)
     dropped: set[tuple[int, int]] = field(default_factory=set)
+    read_from: int = 0
+    end: int = 0
 
     def holds(self, log: CommitLog) -> bool:
         """Whether the tape has a record of this persisted commit log."""
@@ -447,30 +453,38 @@ class Taped:
         ids = {(log.fragment, u.upload_id) for parts in log.excluded.values() for u in parts}
         return ids <= self.dropped  # a dropped round (no version): by its uploads
 
+    def add(self, record: dict) -> None:
+        """Take in one tape record (any event; only commits' records count)."""
+        for p, v in taped_versions([record]).items():
+            self.versions[p] = max(v, self.versions.get(p, 0))
+        event = record.get("event")
+        if event == "dropped":
+            for parts in record.get("excluded_uploads", {}).values():
+                self.dropped.update((int(record["fragment"]), int(u[0])) for u in parts)
+        for log in record.get("commits", []) if event == "recovered" else []:
+            if log["version"] == log["admitted"]:
+                for parts in log["excluded"].values():
+                    self.dropped.update((int(log["fragment"]), int(u[0])) for u in parts)
 
-def read_taped(path: str | os.PathLike) -> Taped:
-    """``Taped`` of the tape at ``path``, read a line at a time (a restart does not hold the
-    tape in memory); empty when there is no tape."""
+
+def read_taped(path: str | os.PathLike, *, start: int = 0, taped: Taped | None = None) -> Taped:
+    """``Taped`` of the tape at ``path`` from offset ``start`` on, added to ``taped`` (a
+    tape index's, ``diloco.syncer.tape_index``), read a line at a time (a restart does not
+    hold the tape in memory); empty when there is no tape."""
     from diloco.runtime.jsonl import parse_lines
 
-    taped = Taped()
+    taped = taped if taped is not None else Taped()
+    taped.read_from = taped.end = start
     try:
         with open(path, "rb") as f:
+            f.seek(start)
             for line in f:
+                if line.endswith(b"\n"):
+                    taped.end += len(line)
                 if not any(k in line for k in (b'"round"', b'"recovered"', b'"dropped"')):
                     continue  # (most records: decided without parsing them)
                 for r in parse_lines([line]):
-                    for p, v in taped_versions([r]).items():
-                        taped.versions[p] = max(v, taped.versions.get(p, 0))
-                    if r.get("event") == "dropped":
-                        for parts in r.get("excluded_uploads", {}).values():
-                            taped.dropped.update((int(r["fragment"]), int(u[0])) for u in parts)
-                    for log in r.get("commits", []) if r.get("event") == "recovered" else []:
-                        if log["version"] == log["admitted"]:
-                            for parts in log["excluded"].values():
-                                taped.dropped.update(
-                                    (int(log["fragment"]), int(u[0])) for u in parts
-                                )
+                    taped.add(r)
     except FileNotFoundError:
         pass
     return taped
