@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import grpc
 import pytest
@@ -344,3 +345,72 @@ def test_a_restart_reads_only_the_tape_written_since_the_last_index(tmp_path):
     tape.write_text('{"event":"round","t":2.0,"fragment":1,"version":3}\n' + TICK * 40)
     again = TapeIndex(tape).read()
     assert again.read_from == 0 and again.versions == {1: 3}
+
+
+def test_a_draining_learner_flushes_again_what_a_restarted_syncer_never_committed(tmp_path):
+    """Issue 46, item 6: a learner draining at its clean stop (its finals accepted, waiting
+    for them to come back merged) left as soon as its link dropped. When the link dropped
+    because the syncer restarted, the finals that syncer had accepted and not committed were
+    lost: nobody was left to rejoin and hear that the successor does not hold them. The
+    drain now waits for the link (within its bound); at the rejoin the successor's answer
+    returns those deltas to the learner's progress, which it flushes again and drains."""
+    from diloco.learner.learner import Learner
+    from diloco.syncer.store import read_tape
+
+    steps = 12
+    # the first syncer waits for two learners: this one's uploads stay in open rounds
+    first = start_syncer(tmp_path, wait_for_all=2)
+    address = first.address
+    model = tiny_model(0, (16, 32, 4), tanh=False)
+    learner = Learner(
+        model, syncer=address, num_fragments=P, learner_id="a", tokens_per_step=8,
+        drain_timeout_s=30.0, flush_timeout_s=10.0,
+    )  # fmt: skip
+    second = None
+    closer = threading.Thread(target=learner.close)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            model(torch.randn(4, 16, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            learner.step(tokens=8)
+        closer.start()  # flush (finals accepted, never committed here), then drain
+
+        def finals_admitted() -> bool:
+            info = first.state.learners.get("a")
+            return (
+                info is not None
+                and bool(info.finals_delivered)
+                and not (set(info.finals_due) - set(info.finals_delivered))
+            )
+
+        wait_until(finals_admitted, timeout=20, what="the finals admitted")
+        assert first.state.versions == [0] * P  # nothing committed
+        first.stop()  # the link drops while the learner drains
+        second = start_syncer(tmp_path, bind=address)
+        closer.join(timeout=60)
+        assert not closer.is_alive()
+    finally:
+        if closer.is_alive() or not closer.ident:
+            learner.close(flush=False)
+        first.stop()
+        if second is not None:
+            second.stop()
+    report = learner.close_report
+    rounds = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "round"]
+    merged = [
+        sum(
+            n
+            for r in rounds
+            if r["fragment"] == p
+            for who, n in zip(r["participants"], r["steps"], strict=True)
+            if who == "a"
+        )
+        for p in range(P)
+    ]
+    dropped = list(learner.dropped)  # (steps trained before its first version arrived)
+    assert [m + d for m, d in zip(merged, dropped, strict=True)] == [steps] * P, (merged, dropped)
+    assert all(m > 0 for m in merged), merged
+    assert report["drained"] and report["unsent_steps"] == 0, report
