@@ -184,3 +184,27 @@ def test_uptime_edges_and_learner_speed():
     ]
     assert learner_speed(progress) == 100
     assert learner_speed([]) == 0.0
+
+
+def test_disk_full_and_lost_replies_are_chaos_kinds():
+    """Issue 46, item 7: ``diloco run --chaos`` had no ``disk-full`` and no ``lose-replies``
+    (only the torture run had them). A full disk is the syncer's, at a fixed time; lost
+    replies are a learner's network fault with the probability ``p``."""
+    clauses = parse_spec("disk-full:at=30s,down=8s;lose-replies:mtbf=20s,down=5s,p=0.3")
+    assert [c.kind for c in clauses] == ["disk-full", "lose-replies"]
+    assert clauses[1].probability == pytest.approx(0.3)
+    assert parse_spec("lose-replies:at=9s")[0].probability == 0.5  # the default
+    events = schedule(clauses, 2, 120, seed=4)
+    (full,) = [e for e in events if e.kind == "disk-full"]
+    assert (full.t, full.target, full.down_s) == (30, "syncer", 8)
+    losses = [e for e in events if e.kind == "lose-replies"]
+    assert losses and all(e.probability == pytest.approx(0.3) and e.down_s == 5 for e in losses)
+    for spec, message in (
+        ("disk-full:down=3s", "at="),
+        ("lose-replies:down=3s", "mtbf"),
+        ("lose-replies:at=3s,p=1.5", "probability"),
+        ("lose-replies:at=3s,p=nan", "probability"),
+        ("kill:at=3s,p=0.5", "unknown key"),
+    ):
+        with pytest.raises(ChaosSpecError, match=message):
+            parse_spec(spec)

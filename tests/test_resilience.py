@@ -218,3 +218,49 @@ def test_delayed_learner_keeps_contributing_through_the_latency(runs):
     # learner-1 is cut off meanwhile: every round of the window is learner-0's, sent through
     # a link with 0.3 s of one-way latency.
     assert rounds_between(tape, delay["t"] + 1, healed["t"], "learner-0")
+
+
+DISK_AT, DISK_DOWN = 5.0, 8.0
+LOSS_AT, LOSS_DOWN = 3.0, 15.0  # learner-0 loses half its upload replies, across the full disk
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_and_lost_replies_in_a_run_lose_and_double_nothing(tmp_path):
+    """Issue 46, item 7: ``--chaos disk-full`` fills the syncer's disk (a tmpfs under its
+    fragment files) for the down time: its commits fail, it fails and is restarted until
+    there is room; ``--chaos lose-replies`` makes a learner's relay lose the syncer's replies
+    to its uploads. Every trained step is merged exactly once, and the fragment files
+    outlive the small disk."""
+    import os
+
+    from diloco.report.audit_files import audit_directories
+
+    if os.geteuid() != 0:
+        pytest.skip("disk-full mounts a small filesystem: root only")
+    chaos = (
+        f"disk-full:at={DISK_AT}s,down={DISK_DOWN}s;"
+        f"lose-replies:at={LOSS_AT}s,down={LOSS_DOWN}s,p=0.5,learners=0"
+    )
+    summary = run_diloco_json(
+        "run", "--recipe=tiny", "--learners=2", "--steps=3000", "--minutes=2",
+        "--eval-every=0", f"--chaos={chaos}", f"--runs-dir={tmp_path}", "--name=disk",
+        "--json", timeout=240,
+    )  # fmt: skip
+    run_dir = tmp_path / "disk"
+    tape = read_tape(run_dir / "syncer" / "events.jsonl")
+    chaos_records = {r["kind"]: r for r in tape if r["event"] == "chaos"}
+    assert set(chaos_records) == {"disk-full", "lose-replies"}, chaos_records
+    assert chaos_records["lose-replies"]["probability"] == 0.5
+    healed = [r for r in tape if r["event"] == "heal"]
+    assert {r["target"] for r in healed} == {"syncer", "learner-0"}
+    full_at = chaos_records["disk-full"]["t"]
+    failed = [r for r in tape if r["event"] == "failed" and r["t"] >= full_at]
+    assert failed and "No space" in failed[0]["error"], failed  # its commits could not land
+    assert any(r["event"] == "resent" for r in tape)  # a lost reply, answered on its resend
+    assert [r for r in tape if r["event"] == "round" and r["t"] > full_at + DISK_DOWN]
+    assert summary["stopped_by"] == "learners finished", summary["stopped_by"]
+    workdirs = {f"learner-{i}": run_dir / "learners" / f"learner-{i}" for i in range(2)}
+    audit = audit_directories(run_dir / "syncer", workdirs, stopped_cleanly=True)
+    assert audit.problems == [] and audit.steps_trained == 6000, audit.problems
+    assert not os.path.ismount(run_dir / "syncer" / "fragments")

@@ -320,7 +320,9 @@ def test_a_restarted_syncer_remembers_every_upload_its_commit_logs_hold():
 
 def test_a_tape_record_whose_fsync_failed_is_not_written_twice(tmp_path, monkeypatch):
     """Found by review: the committer retries a record whose write succeeded but whose fsync
-    failed (EIO, ENOSPC on delayed allocation): the retry appended it a second time."""
+    failed (EIO, ENOSPC on delayed allocation): the retry appended it a second time. A
+    failed fsync of the tape is now final (``SyncFailed``: the syncer fails, see
+    test_syncer_hygiene), and the record is still never written twice."""
     from diloco.syncer.store import EventTape
 
     tape = EventTape(tmp_path / "events.jsonl")
@@ -336,7 +338,8 @@ def test_a_tape_record_whose_fsync_failed_is_not_written_twice(tmp_path, monkeyp
     record = {"event": "round", "fragment": 0, "version": 1}
     with pytest.raises(OSError):
         tape.append(record, sync=True)
-    tape.append(record, sync=True)  # the committer's retry
+    with pytest.raises(OSError):  # a retry: refused (a later fsync cannot vouch for it)
+        tape.append(record, sync=True)
     tape.close()
     assert [r["version"] for r in read_tape(tmp_path / "events.jsonl")] == [1]
 

@@ -19,6 +19,15 @@ Durations take ``ms``, ``s``, ``m`` or no suffix (seconds); ranges are ``LOW-HIG
                                        down time (default latency 200 ms)
 ``syncer-kill:at=120s,down=2s``        SIGKILL the syncer at ``at``, restart it after ``down``
 ``syncer-hang:at=60s,down=3s``         SIGSTOP the syncer at ``at``, SIGCONT it after ``down``
+``disk-full:at=60s,down=10s``          fill the syncer's disk (a small tmpfs under its
+                                       fragment files; root only) at ``at``, free it after
+                                       ``down``: its commits fail, it fails and is restarted
+                                       until the disk has room again
+``lose-replies:mtbf=60s,down=10s,p=0.5``
+                                       for the down time, lose the syncer's reply to each of a
+                                       learner's uploads with probability ``p`` (default 0.5;
+                                       the syncer handled it, the learner never hears; its
+                                       relay cuts the connection)
 ``kill:at=20s,down=3s,learners=1``     one failure at a fixed time (any learner kind)
 ``corrupt:learners=1,how=huge``        silent data corruption: from ``start`` (for ``down``
                                        seconds, default the whole run) the learner damages
@@ -40,10 +49,23 @@ from dataclasses import dataclass
 
 from diloco.runtime.units import parse_duration
 
-KINDS = ("kill", "hang", "partition", "drop", "delay", "syncer-kill", "syncer-hang", "corrupt")
-SYNCER_KINDS = ("syncer-kill", "syncer-hang")
+KINDS = (
+    "kill",
+    "hang",
+    "partition",
+    "drop",
+    "delay",
+    "lose-replies",
+    "syncer-kill",
+    "syncer-hang",
+    "disk-full",
+    "corrupt",
+)
+SYNCER_KINDS = ("syncer-kill", "syncer-hang", "disk-full")
 #: Kinds carried out on a learner's network through its relay (see diloco.launch.relay).
-NETWORK_KINDS = ("partition", "drop", "delay")
+NETWORK_KINDS = ("partition", "drop", "delay", "lose-replies")
+#: ``lose-replies``: the probability of losing each reply when ``p=`` is not given.
+DEFAULT_REPLY_LOSS = 0.5
 CORRUPT_HOWS = ("huge", "flip", "nan", "hostile")
 
 
@@ -62,18 +84,22 @@ class Clause:
     latency_s: float = 0.2
     how: str = ""
     """``corrupt`` only: how deltas are damaged (one of ``CORRUPT_HOWS``)."""
+    probability: float = DEFAULT_REPLY_LOSS
+    """``lose-replies`` only: the probability of losing each reply (``p=``)."""
 
 
 @dataclass(frozen=True, order=True)
 class ChaosEvent:
     """At ``t`` seconds into the run, do ``kind`` to ``target`` for ``down_s`` seconds
-    (``latency_s``: the added one-way latency of a ``delay``)."""
+    (``latency_s``: the added one-way latency of a ``delay``; ``probability``: the chance
+    of losing each reply of a ``lose-replies``)."""
 
     t: float
     kind: str
     target: str
     down_s: float
     latency_s: float = 0.0
+    probability: float = 0.0
 
 
 def parse_range(text: str) -> tuple[float, float]:
@@ -115,6 +141,10 @@ def parse_spec(spec: str) -> list[Clause]:
                     fields["learners"] = tuple(int(i) for i in value.split("+"))
                 elif key == "how" and kind == "corrupt":
                     fields["how"] = value.strip()
+                elif key == "p" and kind == "lose-replies":
+                    fields["probability"] = float(value)
+                    if not 0.0 < fields["probability"] <= 1.0:
+                        raise ValueError(f"p={value} is not a probability in (0, 1]")
                 else:
                     raise ValueError(f"unknown key {key!r}")
         except ValueError as exc:
@@ -174,7 +204,8 @@ def _event(clause: Clause, t: float, target: str, rng: random.Random) -> ChaosEv
     if clause.kind == "drop":
         return ChaosEvent(t, "drop", target, 0.0)
     latency = clause.latency_s if clause.kind == "delay" else 0.0
-    return ChaosEvent(t, clause.kind, target, rng.uniform(*clause.down_s), latency)
+    loss = clause.probability if clause.kind == "lose-replies" else 0.0
+    return ChaosEvent(t, clause.kind, target, rng.uniform(*clause.down_s), latency, loss)
 
 
 @dataclass(frozen=True)

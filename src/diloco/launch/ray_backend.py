@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 
 MISSING = "the Ray backend needs Ray: pip install 'diloco[ray]'"
 #: Chaos kinds the Ray backend cannot carry out: network faults need a TCP relay next to each
-#: learner; a syncer hang is not implemented for Ray actors.
-UNSUPPORTED_CHAOS = ("partition", "drop", "delay", "syncer-hang")
+#: learner; a syncer hang and a full disk (a tmpfs under its state) are not implemented for
+#: Ray actors.
+UNSUPPORTED_CHAOS = ("partition", "drop", "delay", "lose-replies", "syncer-hang", "disk-full")
 LOOPBACK = "127.0.0.1"
 
 

@@ -20,6 +20,7 @@ global model, then the syncer stops. The run directory holds everything:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -84,6 +85,8 @@ def prepare(config: RunConfig) -> Prepared:
     ray_backend.check_config(config, {c.kind for c in clauses})
     check_wan(config, clauses)
     check_additions(config, plans)
+    if any(c.kind == "disk-full" for c in clauses) and os.geteuid() != 0:
+        raise ValueError("--chaos disk-full needs root: it mounts a small tmpfs for the syncer")
     return Prepared(recipe, plans, clauses, chaos, corrupt, token)
 
 
@@ -217,9 +220,13 @@ class Launch:
         old_handlers = {
             s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
         }
+        disk = None
         try:
+            if any(c.kind == "disk-full" for c in self.prep.clauses):
+                disk = mount_syncer_disk(self.run_dir, self.prep.recipe, self.config.recipe.seed)
             self.sup = make_supervisor(
                 self.config,
+                disk=disk,
                 tape=self.tape.append,
                 clock=lambda: time.time() - self.started,
                 chaos=self.prep.chaos,
@@ -260,6 +267,8 @@ class Launch:
                 self.status_client.close()
             if self.sup is not None:
                 shut_down(self.sup)
+            if disk is not None:  # (after the syncer stopped: its files stay in the run)
+                disk.unmount_keeping_files()
             self.tape.close()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
@@ -446,12 +455,33 @@ def check_shards(config: RunConfig, clauses) -> None:
         )
 
 
+SYNCER_DISK_BYTES = 16 << 20
+"""``disk-full``: the syncer's small disk holds this much plus ``SYNCER_DISK_BYTES_PER_PARAM``
+per parameter (its fragment files hold Θ, momentum and the wire image: 12 bytes each, and a
+fragment's temporary file while it is written)."""
+SYNCER_DISK_BYTES_PER_PARAM = 40
+
+
+def mount_syncer_disk(run_dir: Path, recipe, seed: int):
+    """``disk-full``: a small tmpfs (``diloco.runtime.disk.SmallDisk``, root only) mounted
+    under the syncer's fragment files (``syncer/fragments``), which the supervisor fills and
+    frees. Only the fragment files live there: the tape, the receipt log and ``meta.json``
+    stay on the run's disk (the launcher's own records go on while the syncer's disk is
+    full), and a commit, which writes its fragment file first, fails."""
+    from diloco.runtime.disk import SmallDisk
+
+    params = sum(p.numel() for p in recipe.build_model(seed).parameters())
+    size = SYNCER_DISK_BYTES + SYNCER_DISK_BYTES_PER_PARAM * params
+    return SmallDisk(run_dir / syncer_names(1)[0] / "fragments", size)
+
+
 def make_supervisor(config: RunConfig, **kwargs):
     """The launcher of ``config.ray.backend``: local processes, or Ray actors."""
     if config.ray.backend == "ray":
         from diloco.launch.ray_backend import RaySupervisor
 
         kwargs.pop("spares", None)  # Ray starts its own workers
+        kwargs.pop("disk", None)  # (disk-full is refused with Ray)
         return RaySupervisor(config, **kwargs)
     from diloco.launch.supervisor import Supervisor
 

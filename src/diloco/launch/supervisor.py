@@ -32,6 +32,7 @@ from pathlib import Path
 
 from diloco.chaos import NETWORK_KINDS, ChaosEvent
 from diloco.launch.syncers import is_syncer
+from diloco.runtime.disk import SmallDisk
 from diloco.runtime.procs import Child
 
 MAX_UNPLANNED_RESTARTS = 5
@@ -77,10 +78,14 @@ class Supervisor:
         relays: dict | None = None,
         group: list[str] = (),
         spares: int = 0,
+        disk: SmallDisk | None = None,
     ) -> None:
+        """``relays``: each learner's relay (network faults); ``disk``: the small disk under
+        the syncer's fragment files (``disk-full``; ``diloco.launch.run.mount_syncer_disk``)."""
         if spares < 0:
             raise ValueError(f"spares must be >= 0, got {spares}")
         self.relays = relays or {}
+        self.disk = disk
         self.slots: dict[str, Slot] = {}
         self.tape = tape
         self.clock = clock
@@ -190,6 +195,8 @@ class Supervisor:
             return  # hung, or a network fault (partition, delay) is still on
         if event.kind in NETWORK_KINDS and event.target not in self.relays:
             return
+        if event.kind == "disk-full" and self.disk is None:
+            return
         record = {
             "event": "chaos",
             "t": time.time(),
@@ -199,6 +206,8 @@ class Supervisor:
         }
         if event.kind == "delay":
             record["latency_s"] = event.latency_s
+        if event.kind == "lose-replies":
+            record["probability"] = event.probability
         self.tape(record)
         if event.kind in ("kill", "syncer-kill"):
             slot.expected_death = True
@@ -220,13 +229,23 @@ class Supervisor:
             slot.heal_at = now + event.down_s
         elif event.kind == "drop":
             self.relays[event.target].drop()
+        elif event.kind == "lose-replies":
+            self.relays[event.target].lose_replies(event.probability, seed=int(event.t * 1000))
+            slot.heal_at = now + event.down_s
+        elif event.kind == "disk-full":  # the syncer fails, exits, is restarted: see _check
+            self.disk.fill()
+            slot.heal_at = now + event.down_s
 
     def _check(self, slot: Slot, now: float) -> None:
         child = slot.child
         if slot.heal_at is not None and now >= slot.heal_at:
             slot.heal_at = None
             t = time.time()  # stamped before the fault ends: nothing of the learner's precedes it
-            self.relays[slot.name].heal()
+            if is_syncer(slot.name):  # (a full disk)
+                self.disk.free()
+            else:
+                self.relays[slot.name].heal()
+                self.relays[slot.name].lose_replies(0.0)
             self.tape({"event": "heal", "t": t, "target": slot.name})
         if slot.resume_at is not None and now >= slot.resume_at:
             slot.resume_at = None
@@ -245,6 +264,8 @@ class Supervisor:
                 self.tape(
                     {"event": "crash", "t": time.time(), "target": slot.name, "exit_code": code}
                 )
+                if slot.heal_at is not None and is_syncer(slot.name):
+                    slot.planned_deaths += 1  # its disk is full on purpose: it could not commit
             slot.restart_at = now + (0.0 if is_syncer(slot.name) else self.restart_delay_s)
         if slot.restart_at is not None and now >= slot.restart_at:
             slot.restart_at = None

@@ -111,8 +111,9 @@ class LearnerConfig:
     ones, and the final download (up to a whole model's worth of the down codec) is not
     sent: for a fleet whose result is the syncer's export, on links where that download
     counts. The price: a syncer that restarts before it commits the flushed progress loses
-    it, since the learner is gone and cannot send it again (with a drain, a learner whose
-    link drops while it waits leaves too)."""
+    it, since the learner is gone and cannot send it again (a draining learner whose link
+    drops waits for the rejoin within this bound and sends again what the restarted
+    syncer's predecessor never committed)."""
     max_stretch: int = DEFAULT_MAX_STRETCH
     """Upload pacing (``diloco.learner.pacing``): while this learner's upload backlog would
     take longer than ``pace_lag_steps`` of its steps to drain, it defers the syncer's requests,

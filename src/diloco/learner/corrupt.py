@@ -27,8 +27,8 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.chaos import CORRUPT_HOWS
-from diloco.learner.encoder import Outgoing, UploadEncoder
-from diloco.learner.uploads import UploadJob
+from diloco.learner.encoder import UploadEncoder
+from diloco.learner.uploads import EncodedUpload, UploadJob
 
 HUGE_FACTOR = 1e3
 """What ``huge`` multiplies a delta by."""
@@ -99,15 +99,16 @@ class CorruptingEncoder(UploadEncoder):
     def declared_tokens_per_step(self, tokens_per_step: int) -> int:
         return self.corruptor.declared(self.inner.declared_tokens_per_step(tokens_per_step))
 
-    def encode(self, job: UploadJob, codec: str) -> Outgoing:
+    def encode(self, job: UploadJob, codec: str) -> EncodedUpload:
         honest = self.inner.encode(job, codec)
         if not self.corruptor.active(time.time()):
             return honest
         damaged = codecs.encode(self.corruptor.delta(job.delta), codec)
         with self._lock:
             self.corrupted += 1
-        return Outgoing(
+        return EncodedUpload(
             payload=self.corruptor.payload(damaged),
             tokens=self.corruptor.tokens(honest.tokens),
             meant=honest.meant,
+            codec=codec,
         )

@@ -4,23 +4,8 @@ branches."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from diloco.algorithm import codecs
-from diloco.learner.uploads import UploadJob
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """An upload as it goes on the wire."""
-
-    payload: bytes
-    """The encoded delta sent."""
-    tokens: int
-    """The tokens it claims."""
-    meant: bytes
-    """What the learner meant to send (the payload unless a fault damaged it): its residual
-    is measured against this, so damage is never fed back into the learner's progress."""
+from diloco.learner.uploads import EncodedUpload, UploadJob
 
 
 class UploadEncoder:
@@ -31,6 +16,6 @@ class UploadEncoder:
         """The tokens per step the link declares at join."""
         return tokens_per_step
 
-    def encode(self, job: UploadJob, codec: str) -> Outgoing:
+    def encode(self, job: UploadJob, codec: str) -> EncodedUpload:
         payload = codecs.encode(job.delta, codec)
-        return Outgoing(payload, job.tokens, payload)
+        return EncodedUpload(payload, job.tokens, payload, codec)

@@ -193,6 +193,8 @@ class SyncerLink:
         return self.queue.backlog_bytes()
 
     def _encoded_size(self, job: UploadJob) -> int:
+        if job.first_send is not None:  # (a resend: sent as it was)
+            return len(job.first_send.payload)
         return codecs.encoded_nbytes(job.delta.numel(), self.up_codec)
 
     def queued_jobs(self) -> set[int]:
@@ -480,8 +482,8 @@ class SyncerLink:
         if stub is None or self._stub is None:
             self.stats.uploads_failed += 1
             return UploadResult("failed")
-        outgoing = self.encoder.encode(job, self.up_codec)
-        payload = outgoing.payload
+        outgoing = job.first_send or self.encoder.encode(job, self.up_codec)
+        job.first_send, payload = outgoing, outgoing.payload  # (a resend: sent as it was)
         view = memoryview(payload)
         pieces = [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [
             view[:0]
@@ -499,7 +501,7 @@ class SyncerLink:
                     base_version=job.base_version,
                     steps=job.steps,
                     tokens=outgoing.tokens,
-                    codec=self.up_codec,
+                    codec=outgoing.codec,
                     numel=job.delta.numel(),
                     chunk_index=i,
                     num_chunks=len(pieces),
@@ -537,7 +539,7 @@ class SyncerLink:
             return UploadResult("stale")
         # The rest of the delta (the quantization residual) stays with the learner for the
         # next upload; it is measured against what the learner meant to send.
-        sent = codecs.decode(outgoing.meant, job.delta.numel(), self.up_codec)
+        sent = codecs.decode(outgoing.meant, job.delta.numel(), outgoing.codec)
         return UploadResult("accepted", reply.current_version, sent, syncer_id)
 
     def _heartbeat_loop(self) -> None:

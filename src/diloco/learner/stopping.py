@@ -51,13 +51,31 @@ class Stopping:
 
     def drain(self, timeout: float) -> bool:
         """Wait until every accepted delta has come back merged (the ledger is empty),
-        applying what arrives. Returns True if so within ``timeout`` (bounded, never hangs)."""
+        applying what arrives. Returns True if so within ``timeout`` (bounded, never hangs).
+
+        A link that drops meanwhile (its syncer restarting) is waited for, within the same
+        bound, and so is the rejoin: the successor's answer at the rejoin settles what its
+        predecessor accepted (``diloco.learner.settling``: a delta it never committed is
+        judged lost and its progress returned), and what was returned is flushed again, as
+        finals, and drained in turn. Without the wait the learner left holding deltas
+        nobody would ever merge."""
         deadline = time.monotonic() + timeout
+        joins = self.link.stats.connects
         while True:
             self.apply_arrived()
             pending = self._undrained()
-            if not pending or time.monotonic() >= deadline or not self.link.connected.is_set():
+            left = deadline - time.monotonic()
+            rejoined = self.link.stats.connects != joins
+            if (not pending and not rejoined) or left <= 0:
                 break
+            if rejoined or not self.link.connected.is_set():
+                if not self._await_link(left):  # (connected: after the rejoin was reported)
+                    break
+                joins = self.link.stats.connects
+                flushed = self._flushed
+                self.flush(timeout=max(0.0, deadline - time.monotonic()))  # settles first
+                self._flushed |= flushed
+                continue
             time.sleep(0.02)
         return not pending
 

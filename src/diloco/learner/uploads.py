@@ -20,6 +20,21 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class EncodedUpload:
+    """An upload as it goes on the wire."""
+
+    payload: bytes
+    """The encoded delta sent."""
+    tokens: int
+    """The tokens it claims."""
+    meant: bytes
+    """What the learner meant to send (the payload unless a fault damaged it): its residual
+    is measured against this, so damage is never fed back into the learner's progress."""
+    codec: str
+    """The codec of ``payload`` and ``meant``."""
+
+
 @dataclass
 class UploadJob:
     """One outer gradient to send: fragment ``fragment``'s ``A_p − θ_p``."""
@@ -41,6 +56,11 @@ class UploadJob:
     """Times it was sent without an answer (``MAX_RESENDS`` bounds the resends)."""
     resend_at: float = 0.0
     """``time.monotonic()`` before which it is not sent again."""
+    first_send: EncodedUpload | None = None
+    """The bytes its first send carried, in their codec: every resend carries them again as
+    they were, whatever codec the syncer asks for now (a syncer restarted with another
+    ``--up-codec`` answers the resend from its commit log, and the ``sent`` its learner
+    records must be what the first send, perhaps merged, carried)."""
 
 
 MAX_RESENDS = 20

@@ -55,3 +55,18 @@ class SmallDisk:
 
     def unmount(self) -> None:
         subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+    def unmount_keeping_files(self) -> None:
+        """Free the disk, copy what it holds aside, unmount it and put the copy back at
+        ``path`` (a plain directory then): what was written there outlives the mount."""
+        import shutil
+        import tempfile
+
+        self.free()
+        aside = Path(tempfile.mkdtemp(prefix=".kept-", dir=self.path.parent))
+        try:
+            shutil.copytree(self.path, aside, dirs_exist_ok=True)
+            self.unmount()
+            shutil.copytree(aside, self.path, dirs_exist_ok=True)
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)

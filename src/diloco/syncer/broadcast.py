@@ -15,7 +15,16 @@ still learns whether its own contribution was merged). So a stream sends at most
 keyframe's bytes per fragment however many versions it missed, and a learner that keeps up
 receives each version once, as its delta. The syncer's clock also queues **requests** here
 ("send your contribution for fragment p"); they go out before any payload. The stream's
-handler thread takes what is pending and sends it in ``CHUNK_BYTES`` pieces.
+handler thread takes what is pending, **one fragment at a time** (the one waiting longest),
+and sends it in ``CHUNK_BYTES`` pieces.
+
+**What a slow stream holds.** A keyframe is W_p at its version (4 bytes per value) and, once
+a stream sent it, its fp32 payload (4 more). What waits for a stream is, per fragment, the
+newest version only (a newer keyframe replaces an unsent one: a learner applies the newest),
+the very keyframe the syncer keeps for the next subscriber anyway; a stream stalled in a send
+(its learner does not read) holds the one fragment it is sending, never the rest of its
+model. So with S slow streams the syncer holds at most P + S keyframes (P: the fragments),
+not a model per stream. [test_syncer_hygiene]
 """
 
 from __future__ import annotations
@@ -191,15 +200,18 @@ class Subscriber:
             self.cond.notify()
 
     def take(self, timeout: float) -> tuple[list[tuple[int, int]], list[Outgoing]]:
-        """Wait (up to ``timeout``) for something to send; returns the requests and the
-        fragment versions, and counts the versions as held by the learner."""
+        """Wait (up to ``timeout``) for something to send; returns every request and what
+        waits of one fragment, the one waiting longest (a keyframe, or a chain of deltas),
+        and counts those versions as held by the learner. The other fragments wait here,
+        where a newer version still replaces them (the module docstring)."""
         with self.cond:
             if not self.pending and not self.requests and not self.closed:
                 self.cond.wait(timeout)
             requests = sorted(self.requests.items())
-            items = [item for p in sorted(self.pending) for item in self.pending[p]]
             self.requests.clear()
-            self.pending.clear()
+            items: list[Outgoing] = []
+            if self.pending:  # (a dict keeps the order fragments began to wait in)
+                items = self.pending.pop(next(iter(self.pending)))
             for item in items:
                 self.held[item.fragment] = item.version
             return requests, items

@@ -42,6 +42,8 @@ from diloco.algorithm import codecs
 from diloco.runtime import clock
 from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe
 from diloco.syncer.state import Commit, fragment_digest
+from diloco.syncer.store import SyncFailed
+from diloco.syncer.tape_index import dropped_in
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +61,23 @@ STOP_WAIT_S = 10.0
 """How long ``stop`` waits for the committer to finish the commit it is writing."""
 
 
-def _retrying(write: Callable[[], None]) -> None:
+def retrying(write: Callable[[], None]) -> None:
     """``write()``, tried again after an ``OSError`` (``PERSIST_ATTEMPTS`` tries, pauses from
     ``PERSIST_RETRY_S`` doubling); the last error is raised. Any other error (``Superseded``)
-    is raised at once."""
+    is raised at once, and so is ``SyncFailed``: a failed fsync is not retried, since a later
+    one may report a success for data never written (``diloco.syncer.store.SyncFailed``).
+
+    What a retry of each write means: the store's ``replace_atomically`` writes a fresh
+    temporary file from scratch each time (the failed one is removed), so its fsync covers
+    every byte it renames; the receipt log truncates a failed line away and writes it again
+    from scratch, re-dirtying every page the failed write touched (a truncate it cannot make
+    is ``SyncFailed``); the tape cannot take a line back, so its failed fsync is final."""
     pause = PERSIST_RETRY_S
     for attempt in range(PERSIST_ATTEMPTS):
         try:
             return write()
+        except SyncFailed:
+            raise
         except OSError as exc:
             if attempt + 1 == PERSIST_ATTEMPTS:
                 raise
@@ -83,8 +94,13 @@ class Committer:
         """Stop the committer; then commit what waits for learners that are all gone (the
         rounds ``poll`` closes now), so progress flushed by the last learners is kept. A
         committer still writing a commit after ``STOP_WAIT_S`` (a stalled disk) is left to
-        it, and nothing more is committed here; a failed syncer commits nothing more."""
-        self._stopping.set()
+        it, and nothing more is committed here; a failed syncer commits nothing more.
+
+        Stopping begins under the lock: an upload admitted before it is in a round when the
+        last poll runs; one arriving after it is refused ``UNAVAILABLE`` (``Upload``), never
+        answered "accepted" by a syncer that will not commit it."""
+        with self.lock:
+            self._stopping.set()
         self._wake.set()
         for sub in list(self._subscribers):
             sub.close()
@@ -222,7 +238,7 @@ class Committer:
         else:
             delta, wire = b"", self._wire[p]
         if self.store is not None:
-            _retrying(
+            retrying(
                 lambda: self.store.save(
                     p,
                     commit.version,
@@ -234,14 +250,18 @@ class Committer:
                 )
             )
         if self.receipt_log is not None:  # (after the rename: a successor re-appends it)
-            _retrying(lambda: self.receipt_log.append(commit.log))
+            retrying(lambda: self.receipt_log.append(commit.log))
         record = dict(commit.record)
         record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
         record["sync_s"] = round(clock.monotonic() - t0, 6)
         record["bytes_delta"] = len(delta)
-        _retrying(lambda: self._emit(record, sync=True))
+        retrying(lambda: self._emit(record, sync=True))
         with self.lock:  # on disk: resends are answered from it, drops reported
             self.state.receipts.settle(commit.log)
+        if self.tape_index is not None:
+            self.tape_index.note(record, self.tape.end)
+            if self.tape_index.due():
+                self.save_tape_index()
         dropped = {
             lid: frozenset(u.upload_id for u in parts) for lid, parts in commit.log.excluded.items()
         }
@@ -271,6 +291,15 @@ class Committer:
                     dropped=dropped,
                 )
             self.state.record_sync_time(clock.monotonic() - t0)
+
+    def save_tape_index(self) -> None:
+        """Write the tape's index (``diloco.syncer.tape_index``; nothing without a tape),
+        keeping the dropped uploads of the commit logs a restart would check."""
+        if self.tape_index is None:
+            return
+        with self.lock:
+            logs = [log for history in self.state.history.values() for log in history]
+        self.tape_index.save(keep=dropped_in(logs))
 
     def _since(self, fragment: int, version: int) -> tuple[frozenset[str], dict]:
         """Everyone merged into ``fragment`` after ``version``, and per learner the upload

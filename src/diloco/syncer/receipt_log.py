@@ -34,7 +34,7 @@ from pathlib import Path
 
 from diloco.syncer.lineage import Behind, behind
 from diloco.syncer.receipts import RETAINED_COMMIT_LOGS, CommitLog
-from diloco.syncer.store import StateError, replace_atomically
+from diloco.syncer.store import StateError, SyncFailed, replace_atomically
 
 RECEIPT_LOG = "receipts.jsonl"
 """The receipt log's name in the state directory."""
@@ -98,8 +98,16 @@ class ReceiptLog:
         return logs
 
     def append(self, log: CommitLog) -> None:
-        """Append one commit's log and fsync it. ``OSError`` (disk full, I/O error) leaves
-        the file as it was."""
+        """Append one commit's log and fsync it. ``OSError`` (disk full, I/O error) takes
+        the line back (the file is truncated to its old size), so a retry writes the whole
+        line again from scratch: every page the failed write touched is dirtied again and
+        synced by the retry's fsync (a failed fsync may have left those pages clean and never
+        written; a retry that only fsynced would report them written). The truncate is not
+        synced: if the syncer then dies, the file holds nothing of the line, part of it (cut
+        off at the next ``open``) or all of it (the true log of a commit whose fragment file
+        is on disk). A truncate that fails leaves the line perhaps whole in the file, so the
+        append cannot be retried: ``SyncFailed`` (the syncer fails; its restart appends what
+        the fragment files hold and this log lacks)."""
         line = (_key(log) + "\n").encode()
         if self.fence is not None:
             self.fence()
@@ -109,8 +117,11 @@ class ReceiptLog:
             try:
                 _write_all(fd, line, self.path)
                 os.fsync(fd)
-            except OSError:
-                os.ftruncate(fd, size)  # no half line for the next append to follow
+            except OSError as failed:
+                try:
+                    os.ftruncate(fd, size)  # no half line for the next append to follow
+                except OSError as exc:
+                    raise SyncFailed.of(self.path, exc) from failed
                 raise
         finally:
             os.close(fd)

@@ -35,9 +35,9 @@ from diloco.syncer.store import (
     FragmentStore,
     StateError,
     Taped,
-    read_taped,
     state_hash,
 )
+from diloco.syncer.tape_index import TapeIndex
 from diloco.wire import auth, keepalive
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.protocol import CHUNK_BYTES, MAX_MESSAGE_BYTES
@@ -151,7 +151,8 @@ class SyncerServer:
         ``StateError``); one rolled back is refused unless ``accept_rollback``."""
         if state_dir:
             self.claim = claim_state_dir(state_dir)
-        taped = read_taped(tape_path) if tape_path else Taped()
+        self.tape_index = TapeIndex(tape_path, shard) if tape_path else None
+        taped = self.tape_index.read() if self.tape_index else Taped()
         self.store = FragmentStore(state_dir, fence=self.claim.check) if state_dir else None
         params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
         versions, restored, wire = self._restore(owned, params, shard)
@@ -198,6 +199,7 @@ class SyncerServer:
             tape=self.tape,
             receipt_log=receipt_log,
             generation_file=generation_file,
+            tape_index=self.tape_index,
             wire=wire,
             lineage=self.lineage,
             **service_options,
@@ -301,30 +303,33 @@ class SyncerServer:
             return
         if self._rollback is not None:
             self.tape.append(rollback_record(self._rollback, clock.wall()), sync=True)
+        recovered: list[dict] = []
         for p in sorted(restored):
             missing = [log for log in self.state.history[p] if not taped.holds(log)]
             if missing or self.state.versions[p] > taped.versions.get(p, 0):
-                self.tape.append(recovered_record(self.state, p, taped, missing))
-        self.tape.append(
-            {
-                "event": "start",
-                "t": clock.wall(),
-                "syncer_id": self.state.syncer_id,
-                "shard": list(self.state.shard),
-                "fragments": list(self.state.served),
-                "restored_fragments": len(restored),
-                "epoch": self.claim.epoch if self.claim is not None else None,
-                "lineage": self.lineage,
-                "versions": list(self.state.versions),
-                "digests": [fragment_digest(t) for t in self.state.params],
-                "state_hash": state_hash(self.state.versions, self.state.params),
-                # merged by weighted mean (None: the name rule of diloco.algorithm.merge)
-                "embeddings": sorted(self.state.embeddings)
-                if self.state.embeddings is not None
-                else None,
-            },
-            sync=True,
-        )
+                recovered.append(recovered_record(self.state, p, taped, missing))
+                self.tape.append(recovered[-1])
+        start = {
+            "event": "start",
+            "t": clock.wall(),
+            "syncer_id": self.state.syncer_id,
+            "shard": list(self.state.shard),
+            "fragments": list(self.state.served),
+            "restored_fragments": len(restored),
+            "epoch": self.claim.epoch if self.claim is not None else None,
+            "lineage": self.lineage,
+            "versions": list(self.state.versions),
+            "digests": [fragment_digest(t) for t in self.state.params],
+            "state_hash": state_hash(self.state.versions, self.state.params),
+            # merged by weighted mean (None: the name rule of diloco.algorithm.merge)
+            "embeddings": sorted(self.state.embeddings)
+            if self.state.embeddings is not None
+            else None,
+        }
+        self.tape.append(start, sync=True)
+        for record in [*recovered, start]:  # (synced with the start record)
+            self.tape_index.note(record, self.tape.end)
+        self.service.save_tape_index()  # (a restart reads the tape from here on)
 
     def state_dict(self, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The global model now (Θ of every owned fragment; the others at their initial
@@ -397,6 +402,8 @@ class SyncerServer:
         ender.start()
         ender.join(timeout=5)
         if self.tape is not None:
+            if self.service.failure is None:
+                self.service.save_tape_index()
             self.tape.try_append(
                 {"event": "stop", "t": clock.wall(), "versions": list(self.state.versions)}
             )

@@ -46,6 +46,7 @@ from diloco.syncer.store import (
     FragmentStore,
     state_hash,
 )
+from diloco.syncer.tape_index import TapeIndex
 from diloco.syncer.upload import receive_upload
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
@@ -53,6 +54,11 @@ from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.protocol import NOT_ADMITTED_KEY
 
 log = logging.getLogger(__name__)
+
+
+STOPPING_REASON = "the syncer is stopping: send this upload again to its successor"
+"""Why an upload arriving once ``stop`` began is refused ``UNAVAILABLE`` (a learner's link
+takes that as no answer and sends the upload again, with its id, once it has rejoined)."""
 
 
 def pool_threads(limits: StreamLimits) -> int:
@@ -71,6 +77,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         tape: EventTape | None,
         receipt_log: ReceiptLog | None = None,
         generation_file: GenerationFile | None = None,
+        tape_index: TapeIndex | None = None,
         allowed_learners: frozenset[str] | None = None,
         wire: dict[int, torch.Tensor] | None = None,
         secret: str | None = None,
@@ -105,6 +112,8 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         self._arriving: dict[tuple[str, int], int] = {}
         """(learner id, upload id) of the uploads received and not yet answered, counted: a
         refused copy of one of them is not said to be never admitted (``_fate_metadata``)."""
+        self.tape_index = tape_index
+        """The tape's index (``diloco.syncer.tape_index``), kept up to date by the committer."""
         self.lock = threading.Lock()
         self.started_at = clock.monotonic()
         self._subscribers: dict[Subscriber, Callable[[], None]] = {}
@@ -288,21 +297,10 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         requests and new versions until the stream ends."""
         sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
         if any(digests):  # hash the values to compare with here, not under the lock
-            with self.lock:
-                latest = [keyframe for _, keyframe, _ in self._payloads.values()]
-            for keyframe in latest:
-                keyframe.digest  # noqa: B018 (computed once, then kept)
+            self._hash_latest()
         with self.lock:
             slot = self._replace(sub, caller, context)
-            for p, (version, keyframe, _) in self._payloads.items():
-                since = have[p] if p < len(have) else -1
-                if since == version:
-                    continue
-                if since < 0 and p < len(digests) and digests[p] == keyframe.digest:
-                    sub.confirm(p, version)  # it holds exactly this value already
-                    continue
-                contributors, dropped = self._since(p, since)
-                sub.offer(p, version, keyframe=keyframe, contributors=contributors, dropped=dropped)
+            self._offer_what_it_lacks(sub, have, digests)
         context.add_callback(sub.close)
         try:
             while context.is_active() and not self._stopping.is_set() and not sub.closed:
@@ -341,6 +339,27 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                         sub.learner_id, sub.session, now=clock.monotonic(), reason="stream closed"
                     )
             self._wake.set()
+
+    def _hash_latest(self) -> None:
+        """Compute the digest of every fragment's latest keyframe (kept by the keyframe)."""
+        with self.lock:
+            latest = [keyframe for _, keyframe, _ in self._payloads.values()]
+        for keyframe in latest:
+            keyframe.digest  # noqa: B018 (computed once, then kept)
+
+    def _offer_what_it_lacks(self, sub: Subscriber, have: list[int], digests: list[str]) -> None:
+        """Queue on a new subscription every fragment's latest version its learner does not
+        hold (lock held). A helper, not inline in the stream's generator: the generator's
+        frame lives as long as the stream and would keep the last keyframe it looked at."""
+        for p, (version, keyframe, _) in self._payloads.items():
+            since = have[p] if p < len(have) else -1
+            if since == version:
+                continue
+            if since < 0 and p < len(digests) and digests[p] == keyframe.digest:
+                sub.confirm(p, version)  # it holds exactly this value already
+                continue
+            contributors, dropped = self._since(p, since)
+            sub.offer(p, version, keyframe=keyframe, contributors=contributors, dropped=dropped)
 
     def _replace(self, sub: Subscriber, caller: Caller, context) -> Slot:
         """Register ``sub`` in the place of its learner's older subscriptions (lock held).
@@ -429,6 +448,8 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
         norm = float(delta.norm())  # here, not under the lock
         with self.lock:
+            if self._stopping.is_set():  # (set under this lock: see ``Committer.stop``)
+                raise Refused("UNAVAILABLE", STOPPING_REASON)
             admission = self.state.submit(
                 header.learner_id,
                 header.session,

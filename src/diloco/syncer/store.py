@@ -55,6 +55,23 @@ class StateError(RuntimeError):
     """The state directory is unusable (corrupt file, other model); the message says which."""
 
 
+class SyncFailed(OSError):
+    """An ``fsync`` failed, so what was written since the file's last good ``fsync`` may
+    never reach the disk, and no later ``fsync`` can tell: after a failed writeback the kernel
+    may mark the pages clean (or drop them) and report the error once, so a second ``fsync``
+    succeeds for data that was never written ("fsyncgate"). Never retried as an I/O error
+    is: the committer fails the syncer at once, and its restart rebuilds from the fragment
+    files, each written whole and synced before its rename (``replace_atomically``)."""
+
+    @classmethod
+    def of(cls, path: Path, exc: OSError) -> SyncFailed:
+        return cls(
+            exc.errno,
+            f"fsync of {path} failed ({exc.strerror or exc}): what was "
+            "written since its last fsync may never reach the disk",
+        )
+
+
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 over the names and raw bytes of ``tensors`` (sorted by name)."""
     h = hashlib.sha256()
@@ -366,7 +383,17 @@ class EventTape:
     by such an error is closed by the next append's leading newline, so it stays one
     unreadable line (skipped by readers) and never swallows the next record.
     ``try_append`` is for records the run can do without (joins, refusals): it logs the
-    error and goes on."""
+    error and goes on.
+
+    A failed ``fsync`` (``append(sync=True)``) raises ``SyncFailed``, and so does every later
+    ``append(sync=True)``, without writing: the record whose fsync failed is in the file or
+    lost, and no later fsync can say which, so none may report a success. It is never written
+    again either (the tape is shared and append-only: there is no taking a line back). The
+    syncer fails; its restart reads the tape and writes a ``recovered`` record for every
+    commit on disk the tape lacks (``server.recovered_record``), so the commit is taped once.
+    What the restart cannot see: a record the page cache still shows whose writeback failed,
+    evicted later (a machine whose disk fails under it; its fragment files, synced, stay
+    whole)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -374,27 +401,33 @@ class EventTape:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
         self._torn = not _ends_a_line(self.path)  # an earlier process's line cut short
-        self._unsynced: bytes | None = None
-        """The last line written whose fsync failed: appended again, it is only synced."""
+        self._sync_failed: SyncFailed | None = None
+        """The failed fsync that ends this tape's synced appends (see the class docstring)."""
         self.errors = 0
         """Records ``try_append`` could not write."""
+        self.end = 0
+        """The tape offset just past the line the last ``append`` wrote."""
 
     def append(self, record: dict, *, sync: bool = False) -> None:
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
         with self._lock:
             if self._fd < 0:
                 return
-            if line != self._unsynced:
-                data = b"\n" + line if self._torn else line
-                self._torn = True  # until the whole line is known to be written
-                written = os.write(self._fd, data)
-                if written != len(data):
-                    raise OSError(errno.ENOSPC, f"short write to the event tape {self.path}")
-                self._torn = False
-            self._unsynced = line if sync else None
+            if sync and self._sync_failed is not None:
+                raise self._sync_failed
+            data = b"\n" + line if self._torn else line
+            self._torn = True  # until the whole line is known to be written
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"short write to the event tape {self.path}")
+            self._torn = False
+            self.end = os.lseek(self._fd, 0, os.SEEK_CUR)  # (O_APPEND: just past this line)
             if sync:
-                os.fsync(self._fd)  # (raising: a retry of this record only syncs it)
-            self._unsynced = None
+                try:
+                    os.fsync(self._fd)
+                except OSError as exc:
+                    self._sync_failed = SyncFailed.of(self.path, exc)
+                    raise self._sync_failed from exc
 
     def try_append(self, record: dict) -> bool:
         """``append``; an ``OSError`` is logged (once per 100) and counted, not raised."""
@@ -430,12 +463,17 @@ class Taped:
     and ``recovered`` records) and ``(fragment, upload id)`` of every upload a ``dropped``
     record (or a recovered log of one) names. ``lineages``: the same newest versions per
     lineage (``diloco.syncer.lineage``): a record of fragment p belongs to the lineage of the
-    last ``start`` record serving p before it, whose own versions count too (None: a start
-    record, or none, from before lineages)."""
+    last ``start`` record serving p before it (``serving``), whose own versions count too
+    (None: a start record, or none, from before lineages). ``read_from``: the tape offset
+    this reading began at (0: the whole tape); ``end``: the offset just past the last whole
+    line read."""
 
     versions: dict[int, int] = field(default_factory=dict)
     dropped: set[tuple[int, int]] = field(default_factory=set)
     lineages: dict[str | None, dict[int, int]] = field(default_factory=dict)
+    serving: dict[int, str | None] = field(default_factory=dict)
+    read_from: int = 0
+    end: int = 0
 
     def of_lineage(self, lineage: str | None) -> Taped:
         """What the tape records of one lineage's versions, with those of no lineage (a
@@ -444,7 +482,7 @@ class Taped:
         versions = dict(self.lineages.get(None, {}))
         for p, v in self.lineages.get(lineage, {}).items():
             versions[p] = max(v, versions.get(p, 0))
-        return Taped(versions, self.dropped, self.lineages)
+        return Taped(versions, self.dropped, self.lineages, dict(self.serving))
 
     def holds(self, log: CommitLog) -> bool:
         """Whether the tape has a record of this persisted commit log."""
@@ -453,37 +491,47 @@ class Taped:
         ids = {(log.fragment, u.upload_id) for parts in log.excluded.values() for u in parts}
         return ids <= self.dropped  # a dropped round (no version): by its uploads
 
+    def add(self, record: dict) -> None:
+        """Take in one tape record (any event; only starts' and commits' records count)."""
+        for p, v in _started(record, self.serving).items():
+            lineage = self.lineages.setdefault(self.serving[p], {})
+            lineage[p] = max(v, lineage.get(p, 0))
+        for p, v in taped_versions([record]).items():
+            self.versions[p] = max(v, self.versions.get(p, 0))
+            lineage = self.lineages.setdefault(self.serving.get(p), {})
+            lineage[p] = max(v, lineage.get(p, 0))
+        event = record.get("event")
+        if event == "dropped":
+            for parts in record.get("excluded_uploads", {}).values():
+                self.dropped.update((int(record["fragment"]), int(u[0])) for u in parts)
+        for log in record.get("commits", []) if event == "recovered" else []:
+            if log["version"] == log["admitted"]:
+                for parts in log["excluded"].values():
+                    self.dropped.update((int(log["fragment"]), int(u[0])) for u in parts)
 
-def read_taped(path: str | os.PathLike) -> Taped:
-    """``Taped`` of the tape at ``path``, read a line at a time (a restart does not hold the
-    tape in memory); empty when there is no tape."""
+
+WANTED = (b'"round"', b'"recovered"', b'"dropped"', b'"start"')
+"""The tape records ``read_taped`` parses (the others are passed over unparsed)."""
+
+
+def read_taped(path: str | os.PathLike, *, start: int = 0, taped: Taped | None = None) -> Taped:
+    """``Taped`` of the tape at ``path`` from offset ``start`` on, added to ``taped`` (a
+    tape index's, ``diloco.syncer.tape_index``), read a line at a time (a restart does not
+    hold the tape in memory); empty when there is no tape."""
     from diloco.runtime.jsonl import parse_lines
 
-    taped = Taped()
-    serving: dict[int, str | None] = {}  # fragment -> the lineage of the last start serving it
-    wanted = (b'"round"', b'"recovered"', b'"dropped"', b'"start"')
+    taped = taped if taped is not None else Taped()
+    taped.read_from = taped.end = start
     try:
         with open(path, "rb") as f:
+            f.seek(start)
             for line in f:
-                if not any(k in line for k in wanted):
+                if line.endswith(b"\n"):
+                    taped.end += len(line)
+                if not any(k in line for k in WANTED):
                     continue  # (most records: decided without parsing them)
                 for r in parse_lines([line]):
-                    for p, v in _started(r, serving).items():
-                        lineage = taped.lineages.setdefault(serving[p], {})
-                        lineage[p] = max(v, lineage.get(p, 0))
-                    for p, v in taped_versions([r]).items():
-                        taped.versions[p] = max(v, taped.versions.get(p, 0))
-                        lineage = taped.lineages.setdefault(serving.get(p), {})
-                        lineage[p] = max(v, lineage.get(p, 0))
-                    if r.get("event") == "dropped":
-                        for parts in r.get("excluded_uploads", {}).values():
-                            taped.dropped.update((int(r["fragment"]), int(u[0])) for u in parts)
-                    for log in r.get("commits", []) if r.get("event") == "recovered" else []:
-                        if log["version"] == log["admitted"]:
-                            for parts in log["excluded"].values():
-                                taped.dropped.update(
-                                    (int(log["fragment"]), int(u[0])) for u in parts
-                                )
+                    taped.add(r)
     except FileNotFoundError:
         pass
     return taped

@@ -50,12 +50,7 @@ def receive_upload(
                     f"fragment {chunk.fragment} out of range [0, {state.layout.num_fragments})",
                 )
             state.check_owned(chunk.fragment)
-            if chunk.codec != state.config.up_codec:
-                raise Refused(
-                    "INVALID_ARGUMENT",
-                    f"codec {chunk.codec[:16]!r} is not the syncer's up codec "
-                    f"{state.config.up_codec!r} (sent at join)",
-                )
+            check_upload_codec(chunk.codec, state.config.up_codec, resend=chunk.resend)
             numel = state.layout.fragments[chunk.fragment].numel
             if chunk.numel != numel:
                 raise Refused(
@@ -101,6 +96,21 @@ def receive_upload(
             f"upload truncated: {len(parts)}/{header.num_chunks} chunks, {received}/{expected} bytes",
         )
     return header, b"".join(parts)
+
+
+def check_upload_codec(codec: str, up_codec: str, *, resend: bool) -> None:
+    """Raise ``Refused("INVALID_ARGUMENT")`` unless an upload in ``codec`` may be read: the
+    syncer's ``up_codec`` (sent at join), or for a resend any codec ``codecs.CODECS`` names. A
+    resend carries the bytes of its first send as they were (its learner recorded them as
+    sent), perhaps to a syncer restarted with another ``--up-codec``: it is answered from the
+    commit logs, or merged, as decoded from its own codec (at most the size of that codec's
+    encoding; the norm guard checks it as any other)."""
+    if codec == up_codec or (resend and codec in codecs.CODECS):
+        return
+    raise Refused(
+        "INVALID_ARGUMENT",
+        f"codec {codec[:16]!r} is not the syncer's up codec {up_codec!r} (sent at join)",
+    )
 
 
 def _header_fields(chunk: pb.UploadChunk) -> tuple:
