@@ -45,7 +45,8 @@ FINGERPRINT_BYTES = 256
 INDEX_EVERY_RECORDS = 1024
 """The committer writes the index again after this many commit records (about one write
 per 1,024 commits: an index write is one small file, fsynced and renamed)."""
-FORMAT = 1
+FORMAT = 2
+"""2: with the lineages of ``Taped`` (an index of format 1 is read as none: the whole tape)."""
 
 
 class TapeIndex:
@@ -98,6 +99,11 @@ class TapeIndex:
                 "fingerprint": _fingerprint(self.tape_path, taped.end),
                 "versions": {str(p): v for p, v in taped.versions.items()},
                 "dropped": sorted(dropped),
+                # per lineage (None: before lineages) and which lineage serves each fragment
+                "lineages": [
+                    [k, {str(p): v for p, v in vs.items()}] for k, vs in taped.lineages.items()
+                ],
+                "serving": {str(p): k for p, k in taped.serving.items()},
             }
             replace_atomically(self.path, json.dumps(data, separators=(",", ":")).encode())
         except OSError as exc:
@@ -122,9 +128,11 @@ class TapeIndex:
                 return None
             versions = {int(p): int(v) for p, v in data["versions"].items()}
             dropped = {(int(p), int(u)) for p, u in data["dropped"]}
+            lineages = {k: {int(p): int(v) for p, v in vs.items()} for k, vs in data["lineages"]}
+            serving = {int(p): k for p, k in data["serving"].items()}
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return Taped(versions, dropped, read_from=offset, end=offset)
+        return Taped(versions, dropped, lineages, serving, read_from=offset, end=offset)
 
 
 def dropped_in(logs: Iterable[CommitLog]) -> set[tuple[int, int]]:
