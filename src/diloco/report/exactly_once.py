@@ -58,6 +58,9 @@ class Audit:
     steps_lost_at_kills: int = 0
     """Steps of killed lives that never reached the syncer (summed over their fragments'
     last journaled steps minus what was merged): what the crashes cost."""
+    steps_rolled_back: int = 0
+    """Steps (per fragment, summed) merged only by commits a rollback undid: delivered by
+    their learners, no longer in the global model (the operator's restore lost them)."""
     steps_unknown: int = 0
     """Steps of clean lives' deltas whose fate no syncer could tell them (their accounting's
     ``unknown`` column) and that no commit on the tape merged: 0 wherever the fate was
@@ -79,15 +82,28 @@ class _Commit:
     changed: bool
     merged: dict[str, list[list[int]]]
     excluded: dict[str, list[list[int]]]
+    rolled_back: bool = False
+    """A later ``rollback`` record took the state directory back below this version: the
+    commit is no longer in the global model (its version number may be committed again)."""
 
 
 def commits_of(tape: Iterable[dict]) -> list[_Commit]:
     """Every commit log the tape holds: ``round`` and ``dropped`` records, and the persisted
-    logs of ``recovered`` records (in tape order)."""
+    logs of ``recovered`` records (in tape order); those a later ``rollback`` record undid
+    (``diloco.syncer.lineage``: a state directory restored from a backup, started again with
+    ``--accept-rollback``) are marked ``rolled_back``."""
     found = []
     for r in tape:
         event = r.get("event")
-        if event == "round":
+        if event == "rollback":
+            restored = {
+                int(b["fragment"]): int(b["version"])
+                for b in [*r.get("fragments", []), *r.get("receipts", [])]
+            }
+            for c in found:
+                if c.fragment in restored and c.version > restored[c.fragment]:
+                    c.rolled_back = True
+        elif event == "round":
             found.append(
                 _Commit(
                     r["fragment"],
@@ -148,7 +164,7 @@ def audit(
 def _check_versions(commits, disk_versions, result: Audit) -> None:
     seen: dict[int, set[int]] = defaultdict(set)
     for c in commits:
-        if not c.changed:
+        if not c.changed or c.rolled_back:
             continue
         result.commits += 1
         if c.version in seen[c.fragment]:
@@ -165,10 +181,16 @@ def _check_versions(commits, disk_versions, result: Audit) -> None:
 
 
 def _uploads(commits, result: Audit):
-    """``(merged, excluded)``: per learner, upload id -> (fragment, steps)."""
+    """``(merged, excluded)``: per learner, upload id -> (fragment, steps). An upload merged
+    by a rolled-back commit and again after the rollback (its learner sent it again: the
+    restored syncer never held it) counts once, by the commit that stands; one merged only
+    by rolled-back commits counts too (its learner delivered it; the rollback lost it:
+    ``steps_rolled_back``)."""
     merged: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
     excluded: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
-    for c in commits:
+    standing = [c for c in commits if not c.rolled_back]
+    undone = [c for c in commits if c.rolled_back]
+    for c in standing:
         for kind, parts_by_learner, into in (
             ("merged", c.merged, merged),
             ("left out", c.excluded, excluded),
@@ -184,6 +206,14 @@ def _uploads(commits, result: Audit):
                         )
                         continue
                     into[learner][upload_id] = (c.fragment, steps)
+    for c in undone:
+        for parts_by_learner, into in ((c.merged, merged), (c.excluded, excluded)):
+            for learner, parts in parts_by_learner.items():
+                for upload_id, steps, _tokens in parts:
+                    known = upload_id in merged[learner] or upload_id in excluded[learner]
+                    if upload_id and not known:
+                        into[learner][upload_id] = (c.fragment, steps)
+                        result.steps_rolled_back += steps if into is merged else 0
     result.uploads_merged = sum(len(m) for m in merged.values())
     result.uploads_excluded = sum(len(m) for m in excluded.values())
     return merged, excluded
