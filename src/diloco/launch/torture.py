@@ -21,6 +21,13 @@ learner behind its own TCP relay (``diloco.launch.relay``). A seeded schedule of
   the first serves: it must refuse to start (exit 2) and write nothing;
 * ``clock-step``: the syncer's wall clock steps back (``runtime.clock.WALL_OFFSET_FILE_ENV``)
   for the rest of the run: it must keep committing (its decisions run on a monotonic clock);
+* ``rollback``: the syncer is SIGKILLed and its state directory replaced by a copy taken a
+  few seconds earlier (a backup restored), then started again with ``--accept-rollback``:
+  a new lineage; learners ahead of it take keyframes, settle what they cannot know as
+  unknown, and train on (the audit marks the commits the restore undid);
+* ``zombie``: one learner is cut off and a replacement process with the same id (a newer
+  generation, its own machine: another work directory) starts; when the link heals the old
+  process is refused for good and must exit non-zero by itself;
 * lost replies, all along: each learner's relay loses the answer to an upload (told by its
   gRPC method, whatever its codec) with a given probability (the syncer handled it; the
   learner never hears).
@@ -44,6 +51,7 @@ from pathlib import Path
 
 from diloco.launch.relay import Relay
 from diloco.launch.syncer_process import FAILED
+from diloco.learner.config import CLOSE_BOUND_S
 from diloco.learner.journal import JOURNAL_FILE
 from diloco.report.audit_files import FINAL_ACCOUNTING, audit_directories
 from diloco.report.exactly_once import Audit
@@ -61,6 +69,8 @@ FAULT_KINDS = (
     "long-partition",
     "second-syncer",
     "clock-step",
+    "rollback",
+    "zombie",
 )
 COMMIT_LOGS_KEPT = 72
 """The syncer's ``--commit-logs-kept`` in a torture run: 3 commits of each of the 24
@@ -93,6 +103,8 @@ class TortureSpec:
     """How long a long partition lasts (a syncer kill falls inside it)."""
     second_syncers: int = 1
     clock_steps: int = 1
+    rollbacks: int = 1
+    zombies: int = 1
     reply_loss: float = 0.1
     """Probability that the reply to an upload is lost."""
     disk_full_s: tuple[float, float] = (2.0, 6.0)
@@ -139,9 +151,13 @@ def fault_schedule(spec: TortureSpec) -> list[Fault]:
         )
         for _ in range(count)
     ]
+    for _ in range(spec.rollbacks):  # a backup, restored a few seconds later
+        at = rng.uniform(first + 4.0, last)
+        faults += [Fault(at - rng.uniform(2.0, 4.0), "backup"), Fault(at, "rollback", -1, 1.0)]
     busy: dict[int, list[tuple[float, float]]] = {i: [] for i in range(spec.learners)}
     learner_faults = (
         ("long-partition", spec.long_partitions),
+        ("zombie", spec.zombies),
         ("learner-kill", spec.learner_kills),
         ("learner-resume", spec.learner_resumes),
         ("partition", spec.partitions),
@@ -196,6 +212,11 @@ class TortureResult:
     clock_step_commit_s: float | None = None
     """Seconds from the syncer's wall-clock step to its next commit (None: no step, or the
     syncer was restarted before it committed again)."""
+    rollbacks: int = 0
+    """State directories restored from a backup (the syncer started again on the copy)."""
+    zombies_fenced: int = 0
+    """Superseded learner processes that exited non-zero by themselves once their link
+    healed."""
 
     def to_dict(self) -> dict:
         return {
@@ -212,6 +233,8 @@ class TortureResult:
             "learner_resumes": self.learner_resumes,
             "second_syncers_refused": self.second_syncers_refused,
             "clock_step_commit_s": self.clock_step_commit_s,
+            "rollbacks": self.rollbacks,
+            "zombies_fenced": self.zombies_fenced,
         }
 
 
@@ -250,6 +273,22 @@ class Torture:
         self.clock_step_commit_s: float | None = None
         self.problems: list[str] = []
         """What the run itself saw go wrong (beyond the audit): added to the audit's."""
+        self.workdirs: dict[int, list[Path]] = {
+            i: [self.workdir / "learners" / f"l{i}"] for i in range(spec.learners)
+        }
+        """Each learner id's work directories, one a machine it ran on (a zombie's
+        replacement runs on another); the last is the current one."""
+        self.zombies: list[tuple[Child, float]] = []
+        """Superseded learner processes and when their link heals."""
+        self.zombies_fenced = 0
+        self._old_relays: list[Relay] = []
+        self._backup = self.workdir / "backup"
+        self._accept_rollback = False
+        """The next start of the syncer accepts a rolled-back state directory."""
+        self.rollbacks = 0
+        self.tape_path = self.workdir / "events.jsonl"
+        """The tape, outside the state directory: a backup restored over the directory
+        does not roll it back, so the syncer sees the rollback."""
 
     # ------------------------------------------------------------------ paths
     @property
@@ -257,7 +296,8 @@ class Torture:
         return (self.disk.path if self.disk else self.workdir / "disk") / "state"
 
     def learner_dir(self, i: int) -> Path:
-        return self.workdir / "learners" / f"l{i}"
+        """Learner i's current work directory."""
+        return self.workdirs[i][-1]
 
     def _log(self, event: str, **fields) -> None:
         """One line of the run's own log (``torture.jsonl``: what it did, when)."""
@@ -276,8 +316,10 @@ class Torture:
             "--recipe=tiny",
             f"--bind={self.address or '127.0.0.1:0'}",
             f"--state-dir={self.state_dir}",
+            f"--tape={self.tape_path}",
             f"--port-file={self._port_file}",
             f"--commit-logs-kept={COMMIT_LOGS_KEPT}",
+            *(["--accept-rollback"] if self._accept_rollback else []),
             *([f"--comms={self.spec.comms}"] if self.spec.comms != "default" else []),
             *([f"--up-codec={self.spec.up_codec}"] if self.spec.up_codec else []),
             *([f"--down-codec={self.spec.down_codec}"] if self.spec.down_codec else []),
@@ -297,6 +339,7 @@ class Torture:
         """Whether the syncer serves (noticing the moment it starts to)."""
         if not self._serving and self.syncer is not None and self._port_file.exists():
             self._serving = True
+            self._accept_rollback = False
             self.address = self._port_file.read_text().strip()
             self._log("syncer-serving", address=self.address)
             if self._down_since is not None:
@@ -379,6 +422,7 @@ class Torture:
             self._keep_syncer_up(now, restarts)
             self._watch_second_syncer(now)
             self._watch_clock_step(now)
+            self._watch_zombies(now)
             time.sleep(0.05)
 
     def _inject(self, fault: Fault, now: float, restarts: list) -> None:
@@ -406,8 +450,73 @@ class Torture:
             restarts.append((now + fault.down_s, "heal", fault.target))
         elif fault.kind == "second-syncer":
             self._start_second_syncer()
+        elif fault.kind == "backup":
+            shutil.rmtree(self._backup, ignore_errors=True)
+            shutil.copytree(self.state_dir, self._backup, ignore=shutil.ignore_patterns("*.tmp"))
+        elif fault.kind == "rollback":
+            self._roll_back(now, fault, restarts)
+        elif fault.kind == "zombie":
+            self._supersede(fault.target, now + fault.down_s)
         elif fault.kind == "clock-step":
             self._step_clock(now)
+
+    def _roll_back(self, now: float, fault: Fault, restarts: list) -> None:
+        """Kill the syncer and restore the backup over its state directory; it starts again
+        (after ``fault.down_s``) accepting the rollback."""
+        if not self._backup.exists():
+            return
+        if self.syncer is not None and self.syncer.running:
+            self.syncer.signal(signal.SIGKILL)
+            self.syncer.proc.wait(timeout=10)
+            self._syncer_went_down()
+        try:
+            shutil.rmtree(self.state_dir)
+            shutil.copytree(self._backup, self.state_dir)
+        except OSError as exc:  # (the small disk is full: the next start restores nothing)
+            self._log("rollback-failed", error=repr(exc))
+            shutil.copytree(self._backup, self.state_dir, dirs_exist_ok=True)
+        self.rollbacks += 1
+        self._accept_rollback = True
+        restarts.append((now + fault.down_s, "syncer", -1))
+
+    def _supersede(self, i: int, heals_at: float) -> None:
+        """Cut learner i off and start its replacement (same id, a new machine: another work
+        directory, another relay); the old process becomes a zombie until ``heals_at``."""
+        old = self.learners[i]
+        self.relays[i].partition(float("inf"))
+        if old is not None and old.running:
+            self.zombies.append((old, heals_at))
+            self._old_relays.append(self.relays[i])
+        else:
+            self.relays[i].close()
+        relay = Relay(self.address, name=f"relay-l{i}-r{len(self.workdirs[i])}")
+        relay.lose_replies(self.spec.reply_loss, seed=self.spec.seed * 1000 + 100 + i)
+        self.relays[i] = relay
+        self.workdirs[i].append(self.workdir / "learners" / f"l{i}-r{len(self.workdirs[i])}")
+        self._start_learner(i)
+
+    def _watch_zombies(self, now: float) -> None:
+        """Heal a zombie's link when due; once healed it must exit non-zero within 60 s
+        (refused for good by the syncer), and a problem is noted if it does not."""
+        for item in list(self.zombies):
+            zombie, heals_at = item
+            relay = self._old_relays[self.zombies.index(item)]
+            if now >= heals_at and relay.partitioned:
+                relay.heal()
+            code = zombie.poll()
+            if code is not None or now - heals_at > 60:
+                self.zombies.remove(item)
+                self._old_relays.remove(relay)
+                relay.close()
+                if code not in (None, 0):
+                    self.zombies_fenced += 1
+                else:
+                    self.problems.append(
+                        f"a superseded learner process (zombie) {'exited 0' if code == 0 else 'ran on'}"
+                        f" after its replacement joined: {zombie.tail()}"
+                    )
+                    zombie.kill()
+                self._log("zombie-exited", code=code)
 
     def _start_second_syncer(self) -> None:
         """A second syncer on the state directory while the first one runs (a replacement
@@ -447,7 +556,7 @@ class Torture:
         """Step the syncer's wall clock back (``CLOCK_STEP_S``) for the rest of the run."""
         self._offset_file.write_text(f"{CLOCK_STEP_S}\n")
         if self.syncer is not None and self.syncer.running and self._serving:
-            tape = self.state_dir / "events.jsonl"
+            tape = self.tape_path
             size = tape.stat().st_size if tape.exists() else 0
             self._clock_step = (now, size, self.syncer)
 
@@ -460,7 +569,7 @@ class Torture:
         if syncer is not self.syncer or not syncer.running:
             self._clock_step = None
             return
-        with open(self.state_dir / "events.jsonl", "rb") as f:
+        with open(self.tape_path, "rb") as f:
             f.seek(size)
             tail = f.read()
         if b'"event":"round"' in tail or b'"event": "round"' in tail:
@@ -500,6 +609,12 @@ class Torture:
         if self.second is not None:
             self._watch_second_syncer(time.time() + 60)  # (its verdict now)
         deadline = time.monotonic() + 90
+        while self.zombies:  # healed now; each must be refused and exit by itself
+            self._watch_zombies(max(time.time(), *(h for _, h in self.zombies)))
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        deadline = time.monotonic() + 90
         while not (self.syncer is not None and self.syncer.running and self._check_serving()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the syncer does not come back:\n{self.syncer.tail()}")
@@ -528,17 +643,18 @@ class Torture:
                 child.signal(signal.SIGTERM)  # flush, drain, leave, exit 0
         for child in self.learners:
             if child is not None:
-                child.stop(timeout=60)
+                code = child.stop(timeout=CLOSE_BOUND_S + 10)
+                self._log("learner-stopped", learner=child.name, code=code)
 
     def _stop_syncer(self) -> None:
         if self.syncer is not None:
             self.syncer.stop(timeout=30)
 
     def _clean_up(self) -> None:
-        for child in [*self.learners, self.syncer, self.second]:
+        for child in [*self.learners, self.syncer, self.second, *(z for z, _ in self.zombies)]:
             if child is not None and child.running:
                 child.kill()
-        for relay in self.relays:
+        for relay in [*self.relays, *self._old_relays]:
             relay.close()
         if self.disk is not None:
             # keep what the audit reads, then give the memory back
@@ -553,7 +669,8 @@ class Torture:
         state = self.workdir / "state" if self.disk else self.state_dir
         verdict = audit_directories(
             state,
-            {f"l{i}": self.learner_dir(i) for i in range(self.spec.learners)},
+            {f"l{i}": self.workdirs[i] for i in range(self.spec.learners)},
+            tape=self.tape_path,
             down=self.down,
             window=(started + 5.0, window_end),
             stall_bound_s=STALL_BOUND_S,
@@ -574,4 +691,6 @@ class Torture:
             self.learner_resumes,
             self.second_syncers_refused,
             self.clock_step_commit_s,
+            self.rollbacks,
+            self.zombies_fenced,
         )

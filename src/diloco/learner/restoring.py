@@ -175,8 +175,9 @@ class Restoring:
 
     def _resume_unanswered(self) -> None:
         """After a restore: deltas the checkpoint holds without an answer are sent again as
-        they were, with their upload ids, so the syncer answers one it accepted before with
-        its first verdict and merges one it never saw once. A delta from before upload ids
+        they were, with their upload ids and marked as resends, so the syncer answers one it
+        accepted before with its first verdict (or ``fate_unknown`` once it no longer keeps
+        that commit's log) and merges one it never saw once. A delta from before upload ids
         (id 0) is returned to the undelivered progress. Each one resent is journaled again
         by this life: its steps are this life's to account for, and the audit finds them
         under the newest life that journaled the id."""
@@ -197,6 +198,7 @@ class Restoring:
                 e.local_step,
                 job_id=e.job_id,
                 upload_id=e.upload_id,
+                attempts=1,  # sent by an earlier life, unanswered: a resend
             )
             if self.journal is not None:
                 self.journal.queued(e.upload_id, p, e.steps, e.tokens, e.local_step)

@@ -5,7 +5,7 @@ run``, Slurm jobs, Ray actors, hand-started processes)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from diloco.learner.journal import JOURNAL_FILE
@@ -32,19 +32,36 @@ def disk_versions(state_dir: Path) -> dict[int, int]:
     return versions
 
 
-def audit_directories(state_dir: Path, workdirs: Mapping[str, Path], **options) -> Audit:
+def audit_directories(
+    state_dir: Path,
+    workdirs: Mapping[str, Path | Sequence[Path]],
+    *,
+    tape: Path | None = None,
+    **options,
+) -> Audit:
     """Audit the run whose syncer kept ``state_dir`` and whose learners (id -> work
-    directory) kept ``workdirs``: the tape, every learner's journal and final accounting
-    (missing: it did not stop cleanly) and the versions on disk. ``options`` go to
-    :func:`~diloco.report.exactly_once.audit` (``stopped_cleanly``, the stall check)."""
+    directory, or the work directories of the machines it ran on, the last one current:
+    a superseded process and its replacement) kept ``workdirs``: the tape (``tape``, default
+    ``STATE_DIR/events.jsonl``), every learner's journals and its final accounting (from its
+    current directory; missing: it did not stop cleanly) and the versions on disk.
+    ``options`` go to :func:`~diloco.report.exactly_once.audit` (``stopped_cleanly``, the
+    stall check)."""
     state_dir = Path(state_dir)
+    dirs = {
+        k: [Path(v)] if isinstance(v, (str, Path)) else [Path(w) for w in v]
+        for k, v in workdirs.items()
+    }
     finals = {}
-    for learner, workdir in workdirs.items():
-        path = Path(workdir) / FINAL_ACCOUNTING
+    for learner, paths in dirs.items():
+        path = paths[-1] / FINAL_ACCOUNTING
         finals[learner] = json.loads(path.read_text()) if path.exists() else None
+    journals = {
+        learner: [line for w in paths for line in read_jsonl(w / JOURNAL_FILE)]
+        for learner, paths in dirs.items()
+    }
     return audit(
-        read_jsonl(state_dir / "events.jsonl"),
-        {learner: read_jsonl(Path(w) / JOURNAL_FILE) for learner, w in workdirs.items()},
+        read_jsonl(Path(tape) if tape is not None else state_dir / "events.jsonl"),
+        journals,
         finals,
         disk_versions=disk_versions(state_dir),
         **options,
