@@ -1,5 +1,7 @@
-"""Torture: N seeded schedules of syncer kills, a full disk, learner kills, partitions and
-lost replies against real processes, each audited for exactly-once accounting.
+"""Torture: N seeded schedules of syncer kills, a full disk, learner kills and restarts from
+checkpoints, partitions (one longer than the syncer's kept commit logs), a second syncer on the
+state directory, a wall-clock step, a restored backup, a zombie learner and lost replies
+against real processes, each audited for exactly-once accounting.
 
 Run (as root: the syncer's disk is a tmpfs that fills up):
 ``.venv/bin/python benchmarks/bench_torture.py --seeds 0-49 --out /tmp/torture``
@@ -34,14 +36,28 @@ def seeds_of(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
+NEW_FAULTS = (
+    "learner-resume",
+    "long-partition",
+    "second-syncer",
+    "clock-step",
+    "rollback",
+    "zombie",
+)
+"""The faults added to the schedules by issue 46 ("Nothing guessed")."""
+
+
 def row(seed: int, r: dict) -> str:
     a = r["audit"]
     kinds = [f["kind"] for f in r["faults"]]
     return (
         f"| {seed} | {r['syncer_kills']} | {r['syncer_failures']} | "
-        f"{r['learner_kills']} | {kinds.count('partition')} | {r['replies_lost']} | "
-        f"{a['commits']} | {a['uploads_merged']} | {a['steps_trained']} | "
-        f"{a['steps_lost_at_kills']} | {a['steps_unknown']} | {a['longest_stall_s']:.1f} | "
+        f"{r['learner_kills']} | {r['learner_resumes']} | {kinds.count('partition')} | "
+        f"{kinds.count('long-partition')} | {r['second_syncers_refused']} | "
+        f"{kinds.count('clock-step')} | {r['rollbacks']} | {r['zombies_fenced']} | "
+        f"{r['replies_lost']} | {a['commits']} | {a['uploads_merged']} | "
+        f"{a['steps_trained']} | {a['steps_lost_at_kills']} | {a['steps_unknown']} | "
+        f"{a['steps_rolled_back']} | {a['longest_stall_s']:.1f} | "
         f"{'exact' if a['ok'] else 'FAILED'} |"
     )
 
@@ -62,11 +78,12 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(
-        "| seed | syncer kills | syncer failed (disk) | learner kills | partitions | "
-        "replies lost | commits | uploads merged | steps (clean lives) | steps lost at "
-        "kills | steps unknown | longest stall s | audit |"
+        "| seed | syncer kills | syncer failed (disk) | learner kills | of them resumed | "
+        "partitions | long partitions | second syncers refused | clock steps | rollbacks | "
+        "zombies fenced | replies lost | commits | uploads merged | steps (clean lives) | "
+        "steps lost at kills | steps unknown | steps rolled back | longest stall s | audit |"
     )
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 20)
     results = {}
     for seed in seeds_of(args.seeds):
         workdir = args.out / str(seed)
@@ -98,6 +115,18 @@ def main() -> int:
         "commits": sum(r["audit"]["commits"] for r in results.values()),
         "uploads_merged": sum(r["audit"]["uploads_merged"] for r in results.values()),
         "longest_stall_s": {"median": statistics.median(stalls), "max": max(stalls)},
+        "schedules_with_new_faults": sum(
+            any(f["kind"] in NEW_FAULTS for f in r["faults"]) for r in results.values()
+        ),
+        "new_faults": {
+            kind: sum(sum(f["kind"] == kind for f in r["faults"]) for r in results.values())
+            for kind in NEW_FAULTS
+        },
+        "second_syncers_refused": sum(r["second_syncers_refused"] for r in results.values()),
+        "rollbacks": sum(r["rollbacks"] for r in results.values()),
+        "zombies_fenced": sum(r["zombies_fenced"] for r in results.values()),
+        "steps_unknown": sum(r["audit"]["steps_unknown"] for r in results.values()),
+        "steps_rolled_back": sum(r["audit"]["steps_rolled_back"] for r in results.values()),
         "stall_bound_s": STALL_BOUND_S,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
