@@ -637,3 +637,21 @@ def test_a_restored_delta_without_an_answer_is_sent_again_as_it_was():
         assert resumed.attempts >= 1
     finally:
         restored.close(flush=False)
+
+
+def test_an_upload_given_up_after_it_went_on_the_wire_is_unknown_not_folded():
+    """Found by review (issue 46): an upload unanswered 21 times, or displaced by 64 newer
+    unanswered ones, was answered "failed", so its progress went out again in a new upload:
+    merged twice if the syncer had accepted it and only its replies were lost. Once it has
+    been on the wire its fate is unknown; one that never left is still "failed"."""
+    import threading
+
+    from diloco.learner.uploads import UploadJob, UploadQueue
+
+    running, stopping = threading.Event(), threading.Event()
+    stopping.set()
+    job = UploadJob(0, 0, 3, 30, torch.zeros(4), 0.0, upload_id=7)
+    assert UploadQueue.given_up(job, running).outcome == "failed"  # never left
+    job.on_the_wire = True
+    assert UploadQueue.given_up(job, running).outcome == "unknown"
+    assert UploadQueue.given_up(job, stopping).outcome == "failed"  # (the close report)

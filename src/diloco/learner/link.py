@@ -470,8 +470,9 @@ class SyncerLink:
                 again, older = (False, None)
                 if result.outcome == "failed":
                     again, older = self.queue.send_again(job, self._closing)
+                    result = result if again else self.queue.given_up(job, self._closing)
                 if older is not None:
-                    self._answer(older, UploadResult("failed"))
+                    self._answer(older, self.queue.given_up(older, self._closing))
                 if not again:
                     self._answer(job, result)
             finally:
@@ -516,6 +517,7 @@ class SyncerLink:
         try:
             deadline = upload_deadline_s(len(payload), self.meter.rate_Bps, self.rpc_timeout_s)
             self.meter.began(len(payload))
+            job.on_the_wire = True
             reply = stub.Upload(chunks(), timeout=deadline, metadata=self.metadata)
         except grpc.RpcError as exc:
             self.meter.ended(delivered=False)

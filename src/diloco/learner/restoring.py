@@ -187,7 +187,9 @@ class Restoring:
             if not e.upload_id:
                 self._return(p, e)
                 continue
-            base = e.base_version if e.base_version >= 0 else self.versions[p]
+            # (an entry from before base versions were kept: 0, so a syncer that no longer
+            # keeps the logs of the versions since answers fate_unknown, never "new")
+            base = max(e.base_version, 0)
             job = UploadJob(
                 p,
                 base,
@@ -199,6 +201,7 @@ class Restoring:
                 job_id=e.job_id,
                 upload_id=e.upload_id,
                 attempts=1,  # sent by an earlier life, unanswered: a resend
+                on_the_wire=True,
             )
             if self.journal is not None:
                 self.journal.queued(e.upload_id, p, e.steps, e.tokens, e.local_step)

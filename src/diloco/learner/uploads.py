@@ -54,6 +54,8 @@ class UploadJob:
     """Names this delta on the wire across resends (given by the link when first sent)."""
     attempts: int = 0
     """Times it was sent without an answer (``MAX_RESENDS`` bounds the resends)."""
+    on_the_wire: bool = False
+    """It left at least once (a call was started with it): the syncer may have it."""
     resend_at: float = 0.0
     """``time.monotonic()`` before which it is not sent again."""
     first_send: EncodedUpload | None = None
@@ -200,6 +202,17 @@ class UploadQueue:
             job.resend_at = 0.0
             self._resends.append(job)
             self.cond.notify()
+
+    @staticmethod
+    def given_up(job: UploadJob, stopping: threading.Event) -> UploadResult:
+        """The answer to an unanswered job that is not sent again (its ``MAX_RESENDS``
+        spent, or displaced by newer ones): ``unknown`` once it has been on the wire (the
+        syncer may have merged it: folding its progress into a new upload could merge it
+        twice), ``failed`` (its progress goes out again) when it never left or the link is
+        stopping (the flush answers what it can; the close report lists what was not)."""
+        if job.on_the_wire and not stopping.is_set():
+            return UploadResult("unknown")
+        return UploadResult("failed")
 
     def send_again(
         self, job: UploadJob, stopping: threading.Event

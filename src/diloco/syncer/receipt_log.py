@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,6 +36,8 @@ from pathlib import Path
 from diloco.syncer.lineage import Behind, behind
 from diloco.syncer.receipts import RETAINED_COMMIT_LOGS, CommitLog
 from diloco.syncer.store import StateError, SyncFailed, replace_atomically
+
+log = logging.getLogger(__name__)
 
 RECEIPT_LOG = "receipts.jsonl"
 """The receipt log's name in the state directory."""
@@ -127,7 +130,10 @@ class ReceiptLog:
             os.close(fd)
         self._lines += 1
         if self._lines > 2 * self.retained:
-            self._compact()
+            try:
+                self._compact()
+            except OSError as exc:  # (the line is durable: compact again at the next append)
+                log.warning("could not compact the receipt log %s: %s", self.path, exc)
 
     def _read(self, versions: Mapping[int, int], accept_rollback: bool) -> list[CommitLog]:
         data = self.path.read_bytes()
