@@ -14,6 +14,7 @@ with the link's reports handed to it directly (as tests/test_learner_apply.py do
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import grpc
@@ -77,10 +78,26 @@ def upload(server: SyncerServer, upload_id: int, base: int, learner_id: str = "a
 
 
 def commit(server: SyncerServer, upload_id: int) -> None:
-    """One commit of fragment 0 (an upload against its current version)."""
+    """One commit of fragment 0 (an upload against its current version), waited for until
+    it is broadcast: persisted and on the tape (the state's version moves first)."""
     version = server.state.versions[0]
     assert upload(server, upload_id, version).accepted
-    wait_until(lambda: server.state.versions[0] == version + 1, timeout=10)
+    wait_until(lambda: taped(server, version + 1), timeout=10)
+
+
+def taped(server: SyncerServer, version: int) -> bool:
+    """Whether version ``version`` of fragment 0 is on the server's tape, or without a tape
+    in its receipt log (both are written after the fragment's file)."""
+    if server.tape is not None:
+        records = read_tape(server.tape.path)
+        return any(
+            r["event"] == "round" and r["fragment"] == 0 and r["version"] == version
+            for r in records
+        )
+    logs = [
+        json.loads(line) for line in server.service.receipt_log.path.read_text().splitlines()[1:]
+    ]
+    return any(log["fragment"] == 0 and log["version"] == version for log in logs)
 
 
 def test_a_state_directory_restored_from_a_backup_refuses_to_start_unless_accepted(tmp_path):
