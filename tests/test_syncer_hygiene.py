@@ -369,6 +369,9 @@ def test_a_draining_learner_flushes_again_what_a_restarted_syncer_never_committe
     second = None
     closer = threading.Thread(target=learner.close)
     try:
+        # (every fragment held before training: on a loaded machine a fragment's first
+        # version arrived after all 12 steps, which were then dropped, not merged)
+        learner.wait_for_global(timeout=30)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(0)
         for _ in range(steps):
