@@ -162,6 +162,49 @@ def test_an_upload_committed_whose_answer_died_with_the_life_is_found_at_the_fir
         restored.close(flush=False)
 
 
+def test_an_upload_of_a_previous_life_older_than_the_kept_logs_is_unknown_not_resent(
+    tmp_path,
+):
+    """Found by the widened torture run (issue 46): as above, but the syncer no longer keeps
+    the commit logs of the versions the previous life's upload could have been admitted at
+    (``logged_from`` above the checkpoint's version). Taken as "not held", the checkpointed
+    progress it carried was sent again and merged twice. Its fate is unknown: the progress
+    is dropped (counted unknown, not merged), and the steps it reached are skipped."""
+    journal = tmp_path / "uploads.jsonl"
+    model, learner = make(tmp_path)
+    try:
+        anchor0 = hold_and_train(learner, model)[0]
+        state = learner.state_dict()
+    finally:
+        learner.close(flush=False)
+    journal.write_text(
+        '{"life":"old","start":0}\n{"life":"old","u":77,"p":0,"steps":9,"tokens":90,"step":9}\n'
+    )
+    restored = diloco.Learner(
+        model,
+        syncer="127.0.0.1:1",
+        num_fragments=2,
+        learner_id="me",
+        delivery_file=str(tmp_path / "delivered.json"),
+        journal_file=str(journal),
+        state=state,
+    )
+    try:
+        held = list(restored.versions)
+        restored.listener.on_rejoin(
+            "127.0.0.1:1", "s1", [9, 9], (0, 1), [], [held[0] + 5, held[1] + 5]
+        )
+        restored.apply_arrived()
+        assert restored.dropped_on_restore == [0] and restored.ahead_on_restore == 3
+        assert torch.equal(restored.layout.gather(0, restored.params), anchor0)
+        assert restored.steps_since == [0, 6]
+        assert restored.unknown_steps[0] == 6 and restored.merged_steps[0] == 0
+        lines = [json.loads(x) for x in journal.read_text().splitlines()[2:]]
+        assert any(x.get("found_delivered") == 0 and x.get("unknown") for x in lines)
+    finally:
+        restored.close(flush=False)
+
+
 def test_a_final_upload_names_the_finals_still_waiting_on_its_link():
     from diloco.learner.uploads import UploadQueue
 

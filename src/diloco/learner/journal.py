@@ -94,11 +94,17 @@ class UploadJournal:
     """The journal file at ``path`` for one learner life (``life``: its id)."""
 
     def __init__(
-        self, path: str | os.PathLike, start_step: int, carried: list[int] | None = None
+        self,
+        path: str | os.PathLike,
+        start_step: int,
+        carried: list[int] | None = None,
+        unknown: list[int] | None = None,
     ) -> None:
         """``carried``: for a life resumed from a checkpoint, per fragment the steps its
         earlier lives delivered (merged, in flight or left out, as the restored accounting
-        says): the audit checks them against what the tape holds of those lives."""
+        says): the audit checks them against what the tape holds of those lives, which may
+        also hold some of the ``unknown`` steps (the restored accounting's column: deltas
+        whose fate no syncer could tell)."""
         self.path = path
         self.life = secrets.token_hex(6)
         self._lock = threading.Lock()
@@ -107,18 +113,23 @@ class UploadJournal:
         if _ends_cut_short(path):  # a line cut short by a kill: this life starts a new one
             self._write_bytes(b"\n")
         begin = {"life": self.life, "start": start_step, "t": round(time.time(), 3)}
-        self._write(begin if carried is None else {**begin, "carried": list(carried)})
+        if carried is not None:
+            begin["carried"] = list(carried)
+            begin["unknown"] = list(unknown or [0] * len(carried))
+        self._write(begin)
 
     def queued(self, upload_id: int, fragment: int, steps: int, tokens: int, step: int) -> None:
         """Record an upload before it is handed to the link."""
         record = {"life": self.life, "u": upload_id, "p": fragment, "steps": steps}
         self._write({**record, "tokens": tokens, "step": step})
 
-    def found_delivered(self, fragment: int, steps: int) -> None:
+    def found_delivered(self, fragment: int, steps: int, *, unknown: bool = False) -> None:
         """Record that the checkpointed progress of ``fragment`` (``steps`` steps) was found
         delivered by the previous life (its upload committed, its answer lost with it):
-        carried, like the start line's ``carried``."""
-        self._write({"life": self.life, "found_delivered": fragment, "steps": steps})
+        carried, like the start line's ``carried``; ``unknown``: maybe delivered (the syncer
+        no longer keeps the logs that would say), like the start line's ``unknown``."""
+        line = {"life": self.life, "found_delivered": fragment, "steps": steps}
+        self._write({**line, "unknown": True} if unknown else line)
 
     def skipped(self, steps: int, step: int) -> None:
         """Record that this life skipped ``steps`` steps its previous life trained past its

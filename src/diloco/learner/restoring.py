@@ -31,8 +31,8 @@ class Restoring:
         """After a restore: upload id -> (fragment, steps, step) of the uploads queued after
         the checkpoint whose answers this life cannot know (``Restoring._note_unconfirmed``);
         checked at the first join of their syncer (shard), given up at the first step."""
-        self._restored_at: tuple[int, list[int]] = (0, [])
-        """After a restore: the checkpoint's step and per-fragment unsent steps."""
+        self._restored_at: tuple[int, list[int], list[int]] = (0, [], [])
+        """After a restore: the checkpoint's step, per-fragment unsent steps and versions."""
 
     def skip(self, steps: int, tokens: int) -> None:
         """Count ``steps`` steps of ``tokens`` tokens as trained by this learner's previous
@@ -63,7 +63,7 @@ class Restoring:
         if state is not None:
             carried = self.delivered_steps()
             self._note_unconfirmed(journaled_uploads(path, state.get("journal_life")))
-        return UploadJournal(path, self.local_step, carried)
+        return UploadJournal(path, self.local_step, carried, list(self.unknown_steps))
 
     def state_dict(self) -> dict:
         """What a restarted learner needs to carry on: global values held, versions, the
@@ -123,7 +123,7 @@ class Restoring:
         anywhere (neither the checkpoint nor the delivery log saw it): the first join of
         its syncer (shard) tells, by its commit list (``_confirm_delivered``)."""
         step, since = self.local_step, list(self.steps_since)
-        self._restored_at = (step, since)
+        self._restored_at = (step, since, list(self.versions))
         on_ledger = {e.upload_id for p, e in self._ledger.items() if e.upload_id}
         self._unconfirmed = {
             u: (p, steps, at)
@@ -131,31 +131,40 @@ class Restoring:
             if 0 <= p < len(since) and at > step and u not in on_ledger
         }
 
-    def _confirm_delivered(self, committed: frozenset[int], fragments: tuple[int, ...]) -> None:
+    def _confirm_delivered(
+        self, committed: frozenset[int], fragments: tuple[int, ...], logged_from=()
+    ) -> None:
         """At the first join of a syncer (shard owning ``fragments``) after a restore: the
         uploads of those fragments queued after the checkpoint that its commits hold were
         delivered. ``ahead_on_restore`` covers the steps they reached; a fragment whose
         checkpointed progress one of them carried (its steps reach back over the unsent
         window) has that progress dropped as delivered, as ``_drop_delivered`` does from the
-        delivery log, unless this life has moved it already (it trained or sent it)."""
-        step, since = self._restored_at
+        delivery log, unless this life has moved it already (it trained or sent it). One its
+        commits do not hold was never committed only if its admission is not older than the
+        logs the syncer keeps (``logged_from``; it was made against a version at least the
+        checkpoint's): else its fate is unknown, and it is treated as delivered (its steps
+        skipped, the progress it may have carried dropped) but counted *unknown*."""
+        step, since, held = self._restored_at
         owned = set(fragments)
         mine = {u: v for u, v in self._unconfirmed.items() if v[0] in owned}
         for u in mine:
             del self._unconfirmed[u]
         for upload_id, (p, steps, at) in sorted(mine.items(), key=lambda kv: kv[1]):
-            if upload_id not in committed:
-                continue
+            logged = logged_from[p] if p < len(logged_from) else -1
+            unknown = upload_id not in committed
+            if unknown and 0 <= logged <= max(held[p] if p < len(held) else -1, 0):
+                continue  # its admission is within the kept logs: never committed
             self.ahead_on_restore = max(self.ahead_on_restore, at - step)
             carried = at - steps <= step - since[p]  # it reached back over the unsent window
             untouched = self.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
             if carried and untouched and self.anchors[p] is not None:
-                self.merged_steps[p] += since[p]  # delivered before the restart
+                column = self.unknown_steps if unknown else self.merged_steps
+                column[p] += since[p]  # delivered before the restart, or maybe
                 with torch.no_grad():
                     self._overwrite(p, self.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
                 if self.journal is not None:
-                    self.journal.found_delivered(p, since[p])
+                    self.journal.found_delivered(p, since[p], unknown=unknown)
 
     def _give_up_unconfirmed(self) -> None:
         """Training starts before every syncer (shard) answered the first join: what its

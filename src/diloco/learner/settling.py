@@ -158,7 +158,7 @@ class Settling:
         and each fragment waits for its rebase keyframe (``inbox.REBASE``) before it is
         sent again."""
         if self._unconfirmed:  # the first join (of this shard) after a restore
-            self._confirm_delivered(rejoin.committed, rejoin.fragments)
+            self._confirm_delivered(rejoin.committed, rejoin.fragments, rejoin.logged_from)
         known = self._syncer_ids.get(rejoin.address)
         self._syncer_ids[rejoin.address] = rejoin.syncer_id
         if rejoin.lineage:

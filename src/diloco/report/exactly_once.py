@@ -31,7 +31,7 @@ What it asserts (each failure is one line in ``Audit.problems``):
    accounting holds as delivered, and the earlier lives' commits on the tape must hold
    exactly that many, plus at most the steps the life ``skipped`` (trained by a killed life
    after its checkpoint: delivered by it or lost with it, never trained again; they count
-   as dropped);
+   as dropped) and the steps its checkpoint counted *unknown* (the tape may hold them);
 5. per life that was killed, per fragment: steps merged + left out ≤ the last step it
    journaled: **at most once** (what it had not delivered when it died is lost with it: the
    learner's crash, not the protocol's);
@@ -231,10 +231,12 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
             order.append(life)
         if "carried" in line:
             lives[life]["carried"] = line["carried"]
+            lives[life]["carried_unknown"] = line.get("unknown") or [0] * len(line["carried"])
         if "skipped" in line:
             lives[life]["skipped"] = lives[life].get("skipped", 0) + line["skipped"]
         if "found_delivered" in line and "carried" in lives[life]:
-            lives[life]["carried"][line["found_delivered"]] += line["steps"]
+            column = "carried_unknown" if line.get("unknown") else "carried"
+            lives[life][column][line["found_delivered"]] += line["steps"]
         if "u" in line:
             lives[life]["uploads"][line["u"]] = (line["p"], line["steps"])
             step = lives[life]["last_step"]
@@ -273,10 +275,12 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
     if carried is not None:  # resumed: its checkpoint says what the earlier lives delivered
         # and past it (every resumed life's skip): delivered by them or lost
         skipped = sum(lives[life].get("skipped", 0) for life in order)
+        unknown = lives[last]["carried_unknown"]
         for p, steps in enumerate(carried):
             earlier = sum(delivered[life].get(p, 0) for life in order[:-1])
-            if not steps <= earlier <= steps + skipped:
+            if not steps <= earlier <= steps + unknown[p] + skipped:
                 window = f"{steps}" if not skipped else f"{steps} (+ {skipped} skipped)"
+                window += f" (+ {unknown[p]} unknown)" if unknown[p] else ""
                 result.problems.append(
                     f"{learner}: fragment {p}: its earlier lives delivered {earlier} steps "
                     f"(tape), its checkpoint carried {window} into the last life"
