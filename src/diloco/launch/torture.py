@@ -408,8 +408,9 @@ class Torture:
     def _start_second_syncer(self) -> None:
         """A second syncer on the state directory while the first one runs (a replacement
         started beside a process that is only cut off): it must refuse to start."""
-        if self.second is not None or self.syncer is None or not self.syncer.running:
-            return
+        serving = self.syncer is not None and self.syncer.running and self._serving
+        if self.second is not None or not serving:
+            return  # (only beside a syncer that serves: one starting may not hold the lock yet)
         argv = diloco_command(
             "syncer",
             "--recipe=tiny",

@@ -276,8 +276,12 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
         # and past it (every resumed life's skip): delivered by them or lost
         skipped = sum(lives[life].get("skipped", 0) for life in order)
         unknown = lives[last]["carried_unknown"]
+        # the lives since the last one that started without local state: a checkpoint
+        # carries what they delivered, not what a life before a fresh start did
+        fresh = [i for i, life in enumerate(order[:-1]) if "carried" not in lives[life]]
+        since_fresh = order[fresh[-1] if fresh else 0 : -1]
         for p, steps in enumerate(carried):
-            earlier = sum(delivered[life].get(p, 0) for life in order[:-1])
+            earlier = sum(delivered[life].get(p, 0) for life in since_fresh)
             if not steps <= earlier <= steps + unknown[p] + skipped:
                 window = f"{steps}" if not skipped else f"{steps} (+ {skipped} skipped)"
                 window += f" (+ {unknown[p]} unknown)" if unknown[p] else ""
