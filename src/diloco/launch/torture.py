@@ -154,6 +154,7 @@ class Torture:
         self.second: Child | None = None
         """A second syncer started on the state directory (``second-syncer``), until it exits."""
         self.second_syncers_refused = 0
+        self._second_due = False
         self._clock_step: tuple[float, int, Child] | None = None
         """(when, the tape's size then, the syncer then) of a clock step not yet followed by
         a commit of that syncer."""
@@ -336,7 +337,7 @@ class Torture:
             self.relays[fault.target].partition(float("inf"))
             restarts.append((now + fault.down_s, "heal", fault.target))
         elif fault.kind == "second-syncer":
-            self._start_second_syncer()
+            self._second_due = True  # (started once the syncer serves: ``_watch_second_syncer``)
         elif fault.kind == "backup":
             shutil.rmtree(self._backup, ignore_errors=True)
             shutil.copytree(self.state_dir, self._backup, ignore=shutil.ignore_patterns("*.tmp"))
@@ -411,6 +412,7 @@ class Torture:
         serving = self.syncer is not None and self.syncer.running and self._serving
         if self.second is not None or not serving:
             return  # (only beside a syncer that serves: one starting may not hold the lock yet)
+        self._second_due = False
         argv = diloco_command(
             "syncer",
             "--recipe=tiny",
@@ -423,6 +425,8 @@ class Torture:
 
     def _watch_second_syncer(self, now: float) -> None:
         """A second syncer must exit 2 without serving (within 60 s)."""
+        if self._second_due:
+            self._start_second_syncer()
         if self.second is None:
             return
         code = self.second.poll()

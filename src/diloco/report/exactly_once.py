@@ -293,8 +293,8 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
         if life == last and clean:
             unknown_on_tape = defaultdict(int)  # unknown to the learner, merged all the same
             for upload_id in lives[life].get("unknown", set()) & on_tape:
-                p, steps = lives[life]["uploads"][upload_id]
-                unknown_on_tape[p] += steps
+                p, steps = lives[owner[upload_id]]["uploads"][upload_id]  # (maybe an earlier
+                unknown_on_tape[p] += steps  # life's, settled unknown by this one)
             books = (delivered[life], carried, unknown_on_tape)
             _check_clean(learner, final, books, on_tape, result)
             continue
