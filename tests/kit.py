@@ -356,3 +356,28 @@ class Peer:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def join_and_upload(server: SyncerServer, upload_id: int, *, learner_id: str = "a", base: int = 0):
+    """Join ``server`` as ``learner_id`` (a new session) and upload a small delta of fragment
+    0 against version ``base`` in the syncer's up codec, with ``upload_id``; the reply."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.SyncerStub(channel)
+        joined = stub.Join(join_request(server.layout, learner_id), timeout=5)
+        n = server.layout.fragments[0].numel
+        chunk = pb.UploadChunk(
+            learner_id=learner_id,
+            session=joined.session,
+            fragment=0,
+            base_version=base,
+            steps=4,
+            tokens=32,
+            codec=joined.up_codec,
+            numel=n,
+            chunk_index=0,
+            num_chunks=1,
+            data=codecs.encode(torch.full((n,), 1e-3), joined.up_codec),
+            step_time_s=0.1,
+            upload_id=upload_id,
+        )
+        return stub.Upload(iter([chunk]), timeout=5)

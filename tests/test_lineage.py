@@ -20,10 +20,9 @@ import shutil
 import grpc
 import pytest
 import torch
-from kit import join_request, local_syncer, tiny_model, wait_until
+from kit import join_and_upload, join_request, local_syncer, tiny_model, wait_until
 
 import diloco
-from diloco.algorithm import codecs
 from diloco.learner.link import UploadResult
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
@@ -57,24 +56,7 @@ def join(server: SyncerServer, learner_id: str = "a") -> tuple[pb_grpc.SyncerStu
 
 def upload(server: SyncerServer, upload_id: int, base: int, learner_id: str = "a"):
     """Join and upload a small delta of fragment 0 against version ``base``."""
-    stub, joined = join(server, learner_id)
-    n = server.layout.fragments[0].numel
-    chunk = pb.UploadChunk(
-        learner_id=learner_id,
-        session=joined.session,
-        fragment=0,
-        base_version=base,
-        steps=4,
-        tokens=32,
-        codec=joined.up_codec,
-        numel=n,
-        chunk_index=0,
-        num_chunks=1,
-        data=codecs.encode(torch.full((n,), 1e-3), joined.up_codec),
-        step_time_s=0.1,
-        upload_id=upload_id,
-    )
-    return stub.Upload(iter([chunk]), timeout=5)
+    return join_and_upload(server, upload_id, learner_id=learner_id, base=base)
 
 
 def commit(server: SyncerServer, upload_id: int) -> None:

@@ -16,19 +16,16 @@ import signal
 import grpc
 import pytest
 import torch
-from kit import join_request, local_syncer, start_diloco, tiny_model, wait_until
+from kit import join_and_upload, local_syncer, start_diloco, tiny_model, wait_until
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from diloco.algorithm import codecs
 from diloco.launch.syncer_process import Snapshots
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.export import ExportError, read_state_dirs, save_state_dict
 from diloco.syncer.fencing import LOCK_FILE, Superseded, claim_state_dir
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import FragmentStore, StateError, read_tape
-from diloco.wire import diloco_pb2 as pb
-from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.protocol import ProtocolConfig
 
 P = 2
@@ -45,30 +42,6 @@ def start_syncer(state_dir, **options) -> SyncerServer:
         state_dir=state_dir,
         **options,
     )
-
-
-def upload(server: SyncerServer, upload_id: int, *, learner_id: str = "a", base: int = 0):
-    """Join ``server`` as ``learner_id`` and upload a small delta of fragment 0."""
-    with grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.SyncerStub(channel)
-        joined = stub.Join(join_request(server.layout, learner_id), timeout=5)
-        n = server.layout.fragments[0].numel
-        chunk = pb.UploadChunk(
-            learner_id=learner_id,
-            session=joined.session,
-            fragment=0,
-            base_version=base,
-            steps=4,
-            tokens=32,
-            codec=joined.up_codec,
-            numel=n,
-            chunk_index=0,
-            num_chunks=1,
-            data=codecs.encode(torch.full((n,), 1e-3), joined.up_codec),
-            step_time_s=0.1,
-            upload_id=upload_id,
-        )
-        return stub.Upload(iter([chunk]), timeout=5)
 
 
 def version_on_disk(state_dir, layout) -> int:
@@ -90,14 +63,14 @@ def test_a_second_syncer_on_a_state_directory_in_use_refuses_to_start(tmp_path):
     state = tmp_path / "state"
     first = start_syncer(state)
     try:
-        assert upload(first, 1).accepted
+        assert join_and_upload(first, 1).accepted
         wait_until(lambda: version_on_disk(state, first.layout) == 1, timeout=10)
         before = contents(state)
         with pytest.raises(StateError, match="in use by another syncer") as refused:
             start_syncer(state)
         assert str(state) in str(refused.value) and f"pid {os.getpid()}" in str(refused.value)
         assert contents(state) == before  # the refused one wrote nothing, not even an epoch
-        assert upload(first, 2, base=1).accepted  # the first goes on committing
+        assert join_and_upload(first, 2, base=1).accepted  # the first goes on committing
         wait_until(lambda: version_on_disk(state, first.layout) == 2, timeout=10)
         assert first.failure is None
     finally:
@@ -160,22 +133,22 @@ def test_a_superseded_syncer_fails_at_its_next_commit_and_writes_nothing(tmp_pat
     old = start_syncer(state, tape_path=tape)
     new = None
     try:
-        assert upload(old, 1).accepted
+        assert join_and_upload(old, 1).accepted
         wait_until(lambda: version_on_disk(state, old.layout) == 1, timeout=10)
         (state / LOCK_FILE).unlink(missing_ok=True)  # the lock is not honoured
         new = start_syncer(state, tape_path=tape)
         before = contents(state)
-        assert upload(old, 2, base=1).accepted  # admitted in memory: its commit is refused
+        assert join_and_upload(old, 2, base=1).accepted  # admitted in memory: its commit is refused
         wait_until(lambda: old.failure is not None, timeout=10)
         assert isinstance(old.failure, Superseded)
         assert (old.claim.epoch, new.claim.epoch) == (1, 2)
         assert "claimed by another syncer (epoch 2" in str(old.failure)
         assert contents(state) == before  # nothing of it on disk, no temporary file
         with pytest.raises(grpc.RpcError) as refused:
-            upload(old, 3, base=1)
+            join_and_upload(old, 3, base=1)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         # the successor's version 2 is its own, and the tape has only its round for it
-        assert upload(new, 4, learner_id="b", base=1).accepted
+        assert join_and_upload(new, 4, learner_id="b", base=1).accepted
         wait_until(lambda: version_on_disk(state, new.layout) == 2, timeout=10)
         rounds = [r for r in read_tape(tape) if r["event"] == "round" and r["fragment"] == 0]
         assert [(r["version"], r["participants"]) for r in rounds] == [(1, ["a"]), (2, ["b"])]
@@ -203,7 +176,7 @@ def test_a_successor_claiming_between_the_check_and_the_rename_keeps_the_commit_
 
     try:
         monkeypatch.setattr(os, "replace", replace_after_a_successor_claimed)
-        assert upload(old, 1).accepted
+        assert join_and_upload(old, 1).accepted
         wait_until(lambda: old.failure is not None, timeout=10)
         assert isinstance(old.failure, Superseded)
         assert version_on_disk(state, old.layout) == 1  # it landed ...
