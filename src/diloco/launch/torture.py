@@ -50,7 +50,14 @@ from pathlib import Path
 
 from diloco.launch.relay import Relay
 from diloco.launch.syncer_process import FAILED
-from diloco.launch.torture_schedule import FAULT_KINDS, Fault, TortureSpec, fault_schedule
+from diloco.launch.torture_schedule import (
+    CLOCK_STEP_S,
+    COMMIT_LOGS_KEPT,
+    FAULT_KINDS,
+    Fault,
+    TortureSpec,
+    fault_schedule,
+)
 from diloco.learner.config import CLOSE_BOUND_S
 from diloco.learner.journal import JOURNAL_FILE
 from diloco.report.audit_files import FINAL_ACCOUNTING, audit_directories
@@ -62,13 +69,6 @@ from diloco.runtime.procs import Child, diloco_command
 
 __all__ = ["FAULT_KINDS", "STALL_BOUND_S", "Fault", "Torture", "TortureSpec", "fault_schedule"]
 
-COMMIT_LOGS_KEPT = 72
-"""The syncer's ``--commit-logs-kept`` in a torture run: 3 commits of each of the 24
-fragments. While faults hit 3 tiny learners the syncer commits 5-10 times a second (a
-fragment every 2.5-5 s), so a long partition (12-16 s) outlasts the kept logs and a short
-fault (1-4 s, a lost reply's resends) mostly does not; either way nothing is guessed."""
-CLOCK_STEP_S = -40.0
-"""The ``clock-step`` fault: the syncer's wall clock goes back this far."""
 STALL_BOUND_S = 20.0
 """The longest the syncer may serve without a commit while learners train: learners come
 back within their capped reconnect backoff (5 s) of a restart, and a round holding a
@@ -95,7 +95,9 @@ class TortureResult:
     learner_resumes: int = 0
     """Learner processes killed and restarted from their checkpoint."""
     second_syncers_refused: int = 0
-    """Second syncers on the state directory that refused to start (exit 2)."""
+    """Second syncers on the state directory that refused to start (exit 2); ``succeeded``:
+    that served because the first had stopped meanwhile (a legitimate successor)."""
+    second_syncers_succeeded: int = 0
     clock_step_commit_s: float | None = None
     """Seconds from the syncer's wall-clock step to its next commit (None: no step, or the
     syncer was restarted before it committed again)."""
@@ -119,6 +121,7 @@ class TortureResult:
             "seconds": round(self.seconds, 1),
             "learner_resumes": self.learner_resumes,
             "second_syncers_refused": self.second_syncers_refused,
+            "second_syncers_succeeded": self.second_syncers_succeeded,
             "clock_step_commit_s": self.clock_step_commit_s,
             "rollbacks": self.rollbacks,
             "zombies_fenced": self.zombies_fenced,
@@ -154,7 +157,9 @@ class Torture:
         self.second: Child | None = None
         """A second syncer started on the state directory (``second-syncer``), until it exits."""
         self.second_syncers_refused = 0
+        self.second_syncers_succeeded = 0
         self._second_due = False
+        self._second_beside: Child | None = None  # (the syncer a second one started beside)
         self._clock_step: tuple[float, int, Child] | None = None
         """(when, the tape's size then, the syncer then) of a clock step not yet followed by
         a commit of that syncer."""
@@ -399,10 +404,8 @@ class Torture:
                 if code not in (None, 0):
                     self.zombies_fenced += 1
                 else:
-                    self.problems.append(
-                        f"a superseded learner process (zombie) {'exited 0' if code == 0 else 'ran on'}"
-                        f" after its replacement joined: {zombie.tail()}"
-                    )
+                    how = "exited 0" if code == 0 else "ran on"
+                    self.problems.append(f"a zombie learner {how}: {zombie.tail()}")
                     zombie.kill()
                 self._log("zombie-exited", code=code)
 
@@ -413,6 +416,7 @@ class Torture:
         if self.second is not None or not serving:
             return  # (only beside a syncer that serves: one starting may not hold the lock yet)
         self._second_due = False
+        self._second_beside = self.syncer
         argv = diloco_command(
             "syncer",
             "--recipe=tiny",
@@ -433,8 +437,15 @@ class Torture:
         if code is None and now - self.second.started_at < 60:
             return
         served = (self.workdir / "second.port").exists()
+        first = self._second_beside
         if code == 2 and not served:
             self.second_syncers_refused += 1
+        elif first is not None and first.poll() is not None:
+            # the first stopped meanwhile (its disk, a kill) and let the directory go: the
+            # second was a legitimate successor; it is ended so the run's own restarts go on
+            self._log("second-syncer-succeeded", first_exit=first.poll())
+            self.second_syncers_succeeded += 1
+            self.second.kill()
         else:
             self.problems.append(
                 f"a second syncer on the state directory {'served' if served else 'ran'} "
@@ -468,9 +479,7 @@ class Torture:
             self.clock_step_commit_s = round(now - at, 3)
             self._clock_step = None
         elif now - at > STALL_BOUND_S:
-            self.problems.append(
-                f"no commit in {STALL_BOUND_S:g} s after the syncer's wall clock stepped back"
-            )
+            self.problems.append(f"no commit {STALL_BOUND_S:g} s after the wall clock stepped")
             self._clock_step = None
 
     def _keep_syncer_up(self, now: float, restarts: list) -> None:
@@ -582,6 +591,7 @@ class Torture:
             0.0,
             self.learner_resumes,
             self.second_syncers_refused,
+            self.second_syncers_succeeded,
             self.clock_step_commit_s,
             self.rollbacks,
             self.zombies_fenced,

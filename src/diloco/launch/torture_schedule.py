@@ -23,6 +23,15 @@ FAULT_KINDS = (
 )
 
 
+COMMIT_LOGS_KEPT = 72
+"""The syncer's ``--commit-logs-kept`` in a torture run: 3 commits of each of the 24
+fragments. While faults hit 3 tiny learners the syncer commits 5-10 times a second (a
+fragment every 2.5-5 s), so a long partition (12-16 s) outlasts the kept logs and a short
+fault (1-4 s, a lost reply's resends) mostly does not; either way nothing is guessed."""
+CLOCK_STEP_S = -40.0
+"""The ``clock-step`` fault: the syncer's wall clock goes back this far."""
+
+
 @dataclass(frozen=True)
 class TortureSpec:
     seed: int = 0
