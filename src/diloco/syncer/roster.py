@@ -173,6 +173,20 @@ class LearnerRoster:
         fastest = fastest_step_s(info.pace.step_s, self.measured_step_s(now))
         return plausible_steps(steps, now - since, fastest)
 
+    def credit_note(self, info: LearnerInfo, fragment: int, steps: int, now: float) -> str:
+        """Why ``credited_steps`` gave fewer steps than claimed (for a refusal's reason);
+        empty when it gave them all."""
+        credited = self.credited_steps(info, fragment, steps, now)
+        if credited >= steps:
+            return ""
+        joined = info.first_joined_at if info.first_joined_at is not None else now
+        since = steps_since(info.steps_from.get(fragment), joined)
+        fastest = fastest_step_s(info.pace.step_s, self.measured_step_s(now))
+        return (
+            f" (claimed {steps} steps, credited {credited}: {now - since:.3g} s since they "
+            f"can have begun, at most one step per {fastest:.3g} s)"
+        )
+
     def note_accepted(self, info: LearnerInfo, fragment: int, base_version: int) -> None:
         """``info``'s delta of ``fragment`` against ``base_version`` was accepted: the steps
         of its next one begin after that version's commit (``pace.steps_since``)."""

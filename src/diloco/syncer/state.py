@@ -358,7 +358,8 @@ class SyncerState(LearnerRoster, RoundClosing):
             sync_every=self._guard_period(),
         )
         if not verdict.accept:
-            raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}")
+            note = self.credit_note(info, fragment, counters["steps"], now)
+            raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}{note}")
         return norm, steps
 
     def sync_every(self) -> int:
