@@ -367,3 +367,36 @@ def test_claimed_steps_are_bounded_by_the_pace_the_syncer_measured():
     # Honest deltas with honest claims are accepted: a short one now, a whole period later.
     assert submit(state, "newcomer", sized(0.05), 105.1, steps=1).accept
     assert submit(state, "bad", sized(1.0), 107.5, steps=24).accept
+
+
+def test_a_second_increment_is_judged_with_the_steps_of_the_first():
+    """A learner's late upload and its answer to the round are summed into one contribution,
+    and the guard judges the sum's size. On the old code the sum was judged over the second
+    increment's steps alone: an honest 16-step delta followed by a 1-step one in the same
+    round was refused (``delta norm 3.5 over 1 steps exceeds 2.5 x the fragment's own
+    norm``), an honest learner's progress thrown away (seen in a clean multi-process run)."""
+    state, layout = make_state(
+        joined_at=100.0, schedule="syncer", protocol=ProtocolConfig(sync_every=16), gamma=0.0
+    )
+    n = layout.fragments[0].numel
+    gen = torch.Generator().manual_seed(5)
+    theta = float(state.params[0].norm())
+
+    def sized(ratio):
+        delta = torch.randn(n, generator=gen)
+        return delta * ratio * theta / delta.norm()
+
+    for k in range(6):  # both step every 100 ms, on the syncer's clock
+        for lid in ("good", "bad"):
+            state.heartbeat(
+                lid, state.learners[lid].session, now=100.0 + k, step=10 * k, steps_per_s=10.0
+            )
+    state.tick(105.0)
+    assert submit(state, "good", sized(3.0), 105.0, steps=16).accept  # within 10 x 16/16
+    assert submit(state, "good", sized(0.5), 105.05, steps=1).accept  # summed: 17 steps
+    (contribution,) = state.rounds[0].contributions.values()
+    assert (contribution.increments, contribution.steps) == (2, 17)
+    # The sum is still bounded: a second increment that makes it too large is refused.
+    with pytest.raises(Refused) as info:
+        submit(state, "good", sized(9.0), 105.1, steps=1)
+    assert info.value.code == "OUT_OF_RANGE" and "already in the round" in info.value.message

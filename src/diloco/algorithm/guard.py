@@ -149,7 +149,7 @@ def check_norm(
     ``None`` while it has too little history), ``size_reference`` its reference norm
     (``NormHistory.size_reference``; ``None`` alike), ``held`` the norm the learner's
     contribution already holds in the open round (its earlier increments: the sizes are
-    judged on ``held + norm``), ``param_norm`` is ``‖Θ_p‖`` of the current global fragment
+    judged on ``held + norm``, over ``steps``: the steps credited to both), ``param_norm`` is ``‖Θ_p‖`` of the current global fragment
     and ``numel`` its number of values: while ``param_norm`` is 0 check 2 cannot scale by it,
     and the size is bounded by ``zero_rms · sqrt(numel)`` instead (``numel`` is then
     required: ``ValueError`` without it).
@@ -188,7 +188,7 @@ def check_norm(
                 f"delta norm {size:.4g} exceeds {bound:.4g} ({zero_rms:g} x the square root "
                 f"of its {numel} values) while the fragment's own norm is 0" + _held(held),
             )
-    per_step = norm / max(steps, 1)
+    per_step = size / max(steps, 1)
     if reference is not None and reference > 0 and per_step > k * reference:
         return NormVerdict(
             False,

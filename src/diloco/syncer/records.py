@@ -126,6 +126,9 @@ class Contribution:
     """The uploads summed into it (id, steps, tokens each): persisted with the commit."""
     norm: float = 0.0
     """``‖delta‖``; summed from increments, the sum of their norms (an upper bound)."""
+    credited: int = 0
+    """The steps the norm guard credited it with (``roster.credited_steps``), summed from
+    increments: a later increment is judged on the sum's size over the sum's credit."""
 
     @property
     def weight(self) -> float:
@@ -144,6 +147,7 @@ class Contribution:
         self.nbytes += other.nbytes
         self.increments += other.increments
         self.norm += other.norm
+        self.credited += other.credited
         self.final = self.final or other.final
         self.uploads = self.uploads + other.uploads
 

@@ -273,6 +273,7 @@ class SyncerState(LearnerRoster, RoundClosing):
             now,
             nbytes,
             final=final,
+            credited=credited,
             uploads=[UploadPart(upload_id, steps, tokens)],
             norm=norm,
         )
@@ -343,7 +344,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         steps = self.credited_steps(info, fragment, counters["steps"], now)
         verdict = check_norm(
             norm,
-            steps,
+            steps + (earlier.credited if earlier is not None else 0),
             self.norms.reference(
                 fragment, self.config.norm_guard_min_history, judged=info.learner_id
             ),
