@@ -1,6 +1,6 @@
 """The architecture, checked: modules and packages in layers, library below, programs above.
 
-Layers (lowest first; DESIGN.md §5, docs/architecture.md). A package imports only from
+Layers (lowest first; docs/architecture.md). A package imports only from
 packages of lower layers (never from its own layer's other packages, never upwards); the
 library (every layer below ``config``) imports nothing of the programs; ``syncer`` and
 ``learner`` are siblings that do not import each other. Module level: no import cycle,

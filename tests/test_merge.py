@@ -1,4 +1,4 @@
-"""Merge math: DESIGN §1 test vectors, RDA properties, embedding rule, per-tensor merge."""
+"""Merge math: worked test vectors, RDA properties, embedding rule, per-tensor merge."""
 
 from __future__ import annotations
 
@@ -19,18 +19,18 @@ from diloco.algorithm import (
 )
 
 
-def test_design_vector_orthogonal_equal_weights():
+def test_worked_vector_orthogonal_equal_weights():
     a, b = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 2.0])
     assert float(rda([a, b], [1, 1]).norm()) == pytest.approx(2.0, abs=1e-6)
     assert float(weighted_mean([a, b], [1, 1]).norm()) == pytest.approx(1.41421356, abs=1e-6)
 
 
-def test_design_vector_weights_3_to_1():
+def test_worked_vector_weights_3_to_1():
     out = rda([torch.tensor([2.0, 0.0]), torch.tensor([0.0, 2.0])], [3, 1])
     assert out.tolist() == pytest.approx([1.8973666, 0.6324555], abs=1e-6)
 
 
-def test_design_token_weight():
+def test_worked_token_weight():
     assert token_weight(tokens=10, steps=2) == 50
     assert token_weight(tokens=10, steps=0) == 0
     with pytest.raises(ValueError):

@@ -1,4 +1,4 @@
-"""Outer Nesterov optimizer: DESIGN §1 vector and golden numbers for a few steps."""
+"""Outer Nesterov optimizer: a worked vector and golden numbers for a few steps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from diloco.algorithm import NesterovOuter, round_share
 from diloco.algorithm.outer import scheduled_outer_lr
 
 
-def test_design_vector_one_step():
+def test_worked_vector_one_step():
     outer = NesterovOuter(lr=0.7, momentum=0.9)
     theta = torch.zeros(1)
     outer.step(0, theta, torch.tensor([0.5]))

@@ -1,6 +1,6 @@
 """Rounds on the syncer's clock (``schedule="syncer"``), with a fake clock and no sockets.
 
-The contract (docs/algorithm.md, "Rounds on the syncer's clock"): ticks open each fragment's
+The contract (docs/algorithm.md, "The syncer's clock"): ticks open each fragment's
 round in turn, one every ``H·ξ_step/P`` seconds, and ask the live learners; a round closes
 when every asked learner answered (or at quorum plus the grace window); an answer that finds
 no open round waits for the fragment's next tick and is summed with that learner's answer.

@@ -1,6 +1,6 @@
 """Wire formats for tensors: ``fp32``, ``bf16``, ``int8``, ``int4``, ``int2``, ``sign1``, ``sign1w`` and the sparse ``topk2``.
 
-Why these (DESIGN §1): learners send outer gradients ``Δ = A_p − θ_p`` *up* to the syncer,
+Why these (docs/algorithm.md, "What travels"): learners send outer gradients ``Δ = A_p − θ_p`` *up* to the syncer,
 in ``sign1`` by default (``int4`` until 2026-11-27; the paper found int4 outer gradients about
 as good as bf16; signs with the learners' error feedback cost about as little). The syncer
 sends each version *down* as a delta against what learners hold, in ``int2`` by default

@@ -1,4 +1,5 @@
-"""Balanced tensor fragmentation and the per-fragment sync schedule (DESIGN §1).
+"""Balanced tensor fragmentation and the per-fragment sync schedule (docs/algorithm.md,
+"Fragments and schedule").
 
 A model's named parameters are cut into ``P`` disjoint fragments of nearly equal byte size.
 Tensors are placed by greedy bin-packing: largest tensor first, into the currently lightest
@@ -6,7 +7,8 @@ fragment (ties: lowest fragment index). A tensor that does not fit in that fragm
 room up to the fair share (total bytes / P, rounded up) is cut by rows: the rows that fit stay
 there and the rest goes on to the next lightest fragment. Every fragment then holds at most the
 fair share plus one row. Whole-tensor packing of a small model
-is badly unbalanced (DESIGN §4d); splitting by rows fixes that.
+is badly unbalanced (benchmarks/RESULTS.md, "What the protocol's bounds rest on"); splitting
+by rows fixes that.
 
 The layout is a pure function of ``(names, shapes, dtypes, P)``: every learner and the syncer
 compute the same one, and its :attr:`FragmentLayout.hash` is exchanged at join.

@@ -11,9 +11,10 @@ the state of one fragment is independent of all others and can be saved on its o
 
 With ``lr = 1.0, μ = 0.0`` (this class's defaults) the outer step replaces the global
 fragment by the merged learners' fragment. The syncer runs at ``SyncerConfig``'s lr 0.6 and
-μ 0.7 (the sweep in docs/algorithm.md, "Outer optimizer") and scales each round's merged
-delta by ``round_share`` first. The DiLoCo lineage's ``0.7 / 0.9`` was tuned for H = 500 and
-is far worse at H = 24 (shared DESIGN §4d, and our sweep). ``scheduled_outer_lr`` gives an
+μ 0.7 (docs/algorithm.md, "Outer optimizer"; the sweep: benchmarks/RESULTS.md, "The outer
+step") and scales each round's merged delta by ``round_share`` first. The DiLoCo lineage's
+``0.7 / 0.9`` was tuned for H = 500 and is far worse at H = 24 (our sweeps, in
+benchmarks/HISTORY.md). ``scheduled_outer_lr`` gives an
 optional cosine decay of the lr over a fragment's versions.
 """
 

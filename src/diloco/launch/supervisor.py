@@ -1,6 +1,6 @@
 """The supervisor's process table: start, restart and inject failures into the run's children.
 
-Policy (DESIGN §2): a learner that dies is restarted after its down time (the chaos schedule's,
+Policy (docs/resilience.md): a learner that dies is restarted after its down time (the chaos schedule's,
 or ``restart_delay_s`` for an unplanned crash) with the same id and work directory, so it
 resumes from its own checkpoint and rejoins; a learner that exits 0 has finished and stays
 down. The syncer is restarted from its state directory on the same address whenever it dies.

@@ -1,6 +1,7 @@
 """Goodput and commit gaps of a data-parallel run, from its ranks' progress records. Pure.
 
-The definitions follow :mod:`diloco.report.goodput` (DESIGN §3), read for a static group:
+The definitions follow :mod:`diloco.report.goodput` (docs/resilience.md, "Goodput,
+uptime and gaps"), read for a static group:
 
 * **useful tokens** of a rank: its share of the steps that survived, i.e. the tokens of its
   last record (a restart rolls the counter back to the checkpoint, so rolled-back steps and

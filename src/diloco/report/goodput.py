@@ -1,4 +1,4 @@
-"""Goodput, uptime and commit gaps from the event tape (DESIGN §3). Pure functions.
+"""Goodput, uptime and commit gaps from the event tape (docs/resilience.md). Pure functions.
 
 Definitions used here:
 

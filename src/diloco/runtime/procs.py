@@ -1,7 +1,7 @@
 """Child processes of the supervisor: started with their own log, always stopped in bounded time.
 
 Children are separate ``python -m diloco.cli`` commands (never forked from a process that holds
-a gRPC channel, DESIGN §4c), each in its own session so that a Ctrl+C in the terminal reaches
+a gRPC channel: gRPC's threads do not survive a fork), each in its own session so that a Ctrl+C in the terminal reaches
 only the supervisor, which then stops them in order. Every child gets ``--exit-with-parent`` so
 it also exits if the supervisor is killed outright.
 """

@@ -2,8 +2,9 @@
 
 A fresh learner spends most of its start in imports: ``torch``, then ``torch._dynamo``, which
 ``torch.optim`` pulls in when the first optimizer is built (the measured start-up is in
-``docs/deployment.md``). The supervisor can keep spares (``diloco run --spares``): each runs
-``python -m diloco.cli.spare``, imports all that and blocks on its stdin. A restart hands a
+``docs/resilience.md``, "Warm spares"). The supervisor can keep spares
+(``diloco run --spares``): each runs ``python -m diloco.cli.spare``, imports all that and
+blocks on its stdin. A restart hands a
 spare the child's command line and log; the spare points its stdout and stderr at that log and
 runs the command in the same interpreter. The restart then costs what the learner does
 itself (checkpoint, data, join), not the interpreter's start. A spare warms up at a lower CPU

@@ -1,6 +1,6 @@
 """Goodput and uptime of each training mode for one set of slice outages: pure accounting.
 
-Definitions (docs/simulate.md; DESIGN §3): **goodput** is the fraction of the provisioned
+Definitions (docs/simulate.md, docs/resilience.md): **goodput** is the fraction of the provisioned
 chip-time (all chips × the simulated duration) that turns into training progress that is
 kept; **uptime** is the fraction of wall time in which the global model advances.
 

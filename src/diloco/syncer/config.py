@@ -31,7 +31,7 @@ OUTER_SCALES = ("share", "none")
 class SyncerConfig:
     schedule: str = option("syncer", choices=SCHEDULES)
     """Who drives the rounds: ``"syncer"`` (the syncer's clock opens each fragment's round
-    in turn and asks every live learner for it; docs/algorithm.md "Rounds on the syncer's
+    in turn and asks every live learner for it; docs/algorithm.md "The syncer's
     clock") or ``"learner"`` (each learner sends fragment p on its own step count and a round
     opens at its first arrival; what synchronous mode uses)."""
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
@@ -61,7 +61,7 @@ class SyncerConfig:
     heartbeat_s: float | None = None
     """Heartbeat interval suggested to learners (None: ``min(1 s, lease_s / 4)``)."""
     outer_lr: float = option(0.6)
-    """Outer Nesterov learning rate (see docs/algorithm.md for the sweep behind it)."""
+    """Outer Nesterov learning rate (its sweep: benchmarks/RESULTS.md, "The outer step")."""
     outer_momentum: float = option(0.7)
     """Outer Nesterov momentum μ."""
     outer_lr_decay: int = option(0, metavar="V")

@@ -15,7 +15,7 @@ from diloco.runtime.schema import option
 from diloco.wire.comms import COMMS, comms_setting
 
 CHUNK_BYTES = 1 << 20
-"""Tensor bytes per gRPC message: ~1 MB is fastest on loopback (DESIGN §2)."""
+"""Tensor bytes per gRPC message: ~1 MB is fastest on loopback."""
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
 """gRPC message limit on both ends (a chunk plus headers fits with room to spare)."""
 FIRST_CHUNK_S = 20.0
