@@ -232,3 +232,91 @@ def test_a_held_queue_sends_nothing_until_released():
     sender.join(5)
     assert not sender.is_alive() and taken[0].fragment == 0
     assert queue.final_fragments() == [1]
+
+
+def checkpoint_with_an_unanswered_delta(tmp_path):
+    """A life that checkpointed at step 6 with fragment 0's 6 steps queued as upload X (no
+    answer yet) and fragment 1's 6 steps unsent; returns (model, state, X, its anchors, the
+    trained values, its journal life)."""
+    model, learner = make_journaled(tmp_path)
+    try:
+        anchors = hold_and_train(learner, model)
+        assert learner._queue(0)
+        (entry,) = learner._ledger.unanswered(0)
+        state = learner.state_dict()
+        trained = [learner.layout.gather(p, learner.params) for p in range(2)]
+        life = learner.journal.life
+    finally:
+        learner.close(flush=False)
+    return model, state, entry.upload_id, anchors, trained, life
+
+
+def make_journaled(tmp_path, model=None, state=None):
+    if model is None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2))
+    learner = diloco.Learner(
+        model,
+        syncer="127.0.0.1:1",
+        num_fragments=2,
+        learner_id="me",
+        delivery_file=str(tmp_path / "delivered.json"),
+        journal_file=str(tmp_path / "uploads.jsonl"),
+        state=state,
+    )
+    return model, learner
+
+
+def test_a_checkpointed_delta_a_later_life_had_back_and_sent_again_is_not_resent(tmp_path):
+    """Seed 1 of the widened torture run (issue 46): after its checkpoint the previous life
+    had upload X refused (returned), sent its 6 steps again with 2 more in upload Y (queued
+    at step 8) and Y was accepted; then it died. Resent as it was from the checkpoint, X
+    was refused again, returned, and its steps were merged a second time. X's steps are
+    delivered: counted merged (carried), fragment 0 back at its anchor, nothing resent."""
+    model, state, x, anchors, trained, life = checkpoint_with_an_unanswered_delta(tmp_path)
+    journal = tmp_path / "uploads.jsonl"
+    with open(journal, "a") as f:
+        f.write(json.dumps({"life": life, "settled": x, "how": "returned"}) + "\n")
+        f.write(json.dumps({"life": life, "u": x + 1, "p": 0, "steps": 8, "step": 8}) + "\n")
+    (tmp_path / "delivered.json").write_text('{"0": 8}')
+    before = len(journal.read_text().splitlines())
+    _, restored = make_journaled(tmp_path, model, state)
+    try:
+        assert restored._ledger.unanswered(0) == []
+        assert restored.merged_steps[0] == 6 and restored.steps_since == [0, 6]
+        assert torch.equal(restored.layout.gather(0, restored.params), anchors[0])
+        assert torch.equal(restored.layout.gather(1, restored.params), trained[1])
+        assert restored.dropped_on_restore == [0] and restored.ahead_on_restore == 2
+        lines = [json.loads(x) for x in journal.read_text().splitlines()[before:]]
+        assert lines[0]["carried"] == [6, 0]
+        assert not any("u" in line for line in lines)  # X not sent again
+        restored.skip(2, tokens=20)
+        assert restored.accounting().balanced()
+    finally:
+        restored.close(flush=False)
+
+
+def test_a_checkpointed_delta_a_later_life_had_back_is_undelivered_progress_again(tmp_path):
+    """As above, but no upload of fragment 0 after X's return is known accepted: X's steps
+    are undelivered progress again (sent with the next delta, unless the first join finds
+    the later upload among the syncer's commits), not X sent again as it was."""
+    model, state, x, _, trained, life = checkpoint_with_an_unanswered_delta(tmp_path)
+    journal = tmp_path / "uploads.jsonl"
+    with open(journal, "a") as f:
+        f.write(json.dumps({"life": life, "settled": x, "how": "returned"}) + "\n")
+        f.write(json.dumps({"life": life, "u": x + 1, "p": 0, "steps": 8, "step": 8}) + "\n")
+    before = len(journal.read_text().splitlines())
+    _, restored = make_journaled(tmp_path, model, state)
+    try:
+        assert restored._ledger.unanswered(0) == []
+        assert restored.steps_since == [6, 6] and restored.merged_steps == [0, 0]
+        assert torch.equal(restored.layout.gather(0, restored.params), trained[0])
+        lines = [json.loads(x) for x in journal.read_text().splitlines()[before:]]
+        assert not any("u" in line for line in lines)
+        # The first join finds Y committed: it carried X's steps, delivered after all.
+        restored.listener.on_rejoin("127.0.0.1:1", "s1", [2, 2], (0, 1), [x + 1], [0, 0])
+        restored.apply_arrived()
+        assert restored.merged_steps[0] == 6 and restored.steps_since == [0, 6]
+        assert restored.ahead_on_restore == 2
+    finally:
+        restored.close(flush=False)

@@ -177,3 +177,100 @@ def test_a_killed_life_may_lose_its_tail_but_never_deliver_a_step_twice():
 def test_stalls_are_measured_only_while_the_syncer_serves():
     assert longest_stall([2.0, 3.0], (0.0, 10.0), [(4.0, 8.0)]) == 3.0
     assert longest_stall([], (0.0, 10.0), []) == 10.0
+
+
+def final(trained, unsent, dropped, unknown, life):
+    accounting = {"trained": trained, "unsent": unsent, "dropped": dropped, "unknown": unknown}
+    return {"life": life, "accounting": accounting}
+
+
+def test_an_upload_merged_only_by_a_rolled_back_commit_and_sent_again_counts_once():
+    """Seed 0 of the widened torture run (issue 46): life A checkpointed at step 7 with
+    upload 2 (3 steps) unanswered, had it refused (returned) and died; life B resent it from
+    the checkpoint, a commit merged it, a restored backup undid that commit, the restored
+    syncer refused the resend again and B sent the 3 steps again with its own 5 (upload 4).
+    The global model holds them once: the undone merge is not B's delivery."""
+    tape = [
+        round_record(0, 1, {"a": [[1, 4, 32]]}),
+        round_record(0, 2, {"a": [[2, 3, 24]]}),
+        {"event": "rollback", "fragments": [{"fragment": 0, "version": 1}], "receipts": []},
+        round_record(0, 2, {"a": [[4, 8, 64]]}),
+    ]
+    life_a = [
+        *journal("A", (1, 0, 4, 4), (2, 0, 3, 7)),
+        {"life": "A", "settled": 2, "how": "returned"},
+    ]
+    life_a += journal("A", (3, 0, 5, 9))[1:]  # (not committed: it died with A)
+    life_b = [
+        {"life": "B", "start": 7, "carried": [4], "unknown": [0]},
+        *journal("B", (2, 0, 3, 7))[1:],  # resent as it was
+        {"life": "B", "settled": 2, "how": "returned"},
+        *journal("B", (4, 0, 8, 12))[1:],
+    ]
+    finals = {"a": final(12, [0], [0], [0], "B")}
+    verdict = audit(tape, {"a": life_a + life_b}, finals)
+    assert verdict.ok, verdict.problems  # 4 carried + 8 merged = 12 trained
+    assert verdict.steps_rolled_back == 0  # (sent again: not lost by the rollback)
+    # Merged by a commit that stands and sent again all the same: merged twice, named.
+    standing = [tape[0], tape[1], round_record(0, 3, {"a": [[4, 8, 64]]})]
+    problems = audit(standing, {"a": life_a + life_b}, finals).problems
+    assert any("!= 12 trained" in p for p in problems), problems
+    # Merged only by the undone commit and taken as merged by B: lost by the rollback (its
+    # learner delivered it), counted as B's.
+    took = [*life_b[:2], {"life": "B", "settled": 2, "how": "merged", "v": 2}]
+    took += journal("B", (4, 0, 5, 12))[1:]
+    verdict = audit(
+        [*tape[:3], round_record(0, 2, {"a": [[4, 5, 40]]})], {"a": life_a + took}, finals
+    )
+    assert verdict.ok, verdict.problems  # 4 carried + 3 (undone) + 5 merged = 12
+    assert verdict.steps_rolled_back == 3
+
+
+def test_a_resent_upload_whose_fate_is_unknown_may_be_on_the_tape_under_an_earlier_life():
+    """Seeds 3 (and 0) of the widened torture run (issue 46): life A checkpointed at step 5
+    with upload 1 (4 steps) unanswered and 1 step unsent, had upload 1 refused (returned)
+    and sent its steps again with the rest in upload 2 (7 steps), which a commit merged; A
+    died. Life B resent upload 1 from its checkpoint and the syncer could no longer tell its
+    fate (nor upload 2's): B counted upload 1's 4 steps and the unsent step unknown, skipped
+    2 steps and trained 3. Nothing was merged twice: the 7 steps A delivered are within
+    what B's checkpoint holds as delivered, skipped or unknown."""
+    tape = [round_record(0, 1, {"a": [[2, 7, 56]]}), round_record(0, 2, {"a": [[3, 3, 24]]})]
+    life_a = [*journal("A", (1, 0, 4, 4)), {"life": "A", "settled": 1, "how": "returned"}]
+    life_a += journal("A", (2, 0, 7, 7))[1:]
+    life_b = [
+        {"life": "B", "start": 5, "carried": [0], "unknown": [0]},
+        *journal("B", (1, 0, 4, 4))[1:],  # resent as it was
+        {"life": "B", "found_delivered": 0, "steps": 1, "unknown": True},
+        {"life": "B", "settled": 1, "how": "unknown"},
+        {"life": "B", "skipped": 2, "step": 7},
+        *journal("B", (3, 0, 3, 10))[1:],
+    ]
+    finals = {"a": final(10, [0], [2], [5], "B")}
+    verdict = audit(tape, {"a": life_a + life_b}, finals)
+    assert verdict.ok, verdict.problems
+    assert verdict.steps_unknown == 5
+    # Seed 1's shape: B's resend of upload 1 refused (returned), its 4 steps and the unsent
+    # one sent again (upload 3: 8 steps): A's upload 2 merged them already. Named.
+    again = [*life_b[:2], {"life": "B", "settled": 1, "how": "returned"}, life_b[4]]
+    again += journal("B", (3, 0, 8, 10))[1:]
+    problems = audit(
+        [tape[0], round_record(0, 2, {"a": [[3, 8, 64]]})],
+        {"a": life_a + again},
+        {"a": final(10, [0], [2], [0], "B")},
+    ).problems
+    assert any("earlier lives delivered 7 steps" in p for p in problems), problems
+
+
+def test_an_upload_an_earlier_life_journaled_and_the_last_settled_unknown_is_found():
+    """The widened torture run's audit crashed (KeyError) on an upload of an earlier life
+    (accepted before its checkpoint, never resent) that the last life settled unknown and
+    the tape merged: its steps are found in the life that journaled it."""
+    tape = [round_record(0, 1, {"a": [[1, 4, 32]]}), round_record(0, 2, {"a": [[2, 3, 24]]})]
+    life_a = journal("A", (1, 0, 4, 4))
+    life_b = [
+        {"life": "B", "start": 4, "carried": [4], "unknown": [0]},  # (in flight)
+        {"life": "B", "settled": 1, "how": "unknown"},
+        *journal("B", (2, 0, 3, 7))[1:],
+    ]
+    verdict = audit(tape, {"a": life_a + life_b}, {"a": final(7, [0], [0], [4], "B")})
+    assert verdict.ok, verdict.problems  # 3 merged + 4 carried (unknown, merged: once) = 7

@@ -56,13 +56,9 @@ def _ends_cut_short(path: str | os.PathLike) -> bool:
         return False
 
 
-def journaled_uploads(
-    path: str | os.PathLike, since_life: str | None = None
-) -> list[tuple[int, int, int, int]]:
-    """``(upload id, fragment, steps, local step at queueing)`` of the uploads the journal
-    at ``path`` holds (``[]`` without a readable journal), from the first line of life
-    ``since_life`` on (every life when it is ``None`` or not in the file). A resumed
-    learner checks the ones its checkpoint cannot know of against the syncer's commits."""
+def _records(path: str | os.PathLike, since_life: str | None) -> list[dict]:
+    """The journal's lines at ``path`` from the first line of life ``since_life`` on (every
+    life when it is ``None`` or not in the file; ``[]`` without a readable journal)."""
     try:
         with open(path, "rb") as f:
             lines = f.read().splitlines()
@@ -77,9 +73,46 @@ def journaled_uploads(
         if isinstance(line, dict):
             records.append(line)
     lives = [r.get("life") for r in records]
-    first = lives.index(since_life) if since_life in lives else 0
+    return records[lives.index(since_life) if since_life in lives else 0 :]
+
+
+def journaled_returns(
+    path: str | os.PathLike, since_life: str | None = None
+) -> dict[int, int | None]:
+    """Upload id -> the local step at which the same life next queued an upload of the same
+    fragment (None: it queued none), for each upload the journal at ``path`` says was
+    returned (its progress undelivered again: that next upload carried its steps), from
+    the first line of life ``since_life`` on. A resumed learner must not send again, as it
+    was, a delta its checkpoint holds unanswered that a later life had back."""
+    fragment_of: dict[int, int] = {}
+    waiting: dict[tuple[str, int], list[int]] = {}  # (life, fragment) -> returned ids
+    found: dict[int, int | None] = {}
+    for line in _records(path, since_life):
+        try:
+            if "u" in line:
+                upload_id, p = int(line["u"]), int(line["p"])
+                fragment_of[upload_id] = p
+                for returned in waiting.pop((str(line.get("life")), p), []):
+                    found[returned] = int(line["step"])
+            elif line.get("how") == "returned" and int(line["settled"]) in fragment_of:
+                upload_id = int(line["settled"])
+                found[upload_id] = None
+                key = (str(line.get("life")), fragment_of[upload_id])
+                waiting.setdefault(key, []).append(upload_id)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found
+
+
+def journaled_uploads(
+    path: str | os.PathLike, since_life: str | None = None
+) -> list[tuple[int, int, int, int]]:
+    """``(upload id, fragment, steps, local step at queueing)`` of the uploads the journal
+    at ``path`` holds (``[]`` without a readable journal), from the first line of life
+    ``since_life`` on (every life when it is ``None`` or not in the file). A resumed
+    learner checks the ones its checkpoint cannot know of against the syncer's commits."""
     found = []
-    for line in records[first:]:
+    for line in _records(path, since_life):
         if "u" in line:
             try:
                 found.append(

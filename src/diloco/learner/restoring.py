@@ -9,7 +9,7 @@ import logging
 import torch
 
 from diloco.learner.delivery import already_delivered
-from diloco.learner.journal import UploadJournal, journaled_uploads
+from diloco.learner.journal import UploadJournal, journaled_returns, journaled_uploads
 from diloco.learner.uploads import UploadJob
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ class Restoring:
         checked at the first join of their syncer (shard), given up at the first step."""
         self._restored_at: tuple[int, list[int], list[int]] = (0, [], [])
         """After a restore: the checkpoint's step, per-fragment unsent steps and versions."""
+        self._checkpoint_life: str | None = None
+        """After a restore: the journal's id of the life that took the checkpoint."""
 
     def skip(self, steps: int, tokens: int) -> None:
         """Count ``steps`` steps of ``tokens`` tokens as trained by this learner's previous
@@ -114,7 +116,33 @@ class Restoring:
                 self.merged_steps[p] += self.steps_since[p]  # delivered before the restart
                 self._overwrite(p, self.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
+            self._take_back_returned(accepted_at)
         self.ahead_on_restore = max(0, max(accepted_at.values(), default=0) - self.local_step)
+
+    def _take_back_returned(self, accepted_at: dict[int, int]) -> None:
+        """After a restore: a delta the checkpoint holds unanswered that the journal says a
+        later life had back (refused or withdrawn after the checkpoint: ``returned``) is not
+        sent again as it was: that life sent its steps again, in its next upload of the
+        fragment (found by the widened torture run: a resend refused again was returned and
+        its steps merged twice). Delivered when the delivery log shows an upload of the
+        fragment accepted from that next one on (its steps count merged, the fragment goes
+        back to its anchor); else its steps are undelivered progress again, as they were for
+        that life, which the first join judges like the rest (``_confirm_delivered``)."""
+        path = self.config.journal_file
+        returns = journaled_returns(path, self._checkpoint_life) if path else {}
+        for p, e in self._ledger.items():
+            if e.admitted is not None or e.upload_id not in returns or self.anchors[p] is None:
+                continue
+            self._ledger.remove(p, e)
+            next_at = returns[e.upload_id]
+            if next_at is not None and accepted_at.get(p, -1) >= next_at:
+                self.merged_steps[p] += e.steps  # delivered before the restart
+                self._overwrite(p, self.anchors[p], drops=False)  # (θ_p held e's delta)
+                if p not in self.dropped_on_restore:
+                    self.dropped_on_restore.append(p)
+            else:  # its delta stays in θ_p: undelivered progress
+                self.steps_since[p] += e.steps
+                self.tokens_since[p] += e.tokens
 
     def _note_unconfirmed(self, journaled: list[tuple[int, int, int, int]]) -> None:
         """After a restore: remember the uploads (``journaled``: id, fragment, steps, step;
@@ -224,6 +252,7 @@ class Restoring:
             raise ValueError(f"learner state has {len(state['versions'])} fragments, expected {P}")
         self.local_step = int(state["local_step"])
         self.total_tokens = int(state["total_tokens"])
+        self._checkpoint_life = state.get("journal_life")
         self.versions = [int(v) for v in state["versions"]]
         self.steps_since = [int(v) for v in state["steps_since"]]
         self.tokens_since = [int(v) for v in state["tokens_since"]]

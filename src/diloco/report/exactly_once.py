@@ -31,7 +31,10 @@ What it asserts (each failure is one line in ``Audit.problems``):
    accounting holds as delivered, and the earlier lives' commits on the tape must hold
    exactly that many, plus at most the steps the life ``skipped`` (trained by a killed life
    after its checkpoint: delivered by it or lost with it, never trained again; they count
-   as dropped) and the steps its checkpoint counted *unknown* (the tape may hold them);
+   as dropped) and the steps its checkpoint counted *unknown*, or that the last life sent
+   again from its checkpoint under an earlier life's upload id and settled unknown (the
+   tape may hold them); an upload only rolled-back commits merged whose life had it back
+   (``returned``: its steps went out again) is not that life's delivery;
 5. per life that was killed, per fragment: steps merged + left out ≤ the last step it
    journaled: **at most once** (what it had not delivered when it died is lost with it: the
    learner's crash, not the protocol's);
@@ -145,9 +148,10 @@ def audit(
     result = Audit()
     commits = commits_of(tape)
     _check_versions(commits, disk_versions, result)
-    merged, excluded = _uploads(commits, result)
+    merged, excluded, undone = _uploads(commits, result)
     for learner, journal in sorted(journals.items()):
-        _check_learner(learner, journal, finals.get(learner), merged, excluded, result)
+        tape = (merged, excluded, undone.get(learner, set()))
+        _check_learner(learner, journal, finals.get(learner), tape, result)
         if stopped_cleanly and finals.get(learner) is None:
             result.problems.append(f"{learner}: its last life did not stop cleanly (no final.json)")
     if window is not None and stall_bound_s is not None:
@@ -181,15 +185,17 @@ def _check_versions(commits, disk_versions, result: Audit) -> None:
 
 
 def _uploads(commits, result: Audit):
-    """``(merged, excluded)``: per learner, upload id -> (fragment, steps). An upload merged
-    by a rolled-back commit and again after the rollback (its learner sent it again: the
-    restored syncer never held it) counts once, by the commit that stands; one merged only
-    by rolled-back commits counts too (its learner delivered it; the rollback lost it:
-    ``steps_rolled_back``)."""
+    """``(merged, excluded, undone)``: per learner, upload id -> (fragment, steps), and the
+    ids that only rolled-back commits hold. An upload merged by a rolled-back commit and
+    again after the rollback (its learner sent it again: the restored syncer never held it)
+    counts once, by the commit that stands; one merged only by rolled-back commits counts
+    too (its learner delivered it; the rollback lost it: ``steps_rolled_back``), unless its
+    learner had it back (``_check_learner``)."""
     merged: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
     excluded: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
     standing = [c for c in commits if not c.rolled_back]
     undone = [c for c in commits if c.rolled_back]
+    only_undone: dict[str, set[int]] = defaultdict(set)
     for c in standing:
         for kind, parts_by_learner, into in (
             ("merged", c.merged, merged),
@@ -213,13 +219,15 @@ def _uploads(commits, result: Audit):
                     known = upload_id in merged[learner] or upload_id in excluded[learner]
                     if upload_id and not known:
                         into[learner][upload_id] = (c.fragment, steps)
+                        only_undone[learner].add(upload_id)
                         result.steps_rolled_back += steps if into is merged else 0
     result.uploads_merged = sum(len(m) for m in merged.values())
     result.uploads_excluded = sum(len(m) for m in excluded.values())
-    return merged, excluded
+    return merged, excluded, only_undone
 
 
-def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> None:
+def _check_learner(learner, journal, final, tape, result: Audit) -> None:
+    merged, excluded, undone = tape
     lives: dict[str, dict] = {}
     order: list[str] = []
     for line in journal:
@@ -230,8 +238,8 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
             lives[life] = {"uploads": {}, "last_step": defaultdict(int)}
             order.append(life)
         if "carried" in line:
-            lives[life]["carried"] = line["carried"]
-            lives[life]["carried_unknown"] = line.get("unknown") or [0] * len(line["carried"])
+            lives[life]["carried"] = list(line["carried"])  # (copies: added to below)
+            lives[life]["carried_unknown"] = list(line.get("unknown") or [0] * len(line["carried"]))
         if "skipped" in line:
             lives[life]["skipped"] = lives[life].get("skipped", 0) + line["skipped"]
         if "found_delivered" in line and "carried" in lives[life]:
@@ -245,6 +253,8 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
             lives[life].setdefault("took", {})[line["settled"]] = line.get("v")
         if line.get("how") == "unknown":
             lives[life].setdefault("unknown", set()).add(line["settled"])
+        if line.get("how") == "returned":
+            lives[life].setdefault("returned", set()).add(line["settled"])
     # an upload resent by a resumed life (same id, from its checkpoint) is that life's
     owner = {u: life for life, info in lives.items() for u in info["uploads"]}
     delivered: dict[str, dict[int, int]] = {life: defaultdict(int) for life in lives}
@@ -259,6 +269,11 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
                     f"{learner}: upload {upload_id} has {(p, steps)} on the tape, "
                     f"{lives[life]['uploads'][upload_id]} in the journal"
                 )
+            if upload_id in undone and upload_id in lives[life].get("returned", ()):
+                # merged only by commits a rollback undid, and its life had it back (the
+                # restored syncer refused it): its steps went out again, in another upload
+                result.steps_rolled_back -= steps if source is merged.get(learner) else 0
+                continue
             delivered[life][p] += steps
     on_tape = set(merged.get(learner, {})) | set(excluded.get(learner, {}))
     for life in order:
@@ -280,6 +295,14 @@ def _check_learner(learner, journal, final, merged, excluded, result: Audit) -> 
         # carries what they delivered, not what a life before a fresh start did
         fresh = [i for i, life in enumerate(order[:-1]) if "carried" not in lives[life]]
         since_fresh = order[fresh[-1] if fresh else 0 : -1]
+        # a delta of the checkpoint the last life sent again (an earlier life's upload id)
+        # and settled unknown: not sent again, and maybe delivered by an earlier life (which
+        # may have had it back and sent its steps in a later upload): like ``unknown``
+        journaled_before = {u for life in since_fresh for u in lives[life]["uploads"]}
+        for upload_id in lives[last].get("unknown", set()) & journaled_before - on_tape:
+            if upload_id in lives[last]["uploads"]:
+                p, steps = lives[last]["uploads"][upload_id]
+                unknown[p] += steps
         for p, steps in enumerate(carried):
             earlier = sum(delivered[life].get(p, 0) for life in since_fresh)
             if not steps <= earlier <= steps + unknown[p] + skipped:
