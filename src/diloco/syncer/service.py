@@ -31,7 +31,6 @@ from diloco.syncer.generations import GenerationFile
 from diloco.syncer.limits import (
     DEFAULT_MAX_LEARNERS,
     FIRST_CHUNK_S,
-    MIN_UPLOAD_BPS,
     SHORT_CALL_THREADS,
     Caller,
     LimitExceeded,
@@ -51,7 +50,7 @@ from diloco.syncer.upload import receive_upload
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
-from diloco.wire.protocol import NOT_ADMITTED_KEY
+from diloco.wire.protocol import NOT_ADMITTED_KEY, syncer_upload_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -481,15 +480,15 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
 
     def _receive(self, chunks, context: grpc.ServicerContext, who: dict[str, object]):
         """``receive_upload`` under the upload's deadlines: ``first_chunk_s`` for the first
-        chunk, then that plus the upload's size at ``MIN_UPLOAD_BPS``; past a deadline the
-        call is cancelled (its chunk iterator raises ``grpc.RpcError``)."""
+        chunk, then ``wire.protocol.syncer_upload_deadline_s`` of its size; past a deadline
+        the call is cancelled (its chunk iterator raises ``grpc.RpcError``)."""
         started = clock.monotonic()
         handle = [self.watchdog.arm(started + self.first_chunk_s, context.cancel)]
 
         def on_header(nbytes: int) -> None:
             self.watchdog.disarm(handle[0])
-            deadline = started + self.first_chunk_s + nbytes / MIN_UPLOAD_BPS  # (protocol)
-            handle[0] = self.watchdog.arm(deadline, context.cancel)
+            deadline_s = syncer_upload_deadline_s(nbytes, first_chunk_s=self.first_chunk_s)
+            handle[0] = self.watchdog.arm(started + deadline_s, context.cancel)
 
         try:
             return receive_upload(
