@@ -233,7 +233,7 @@ class Committer:
             wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
             if not self.state.config.down_feedback:  # Θ_p takes the value learners will hold
                 with self.lock:
-                    self.state.take_wire_image(p, wire)
+                    self.state.model.take_wire_image(p, wire)
                 commit = dataclasses.replace(commit, params=wire.clone())
         else:
             delta, wire = b"", self._wire[p]
@@ -298,7 +298,7 @@ class Committer:
         if self.tape_index is None:
             return
         with self.lock:
-            logs = [log for history in self.state.history.values() for log in history]
+            logs = [log for history in self.state.closing.history.values() for log in history]
         self.tape_index.save(keep=dropped_in(logs))
 
     def _since(self, fragment: int, version: int) -> tuple[frozenset[str], dict]:

@@ -213,7 +213,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 versions = list(self.state.versions)
                 committed = self.state.receipts.held(request.learner_id)
                 logged_from = self.state.logged_from()
-                unwritten = self.state.generations.changes > self.generation_file_holds()
+                unwritten = self.state.roster.generations.changes > self.generation_file_holds()
             if unwritten:  # on disk before this process is told it holds the id
                 self._write_generations(context)
         except Refused as err:
@@ -241,7 +241,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         """The ``Generations.changes`` the state directory's file holds (all of them without
         a state directory: nothing to write)."""
         if self.generation_file is None:
-            return self.state.generations.changes
+            return self.state.roster.generations.changes
         return self.generation_file.written
 
     def _write_generations(self, context: grpc.ServicerContext) -> None:
@@ -251,7 +251,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
 
         def snapshot():
             with self.lock:
-                return self.state.generations.snapshot()
+                return self.state.roster.generations.snapshot()
 
         try:
             self.generation_file.write(snapshot)
@@ -282,7 +282,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 raise Refused("INVALID_ARGUMENT", "a have_digests entry is over 64 characters")
             self.check_caller(context, request.learner_id)
             with self.lock:
-                info = self.state.session_of(request.learner_id, request.session)
+                info = self.state.roster.session_of(request.learner_id, request.session)
             yield from self._stream(context, info, self._caller(context), have, digests)
         except LimitExceeded as exc:
             err = Refused("RESOURCE_EXHAUSTED", str(exc))
@@ -586,7 +586,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 num_shards=s.shard[1],
                 failure=repr(self.failure) if self.failure is not None else "",
                 waiting=self.waiting(),
-                merged_tokens=s.tokens_merged(),
+                merged_tokens=s.closing.tokens_merged(),
             )
 
     def committed_hash(self) -> str:
