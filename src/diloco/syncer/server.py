@@ -329,7 +329,7 @@ class SyncerServer:
         self.tape.append(start, sync=True)
         for record in [*recovered, start]:  # (synced with the start record)
             self.tape_index.note(record, self.tape.end)
-        self.service.save_tape_index()  # (a restart reads the tape from here on)
+        self.service.committer.save_tape_index()  # (a restart reads the tape from here on)
 
     def state_dict(self, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The global model now (Θ of every owned fragment; the others at their initial
@@ -403,7 +403,7 @@ class SyncerServer:
         ender.join(timeout=5)
         if self.tape is not None:
             if self.service.failure is None:
-                self.service.save_tape_index()
+                self.service.committer.save_tape_index()
             self.tape.try_append(
                 {"event": "stop", "t": clock.wall(), "versions": list(self.state.versions)}
             )
