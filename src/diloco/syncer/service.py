@@ -576,6 +576,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             )
 
     def committed_hash(self) -> str:
+        """``store.state_hash`` of the versions and Θ_p, under the lock."""
         with self.lock:
             return state_hash(self.state.versions, self.state.params)
 
