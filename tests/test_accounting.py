@@ -346,7 +346,10 @@ def test_without_down_feedback_the_syncer_holds_exactly_what_its_learners_hold(
     finally:
         server.stop()  # the committer has stopped: Θ and W stay as they are
     assert min(server.state.versions) >= 2
-    gaps = [float((server.state.params[p] - server.service.wire(p)).abs().max()) for p in range(P)]
+    gaps = [
+        float((server.state.params[p] - server.service.committer.wire(p)).abs().max())
+        for p in range(P)
+    ]
     if down_feedback:
         assert max(gaps) > 0  # the rounding waits in Θ − W
     else:
@@ -436,7 +439,7 @@ def test_status_says_how_many_admitted_contributions_wait_for_their_commit(tmp_p
             return server.service.Status(pb.StatusRequest(), None).waiting
 
         wait_until(lambda: waiting() == 0, 20, "the last answers to be committed")
-        with server.service._commit_lock:  # the committer closes no round meanwhile
+        with server.service.committer.commit_lock:  # the committer closes no round meanwhile
             learners[0].close(flush=True)
             held = waiting()
             versions = list(server.state.versions)

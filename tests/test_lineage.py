@@ -77,7 +77,8 @@ def taped(server: SyncerServer, version: int) -> bool:
             for r in records
         )
     logs = [
-        json.loads(line) for line in server.service.receipt_log.path.read_text().splitlines()[1:]
+        json.loads(line)
+        for line in server.service.committer.receipt_log.path.read_text().splitlines()[1:]
     ]
     return any(log["fragment"] == 0 and log["version"] == version for log in logs)
 
@@ -291,7 +292,7 @@ def test_a_learner_ahead_of_a_rolled_back_syncer_trains_on_against_the_new_linea
     def settled() -> bool:
         learner.apply_arrived()
         with server.service.lock:
-            quiet = not server.state.rounds and server.service.waiting() == 0
+            quiet = not server.state.rounds and server.service.committer.waiting() == 0
             same = learner.versions[0] == server.state.versions[0]
         return quiet and same and learner.in_flight() == {}
 

@@ -108,9 +108,11 @@ def test_t5s_shared_table_is_an_embedding_and_the_syncer_merges_it_so():
     with SyncerServer.for_model(
         model, config=SyncerConfig(protocol=ProtocolConfig(num_fragments=2))
     ) as server:
-        assert server.state.embeddings == names
-        assert server.state._is_embedding("shared.weight")
-        assert not server.state._is_embedding("encoder.block.0.layer.1.DenseReluDense.wi.weight")
+        assert server.state.closing.embeddings == names
+        assert server.state.closing.is_embedding("shared.weight")
+        assert not server.state.closing.is_embedding(
+            "encoder.block.0.layer.1.DenseReluDense.wi.weight"
+        )
 
 
 @pytest.mark.slow

@@ -100,8 +100,10 @@ def test_learners_train_and_end_with_the_syncers_parameters(tmp_path):
         for lr, m in zip(learners, models, strict=True):
             named = dict(m.named_parameters())
             for p in range(P):  # exactly what the syncer's wire image holds, next to its master
-                assert torch.equal(server.layout.gather(p, named), server.service.wire(p))
-                assert torch.allclose(server.service.wire(p), server.state.params[p], atol=1e-6)
+                assert torch.equal(server.layout.gather(p, named), server.service.committer.wire(p))
+                assert torch.allclose(
+                    server.service.committer.wire(p), server.state.params[p], atol=1e-6
+                )
             assert lr.stats["bytes_up"] > 0 and lr.stats["uploads_refused"] == 0
         for lr in learners:
             lr.close(flush=False)

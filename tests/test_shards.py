@@ -169,7 +169,9 @@ def test_two_shards_two_learners_end_with_the_union_of_the_shards(tmp_path):
         for lr, m in zip(learners, models, strict=True):
             named = dict(m.named_parameters())
             for p in range(P):  # what learners hold is the wire image, bit for bit
-                assert torch.equal(owner(p).layout.gather(p, named), owner(p).service.wire(p))
+                assert torch.equal(
+                    owner(p).layout.gather(p, named), owner(p).service.committer.wire(p)
+                )
             assert lr.stats["bytes_up"] > 0 and lr.stats["uploads_refused"] == 0
         # A fragment a shard does not own never moves there.
         for i, s in enumerate(shards):
@@ -182,7 +184,7 @@ def test_two_shards_two_learners_end_with_the_union_of_the_shards(tmp_path):
         assert versions == want and loss > 0
         named = dict(evaluator.model.named_parameters())
         for p in range(P):
-            assert torch.equal(owner(p).layout.gather(p, named), owner(p).service.wire(p))
+            assert torch.equal(owner(p).layout.gather(p, named), owner(p).service.committer.wire(p))
     finally:
         if evaluator is not None:
             evaluator.close()

@@ -168,7 +168,7 @@ def test_an_absent_learner_counts_in_the_share_by_its_measured_throughput():
     sa, sb = join(state, "a", layout), join(state, "b", layout)
     state.heartbeat("b", sb, now=1.0, steps_per_s=10.0, tokens=300)  # 300 tokens/s since 0
     answer(state, "b", sb, 1, now=1.0)  # b contributes (to fragment 1): its share counts
-    state.last_commit_at[0] = 1.5
+    state.closing.last_commit_at[0] = 1.5
     state.tick(2.0)
     answer(state, "a", sa, 0, now=2.0, tokens=100)
     (commit,) = state.poll(2.0)[0]

@@ -249,7 +249,7 @@ def test_stop_never_publishes_beside_a_committer_still_writing(tmp_path, monkeyp
     monkeypatch.setattr(committer, "STOP_WAIT_S", 0.5)
     server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl")
     slow = SlowStore(tmp_path / "state")
-    server.service.store = slow
+    server.service.committer.store = slow
     client = Client(server)
     stopper = threading.Thread(target=server.stop)
     try:
@@ -353,7 +353,7 @@ def test_a_commit_that_hangs_on_its_disk_fails_the_syncer(tmp_path, monkeypatch)
     monkeypatch.setattr(committer, "COMMIT_DEADLINE_S", 1.0)
     server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl")
     slow = SlowStore(tmp_path / "state")
-    server.service.store = slow
+    server.service.committer.store = slow
     client = Client(server)
     try:
         assert client.upload(51).accepted

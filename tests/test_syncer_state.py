@@ -357,11 +357,11 @@ def test_taking_the_wire_image_makes_the_guard_measure_the_new_value():
     """Down feedback off: Θ_p takes the wire image after the outer step; the norm guard's
     ‖Θ_p‖ (cached per version) must be that of the new value, not of the unrounded one."""
     state, _, _ = make_state()
-    before = state._param_norm(0)
+    before = state.model.norm(0)
     wire = state.params[0] * 3
-    state.take_wire_image(0, wire)
+    state.model.take_wire_image(0, wire)
     assert torch.equal(state.params[0], wire)
-    assert state._param_norm(0) == pytest.approx(3 * before)
+    assert state.model.norm(0) == pytest.approx(3 * before)
 
 
 def test_outer_lr_schedule_steps_by_the_fragments_version():

@@ -267,7 +267,7 @@ def test_merged_tokens_are_persisted_with_each_commit_and_restored_at_restart(tm
     assert store.load(0, params.numel()) and store.load_merged_tokens(0) is None
     older = make_server(state_dir, schedule="learner")
     try:
-        assert older.state.merged_tokens == {0: 180, 1: 80}
+        assert older.state.closing.merged_tokens == {0: 180, 1: 80}
     finally:
         older.stop()
 

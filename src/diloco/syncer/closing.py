@@ -1,6 +1,13 @@
 """How the syncer closes a round and commits it: which contributions the merge keeps (the
-direction check), their weights and share, and the commit with its log (a mixin of
-``diloco.syncer.state.SyncerState``: ``close_rounds`` there decides *when*, this *how*).
+direction check), their weights and share, and the commit with its log.
+
+A part :class:`diloco.syncer.state.SyncerState` holds (``state.closing``): the state decides
+*when* a round closes (``close_rounds``) and hands it over, this part *how*. It owns what
+the commits leave behind: each fragment's last commit logs (``history``), the tokens merged
+(``merged_tokens``), when each fragment last committed (``last_commit_at``) and which
+fragments are being merged (``merging``); it moves the global model
+(``diloco.syncer.model``) and asks the learner table (``diloco.syncer.roster``) who counts
+for a round's share and what the direction check said of each learner before.
 
 A closed round becomes a ``Closing`` under the syncer's lock; its merge (the costly part)
 runs outside it; ``apply`` then takes the outer step, bumps the version and returns the
@@ -12,21 +19,74 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.guard import consensus_cosines, secret_generator
 from diloco.algorithm.merge import cap_weights, is_embedding_name
 from diloco.algorithm.outer import round_share, scheduled_outer_lr
-from diloco.syncer.receipts import CommitLog
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.model import GlobalModel
+from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog
 from diloco.syncer.records import Closing, Commit, Contribution, FragmentRound, is_suspect
+from diloco.syncer.roster import LearnerRoster
 
 
 class RoundClosing:
-    """The closing half of ``SyncerState`` (it uses the state's config, layout, rounds,
-    learners, outer optimizer, versions, history and receipts)."""
+    """Close rounds and commit them (see the module docstring). Not thread-safe: callers
+    hold the state's lock."""
 
-    def _is_embedding(self, name: str) -> bool:
+    def __init__(
+        self,
+        config: SyncerConfig,
+        layout: FragmentLayout,
+        model: GlobalModel,
+        roster: LearnerRoster,
+        *,
+        served: Sequence[int],
+        embeddings: Collection[str] | None,
+        wall_of: Callable[[float], float],
+    ) -> None:
+        """``served``: the fragments this syncer owns; ``embeddings``: the parameter names
+        merged by weighted mean (None: the name rule ``merge.is_embedding_name``);
+        ``wall_of``: the wall time its records carry for a ``now``."""
+        self.config = config
+        self.layout = layout
+        self.model = model
+        self.roster = roster
+        self.embeddings = frozenset(embeddings) if embeddings is not None else None
+        self.wall_of = wall_of
+        self.history: dict[int, deque[CommitLog]] = {
+            p: deque(maxlen=PERSISTED_COMMITS) for p in served
+        }
+        """Each fragment's last commit logs: persisted with every commit of it."""
+        self.merged_tokens = dict.fromkeys(served, 0)
+        """Per owned fragment, the tokens its commits merged since the run began: persisted
+        with every commit of it, restored at restart (``restore_history``)."""
+        self.last_commit_at: dict[int, float] = {}
+        """When each fragment's last commit that changed it was made (``_share``)."""
+        self._merging: set[int] = set()
+        """Fragments whose round ``close`` took and ``apply`` has not committed yet."""
+
+    def restore_history(
+        self, fragment: int, logs: Sequence[CommitLog], merged_tokens: int | None = None
+    ) -> None:
+        """Take in the commit logs a restored fragment's file holds (oldest first): written
+        again with its next commit. ``merged_tokens``: the total persisted with the fragment
+        (None, a file written before it was kept: what the logs merged, a lower bound)."""
+        self.history[fragment].extend(logs)
+        if merged_tokens is None:
+            merged_tokens = sum(log.tokens for log in logs)
+        self.merged_tokens[fragment] = merged_tokens
+
+    def merging(self, fragment: int) -> bool:
+        """Whether a round of ``fragment`` was closed (``close``) and not yet committed
+        (``apply``): an upload admitted meanwhile lands in the round after it."""
+        return fragment in self._merging
+
+    def is_embedding(self, name: str) -> bool:
         """Merged by weighted mean: every tensor under ``merge_rule="mean"``, else the
         embeddings (RDA for the rest)."""
         if self.config.merge_rule == "mean":
@@ -45,14 +105,14 @@ class RoundClosing:
         or one that claims a huge throughput, cannot shrink the others' step."""
         if self.config.outer_scale == "none" or self.config.wait_for_all:
             return 1.0  # a synchronous round holds everyone by construction
-        counted = self.recent_contributors(now)
+        counted = self.roster.recent_contributors(now)
         absent = sorted((live & counted) - set(round_.contributions))
         since = now - self.last_commit_at.get(fragment, now)
         here = [c.tokens for c in kept]  # (a contribution the direction check left out: none)
         most = self.config.weight_cap * statistics.median(here) or float("inf")
         expected = []
         for lid in absent:
-            info = self.learners[lid]
+            info = self.roster.learners[lid]
             rate = info.tokens_per_s
             guess = rate * since if rate and since > 0 else info.last_tokens
             expected.append(None if guess is None else min(guess, most))
@@ -83,17 +143,22 @@ class RoundClosing:
 
     def _verdicts(self, learner_id: str):
         """The learner's recent direction-check verdicts (empty for an id no longer known)."""
-        info = self.learners.get(learner_id)
+        info = self.roster.learners.get(learner_id)
         return info.verdicts if info is not None else deque()
 
-    def _close(self, fragment: int, reason: str, now: float, live: set[str]) -> Closing:
-        round_ = self.rounds.pop(fragment)
+    def close(
+        self, fragment: int, round_: FragmentRound, reason: str, now: float, live: set[str]
+    ) -> Closing:
+        """``round_`` of ``fragment``, taken out of the open rounds for ``reason``: what its
+        merge needs (the contributions the direction check keeps, their capped weights, the
+        round's share among the ``live`` learners). Until ``apply`` commits it the fragment
+        is ``merging`` (unless nothing is kept: a dropped round keeps the version)."""
         everyone = sorted(round_.contributions.values(), key=lambda c: c.learner_id)
         contribs, excluded, cosines = self._consensus(everyone)
         left_out = [c for c in everyone if c.learner_id in excluded]
         raw = [c.weight if self.config.weighting == "tokens" else c.discount for c in contribs]
         if contribs:  # (a dropped round keeps the version: uploads meanwhile are admitted at it)
-            self._closing.add(fragment)
+            self._merging.add(fragment)
         return Closing(
             fragment,
             round_,
@@ -104,7 +169,7 @@ class RoundClosing:
             excluded=excluded,
             cosines=cosines,
             share=self._share(fragment, round_, contribs, live, now) if contribs else 1.0,
-            is_embedding=self._is_embedding,
+            is_embedding=self.is_embedding,
             piece_layout=self.layout.fragments[fragment],
         )
 
@@ -113,8 +178,9 @@ class RoundClosing:
         dropped round (``merged`` None: the direction check left every contribution out)
         keeps the version and value; its commit only carries the log of what was left out."""
         fragment, round_, contribs = closing.fragment, closing.round, closing.contributions
-        self._closing.discard(fragment)
-        admitted = self.versions[fragment]
+        self._merging.discard(fragment)
+        model = self.model
+        admitted = model.versions[fragment]
         log = CommitLog(
             fragment,
             admitted if merged is None else admitted + 1,
@@ -137,35 +203,31 @@ class RoundClosing:
                 "excluded": closing.excluded,
                 **uploads,
             }
-            params = self.params[fragment].clone()
-            state = self.outer.fragment_state(fragment)
+            params = model.params[fragment].clone()
+            state = model.outer.fragment_state(fragment)
             total = self.merged_tokens[fragment]
             return Commit(
                 fragment, admitted, params, state, record, log, history, total, changed=False
             )
         self.last_commit_at[fragment] = now
         self.merged_tokens[fragment] += log.tokens
-        param_norm = self._param_norm(fragment)  # ‖Θ_p‖ the round's norms were judged by
+        param_norm = model.norm(fragment)  # ‖Θ_p‖ the round's norms were judged by
         outer_lr = scheduled_outer_lr(
             admitted,
             lr=self.config.outer_lr,
             decay_versions=self.config.outer_lr_decay,
             final=self.config.outer_lr_final,
         )
-        self.outer.step(fragment, self.params[fragment], merged, lr=outer_lr)
-        self._param_norms.pop(fragment, None)
-        self.versions[fragment] += 1
-        self.commit_times.note(fragment, self.versions[fragment], now)
-        self.rounds_committed += 1
-        self.note_period()
+        version = model.step(fragment, merged, outer_lr)
+        self.roster.note_commit(fragment, version, now)
         record = {
             "event": "round",
             "t": self.wall_of(now),
             "fragment": fragment,
-            "version": self.versions[fragment],
+            "version": version,
             "participants": [c.learner_id for c in contribs],
             "weights": [round(w, 6) for w in closing.weights],
-            "staleness": [self.versions[fragment] - 1 - c.base_version for c in contribs],
+            "staleness": [version - 1 - c.base_version for c in contribs],
             "steps": [c.steps for c in contribs],
             "norms": [round(c.norm, 6) for c in contribs],
             "param_norm": round(param_norm, 6),
@@ -186,9 +248,9 @@ class RoundClosing:
         }
         return Commit(
             fragment,
-            self.versions[fragment],
-            self.params[fragment].clone(),
-            self.outer.fragment_state(fragment),
+            version,
+            model.params[fragment].clone(),
+            model.outer.fragment_state(fragment),
             record,
             log,
             history,

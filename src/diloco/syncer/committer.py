@@ -1,5 +1,6 @@
 """The syncer's committer: its clock, closing rounds, persisting and broadcasting commits,
-and what happens when it cannot (a mixin of ``diloco.syncer.service.SyncerService``).
+and what happens when it cannot (a part ``diloco.syncer.service.SyncerService`` holds, its
+``committer``).
 
 One committer thread runs the syncer's clock (opens rounds and queues their requests),
 closes rounds, merges them outside the lock, writes each commit to disk, appends it to the
@@ -32,18 +33,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 
-import grpc
 import torch
 
 from diloco.algorithm import codecs
 from diloco.runtime import clock
-from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe
-from diloco.syncer.state import Commit, fragment_digest
-from diloco.syncer.store import SyncFailed
-from diloco.syncer.tape_index import dropped_in
+from diloco.runtime.watchdog import Watchdog
+from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe, Subscriber
+from diloco.syncer.receipt_log import ReceiptLog
+from diloco.syncer.state import Commit, RoundRequest, SyncerState, fragment_digest
+from diloco.syncer.store import EventTape, FragmentStore, SyncFailed
+from diloco.syncer.tape_index import TapeIndex, dropped_in
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +90,78 @@ def retrying(write: Callable[[], None]) -> None:
 
 
 class Committer:
-    """The committer half of ``SyncerService`` (it uses the service's state, lock, store,
-    tape, subscribers, wire images and payloads)."""
+    """The committer thread and what it owns: the wire images ``W_p`` and each fragment's
+    latest keyframe, the recent versions' contributors, the store, the receipt log, the tape
+    and its index, and whether the syncer stops or has failed (see the module docstring).
+
+    The service shares its lock (every change to the state happens under it), its watchdog
+    and a view of its subscriptions; it tells the committer when something may close a
+    round (``wake``) and asks it what a new subscription lacks (``offer_latest``)."""
+
+    def __init__(
+        self,
+        state: SyncerState,
+        lock: threading.Lock,
+        *,
+        store: FragmentStore | None,
+        tape: EventTape | None,
+        receipt_log: ReceiptLog | None,
+        tape_index: TapeIndex | None,
+        wire: dict[int, torch.Tensor] | None,
+        subscribers: Callable[[], list[Subscriber]],
+        watchdog: Watchdog,
+        on_failure: Callable[[BaseException], None] | None,
+    ) -> None:
+        """``wire``: the restored wire image of each fragment (default: Θ_p).
+        ``subscribers()``: the service's subscriptions now (a copy). ``on_failure(exc)``:
+        called once, on the committer's thread, when the syncer fails."""
+        self.state = state
+        self.lock = lock
+        self.store = store
+        self.tape = tape
+        self.receipt_log = receipt_log
+        self.tape_index = tape_index
+        """The tape's index (``diloco.syncer.tape_index``), kept up to date here."""
+        self.subscribers = subscribers
+        self.watchdog = watchdog
+        self.on_failure = on_failure
+        self.failure: BaseException | None = None
+        """Why the syncer cannot do its job (None while it can); see the module docstring."""
+        self.commit_lock = threading.Lock()
+        """Held while a commit is made, persisted and published: by the committer, and by
+        ``stop`` for the last commits (never two publishers of one ``W_p``)."""
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._closing: list[int] = []
+        """The contributions of each round the committer has closed and not yet published,
+        in order (``waiting``)."""
+        self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
+        # Latest version of each fragment, its keyframe (W_p), who that version merged.
+        self._payloads: dict[int, tuple[int, Keyframe, frozenset[str]]] = {
+            p: (state.versions[p], Keyframe(self._wire[p]), frozenset()) for p in state.served
+        }
+        # Contributors of each fragment's last few versions: a learner catching up after a
+        # reconnect must know whether any version it missed merged its own contribution.
+        self._recent: dict[int, list[tuple[int, frozenset[str], dict]]] = {}
+        self._held_drops: dict[int, dict[str, frozenset[int]]] = {}
+        """Per fragment, upload ids a dropped round left out (nothing was broadcast): they go
+        out with the fragment's next version, the one their learners would take them as
+        merged by."""
+        self._thread = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
+
+    def start(self) -> None:
+        """Start the committer thread."""
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Something may close a round (an upload, a leave, a stream that ended): the
+        committer decides again now instead of at its next wake-up."""
+        self._wake.set()
+
+    def stopping(self) -> bool:
+        """Whether ``stop`` began or the syncer failed: an upload is then refused and the
+        streams end."""
+        return self._stopping.is_set()
 
     def stop(self) -> None:
         """Stop the committer; then commit what waits for learners that are all gone (the
@@ -102,12 +175,11 @@ class Committer:
         with self.lock:
             self._stopping.set()
         self._wake.set()
-        for sub in list(self._subscribers):
+        for sub in self.subscribers():
             sub.close()
-        if self._committer.is_alive():
-            self._committer.join(timeout=STOP_WAIT_S)
-        self.watchdog.close()
-        if self.failure is not None or not self._commit_lock.acquire(timeout=1.0):
+        if self._thread.is_alive():
+            self._thread.join(timeout=STOP_WAIT_S)
+        if self.failure is not None or not self.commit_lock.acquire(timeout=1.0):
             return
         try:
             now = clock.monotonic()
@@ -116,11 +188,11 @@ class Committer:
             for commit in commits:
                 self._publish(commit, now)
         except Exception as exc:  # (the disk failed on the last commits: said, not raised)
-            self._fail(exc)
+            self.fail(exc)
         finally:
-            self._commit_lock.release()
+            self.commit_lock.release()
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
         """The syncer cannot do its job: refuse everything from now on, end the streams,
         tell ``on_failure`` (once)."""
         with self.lock:
@@ -128,19 +200,11 @@ class Committer:
                 return
             self.failure = exc
         self._stopping.set()
-        for sub in list(self._subscribers):
+        for sub in self.subscribers():
             sub.close()
         self._note({"event": "failed", "t": clock.wall(), "error": repr(exc)[:300]})
         if self.on_failure is not None:
             self.on_failure(exc)
-
-    def check_alive(self, context: grpc.ServicerContext) -> None:
-        """Answer ``UNAVAILABLE`` (and return nothing) once the syncer has failed."""
-        if self.failure is not None:
-            context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the syncer failed and is restarting: {self.failure!r}"[:MAX_REASON_CHARS],
-            )
 
     def _emit(self, record: dict, sync: bool = False) -> None:
         """Append a record the run needs (a commit's): ``OSError`` when it cannot be written."""
@@ -155,12 +219,12 @@ class Committer:
     # ------------------------------------------------------------------ helpers
     def _commit_loop(self) -> None:
         """The committer thread: the clock's ticks, closing rounds, commits. Any error here
-        fails the syncer (``_fail``): it never keeps answering without committing."""
+        fails the syncer (``fail``): it never keeps answering without committing."""
         try:
             self._run_clock()
         except Exception as exc:
             log.exception("the syncer's committer failed")
-            self._fail(exc)
+            self.fail(exc)
 
     def _run_clock(self) -> None:
         wake_at: float | None = None
@@ -168,7 +232,7 @@ class Committer:
             timeout = 0.25 if wake_at is None else min(0.25, max(0.0, wake_at - clock.monotonic()))
             self._wake.wait(timeout)
             self._wake.clear()
-            with self._commit_lock:
+            with self.commit_lock:
                 if self._stopping.is_set():
                     return
                 t0 = clock.monotonic()
@@ -198,15 +262,15 @@ class Committer:
     def _publish_in_time(self, commit: Commit, t0: float) -> None:
         """``_publish``, failing the syncer if it takes longer than ``COMMIT_DEADLINE_S``."""
         hung = TimeoutError(f"a commit was still being written after {COMMIT_DEADLINE_S:g} s")
-        handle = self.watchdog.arm(clock.monotonic() + COMMIT_DEADLINE_S, lambda: self._fail(hung))
+        handle = self.watchdog.arm(clock.monotonic() + COMMIT_DEADLINE_S, lambda: self.fail(hung))
         try:
             self._publish(commit, t0)
         finally:
             self.watchdog.disarm(handle)
 
-    def _ask(self, request) -> None:
+    def _ask(self, request: RoundRequest) -> None:
         """Queue the clock's request on the streams of the learners it asks (lock held)."""
-        for sub in self._subscribers:
+        for sub in self.subscribers():
             if not sub.observer and sub.learner_id in request.asked:
                 sub.request(request.fragment, request.version)
         self._note(
@@ -233,7 +297,7 @@ class Committer:
             wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
             if not self.state.config.down_feedback:  # Θ_p takes the value learners will hold
                 with self.lock:
-                    self.state.take_wire_image(p, wire)
+                    self.state.model.take_wire_image(p, wire)
                 commit = dataclasses.replace(commit, params=wire.clone())
         else:
             delta, wire = b"", self._wire[p]
@@ -280,7 +344,7 @@ class Committer:
             recent = self._recent.setdefault(p, [])
             recent.append((commit.version, contributors, dropped))
             del recent[:-RECENT_VERSIONS]
-            for sub in self._subscribers:
+            for sub in self.subscribers():
                 sub.offer(
                     p,
                     commit.version,
@@ -298,8 +362,33 @@ class Committer:
         if self.tape_index is None:
             return
         with self.lock:
-            logs = [log for history in self.state.history.values() for log in history]
+            logs = [log for history in self.state.closing.history.values() for log in history]
         self.tape_index.save(keep=dropped_in(logs))
+
+    def hash_latest(self) -> None:
+        """Compute the digest of every fragment's latest keyframe (kept by the keyframe), so
+        that ``offer_latest`` compares a subscription's digests without hashing under the
+        lock."""
+        with self.lock:
+            latest = [keyframe for _, keyframe, _ in self._payloads.values()]
+        for keyframe in latest:
+            keyframe.digest  # noqa: B018 (computed once, then kept)
+
+    def offer_latest(self, sub: Subscriber, have: list[int], digests: list[str]) -> None:
+        """Queue on a new subscription every fragment's latest version its learner does not
+        hold (``have``: the versions it holds; ``digests``: the values it holds where it
+        knows no version; lock held). A method, not inline in the stream's generator: the
+        generator's frame lives as long as the stream and would keep the last keyframe it
+        looked at."""
+        for p, (version, keyframe, _) in self._payloads.items():
+            since = have[p] if p < len(have) else -1
+            if since == version:
+                continue
+            if since < 0 and p < len(digests) and digests[p] == keyframe.digest:
+                sub.confirm(p, version)  # it holds exactly this value already
+                continue
+            contributors, dropped = self._since(p, since)
+            sub.offer(p, version, keyframe=keyframe, contributors=contributors, dropped=dropped)
 
     def _since(self, fragment: int, version: int) -> tuple[frozenset[str], dict]:
         """Everyone merged into ``fragment`` after ``version``, and per learner the upload

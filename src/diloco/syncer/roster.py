@@ -1,20 +1,32 @@
 """The syncer's learner table: who joined, with which session, who is live, who is gone.
 
-A mixin of :class:`diloco.syncer.state.SyncerState` (it uses the state's ``config``,
-``layout``, ``learners``, ``generations``, ``norms``, ``commit_times``, ``fleet_pace``, ``emit`` and, for
-the finals a stopping fleet waits for, ``estimates`` and ``_longest_wait``): the decisions
-about membership and about the pace the syncer believes of each learner (``syncer.pace``)
-live here, the rounds in ``state.py``. Not thread-safe: callers hold the state's lock.
+A part :class:`diloco.syncer.state.SyncerState` holds (``state.roster``). It owns the learner
+records (``learners``), the highest generation each id joined with (``generations``), when
+this syncer committed each fragment's recent versions (``commit_times``) and the fleet's
+measured pace (``fleet_pace``): the decisions about membership and about the pace the
+syncer believes of each learner (``syncer.pace``) live here, the rounds in ``state.py``.
+What it needs of the rest of the state it is given at construction (``record``, ``waiting``,
+``on_forget``) or per call (``finals_due``'s longest wait). Not thread-safe: callers hold
+the state's lock.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
+from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.guard import plausible_steps
 from diloco.algorithm.rounds import fleet_step_time
-from diloco.syncer.pace import believed_step_s, fastest_step_s, steps_since
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.generations import Generations
+from diloco.syncer.pace import (
+    CommitTimes,
+    FleetPace,
+    believed_step_s,
+    fastest_step_s,
+    steps_since,
+)
 from diloco.syncer.records import (
     MAX_STEP_TIME_S,
     LearnerInfo,
@@ -26,7 +38,36 @@ from diloco.syncer.records import (
 
 
 class LearnerRoster:
-    """Join, heartbeat, leave, lease expiry and the live set (see the module docstring)."""
+    """Join, heartbeat, leave, lease expiry, the live set and the learners' pace (see the
+    module docstring)."""
+
+    def __init__(
+        self,
+        config: SyncerConfig,
+        layout: FragmentLayout,
+        *,
+        record: Callable[..., None],
+        waiting: Callable[[], Collection[str]],
+        on_forget: Callable[[str], None],
+    ) -> None:
+        """``record(event, now, **fields)``: puts its records (``join``, ``leave``,
+        ``expire``, ...) on the tape (``SyncerState.record``). ``waiting()``: the ids with a contribution waiting in an open
+        round (never taken out of a full table). ``on_forget(learner_id)``: called when an
+        id leaves the table (the norm guard forgets its history)."""
+        self.config = config
+        self.layout = layout
+        self.record = record
+        self.waiting = waiting
+        self.on_forget = on_forget
+        self.learners: dict[str, LearnerInfo] = {}
+        """Every known learner id's record (live or gone), by id."""
+        self.generations = Generations()
+        """The highest generation each learner id joined with (``syncer.generations``)."""
+        self.commit_times = CommitTimes(config.max_staleness + 1)
+        """When this syncer committed each fragment's versions a delta may still be taken
+        against (``note_commit``)."""
+        self.fleet_pace = FleetPace()
+        """The fleet's measured step time, measured at most every ``pace.PACE_SPAN_S``."""
 
     def join(
         self,
@@ -106,18 +147,11 @@ class LearnerRoster:
             info.verdicts = old.verdicts
             info.learned_tokens_per_step = old.learned_tokens_per_step
         self.learners[learner_id] = info
-        self.emit(
-            {
-                "event": "join",
-                "t": self.wall_of(now),
-                "learner": learner_id,
-                "observer": observer,
-                "rejoin": old is not None,
-            }
-        )
+        self.record("join", now, learner=learner_id, observer=observer, rejoin=old is not None)
         return info
 
     def session_of(self, learner_id: str, session: str) -> LearnerInfo:
+        """The record of ``learner_id`` joined as ``session``; ``Refused`` otherwise."""
         info = self.learners.get(learner_id)
         if info is None or info.session != session:
             raise Refused(
@@ -136,6 +170,9 @@ class LearnerRoster:
         steps_per_s: float = 0.0,
         state: str = "",
     ) -> LearnerInfo:
+        """A heartbeat of ``session``: the learner is seen at ``now``, with its step counter,
+        tokens, claimed pace and state (``Refused`` for an unknown session, nothing
+        changed); a live learner whose lease had expired is live again."""
         info = self.session_of(learner_id, session)
         info.last_seen = now
         info.step, info.tokens, info.steps_per_s = step, tokens, steps_per_s
@@ -149,7 +186,7 @@ class LearnerRoster:
         update_rate(info, now, tokens, self.config.ema_decay)
         if not info.live and info.connected:
             info.live = True
-            self.emit({"event": "revive", "t": self.wall_of(now), "learner": learner_id})
+            self.record("revive", now, learner=learner_id)
         return info
 
     def believe_step_time(self, info: LearnerInfo, claimed_s: float, now: float) -> None:
@@ -187,6 +224,22 @@ class LearnerRoster:
             f"can have begun, at most one step per {fastest:.3g} s)"
         )
 
+    def fleet_step_s(self, now: float | None = None) -> float | None:
+        """The lower median of the live learners' step times as the clock believes them (all
+        known ones if ``now`` is None): claims clamped around what the syncer measured
+        (``believe_step_time``)."""
+        live = self.live(now) if now is not None else None
+        return fleet_step_time(
+            i.step_s
+            for lid, i in self.learners.items()
+            if not i.observer and (live is None or lid in live)
+        )
+
+    def note_commit(self, fragment: int, version: int, now: float) -> None:
+        """This syncer committed ``version`` of ``fragment`` at ``now``: the steps of a delta
+        taken against it begin then (``note_accepted``)."""
+        self.commit_times.note(fragment, version, now)
+
     def note_accepted(self, info: LearnerInfo, fragment: int, base_version: int) -> None:
         """``info``'s delta of ``fragment`` against ``base_version`` was accepted: the steps
         of its next one begin after that version's commit (``pace.steps_since``)."""
@@ -210,9 +263,7 @@ class LearnerRoster:
         info.connected = False
         info.live = False
         info.state = reason
-        self.emit(
-            {"event": "leave", "t": self.wall_of(now), "learner": learner_id, "reason": reason}
-        )
+        self.record("leave", now, learner=learner_id, reason=reason)
 
     def expire(self, now: float) -> None:
         """Drop learners whose lease ran out from the live set (they may come back)."""
@@ -220,14 +271,8 @@ class LearnerRoster:
             if info.live and now - info.last_seen > self.config.lease_s:
                 info.live = False
                 info.state = "lease expired"
-                self.emit(
-                    {
-                        "event": "expire",
-                        "t": self.wall_of(now),
-                        "learner": info.learner_id,
-                        "silent_s": round(now - info.last_seen, 3),
-                    }
-                )
+                silent_s = round(now - info.last_seen, 3)
+                self.record("expire", now, learner=info.learner_id, silent_s=silent_s)
 
     def live(self, now: float) -> set[str]:
         """Ids of live learners at ``now`` that answer requests (not observers, not stopping)."""
@@ -255,14 +300,14 @@ class LearnerRoster:
                 f"got {span(sorted(final_fragments))}",
             )
 
-    def finals_due(self, fragment: int, now: float) -> dict[str, float]:
+    def finals_due(self, fragment: int, now: float, longest_wait_s: float) -> dict[str, float]:
         """The stopping learners whose finals named ``fragment`` and whose final for it has
         not been admitted, each with the time it stops being waited for: its lease running
-        out (it heartbeats while it flushes) or one of the clock's longest waits (at least
-        the lease) after its first final arrived, whichever comes first. A learner that
-        leaves or whose stream closes is not waited for."""
+        out (it heartbeats while it flushes) or ``longest_wait_s`` (one of the clock's
+        longest waits; at least the lease) after its first final arrived, whichever comes
+        first. A learner that leaves or whose stream closes is not waited for."""
         lease = self.config.lease_s
-        longest = max(self._longest_wait(self.estimates()), lease)
+        longest = max(longest_wait_s, lease)
         due = {}
         for lid, i in self.learners.items():
             if not (i.stopping and i.connected and fragment in i.finals_due):
@@ -290,14 +335,8 @@ class LearnerRoster:
             return
         if not info.stopping:
             info.stopping, info.stopping_since = True, now
-            self.emit(
-                {
-                    "event": "stopping",
-                    "t": self.wall_of(now),
-                    "learner": info.learner_id,
-                    "finals": sorted(final_fragments),
-                }
-            )
+            finals = sorted(final_fragments)
+            self.record("stopping", now, learner=info.learner_id, finals=finals)
         info.finals_due |= set(final_fragments) - info.finals_delivered
         if settled:
             info.finals_delivered.add(fragment)
@@ -311,17 +350,15 @@ class LearnerRoster:
             info.finals_due.discard(fragment)
 
     def forget(self, learner_id: str, *, now: float, reason: str) -> None:
-        """Remove an id from the table (its guard history too; a ``forget`` record)."""
+        """Remove an id from the table (``on_forget`` is told; a ``forget`` record)."""
         if self.learners.pop(learner_id, None) is not None:
-            self.norms.forget(learner_id)
-            self.emit(
-                {"event": "forget", "t": self.wall_of(now), "learner": learner_id, "reason": reason}
-            )
+            self.on_forget(learner_id)
+            self.record("forget", now, learner=learner_id, reason=reason)
 
     def _longest_gone(self, now: float) -> str | None:
         """The id whose holder is gone (left, stream closed or lease expired) the longest and
         that has nothing waiting in an open round; ``None`` when there is none."""
-        waiting = {lid for r in self.rounds.values() for lid in r.contributions}
+        waiting = set(self.waiting())
         lease = self.config.lease_s
         gone = [
             (i.last_seen, lid)
@@ -329,6 +366,17 @@ class LearnerRoster:
             if (not i.connected or now - i.last_seen > lease) and lid not in waiting
         ]
         return min(gone)[1] if gone else None
+
+    def finished(self, waited_for: Collection[str]) -> int:
+        """How many learners left cleanly after contributing and are not in ``waited_for``
+        (a synchronous round's contributors): they finished their work and will not
+        contribute again. A dead learner is not counted (it comes back), nor an id that only
+        joined and left, nor an observer."""
+        return sum(
+            1
+            for lid, i in self.learners.items()
+            if i.state == "left" and i.contributions and not i.observer and lid not in waited_for
+        )
 
     def recent_contributors(self, now: float) -> set[str]:
         """Ids with an accepted delta within the last cycle of the syncer's clock, doubled

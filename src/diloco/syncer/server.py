@@ -177,7 +177,7 @@ class SyncerServer:
         )
         for p, momentum in restored.items():
             self.state.outer.load_fragment_state(p, momentum)
-            self.state.restore_history(
+            self.state.closing.restore_history(
                 p, self.store.load_commits(p), self.store.load_merged_tokens(p)
             )
         receipt_log = generation_file = None
@@ -185,13 +185,13 @@ class SyncerServer:
             kept = self.config.commit_logs_kept
             receipt_log = ReceiptLog(state_dir, kept, fence=self.claim.check)
             generation_file = GenerationFile(state_dir, fence=self.claim.check)
-            self.state.generations.restore(generation_file.load())
+            self.state.roster.generations.restore(generation_file.load())
         if receipt_log is not None:
             embedded = {p: self.store.load_commits(p) for p in restored}
             logs = receipt_log.open(
                 {p: versions[p] for p in owned}, embedded, accept_rollback=accept_rollback
             )
-            self.state.restore_receipts(logs, receipt_log.complete_from)
+            self.state.receipts.restore(logs, receipt_log.complete_from)
         self.lineage = self._lineage(held, taped_ahead, receipt_log)
         self.service = SyncerService(
             self.state,
@@ -305,7 +305,7 @@ class SyncerServer:
             self.tape.append(rollback_record(self._rollback, clock.wall()), sync=True)
         recovered: list[dict] = []
         for p in sorted(restored):
-            missing = [log for log in self.state.history[p] if not taped.holds(log)]
+            missing = [log for log in self.state.closing.history[p] if not taped.holds(log)]
             if missing or self.state.versions[p] > taped.versions.get(p, 0):
                 recovered.append(recovered_record(self.state, p, taped, missing))
                 self.tape.append(recovered[-1])
@@ -322,14 +322,14 @@ class SyncerServer:
             "digests": [fragment_digest(t) for t in self.state.params],
             "state_hash": state_hash(self.state.versions, self.state.params),
             # merged by weighted mean (None: the name rule of diloco.algorithm.merge)
-            "embeddings": sorted(self.state.embeddings)
-            if self.state.embeddings is not None
+            "embeddings": sorted(self.state.closing.embeddings)
+            if self.state.closing.embeddings is not None
             else None,
         }
         self.tape.append(start, sync=True)
         for record in [*recovered, start]:  # (synced with the start record)
             self.tape_index.note(record, self.tape.end)
-        self.service.save_tape_index()  # (a restart reads the tape from here on)
+        self.service.committer.save_tape_index()  # (a restart reads the tape from here on)
 
     def state_dict(self, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The global model now (Θ of every owned fragment; the others at their initial
@@ -403,7 +403,7 @@ class SyncerServer:
         ender.join(timeout=5)
         if self.tape is not None:
             if self.service.failure is None:
-                self.service.save_tape_index()
+                self.service.committer.save_tape_index()
             self.tape.try_append(
                 {"event": "stop", "t": clock.wall(), "versions": list(self.state.versions)}
             )

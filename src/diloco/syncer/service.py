@@ -7,8 +7,10 @@ to disk, appends it to the tape and only then hands the new fragment to every su
 All state changes happen under one lock, and nothing slow (decoding, encoding, disk,
 network) happens while it is held, except the merge itself.
 
-The committer (``diloco.syncer.committer``) says what happens when a commit cannot be
-persisted and what learners hold.
+The service holds its **committer** (``diloco.syncer.committer``, ``service.committer``): the
+thread, the wire images and the persistence are the committer's; it says what happens when a
+commit cannot be persisted and what learners hold. The service owns the RPC handlers, the
+subscriptions and the caps on open streams.
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ import torch
 from diloco.algorithm import codecs
 from diloco.runtime import clock
 from diloco.runtime.watchdog import Watchdog
-from diloco.syncer.broadcast import Keyframe, Subscriber, chunk_payload
+from diloco.syncer.broadcast import Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
 from diloco.syncer.fencing import Superseded
 from diloco.syncer.generations import GenerationFile
 from diloco.syncer.limits import (
     DEFAULT_MAX_LEARNERS,
     FIRST_CHUNK_S,
-    MIN_UPLOAD_BPS,
     SHORT_CALL_THREADS,
     Caller,
     LimitExceeded,
@@ -51,7 +52,7 @@ from diloco.syncer.upload import receive_upload
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
-from diloco.wire.protocol import NOT_ADMITTED_KEY
+from diloco.wire.protocol import NOT_ADMITTED_KEY, syncer_upload_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,9 @@ def pool_threads(limits: StreamLimits) -> int:
     return sum(limits.caps.values()) + SHORT_CALL_THREADS
 
 
-class SyncerService(Committer, pb_grpc.SyncerServicer):
-    """The RPC handlers plus the committer thread. Use ``SyncerServer`` to run it."""
+class SyncerService(pb_grpc.SyncerServicer):
+    """The RPC handlers; its ``committer`` runs the committer thread. Use ``SyncerServer``
+    to run it."""
 
     def __init__(
         self,
@@ -104,49 +106,53 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         self.watchdog = Watchdog()
         self.first_chunk_s = FIRST_CHUNK_S
         """Seconds an upload may wait for its first chunk (``limits.FIRST_CHUNK_S``)."""
-        self.store = store
-        self.tape = tape
-        self.receipt_log = receipt_log
         self.generation_file = generation_file
         """Where the learners' highest generations are kept (None: in memory only)."""
         self._arriving: dict[tuple[str, int], int] = {}
         """(learner id, upload id) of the uploads received and not yet answered, counted: a
         refused copy of one of them is not said to be never admitted (``_fate_metadata``)."""
-        self.tape_index = tape_index
-        """The tape's index (``diloco.syncer.tape_index``), kept up to date by the committer."""
         self.lock = threading.Lock()
         self.started_at = clock.monotonic()
         self._subscribers: dict[Subscriber, Callable[[], None]] = {}
         """Every subscription whose handler runs, and how to end it (give its place back,
         cancel its call): a newer subscription of the same learner does (``_replace``)."""
-        # Latest version of each fragment, its keyframe (W_p), who that version merged.
-        self._payloads: dict[int, tuple[int, Keyframe, frozenset[str]]] = {}
-        self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
-        # Contributors of each fragment's last few versions: a learner catching up after a
-        # reconnect must know whether any version it missed merged its own contribution.
-        self._recent: dict[int, list[tuple[int, frozenset[str], dict]]] = {}
-        self._held_drops: dict[int, dict[str, frozenset[int]]] = {}
-        """Per fragment, upload ids a dropped round left out (nothing was broadcast): they go
-        out with the fragment's next version, the one their learners would take them as
-        merged by."""
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._commit_lock = threading.Lock()
-        """Held while a commit is made, persisted and published: by the committer, and by
-        ``stop`` for the last commits (never two publishers of one ``W_p``)."""
-        self._closing: list[int] = []
-        """The contributions of each round the committer has closed and not yet published,
-        in order (``waiting``)."""
-        self.failure: BaseException | None = None
-        """Why the syncer cannot do its job (None while it can); see the module docstring."""
-        self.on_failure = on_failure
-        for p in state.served:
-            self._payloads[p] = (state.versions[p], Keyframe(self._wire[p]), frozenset())
-        self._committer = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
+        self.committer = Committer(
+            state,
+            self.lock,
+            store=store,
+            tape=tape,
+            receipt_log=receipt_log,
+            tape_index=tape_index,
+            wire=wire,
+            subscribers=lambda: list(self._subscribers),
+            watchdog=self.watchdog,
+            on_failure=on_failure,
+        )
+        """The committer thread and the commits' persistence (``diloco.syncer.committer``)."""
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        self._committer.start()
+        """Start the committer (the server starts serving RPCs)."""
+        self.committer.start()
+
+    def stop(self) -> None:
+        """Stop: uploads are refused from now on, the streams end and the committer commits
+        what waits (``Committer.stop``); the upload deadlines' watchdog ends."""
+        self.committer.stop()
+        self.watchdog.close()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the syncer cannot do its job (``Committer.failure``; None while it can)."""
+        return self.committer.failure
+
+    def check_alive(self, context: grpc.ServicerContext) -> None:
+        """Answer ``UNAVAILABLE`` (and return nothing) once the syncer has failed."""
+        if self.failure is not None:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the syncer failed and is restarting: {self.failure!r}"[:MAX_REASON_CHARS],
+            )
 
     def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused, rpc: str):
         """Tape the refusal (``refused`` record) and answer with its status and trailing
@@ -214,7 +220,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 versions = list(self.state.versions)
                 committed = self.state.receipts.held(request.learner_id)
                 logged_from = self.state.logged_from()
-                unwritten = self.state.generations.changes > self.generation_file_holds()
+                unwritten = self.state.roster.generations.changes > self.generation_file_holds()
             if unwritten:  # on disk before this process is told it holds the id
                 self._write_generations(context)
         except Refused as err:
@@ -242,7 +248,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         """The ``Generations.changes`` the state directory's file holds (all of them without
         a state directory: nothing to write)."""
         if self.generation_file is None:
-            return self.state.generations.changes
+            return self.state.roster.generations.changes
         return self.generation_file.written
 
     def _write_generations(self, context: grpc.ServicerContext) -> None:
@@ -252,12 +258,12 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
 
         def snapshot():
             with self.lock:
-                return self.state.generations.snapshot()
+                return self.state.roster.generations.snapshot()
 
         try:
             self.generation_file.write(snapshot)
         except Superseded as exc:
-            self._fail(exc)
+            self.committer.fail(exc)
             self.check_alive(context)
         except OSError as exc:
             context.abort(
@@ -283,7 +289,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 raise Refused("INVALID_ARGUMENT", "a have_digests entry is over 64 characters")
             self.check_caller(context, request.learner_id)
             with self.lock:
-                info = self.state.session_of(request.learner_id, request.session)
+                info = self.state.roster.session_of(request.learner_id, request.session)
             yield from self._stream(context, info, self._caller(context), have, digests)
         except LimitExceeded as exc:
             err = Refused("RESOURCE_EXHAUSTED", str(exc))
@@ -297,13 +303,13 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
         requests and new versions until the stream ends."""
         sub = Subscriber(info.learner_id, info.session, info.observer, held=dict(enumerate(have)))
         if any(digests):  # hash the values to compare with here, not under the lock
-            self._hash_latest()
+            self.committer.hash_latest()
         with self.lock:
             slot = self._replace(sub, caller, context)
-            self._offer_what_it_lacks(sub, have, digests)
+            self.committer.offer_latest(sub, have, digests)
         context.add_callback(sub.close)
         try:
-            while context.is_active() and not self._stopping.is_set() and not sub.closed:
+            while context.is_active() and not self.committer.stopping() and not sub.closed:
                 requests, items = sub.take(timeout=0.5)
                 for p, version in requests:
                     yield pb.FragmentChunk(
@@ -338,28 +344,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                     self.state.leave(
                         sub.learner_id, sub.session, now=clock.monotonic(), reason="stream closed"
                     )
-            self._wake.set()
-
-    def _hash_latest(self) -> None:
-        """Compute the digest of every fragment's latest keyframe (kept by the keyframe)."""
-        with self.lock:
-            latest = [keyframe for _, keyframe, _ in self._payloads.values()]
-        for keyframe in latest:
-            keyframe.digest  # noqa: B018 (computed once, then kept)
-
-    def _offer_what_it_lacks(self, sub: Subscriber, have: list[int], digests: list[str]) -> None:
-        """Queue on a new subscription every fragment's latest version its learner does not
-        hold (lock held). A helper, not inline in the stream's generator: the generator's
-        frame lives as long as the stream and would keep the last keyframe it looked at."""
-        for p, (version, keyframe, _) in self._payloads.items():
-            since = have[p] if p < len(have) else -1
-            if since == version:
-                continue
-            if since < 0 and p < len(digests) and digests[p] == keyframe.digest:
-                sub.confirm(p, version)  # it holds exactly this value already
-                continue
-            contributors, dropped = self._since(p, since)
-            sub.offer(p, version, keyframe=keyframe, contributors=contributors, dropped=dropped)
+            self.committer.wake()
 
     def _replace(self, sub: Subscriber, caller: Caller, context) -> Slot:
         """Register ``sub`` in the place of its learner's older subscriptions (lock held).
@@ -448,7 +433,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
         norm = float(delta.norm())  # here, not under the lock
         with self.lock:
-            if self._stopping.is_set():  # (set under this lock: see ``Committer.stop``)
+            if self.committer.stopping():  # (set under this lock: see ``Committer.stop``)
                 raise Refused("UNAVAILABLE", STOPPING_REASON)
             admission = self.state.submit(
                 header.learner_id,
@@ -470,7 +455,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             current = self.state.versions[header.fragment]
             if admission.version is not None:
                 current = admission.version
-        self._wake.set()
+        self.committer.wake()
         return pb.UploadReply(
             accepted=admission.accept,
             reason=admission.reason,
@@ -481,15 +466,15 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
 
     def _receive(self, chunks, context: grpc.ServicerContext, who: dict[str, object]):
         """``receive_upload`` under the upload's deadlines: ``first_chunk_s`` for the first
-        chunk, then that plus the upload's size at ``MIN_UPLOAD_BPS``; past a deadline the
-        call is cancelled (its chunk iterator raises ``grpc.RpcError``)."""
+        chunk, then ``wire.protocol.syncer_upload_deadline_s`` of its size; past a deadline
+        the call is cancelled (its chunk iterator raises ``grpc.RpcError``)."""
         started = clock.monotonic()
         handle = [self.watchdog.arm(started + self.first_chunk_s, context.cancel)]
 
         def on_header(nbytes: int) -> None:
             self.watchdog.disarm(handle[0])
-            deadline = started + self.first_chunk_s + nbytes / MIN_UPLOAD_BPS  # (protocol)
-            handle[0] = self.watchdog.arm(deadline, context.cancel)
+            deadline_s = syncer_upload_deadline_s(nbytes, first_chunk_s=self.first_chunk_s)
+            handle[0] = self.watchdog.arm(started + deadline_s, context.cancel)
 
         try:
             return receive_upload(
@@ -545,7 +530,7 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
             self.state.leave(
                 request.learner_id, request.session, now=clock.monotonic(), reason="left"
             )
-        self._wake.set()
+        self.committer.wake()
         return pb.LeaveReply()
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
@@ -586,11 +571,12 @@ class SyncerService(Committer, pb_grpc.SyncerServicer):
                 shard=s.shard[0],
                 num_shards=s.shard[1],
                 failure=repr(self.failure) if self.failure is not None else "",
-                waiting=self.waiting(),
-                merged_tokens=s.tokens_merged(),
+                waiting=self.committer.waiting(),
+                merged_tokens=s.closing.tokens_merged(),
             )
 
     def committed_hash(self) -> str:
+        """``store.state_hash`` of the versions and Θ_p, under the lock."""
         with self.lock:
             return state_hash(self.state.versions, self.state.params)
 

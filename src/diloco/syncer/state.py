@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -36,7 +35,6 @@ from diloco.algorithm.rounds import (
     OpenRound,
     admit_contribution,
     decide_round,
-    fleet_step_time,
     next_tick,
     scheduled_sync_every,
     tick_period,
@@ -44,9 +42,8 @@ from diloco.algorithm.rounds import (
 from diloco.algorithm.shards import shard_fragments
 from diloco.syncer.closing import RoundClosing
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.generations import Generations
-from diloco.syncer.pace import CommitTimes, FleetPace
-from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog, Receipts, UploadPart
+from diloco.syncer.model import GlobalModel
+from diloco.syncer.receipts import Receipts, UploadPart
 from diloco.syncer.records import (
     Closing,
     Commit,
@@ -67,8 +64,16 @@ __all__ = ["Closing", "Commit", "Contribution", "FragmentRound", "LearnerInfo", 
 __all__ += ["RoundRequest", "SyncerState", "fragment_digest"]
 
 
-class SyncerState(LearnerRoster, RoundClosing):
-    """All mutable state of one syncer. Not thread-safe: callers hold one lock."""
+class SyncerState:
+    """All mutable state of one syncer. Not thread-safe: callers hold one lock.
+
+    Its parts own their state: ``model`` (``syncer.model.GlobalModel``) Θ_p, the versions
+    and the outer optimizer; ``roster`` (``syncer.roster.LearnerRoster``) the learners,
+    their generations and pace; ``closing`` (``syncer.closing.RoundClosing``) how a closed
+    round is merged and committed, and the commit logs; the state itself the open rounds,
+    the norm guard, the receipts and the syncer's clock. The learners' requests (``join``,
+    ``heartbeat``, ``leave``, ``submit``) and the round's life (``tick``, ``poll``,
+    ``close_rounds``, ``apply``) are the state's contract."""
 
     def __init__(
         self,
@@ -90,21 +95,11 @@ class SyncerState(LearnerRoster, RoundClosing):
         ``now`` (the server's: ``diloco.runtime.clock.wall_of``): decisions take ``now``
         from a monotonic clock, the records they emit carry ``t = wall_of(now)``; by
         default ``t = now`` (a test's fake clock)."""
-        if len(params) != layout.num_fragments:
-            raise ValueError(
-                f"{len(params)} parameter vectors for {layout.num_fragments} fragments"
-            )
-        for p, t in enumerate(params):
-            if t.numel() != layout.fragments[p].numel:
-                raise ValueError(
-                    f"fragment {p} has {t.numel()} values, layout says {layout.fragments[p].numel}"
-                )
         self.layout = layout
         self.config = config
-        self.embeddings = frozenset(embeddings) if embeddings is not None else None
-        self.params = [t.detach().to(torch.float32).clone().reshape(-1) for t in params]
-        self._param_norms: dict[int, float] = {}  # ‖Θ_p‖ of the current versions
-        self.versions = list(versions) if versions is not None else [0] * layout.num_fragments
+        outer = NesterovOuter(lr=config.outer_lr, momentum=config.outer_momentum)
+        self.model = GlobalModel(layout, params, outer, versions)
+        """Θ_p, the versions and the outer optimizer (``syncer.model``)."""
         self.shard = shard
         """``(i, S)``: this syncer is shard i of S (``diloco.algorithm.shards``); (0, 1) unsharded."""
         if fragments is None:
@@ -116,10 +111,8 @@ class SyncerState(LearnerRoster, RoundClosing):
             raise ValueError(f"fragments must be a non-empty list without repeats: {fragments}")
         if not 0 <= self.served[0] <= self.served[-1] < layout.num_fragments:
             raise ValueError(f"fragments must be in [0, {layout.num_fragments}): {fragments}")
-        self.outer = NesterovOuter(lr=config.outer_lr, momentum=config.outer_momentum)
         self.rounds: dict[int, FragmentRound] = {}
         self.norms = NormHistory(layout.num_fragments, config.norm_guard_window)
-        self.learners: dict[str, LearnerInfo] = {}
         self.emit = emit
         self.wall_of = wall_of
         self.syncer_id = uuid.uuid4().hex[:12]
@@ -132,41 +125,69 @@ class SyncerState(LearnerRoster, RoundClosing):
         self._tick_due: float | None = None
         self._period: float | None = None  # the period the due tick was set with
         self._cursor = 0
-        self.last_commit_at: dict[int, float] = {}
-        self.commit_times = CommitTimes(config.max_staleness + 1)
-        self.fleet_pace = FleetPace()
-        self.generations = Generations()
-        """The highest generation each learner id joined with (``syncer.generations``)."""
+        self.roster = LearnerRoster(
+            config,
+            layout,
+            record=self.record,
+            waiting=lambda: {lid for r in self.rounds.values() for lid in r.contributions},
+            on_forget=self.norms.forget,
+        )
+        """The learner table (``syncer.roster``)."""
         self.receipts = Receipts(config.commit_logs_kept)
         """The fates of the learners' accepted uploads (``diloco.syncer.receipts``)."""
-        self.history: dict[int, deque[CommitLog]] = {
-            p: deque(maxlen=PERSISTED_COMMITS) for p in self.served
-        }
-        """Each fragment's last commit logs: persisted with every commit of it."""
-        self.merged_tokens = dict.fromkeys(self.served, 0)
-        """Per owned fragment, the tokens its commits merged since the run began: persisted
-        with every commit of it, restored at restart (``restore_history``)."""
-        self._closing: set[int] = set()
-        """Fragments whose round ``close_rounds`` took and ``apply`` has not committed yet."""
+        self.closing = RoundClosing(
+            config,
+            layout,
+            self.model,
+            self.roster,
+            served=self.served,
+            embeddings=embeddings,
+            wall_of=wall_of,
+        )
+        """How closed rounds are merged and committed; the commit logs (``syncer.closing``)."""
         self._period_now = self.sync_every()
         """The H the norm guard's sizes were recorded at (``note_period``)."""
 
-    def restore_history(
-        self, fragment: int, logs: Sequence[CommitLog], merged_tokens: int | None = None
-    ) -> None:
-        """Take in the commit logs a restored fragment's file holds (oldest first): written
-        again with its next commit. ``merged_tokens``: the total persisted with the fragment
-        (None, a file written before it was kept: what the logs merged, a lower bound)."""
-        self.history[fragment].extend(logs)
-        if merged_tokens is None:
-            merged_tokens = sum(log.tokens for log in logs)
-        self.merged_tokens[fragment] = merged_tokens
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """Θ_p of each fragment (``GlobalModel.params``)."""
+        return self.model.params
 
-    def restore_receipts(self, logs: Sequence[CommitLog], complete_from: dict[int, int]) -> None:
-        """Take in the kept commit logs (in commit order, ``diloco.syncer.receipt_log``) and
-        the versions from which they are complete: a resend of an upload they hold is
-        answered, not merged again, and excluded uploads are still reported."""
-        self.receipts.restore(logs, complete_from)
+    @property
+    def versions(self) -> list[int]:
+        """Each fragment's version (``GlobalModel.versions``)."""
+        return self.model.versions
+
+    @property
+    def outer(self) -> NesterovOuter:
+        """The outer optimizer (``GlobalModel.outer``)."""
+        return self.model.outer
+
+    @property
+    def learners(self) -> dict[str, LearnerInfo]:
+        """Every known learner's record, by id (``LearnerRoster.learners``)."""
+        return self.roster.learners
+
+    def join(self, learner_id: str, **request) -> LearnerInfo:
+        """Admit a learner (``LearnerRoster.join``: its contract and arguments)."""
+        return self.roster.join(learner_id, **request)
+
+    def heartbeat(self, learner_id: str, session: str, **beat) -> LearnerInfo:
+        """A learner's heartbeat (``LearnerRoster.heartbeat``)."""
+        return self.roster.heartbeat(learner_id, session, **beat)
+
+    def leave(self, learner_id: str, session: str, *, now: float, reason: str = "left") -> None:
+        """A learner leaves or its stream closed (``LearnerRoster.leave``)."""
+        self.roster.leave(learner_id, session, now=now, reason=reason)
+
+    def live(self, now: float) -> set[str]:
+        """The live learners that answer requests (``LearnerRoster.live``)."""
+        return self.roster.live(now)
+
+    def finals_due(self, fragment: int, now: float) -> dict[str, float]:
+        """``LearnerRoster.finals_due``, each waited for at most one of the clock's longest
+        waits (``_longest_wait``)."""
+        return self.roster.finals_due(fragment, now, self._longest_wait(self.estimates()))
 
     def logged_from(self) -> list[int]:
         """``Receipts.logged_from`` of the fragments this syncer owns."""
@@ -177,7 +198,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         the next version merges it. While a closed round of the fragment is being merged
         (``close_rounds`` took it, ``apply`` has not bumped the version yet) an upload lands
         in the round after it, so it is admitted at the version that round starts from."""
-        return self.versions[fragment] + (fragment in self._closing)
+        return self.versions[fragment] + self.closing.merging(fragment)
 
     # ------------------------------------------------------------ contributions
     def submit(
@@ -219,12 +240,13 @@ class SyncerState(LearnerRoster, RoundClosing):
         and whose base version is older than the kept commit logs may have been merged by a
         commit whose log was let go: answered ``fate_unknown``, and nothing changes.
         """
-        self.check_final_fragments(final, final_fragments)
+        roster = self.roster
+        roster.check_final_fragments(final, final_fragments)
         known = self.receipts.admitted(learner_id, upload_id, fragment)
         if known is not None or (resend and not self.receipts.fate_known(fragment, base_version)):
             answer = (learner_id, session, fragment, known)
             return self._answer_resend(*answer, now=now, final=(final, final_fragments))
-        info = self.session_of(learner_id, session)
+        info = roster.session_of(learner_id, session)
         try:
             norm, credited = self._check_contribution(
                 info,
@@ -238,7 +260,7 @@ class SyncerState(LearnerRoster, RoundClosing):
                 norm=delta_norm,
             )
         except Refused:
-            self.forget_final(info, fragment, final)  # (it will not come again)
+            roster.forget_final(info, fragment, final)  # (it will not come again)
             raise
         admission = admit_contribution(
             base_version=base_version,
@@ -247,21 +269,14 @@ class SyncerState(LearnerRoster, RoundClosing):
         )
         info.last_seen = now
         info.live = info.live or info.connected
-        self.note_final(info, fragment, final, final_fragments, now=now, settled=admission.accept)
+        roster.note_final(info, fragment, final, final_fragments, now=now, settled=admission.accept)
         info.bytes_up += nbytes
         self.bytes_up += nbytes
         if step_time_s > 0:
-            self.believe_step_time(info, step_time_s, now)
+            roster.believe_step_time(info, step_time_s, now)
         if not admission.accept:
-            self.emit(
-                {
-                    "event": "stale",
-                    "t": self.wall_of(now),
-                    "learner": learner_id,
-                    "fragment": fragment,
-                    "reason": admission.reason,
-                }
-            )
+            reason = admission.reason
+            self.record("stale", now, learner=learner_id, fragment=fragment, reason=reason)
             return admission
         contribution = Contribution(
             learner_id,
@@ -282,7 +297,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         info.last_tokens = tokens
         learn_tokens_per_step(info, tokens=tokens, steps=steps)
         info.accepted_at[fragment] = now
-        self.note_accepted(info, fragment, base_version)
+        roster.note_accepted(info, fragment, base_version)
         admission = dataclasses.replace(admission, version=self.admission_version(fragment))
         self.receipts.admit(learner_id, upload_id, fragment, admission.version)
         self.norms.record(fragment, norm, credited, learner_id, sync_every=self._guard_period())
@@ -298,7 +313,7 @@ class SyncerState(LearnerRoster, RoundClosing):
             return Admission(False, 0.0, 0, False, reason, fate_unknown=True)
         info = self.learners.get(learner_id)
         if info is not None and info.session == session:
-            self.note_final(info, fragment, *final, now=now, settled=True)
+            self.roster.note_final(info, fragment, *final, now=now, settled=True)
         return Admission(True, 1.0, 0, False, "already accepted", known)
 
     def _into_round(self, fragment: int, contribution: Contribution, now: float) -> None:
@@ -341,14 +356,14 @@ class SyncerState(LearnerRoster, RoundClosing):
         earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
         check_room_in_round(earlier, fragment=fragment)
         norm = float(counters["delta"].norm()) if norm is None else norm
-        steps = self.credited_steps(info, fragment, counters["steps"], now)
+        steps = self.roster.credited_steps(info, fragment, counters["steps"], now)
         verdict = check_norm(
             norm,
             steps + (earlier.credited if earlier is not None else 0),
             self.norms.reference(
                 fragment, self.config.norm_guard_min_history, judged=info.learner_id
             ),
-            self._param_norm(fragment),
+            self.model.norm(fragment),
             numel=numel,
             size_reference=self.norms.size_reference(fragment, self.config.norm_guard_min_history),
             held=earlier.norm if earlier is not None else 0.0,
@@ -359,7 +374,7 @@ class SyncerState(LearnerRoster, RoundClosing):
             sync_every=self._guard_period(),
         )
         if not verdict.accept:
-            note = self.credit_note(info, fragment, counters["steps"], now)
+            note = self.roster.credit_note(info, fragment, counters["steps"], now)
             raise Refused("OUT_OF_RANGE", f"fragment {fragment}: {verdict.reason}{note}")
         return norm, steps
 
@@ -392,18 +407,6 @@ class SyncerState(LearnerRoster, RoundClosing):
         """H for the norm guard's step-scaled bounds: on the syncer's clock only (0: none)."""
         return self.sync_every() if self.config.schedule == "syncer" else 0
 
-    def take_wire_image(self, fragment: int, wire: torch.Tensor) -> None:
-        """Θ_p := ``wire``, the value learners will hold (``down_feedback`` off; lock held):
-        the guard's ‖Θ_p‖ is computed anew from it."""
-        self.params[fragment].copy_(wire)
-        self._param_norms.pop(fragment, None)
-
-    def _param_norm(self, fragment: int) -> float:
-        """‖Θ_p‖ for the norm guard, computed once per version (every upload asks for it)."""
-        if fragment not in self._param_norms:
-            self._param_norms[fragment] = float(self.params[fragment].norm())
-        return self._param_norms[fragment]
-
     def _note_quorum(self, round_: FragmentRound, now: float) -> None:
         if round_.opened_at is None or round_.quorum_at is not None:
             return
@@ -426,16 +429,12 @@ class SyncerState(LearnerRoster, RoundClosing):
         """Count a refused request and put it on the tape (a ``refused`` record). Touches
         nothing that ``digest`` covers."""
         self.refused += 1
-        self.emit(
-            {
-                "event": "refused",
-                "t": self.wall_of(now),
-                "rpc": rpc,
-                "learner": learner_id[:64],
-                "code": code,
-                "reason": reason[:300],
-            }
-        )
+        learner_id, reason = learner_id[:64], reason[:300]
+        self.record("refused", now, rpc=rpc, learner=learner_id, code=code, reason=reason)
+
+    def record(self, event: str, now: float, **fields) -> None:
+        """Put an ``event`` record on the tape (``emit``), stamped ``t = wall_of(now)``."""
+        self.emit({"event": event, "t": self.wall_of(now), **fields})
 
     def digest(self) -> str:
         """SHA-256 over everything that shapes the global model (``records.state_digest``)."""
@@ -448,15 +447,8 @@ class SyncerState(LearnerRoster, RoundClosing):
         return Estimates(self.fleet_step_s(), self._ema_quorum.value, self._ema_sync.value)
 
     def fleet_step_s(self, now: float | None = None) -> float | None:
-        """The lower median of the live learners' step times as the clock believes them (all
-        known ones if ``now`` is None): claims clamped around what the syncer measured
-        (``believe_step_time``)."""
-        live = self.live(now) if now is not None else None
-        return fleet_step_time(
-            i.step_s
-            for lid, i in self.learners.items()
-            if not i.observer and (live is None or lid in live)
-        )
+        """The fleet's step time as the clock believes it (``LearnerRoster.fleet_step_s``)."""
+        return self.roster.fleet_step_s(now)
 
     def tick(self, now: float) -> tuple[RoundRequest | None, float | None]:
         """The syncer's clock (``schedule="syncer"``): open the round of the fragment whose
@@ -464,7 +456,7 @@ class SyncerState(LearnerRoster, RoundClosing):
         when to tick again (``None``: no step estimate yet, tick again on the next event)."""
         if self.config.schedule != "syncer":
             return None, None
-        self.expire(now)
+        self.roster.expire(now)
         live = self.live(now)
         period = tick_period(
             self.fleet_step_s(now), sync_every=self.sync_every(), fragments=len(self.served)
@@ -520,17 +512,8 @@ class SyncerState(LearnerRoster, RoundClosing):
                 return False, None, "waiting for the fragment's next tick"
             round_.opened_at = now  # nobody is left to ask: merge what waits
         if self.config.wait_for_all:  # synchronous DiLoCo: wait for everyone, no grace
-            # ... who is still in the run: a dead learner is waited for (it comes back), one
-            # that left cleanly has finished its work and will not contribute again.
-            finished = sum(  # ... and had contributed: an id that only joined and left is not
-                1
-                for lid, i in self.learners.items()
-                if i.state == "left"
-                and i.contributions
-                and not i.observer
-                and lid not in round_.contributions
-            )
-            need = max(1, self.config.wait_for_all - finished)
+            # ... who is still in the run: one that left cleanly has finished its work.
+            need = max(1, self.config.wait_for_all - self.roster.finished(round_.contributions))
             n = len(round_.contributions)
             return n >= need, None, f"synchronous: {n}/{need} contributions"
         expected = live if round_.asked is None else live & round_.asked
@@ -578,8 +561,8 @@ class SyncerState(LearnerRoster, RoundClosing):
         ``wait_for_finals`` False (a syncer that stops): rounds do not wait for the finals of
         stopping learners still on their way (``finals_due``).
         """
-        closing, wake = self.close_rounds(now, wait_for_finals=wait_for_finals)
-        return [self.apply(c, c.merge(), now) for c in closing], wake
+        closed, wake = self.close_rounds(now, wait_for_finals=wait_for_finals)
+        return [self.apply(c, c.merge(), now) for c in closed], wake
 
     def close_rounds(
         self, now: float, *, wait_for_finals: bool = True
@@ -587,13 +570,24 @@ class SyncerState(LearnerRoster, RoundClosing):
         """Take every round that should close at ``now`` out of the open rounds, with what
         its merge needs (its weights, the direction check's verdict, its share); ``wake`` as
         for ``poll``. Each must then be merged and passed to ``apply``, in this order."""
-        self.expire(now)
+        self.roster.expire(now)
         live = self.live(now)
-        closing, wake = [], None
+        closed, wake = [], None
         for fragment in sorted(self.rounds):
             close, wait_until, reason = self._decide(now, fragment, live, wait_for_finals)
             if close:
-                closing.append(self._close(fragment, reason, now, live))
+                round_ = self.rounds.pop(fragment)
+                closed.append(self.closing.close(fragment, round_, reason, now, live))
             elif wait_until is not None:
                 wake = wait_until if wake is None else min(wake, wait_until)
-        return closing, wake
+        return closed, wake
+
+    def apply(self, closing: Closing, merged: torch.Tensor | None, now: float) -> Commit:
+        """Commit a closed round with its merged delta (``RoundClosing.apply``: the new
+        version; a dropped round, ``merged`` None, keeps it); a new version counts in
+        ``rounds_committed`` and may move the H schedule on (``note_period``)."""
+        commit = self.closing.apply(closing, merged, now)
+        if commit.changed:
+            self.rounds_committed += 1
+            self.note_period()
+        return commit

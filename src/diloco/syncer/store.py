@@ -270,7 +270,7 @@ class FragmentStore:
         ``wire``: the value learners holding ``version`` hold (``diloco.syncer.service``);
         ``commits``: the fragment's last commit logs (``receipts.CommitLog.to_json``), this
         version's last; ``merged_tokens``: the tokens its commits merged in all
-        (``SyncerState.merged_tokens``; None: not kept). Raises ``OSError`` (disk full, I/O
+        (``RoundClosing.merged_tokens``; None: not kept). Raises ``OSError`` (disk full, I/O
         error) with the old file intact and no temporary file left; whatever ``fence``
         raises (``Superseded``) before the rename, with the old file intact, or after it."""
         tensors = {"params": params.detach().contiguous()}

@@ -138,7 +138,7 @@ class TapeIndex:
 def dropped_in(logs: Iterable[CommitLog]) -> set[tuple[int, int]]:
     """``(fragment, upload id)`` of every upload the dropped rounds among ``logs`` left out:
     what ``Taped.holds`` may be asked of those logs (a restart asks of the commit logs its
-    fragment files hold, ``SyncerState.history``)."""
+    fragment files hold, ``RoundClosing.history``)."""
     return {
         (log.fragment, u.upload_id)
         for log in logs

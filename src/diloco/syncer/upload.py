@@ -41,7 +41,11 @@ def receive_upload(
             check_caller(chunk.learner_id)
             with lock:  # a resend the receipts hold is answered whatever session it carries
                 held = state.receipts.admitted(chunk.learner_id, chunk.upload_id, chunk.fragment)
-                info = state.session_of(chunk.learner_id, chunk.session) if held is None else None
+                info = (
+                    state.roster.session_of(chunk.learner_id, chunk.session)
+                    if held is None
+                    else None
+                )
             if info is not None and info.observer:
                 raise Refused("PERMISSION_DENIED", "observers cannot contribute")
             if not 0 <= chunk.fragment < state.layout.num_fragments:

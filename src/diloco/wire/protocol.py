@@ -24,10 +24,11 @@ MIN_UPLOAD_BPS = 16_000.0
 """An upload may take ``FIRST_CHUNK_S`` plus its size at this rate (bytes/s, 128 kbit/s)."""
 
 
-def syncer_upload_deadline_s(nbytes: int) -> float:
-    """The longest the syncer lets an upload of ``nbytes`` take (it cancels it then): the
-    learner never waits longer for one either."""
-    return FIRST_CHUNK_S + nbytes / MIN_UPLOAD_BPS
+def syncer_upload_deadline_s(nbytes: int, first_chunk_s: float = FIRST_CHUNK_S) -> float:
+    """The longest the syncer lets an upload of ``nbytes`` take (it cancels it then): its
+    first chunk's wait (``first_chunk_s``) plus its size at ``MIN_UPLOAD_BPS``. The learner
+    never waits longer for one either."""
+    return first_chunk_s + nbytes / MIN_UPLOAD_BPS
 
 
 @dataclass(kw_only=True, frozen=True)
