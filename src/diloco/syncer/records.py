@@ -243,7 +243,7 @@ class Commit:
     log: CommitLog
     history: list[dict]
     merged_tokens: int
-    """The fragment's ``SyncerState.merged_tokens`` with this commit: persisted with it."""
+    """The fragment's ``RoundClosing.merged_tokens`` with this commit: persisted with it."""
     changed: bool = True
 
 
