@@ -19,9 +19,10 @@ import pytest
 from kit import diloco_command
 
 from diloco.launch.wan import on_link, wan_section
+from diloco.runtime.units import format_rate, parse_rate
 from diloco.wan import fabric as fab
 from diloco.wan.fabric import Fabric, LinkCounters, WanUnavailable, link_addresses, tbf_args
-from diloco.wan.spec import LinkSpec, format_rate, parse_link, parse_rate, plan_links
+from diloco.wan.spec import LinkSpec, parse_link, plan_links
 
 CAN_MAKE_NAMESPACES = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
 netns = pytest.mark.skipif(
@@ -36,12 +37,16 @@ def test_rates_parse_in_tc_units_and_print_back():
     assert parse_rate("50mbit") == 50e6
     assert parse_rate("1.5Gbit") == 1.5e9
     assert parse_rate("300kbit") == 3e5
-    assert parse_rate("none") is None
+    assert parse_rate("none", unshaped_ok=True) is None
     assert format_rate(5e7) == "50mbit" and format_rate(None) == "none"
     assert parse_rate(format_rate(2.5e8)) == 2.5e8
-    for bad in ("50", "fast", "-1mbit", "0mbit", "mbit"):
+    for bad in ("50", "fast", "-1mbit", "0mbit", "mbit", "none"):  # a bare number: no unit
         with pytest.raises(ValueError, match="rate"):
             parse_rate(bad)
+    assert parse_link("rate=50Mbps").up_bps == 50e6  # diloco plan's spelling reads the same
+    assert parse_link("rate=none") == LinkSpec()
+    with pytest.raises(ValueError, match="say its unit"):
+        parse_link("rate=50")
 
 
 def test_link_specs_apply_in_order_and_name_learners():
