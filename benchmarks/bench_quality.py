@@ -224,11 +224,11 @@ def exported_loss(run_dir: Path) -> float:
 def gap_figure(path: Path, rows: list[dict]) -> None:
     """Held-out loss (median over seeds) against tokens per parameter for each setting, and
     each setting's gap to data-parallel at the same budget."""
-    import matplotlib
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from diloco.report.headless import headless_pyplot
+
+    plt = headless_pyplot()
 
     from diloco.recipes import get_recipe
 
