@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.wire.comms import FORMER_DEFAULT
+from diloco.wire.experimental import FORMER_DEFAULT
 
 MODES = ("decoupled", "sync", "dp")
 CONDITIONS = ("clean", "chaos", "slow")
