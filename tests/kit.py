@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -55,6 +56,15 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout} s: {what or condition}")
         time.sleep(interval)
+
+
+def unused_port() -> int:
+    """A loopback port that no one listens on now. Racy (another process may take it before
+    it is used): only for a program told its port before it starts and that publishes it
+    itself (deploy/slurm/syncer.sbatch); anything that reports the port it bound takes 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_model(seed: int = 0, sizes: tuple[int, ...] = (8, 32, 1), *, tanh: bool = True):
