@@ -154,7 +154,7 @@ def test_a_commit_persisted_but_not_taped_is_recovered_with_what_it_merged(tmp_p
 
 
 def test_leftover_temporary_files_are_removed_and_meta_is_synced_before_its_rename(
-    tmp_path, monkeypatch
+    tmp_path, disk_events
 ):
     """Defect 11 (durability): ``meta.json`` was renamed into place without an fsync, so a
     power loss could leave an empty one; temporary files of a crash were never removed."""
@@ -163,19 +163,7 @@ def test_leftover_temporary_files_are_removed_and_meta_is_synced_before_its_rena
     leftovers = [state / "meta.tmp", state / "fragments" / "p000.safetensors.99.1.tmp"]
     for path in leftovers:
         path.write_bytes(b"half a file")
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        return real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", str(src)))
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    events = disk_events
     server = start_syncer(state, tmp_path / "events.jsonl")
     server.stop()
     assert not any(path.exists() for path in leftovers)
