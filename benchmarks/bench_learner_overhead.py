@@ -35,7 +35,7 @@ import sys
 import time
 
 from diloco.syncer.config import SyncerConfig
-from diloco.wire.comms import FORMER_DEFAULT
+from diloco.wire.experimental import FORMER_DEFAULT
 from diloco.wire.protocol import ProtocolConfig
 
 WARMUP = 5

@@ -57,7 +57,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diloco.wire.comms import FORMER_DEFAULT
+from diloco.wire.experimental import FORMER_DEFAULT, SPARSE, SPARSE_UP
 
 PINNED = [
     f"--sync-every={FORMER_DEFAULT.sync_every}",
@@ -91,10 +91,14 @@ SETTINGS = {
 }
 LOW_BANDWIDTH = ["--mode=decoupled", "--sync-every=64", "--down-codec=int4"]
 SETTINGS["lowbw"] = LOW_BANDWIDTH
-# sparse exchanges: top-k 2-bit both ways with error feedback (codecs.py, "topk2")
-SETTINGS["sparse"] = ["--mode=decoupled", "--up-codec=topk2", "--down-codec=topk2"]
-SETTINGS["sparse-up"] = ["--mode=decoupled", "--up-codec=topk2", "--down-codec=int4"]
-SETTINGS["sparse-down"] = ["--mode=decoupled", "--down-codec=topk2"]
+# sparse exchanges (experimental, diloco.wire.experimental): top-k 2-bit with error feedback
+SETTINGS["sparse"] = [
+    "--mode=decoupled", f"--up-codec={SPARSE.up_codec}", f"--down-codec={SPARSE.down_codec}"
+]  # fmt: skip
+SETTINGS["sparse-up"] = [
+    "--mode=decoupled", f"--up-codec={SPARSE_UP.up_codec}", f"--down-codec={SPARSE_UP.down_codec}"
+]  # fmt: skip
+SETTINGS["sparse-down"] = ["--mode=decoupled", f"--down-codec={SPARSE.down_codec}"]
 SETTINGS["sparse-mean"] = [*SETTINGS["sparse"], "--merge=mean"]
 # dense ternary (int2) exchanges both ways with error feedback
 SETTINGS["int2"] = ["--mode=decoupled", "--up-codec=int2", "--down-codec=int2"]
@@ -224,11 +228,11 @@ def exported_loss(run_dir: Path) -> float:
 def gap_figure(path: Path, rows: list[dict]) -> None:
     """Held-out loss (median over seeds) against tokens per parameter for each setting, and
     each setting's gap to data-parallel at the same budget."""
-    import matplotlib
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from diloco.report.headless import headless_pyplot
+
+    plt = headless_pyplot()
 
     from diloco.recipes import get_recipe
 

@@ -26,3 +26,24 @@ def small_disk(tmp_path):
         yield disk
     finally:
         disk.unmount()
+
+
+@pytest.fixture
+def disk_events(monkeypatch) -> list[tuple[str, str]]:
+    """What the test's code asks of the disk from now on, in order: ``("fsync", path)`` for
+    each ``os.fsync`` (the path its descriptor names) and ``("replace", source)`` for each
+    ``os.replace``; both still happen."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -55,6 +56,15 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout} s: {what or condition}")
         time.sleep(interval)
+
+
+def unused_port() -> int:
+    """A loopback port that no one listens on now. Racy (another process may take it before
+    it is used): only for a program told its port before it starts and that publishes it
+    itself (deploy/slurm/syncer.sbatch); anything that reports the port it bound takes 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_model(seed: int = 0, sizes: tuple[int, ...] = (8, 32, 1), *, tanh: bool = True):
@@ -280,37 +290,54 @@ def wandb_history(run_file: Path) -> list[dict] | None:
     return None
 
 
+def upload_chunks(data: bytes, *, chunk_bytes: int | None = None, **header) -> list[pb.UploadChunk]:
+    """An upload's chunks: ``data`` cut into pieces of ``chunk_bytes`` (None: one chunk), each
+    with the same ``header`` fields (``learner_id``, ``session``, ``fragment``, ...) and its
+    ``chunk_index``; ``num_chunks`` is theirs unless ``header`` names another."""
+    step = chunk_bytes or max(len(data), 1)
+    pieces = [data[i : i + step] for i in range(0, len(data), step)] or [b""]
+    header.setdefault("num_chunks", len(pieces))
+    return [pb.UploadChunk(chunk_index=i, data=piece, **header) for i, piece in enumerate(pieces)]
+
+
 class Peer:
-    """A raw client of the wire protocol, honest or not: it says what it is told to say
-    (join, heartbeat, an fp32 upload, leave), with no ledger and no retries."""
+    """The raw client of the wire protocol, honest or not: it says what it is told to say
+    (join, heartbeat, subscribe, an upload, leave), with no ledger and no retries."""
 
     def __init__(
         self,
         server: SyncerServer,
-        learner_id: str,
+        learner_id: str = "a",
         *,
         token: str | None = None,
         generation: int = 0,
+        address: str | None = None,
+        options: list[tuple[str, object]] | None = None,
     ):
-        """``generation``: the process generation it joins with (0: not given)."""
+        """``generation``: the process generation it joins with (0: not given); ``address``:
+        where it dials (default the syncer's; a relay's to come from elsewhere); ``options``:
+        gRPC channel options (``OWN_CONNECTION``: a TCP connection of its own)."""
         self.server, self.learner_id = server, learner_id
-        self.channel = grpc.insecure_channel(server.address)
+        self.channel = grpc.insecure_channel(address or server.address, options=options)
         self.stub = pb_grpc.SyncerStub(self.channel)
         self.metadata = auth.call_metadata(token)
         self.session = ""
         self.generation = generation
+        self.up_codec = "fp32"
+        """The codec its uploads use unless told: the one the syncer named at the last join."""
 
-    def join(self, tokens_per_step: int = 0, timeout: float = 5.0) -> pb.JoinReply:
-        layout = self.server.layout
+    def join(self, tokens_per_step: int = 0, timeout: float = 5.0, **fields) -> pb.JoinReply:
+        """Join (``fields``: more of the ``JoinRequest``, e.g. ``observer=True``); keeps the
+        session and the syncer's up codec."""
         request = join_request(
-            layout, self.learner_id, tokens_per_step=tokens_per_step, generation=self.generation
+            self.server.layout,
+            self.learner_id,
+            tokens_per_step=tokens_per_step,
+            generation=self.generation,
+            **fields,
         )
-        reply = self.stub.Join(
-            request,
-            timeout=timeout,
-            metadata=self.metadata,
-        )
-        self.session = reply.session
+        reply = self.stub.Join(request, timeout=timeout, metadata=self.metadata)
+        self.session, self.up_codec = reply.session, reply.up_codec or self.up_codec
         return reply
 
     def heartbeat(self, *, steps_per_s: float = 10.0, tokens: int = 0) -> bool:
@@ -334,50 +361,80 @@ class Peer:
             metadata=self.metadata,
         )
 
+    def subscribe(self, session: str | None = None):
+        """The version stream (an iterator of replies; ``session``: another than its own)."""
+        request = pb.SubscribeRequest(learner_id=self.learner_id, session=session or self.session)
+        return self.stub.Subscribe(request, timeout=60, metadata=self.metadata)
+
     def upload(
-        self, fragment: int, delta: torch.Tensor, *, steps=24, tokens=240, step_time_s=0.1
+        self,
+        fragment: int = 0,
+        delta: torch.Tensor | None = None,
+        *,
+        steps: int = 24,
+        tokens: int | None = None,
+        step_time_s: float = 0.1,
+        base: int | None = None,
+        upload_id: int = 0,
+        resend: bool = False,
+        codec: str | None = None,
+        chunk_bytes: int | None = None,
+        timeout: float = 10,
     ) -> pb.UploadReply:
-        payload = codecs.encode(delta, "fp32")
-        chunk = pb.UploadChunk(
+        """Upload ``delta`` (default 1e-3 everywhere) of ``fragment``: against version ``base``
+        (default the syncer's current one), in ``codec`` (default the syncer's up codec),
+        claiming ``steps`` and ``tokens`` (default 10 per step), in one chunk or pieces of
+        ``chunk_bytes``."""
+        numel = self.server.layout.fragments[fragment].numel
+        delta = torch.full((numel,), 1e-3) if delta is None else delta
+        codec = codec or self.up_codec
+        chunks = upload_chunks(
+            codecs.encode(delta, codec),
+            chunk_bytes=chunk_bytes,
             learner_id=self.learner_id,
             session=self.session,
             fragment=fragment,
-            base_version=self.server.state.versions[fragment],
+            base_version=self.server.state.versions[fragment] if base is None else base,
             steps=steps,
-            tokens=tokens,
-            codec="fp32",
+            tokens=10 * steps if tokens is None else tokens,
+            codec=codec,
             numel=delta.numel(),
-            chunk_index=0,
-            num_chunks=1,
-            data=payload,
             step_time_s=step_time_s,
+            upload_id=upload_id,
+            resend=resend,
         )
-        return self.stub.Upload(iter([chunk]), timeout=10, metadata=self.metadata)
+        return self.stub.Upload(iter(chunks), timeout=timeout, metadata=self.metadata)
+
+    def silent_uploads(self, n: int, release: threading.Event) -> list:
+        """``n`` upload streams that send no chunk until ``release`` is set (their futures)."""
+
+        def never():
+            release.wait(60)
+            return
+            yield
+
+        return [
+            self.stub.Upload.future(never(), timeout=60, metadata=self.metadata) for _ in range(n)
+        ]
 
     def close(self) -> None:
         self.channel.close()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+"""Channel options that give a :class:`Peer` a TCP connection of its own (not shared
+in-process): what tests of per-connection caps need."""
 
 
 def join_and_upload(server: SyncerServer, upload_id: int, *, learner_id: str = "a", base: int = 0):
     """Join ``server`` as ``learner_id`` (a new session) and upload a small delta of fragment
     0 against version ``base`` in the syncer's up codec, with ``upload_id``; the reply."""
-    with grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.SyncerStub(channel)
-        joined = stub.Join(join_request(server.layout, learner_id), timeout=5)
-        n = server.layout.fragments[0].numel
-        chunk = pb.UploadChunk(
-            learner_id=learner_id,
-            session=joined.session,
-            fragment=0,
-            base_version=base,
-            steps=4,
-            tokens=32,
-            codec=joined.up_codec,
-            numel=n,
-            chunk_index=0,
-            num_chunks=1,
-            data=codecs.encode(torch.full((n,), 1e-3), joined.up_codec),
-            step_time_s=0.1,
-            upload_id=upload_id,
-        )
-        return stub.Upload(iter([chunk]), timeout=5)
+    with Peer(server, learner_id) as peer:
+        peer.join()
+        return peer.upload(upload_id=upload_id, base=base, steps=4, tokens=32, timeout=5)

@@ -81,10 +81,7 @@ def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_c
         def settled() -> bool:
             return not any(r.contributions for r in server.state.rounds.values())
 
-        deadline = time.monotonic() + 20
-        while not settled() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert settled()
+        wait_until(settled, 20, "every open round to be settled", interval=0.05)
     finally:
         server.stop()
         for r in relays:

@@ -3,13 +3,12 @@ nothing started and nothing left behind (real commands, real sockets)."""
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
 import pytest
 import torch
-from kit import run_diloco
+from kit import pids_mentioning, run_diloco
 
 pytestmark = pytest.mark.slow
 
@@ -20,20 +19,6 @@ def busy_port():
     s.bind(("127.0.0.1", 0))
     s.listen()
     return s
-
-
-def processes_under(path: Path) -> list[str]:
-    """Command lines of processes that mention ``path`` (a leftover child)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if str(path) in cmd:
-                found.append(cmd)
-    return found
 
 
 # (arguments, a phrase the one line must hold); {busy} is a port something listens on,
@@ -120,7 +105,7 @@ def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
         f"{' '.join(a)}: exit {rc}, left {left}\nstderr: {err}\nstdout: {out}"
         for a, rc, err, out, left in failures
     )
-    assert processes_under(tmp_path) == []
+    assert pids_mentioning(str(tmp_path)) == []
 
 
 def test_every_flag_of_every_command_has_help_and_shows_its_default():

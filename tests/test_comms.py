@@ -30,6 +30,21 @@ from diloco.wire.comms import (
 from diloco.wire.protocol import ProtocolConfig
 
 
+def test_the_settings_table_holds_only_named_settings_and_experiments_stand_apart():
+    """``wire.comms`` is the protocol's named settings; what was only measured (the former
+    default, the sparse codec) lives in ``wire.experimental`` and no named setting uses it."""
+    from diloco.algorithm.codecs import CODECS
+    from diloco.wire import comms, experimental
+
+    named = list(COMMS.values())
+    in_comms = [v for v in vars(comms).values() if isinstance(v, comms.CommsSetting)]
+    assert all(any(v is s for s in named) for v in in_comms), "a setting beside the table"
+    assert experimental.FORMER_DEFAULT not in named
+    assert set(experimental.EXPERIMENTAL_CODECS) <= set(CODECS)
+    for setting in named:
+        assert not {setting.up_codec, setting.down_codec} & set(experimental.EXPERIMENTAL_CODECS)
+
+
 def test_each_setting_names_h_and_both_codecs_and_a_flag_beside_it_wins():
     assert list(COMMS) == ["default", "low", "lowest"]
     plain = SyncerConfig()

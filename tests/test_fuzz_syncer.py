@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kit import join_request
+from kit import Peer, join_request, upload_chunks
 from torch import nn
 
 from diloco.algorithm import balanced_fragments, codecs
@@ -25,7 +25,6 @@ from diloco.syncer.server import CHUNK_BYTES, SyncerServer
 from diloco.syncer.store import read_tape
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
-from diloco.wire import diloco_pb2_grpc as pb_grpc
 
 P = 3
 TOKEN = "fuzz-token-0123456789abcdef"
@@ -38,6 +37,10 @@ FUZZ = settings(
 )
 Code = grpc.StatusCode
 ASCII = st.characters(min_codepoint=32, max_codepoint=126)
+
+
+LIDS = ("a", "b", "eval")
+"""The harness's learners and its observer."""
 
 
 class Harness:
@@ -70,20 +73,16 @@ class Harness:
             tape_path=self.tape_path,
             token=TOKEN,
         ).start()
-        self.channel = grpc.insecure_channel(
-            self.server.address,
-            options=[
-                ("grpc.max_send_message_length", 8 * CHUNK_BYTES),
-                ("grpc.max_receive_message_length", 8 * CHUNK_BYTES),
-            ],
-        )
-        self.stub = pb_grpc.SyncerStub(self.channel)
-        self.sessions = {}
-        for lid in ("a", "b"):
-            reply = self.stub.Join(self.join_request(lid), timeout=5, metadata=MD)
-            self.sessions[lid] = reply.session
-        reply = self.stub.Join(self.join_request("eval", observer=True), timeout=5, metadata=MD)
-        self.sessions["eval"] = reply.session
+        size = 8 * CHUNK_BYTES
+        options = [
+            ("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size),
+        ]
+        self.peers = {lid: Peer(self.server, lid, token=TOKEN, options=options) for lid in LIDS}
+        self.sessions = {
+            lid: peer.join(observer=lid == "eval").session for lid, peer in self.peers.items()
+        }
+        self.channel, self.stub = self.peers["b"].channel, self.peers["b"].stub  # hostile calls
         ok = self.stub.Upload(iter(self.chunks(0, "a")), timeout=10, metadata=MD)
         assert ok.accepted and self.server.state.rounds  # a round is open, waiting for b
 
@@ -96,9 +95,7 @@ class Harness:
         return codecs.encode(scale * torch.randn(n, generator=gen), "fp32")
 
     def chunks(self, frag: int, lid: str = "b", data: bytes | None = None, **override):
-        data = self.payload(frag) if data is None else data
-        pieces = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
-        base = dict(
+        header = dict(
             learner_id=lid,
             session=self.sessions.get(lid, "nope"),
             fragment=frag,
@@ -107,11 +104,10 @@ class Harness:
             tokens=24 * 64,
             codec="fp32",
             numel=self.layout.fragments[frag].numel,
-            num_chunks=len(pieces),
             step_time_s=0.1,
         )
-        base.update(override)
-        return [pb.UploadChunk(chunk_index=i, data=piece, **base) for i, piece in enumerate(pieces)]
+        data = self.payload(frag) if data is None else data
+        return upload_chunks(data, chunk_bytes=CHUNK_BYTES, **{**header, **override})
 
     def refused_codes(self) -> list[str]:
         return [r["code"] for r in read_tape(self.tape_path) if r["event"] == "refused"]
@@ -133,7 +129,8 @@ class Harness:
         assert len(status.versions) == P
 
     def close(self) -> None:
-        self.channel.close()
+        for peer in self.peers.values():
+            peer.close()
         self.server.stop()
 
 

@@ -18,7 +18,6 @@ import diloco
 from diloco.learner.refusals import upload_refusal
 from diloco.learner.uploads import UploadResult
 from diloco.syncer.generations import GENERATIONS_FILE
-from diloco.wire import diloco_pb2 as pb
 from diloco.wire.protocol import NOT_ADMITTED_KEY, SUPERSEDED_KEY
 
 
@@ -124,33 +123,14 @@ def test_a_resend_sent_with_a_stale_session_is_answered_from_the_receipts(tmp_pa
     try:
         peer.join()
         stale = peer.session
-        numel = server.layout.fragments[0].numel
-        chunk = pb.UploadChunk(
-            learner_id="L",
-            session=stale,
-            fragment=0,
-            base_version=0,
-            steps=4,
-            tokens=40,
-            codec=server.state.config.up_codec,
-            numel=numel,
-            chunk_index=0,
-            num_chunks=1,
-            data=diloco.algorithm.codecs.encode(
-                torch.full((numel,), 1e-3), server.state.config.up_codec
-            ),
-            step_time_s=0.1,
-            upload_id=77,
-        )
-        first = peer.stub.Upload(iter([chunk]), timeout=10)
+        first = peer.upload(upload_id=77, base=0, steps=4, tokens=40)
         assert first.accepted
         peer.join()  # a new session; the first reply was "lost"
-        chunk.resend = True
-        again = peer.stub.Upload(iter([chunk]), timeout=10)
+        peer.session = stale  # the resend goes out with the session it was first sent with
+        again = peer.upload(upload_id=77, base=0, steps=4, tokens=40, resend=True)
         assert again.accepted and again.current_version == first.current_version
-        chunk.upload_id = 78  # never admitted: the refusal says so
-        with pytest.raises(grpc.RpcError) as caught:
-            peer.stub.Upload(iter([chunk]), timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:  # never admitted: the refusal says so
+            peer.upload(upload_id=78, base=0, steps=4, tokens=40, resend=True)
         assert dict(caught.value.trailing_metadata()).get(NOT_ADMITTED_KEY) == "1"
     finally:
         server.stop()

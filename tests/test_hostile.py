@@ -143,7 +143,9 @@ def test_a_claimed_slow_step_time_does_not_stall_the_rounds(tmp_path, schedule):
             alice.heartbeat(steps_per_s=10.0)
             mallory.heartbeat(steps_per_s=1 / 3599)
             for p in range(P):
-                alice.upload(p, 1e-3 * torch.ones(numel(server, p)), steps=2, step_time_s=0.1)
+                alice.upload(
+                    p, 1e-3 * torch.ones(numel(server, p)), steps=2, tokens=240, step_time_s=0.1
+                )
             time.sleep(0.1)
         assert server.state.estimates().step_s == pytest.approx(0.1)
         merged = [r for r in rounds(tmp_path) if "alice" in r["participants"]]
@@ -155,17 +157,6 @@ def test_a_claimed_slow_step_time_does_not_stall_the_rounds(tmp_path, schedule):
 
 
 # ------------------------------------------------------------- 3. thread-pool exhaustion
-def silent_uploads(peer: Peer, n: int, release: threading.Event) -> list:
-    """``n`` upload streams that never send a chunk until ``release`` is set."""
-
-    def never():
-        release.wait(60)
-        return
-        yield
-
-    return [peer.stub.Upload.future(never(), timeout=60, metadata=peer.metadata) for _ in range(n)]
-
-
 @pytest.mark.timeout(60)
 def test_streams_without_a_first_chunk_cannot_fill_the_pool(tmp_path):
     server = make_server(tmp_path, config(), token=SECRET, learner_tokens=True, max_learners=8)
@@ -175,7 +166,7 @@ def test_streams_without_a_first_chunk_cannot_fill_the_pool(tmp_path):
     release = threading.Event()
     try:
         mallory.join()
-        calls = silent_uploads(mallory, 150, release)
+        calls = mallory.silent_uploads(150, release)
         subs = [
             mallory.stub.Subscribe(
                 pb.SubscribeRequest(learner_id="mallory", session=mallory.session),
@@ -216,7 +207,7 @@ def test_with_a_shared_token_silent_streams_still_leave_room_for_joins(tmp_path)
     release = threading.Event()
     try:
         mallory.join()
-        calls = silent_uploads(mallory, 150, release)
+        calls = mallory.silent_uploads(150, release)
         time.sleep(0.5)
         assert server.service.limits.open("upload") <= 8
         for i in range(5):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kit import wait_until
 from safetensors.torch import load_file
 
 from diloco.recipes import get_recipe
@@ -153,10 +154,8 @@ def test_an_island_whose_rank_is_killed_is_restarted_and_rejoins(tmp_path, synce
     """With FSDP each rank restores its own shards (and optimizer state) from its checkpoint."""
     workdir = tmp_path / "island-0"
     proc = torchrun(syncer.address, 0, workdir, 400, "--max-restarts=1", kind=kind)
-    deadline = time.monotonic() + 60
-    while not (workdir / "checkpoint.rank1.pt").exists():  # rank 1 has trained a while
-        assert time.monotonic() < deadline and proc.poll() is None, "island never checkpointed"
-        time.sleep(0.1)
+    checkpointed = (workdir / "checkpoint.rank1.pt").exists  # rank 1 has trained a while
+    wait_until(checkpointed, 60, "the island to checkpoint", interval=0.1, alive=proc)
     pid = rank_pid(workdir, 1)
     assert pid is not None
     killed_at = time.time()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from diloco.cli import main as cli_main
-from diloco.cli.plan import parse_count, parse_rate
+from diloco.cli.plan import link_rate, parse_count
 from diloco.plan import (
     PlanInputs,
     comms_bandwidths,
@@ -134,8 +135,23 @@ def test_cli_says_which_comms_a_link_needs(capsys):
     assert "is not a link rate" in capsys.readouterr().err
 
 
-def test_parse_rate():
-    assert parse_rate("1Gbps") == 1e9
-    assert parse_rate("200Mbit") == 200e6
-    assert parse_rate("2.5g") == 2.5e9
-    assert parse_rate("0.5") == 0.5e9
+def test_link_rates_in_plan_and_wan_spellings_and_a_bare_number_is_gbps():
+    assert link_rate("1Gbps") == 1e9
+    assert link_rate("200Mbit") == 200e6
+    assert link_rate("2.5g") == 2.5e9
+    assert link_rate("0.5") == 0.5e9  # a bare number: Gbit/s, as docs/plan.md says
+    assert link_rate("50mbit") == link_rate("50Mbps") == 50e6  # --wan's spelling too
+    assert link_rate("1.5Gbit") == 1.5e9 and link_rate("300kbit") == 3e5
+    for bad in ("fast", "none", "-1Gbps", "0", "0mbit", "mbit", "1 gigabit"):
+        with pytest.raises(argparse.ArgumentTypeError, match="link rate"):
+            link_rate(bad)
+
+
+def test_a_bare_link_number_plans_as_many_gbps_as_the_unit_spelling(capsys):
+    argv = ["plan", "--params", "12B", "--step-time", "2.381", "--json", "--link"]
+    plans = []
+    for spelling in ("0.5", "500mbit", "500Mbps", "0.5Gbps"):
+        assert cli_main([*argv, spelling]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0]["link_gbps"] == pytest.approx(0.5)
+    assert all(p == plans[0] for p in plans)

@@ -74,7 +74,7 @@ def test_a_run_report_holds_its_figures_summary_and_commands(tmp_path, mode):
 
 
 def test_a_bench_folder_report_holds_its_table_figures_and_runs(tmp_path):
-    from diloco.report.plots import _pyplot
+    from diloco.report.headless import headless_pyplot
 
     results = [
         {
@@ -105,7 +105,7 @@ def test_a_bench_folder_report_holds_its_table_figures_and_runs(tmp_path):
         "|---|---|---|\n| decoupled | clean | 1.800 |\n| dp | clean | 1.700 |\n\n"
         "Targets:\n\n- met: something (1.0x)\n"
     )
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, ax = plt.subplots()
     ax.plot([0, 1], [1, 0])
     fig.savefig(tmp_path / "loss_vs_tokens.png")

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
-from kit import current_fragments, pids_mentioning, run_diloco, run_diloco_json, start_diloco
+from kit import (
+    current_fragments,
+    pids_mentioning,
+    run_diloco,
+    run_diloco_json,
+    start_diloco,
+    wait_until,
+)
 
 from diloco.algorithm import balanced_fragments
 from diloco.recipes import get_recipe
@@ -97,12 +103,14 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_summary(tmp_path):
         "--no-view",
     )
     run_dir = tmp_path / "int"
-    deadline = time.monotonic() + 60
     progress = run_dir / "learners" / "learner-1" / "progress.jsonl"
-    while time.monotonic() < deadline and not (progress.exists() and progress.stat().st_size):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    assert progress.exists(), "learners never started training"
+    wait_until(
+        lambda: progress.exists() and progress.stat().st_size,
+        60,
+        "the learners to start training",
+        interval=0.2,
+        alive=proc,
+    )
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

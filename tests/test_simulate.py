@@ -12,6 +12,7 @@ from diloco.algorithm.rounds import Estimates, OpenRound, decide_round
 from diloco.cli import main as cli_main
 from diloco.config import RecipeConfig, to_dict
 from diloco.config.run import RunConfig
+from diloco.report.run_files import NotARun
 from diloco.sim.calibrate import max_residual_points, nelder_mead, row_goodput
 from diloco.sim.failures import Recovery, draw_outages, merge_outages
 from diloco.sim.grid import (
@@ -328,3 +329,16 @@ def test_twin_measures_constants_and_reports(tmp_path):
     assert report["predicted_goodput"] == pytest.approx(1 - (lost_s + 5 + 3) / 56)
     assert report["measured_goodput"] == 0.7
     assert report["error_points"] == pytest.approx(100 * (report["predicted_goodput"] - 0.7))
+
+
+def test_twin_reads_an_unfinished_run_and_refuses_a_directory_without_its_tape(tmp_path):
+    """The twin reads runs through the report's one loader: no ``summary.json`` is fine (no
+    measured goodput), no ``config.json`` or event tape is not a run."""
+    run = _fake_run(tmp_path)
+    (run / "summary.json").unlink()
+    c = measure_constants(run)
+    report = twin_report(run, c, seeds=3)
+    assert report["measured_goodput"] is None and report["measured_uptime"] is None
+    (run / "syncer" / "events.jsonl").unlink()
+    with pytest.raises(NotARun, match="need config.json"):
+        twin_report(run, c, seeds=3)

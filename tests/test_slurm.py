@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from kit import last_step, wait_until
+from kit import last_step, unused_port, wait_until
 
 from diloco.report.audit_files import audit_directories
 from diloco.syncer.store import read_tape
@@ -97,12 +96,6 @@ def requeue(env, job_id: str) -> None:
     wait_until(running_again, 90, f"job {job_id} to run again", interval=0.5)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def slurm_run(cluster):
     env, home = cluster
@@ -113,7 +106,7 @@ def slurm_run(cluster):
     env = {
         **env,
         "DILOCO_HOME": str(run),
-        "DILOCO_PORT": str(free_port()),
+        "DILOCO_PORT": str(unused_port()),  # syncer.sbatch publishes it before it binds
         "DILOCO_RECIPE": "tiny",
         "DILOCO_LEARNER_ARGS": f"--total-steps {STEPS} --slow 3 --checkpoint-every 1 --threads 1",
         "DILOCO_SYNCER_ARGS": "--threads 1",

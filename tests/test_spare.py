@@ -1,9 +1,9 @@
 """Warm spares: real interpreters that import torch, then become the restarted child."""
 
 import json
-import time
 
 import pytest
+from kit import wait_until
 
 from diloco.chaos import ChaosEvent
 from diloco.launch.supervisor import Supervisor
@@ -100,10 +100,8 @@ def test_a_crashed_child_restarts_warm_and_the_spare_is_replaced(tmp_path):
     finally:
         sup.kill_everything()
         sup.close()
-    deadline = time.monotonic() + 10
-    while spare.running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not spare.running and sup._spares == []
+    wait_until(lambda: not spare.running, 10, "the spare to end", interval=0.05)
+    assert sup._spares == []
 
 
 def test_a_dead_spare_is_replaced_and_the_syncer_never_takes_one(tmp_path):

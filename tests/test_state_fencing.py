@@ -245,20 +245,8 @@ def test_a_snapshot_holds_the_versions_of_the_values_it_holds(tmp_path):
     assert all(torch.equal(written[k], initial[k]) for k in initial)
 
 
-def test_a_snapshot_is_synced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        return real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", str(src)))
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+def test_a_snapshot_is_synced_before_its_rename_and_its_directory_after(tmp_path, disk_events):
+    events = disk_events
     path = tmp_path / "global.safetensors"
     save_state_dict({"w": torch.ones(3)}, path, versions=[1])
     tmp = str(path) + ".tmp"

@@ -13,22 +13,16 @@ import time
 
 import grpc
 import pytest
-import torch
-from kit import join_request, local_syncer, tiny_model, wait_until
+from kit import OWN_CONNECTION, Peer, local_syncer, tiny_model, wait_until
 
-from diloco.algorithm import codecs
 from diloco.launch.relay import Relay
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.limits import UPLOADS_PER_CONNECTION
 from diloco.syncer.server import SyncerServer
 from diloco.wire import auth, keepalive
-from diloco.wire import diloco_pb2 as pb
-from diloco.wire import diloco_pb2_grpc as pb_grpc
 
 P = 2
 SECRET = "stream-limits-secret-0123456789"
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
-"""A channel with these options gets a TCP connection of its own (not shared in-process)."""
 
 
 def make_server(tmp_path, width: int = 16, **kwargs) -> SyncerServer:
@@ -39,56 +33,9 @@ def make_server(tmp_path, width: int = 16, **kwargs) -> SyncerServer:
     )
 
 
-class Client:
-    """One learner id speaking the wire protocol on a channel of its own."""
-
-    def __init__(self, server: SyncerServer, learner_id: str, token: str, address=None):
-        self.server, self.learner_id = server, learner_id
-        self.channel = grpc.insecure_channel(address or server.address, options=OWN_CONNECTION)
-        self.stub = pb_grpc.SyncerStub(self.channel)
-        self.metadata = auth.call_metadata(token)
-        self.session = ""
-
-    def join(self) -> None:
-        request = join_request(self.server.layout, self.learner_id)
-        self.session = self.stub.Join(request, timeout=5, metadata=self.metadata).session
-
-    def subscribe(self, session: str | None = None):
-        request = pb.SubscribeRequest(learner_id=self.learner_id, session=session or self.session)
-        return self.stub.Subscribe(request, timeout=60, metadata=self.metadata)
-
-    def upload(self, fragment: int = 0) -> pb.UploadReply:
-        numel = self.server.layout.fragments[fragment].numel
-        chunk = pb.UploadChunk(
-            learner_id=self.learner_id,
-            session=self.session,
-            fragment=fragment,
-            base_version=self.server.state.versions[fragment],
-            steps=24,
-            tokens=240,
-            codec="fp32",
-            numel=numel,
-            chunk_index=0,
-            num_chunks=1,
-            data=codecs.encode(1e-3 * torch.ones(numel), "fp32"),
-            step_time_s=0.1,
-        )
-        return self.stub.Upload(iter([chunk]), timeout=10, metadata=self.metadata)
-
-    def silent_uploads(self, n: int, release: threading.Event) -> list:
-        """``n`` upload streams that send no chunk until ``release`` is set."""
-
-        def never():
-            release.wait(60)
-            return
-            yield
-
-        return [
-            self.stub.Upload.future(never(), timeout=60, metadata=self.metadata) for _ in range(n)
-        ]
-
-    def close(self) -> None:
-        self.channel.close()
+def own_peer(server: SyncerServer, learner_id: str, token: str, address=None) -> Peer:
+    """One learner id speaking the wire protocol on a TCP connection of its own."""
+    return Peer(server, learner_id, token=token, address=address, options=OWN_CONNECTION)
 
 
 def streams_of(server: SyncerServer, learner_id: str) -> int:
@@ -105,8 +52,8 @@ def test_a_learner_resubscribes_while_its_old_stream_hangs_on_a_dead_connection(
     server = make_server(tmp_path, width=2048, token=SECRET, learner_tokens=True)
     token = auth.learner_token(SECRET, "alice")
     relay = Relay(server.address, name="frozen")
-    old = Client(server, "alice", token, address=relay.address)
-    new = Client(server, "alice", token)
+    old = own_peer(server, "alice", token, address=relay.address)
+    new = own_peer(server, "alice", token)
     try:
         old.join()
         stream = old.subscribe()
@@ -134,7 +81,7 @@ def test_a_learner_resubscribes_while_its_old_stream_hangs_on_a_dead_connection(
 @pytest.mark.timeout(60)
 def test_a_learner_cannot_hold_more_subscriptions_than_its_cap(tmp_path):
     server = make_server(tmp_path, token=SECRET, learner_tokens=True, max_learners=8)
-    mallory = Client(server, "mallory", auth.learner_token(SECRET, "mallory"))
+    mallory = own_peer(server, "mallory", auth.learner_token(SECRET, "mallory"))
     try:
         mallory.join()
         streams = []
@@ -161,8 +108,8 @@ def test_a_learner_cannot_hold_more_subscriptions_than_its_cap(tmp_path):
 def test_one_connection_of_silent_uploads_cannot_lock_out_the_others(tmp_path):
     server = make_server(tmp_path, token=SECRET)  # the shared token: no learner identity
     server.service.first_chunk_s = 30.0
-    mallory = Client(server, "mallory", SECRET)
-    alice = Client(server, "alice", SECRET)
+    mallory = own_peer(server, "mallory", SECRET)
+    alice = own_peer(server, "alice", SECRET)
     release = threading.Event()
     try:
         mallory.join()
@@ -192,8 +139,8 @@ def test_one_address_of_silent_uploads_cannot_lock_out_the_others(tmp_path):
     address_cap = server.service.limits.per_scope["address"]["upload"]
     assert address_cap < server.service.limits.caps["upload"]
     relay = Relay(server.address, name="other-host", source="127.0.0.2")
-    mallory = [Client(server, "mallory", SECRET, address=relay.address) for _ in range(20)]
-    neighbours = [Client(server, f"neighbour-{i}", SECRET) for i in range(3)]
+    mallory = [own_peer(server, "mallory", SECRET, address=relay.address) for _ in range(20)]
+    neighbours = [own_peer(server, f"neighbour-{i}", SECRET) for i in range(3)]
     release = threading.Event()
     try:
         mallory[0].join()

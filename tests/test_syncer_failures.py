@@ -14,16 +14,12 @@ import tracemalloc
 
 import grpc
 import pytest
-import torch
-from kit import join_request, local_syncer, tiny_model, wait_until
+from kit import Peer, join_request, local_syncer, tiny_model, wait_until
 from torch import nn
 
-from diloco.algorithm import codecs
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import FragmentStore, read_tape
-from diloco.wire import diloco_pb2 as pb
-from diloco.wire import diloco_pb2_grpc as pb_grpc
 
 P = 2
 
@@ -32,46 +28,17 @@ def make_model() -> nn.Module:
     return tiny_model(0, (16, 32, 4), tanh=False)
 
 
-class Client:
-    """A raw learner: joins, uploads deltas of fragment 0 with the ids it is told."""
+def joined(server: SyncerServer, learner_id: str = "a") -> Peer:
+    """A raw learner (``kit.Peer``), joined: its uploads go in the syncer's up codec."""
+    peer = Peer(server, learner_id)
+    peer.join()
+    return peer
 
-    def __init__(self, server: SyncerServer, learner_id: str = "a") -> None:
-        self.layout = server.layout
-        self.learner_id = learner_id
-        self.channel = grpc.insecure_channel(server.address)
-        self.stub = pb_grpc.SyncerStub(self.channel)
-        self.session = self.join()
 
-    def join(self) -> str:
-        reply = self.stub.Join(join_request(self.layout, self.learner_id), timeout=5)
-        self.session, self.codec = reply.session, reply.up_codec  # uploads in the syncer's codec
-        return reply.session
-
-    def upload(
-        self, upload_id: int, *, fragment: int = 0, steps: int = 4, base: int = 0, resend=False
-    ):
-        n = self.layout.fragments[fragment].numel
-        data = codecs.encode(torch.full((n,), 1e-3), self.codec)
-        chunk = pb.UploadChunk(
-            learner_id=self.learner_id,
-            session=self.session,
-            fragment=fragment,
-            base_version=base,
-            steps=steps,
-            tokens=steps * 8,
-            codec=self.codec,
-            numel=n,
-            chunk_index=0,
-            num_chunks=1,
-            data=data,
-            step_time_s=0.1,
-            upload_id=upload_id,
-            resend=resend,
-        )
-        return self.stub.Upload(iter([chunk]), timeout=5)
-
-    def close(self) -> None:
-        self.channel.close()
+def send(peer: Peer, upload_id: int, *, base: int = 0, steps: int = 4, **fields):
+    """``peer`` uploads a small delta (of fragment 0 unless told) with ``upload_id``, against
+    version ``base``: ``steps`` steps of 8 tokens."""
+    return peer.upload(upload_id=upload_id, base=base, steps=steps, tokens=8 * steps, **fields)
 
 
 def on_disk(server: SyncerServer, state_dir) -> int:
@@ -93,17 +60,17 @@ def test_a_full_disk_fails_the_syncer_instead_of_leaving_it_half_dead(small_disk
     and then the syncer fails: every call is refused UNAVAILABLE, Status says why, the
     caller's ``on_failure`` hook is told (``diloco syncer`` exits non-zero)."""
     server = start_syncer(small_disk.path / "state", small_disk.path / "events.jsonl")
-    client = Client(server)
+    client = joined(server)
     try:
-        assert client.upload(11).accepted
+        assert send(client, 11).accepted
         wait_until(lambda: on_disk(server, small_disk.path / "state") == 1, timeout=10)
         small_disk.fill()
         t0 = time.monotonic()
-        assert client.upload(12).accepted  # admitted in memory: its commit cannot be written
+        assert send(client, 12).accepted  # admitted in memory: its commit cannot be written
         wait_until(lambda: server.failure is not None, timeout=15)
         assert time.monotonic() - t0 < 10  # retried for ~3 s, then failed
         assert isinstance(server.failure, OSError)
-        for call in (lambda: client.upload(13), client.join):
+        for call in (lambda: send(client, 13), client.join):
             with pytest.raises(grpc.RpcError) as refused:
                 call()
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -126,23 +93,23 @@ def test_a_resend_to_a_restarted_syncer_after_its_commit_is_answered_not_merged_
     second time. What each commit merged is persisted with it."""
     state, tape = tmp_path / "state", tmp_path / "events.jsonl"
     first = start_syncer(state, tape)
-    client = Client(first)
+    client = joined(first)
     try:
-        reply = client.upload(21)
+        reply = send(client, 21)
         assert reply.accepted and reply.current_version == 0
         wait_until(lambda: first.state.versions[0] == 1, timeout=10)
     finally:
         client.close()
         first.stop()
     second = start_syncer(state, tape)  # the restarted syncer, on the same state directory
-    client = Client(second)
+    client = joined(second)
     try:
-        again = client.upload(21)  # the resend: its first reply never reached the learner
+        again = send(client, 21)  # the resend: its first reply never reached the learner
         assert again.accepted and again.reason == "already accepted"
         assert again.current_version == 0  # merged by version 1, which is on disk
         time.sleep(0.3)
         assert second.state.versions[0] == 1 and not second.state.rounds
-        fresh = client.upload(22)  # a new upload is merged as usual
+        fresh = send(client, 22)  # a new upload is merged as usual
         assert fresh.accepted and fresh.current_version == 1
         wait_until(lambda: second.state.versions[0] == 2, timeout=10)
     finally:
@@ -165,13 +132,13 @@ def test_a_commit_persisted_but_not_taped_is_recovered_with_what_it_merged(tmp_p
     and the restarted syncer's ``recovered`` record carries it."""
     state, full_tape = tmp_path / "state", small_disk.path / "events.jsonl"
     server = start_syncer(state, full_tape)
-    client = Client(server)
+    client = joined(server)
     try:
-        assert client.upload(31, steps=5).accepted
+        assert send(client, 31, steps=5).accepted
         wait_until(lambda: on_disk(server, state) == 1, timeout=10)
         small_disk.fill()  # the tape's disk: the next commit is persisted, its record is not
         small_disk.pad(full_tape)
-        assert client.upload(32, steps=7).accepted
+        assert send(client, 32, steps=7).accepted
         wait_until(lambda: server.failure is not None, timeout=15)
     finally:
         client.close()
@@ -187,7 +154,7 @@ def test_a_commit_persisted_but_not_taped_is_recovered_with_what_it_merged(tmp_p
 
 
 def test_leftover_temporary_files_are_removed_and_meta_is_synced_before_its_rename(
-    tmp_path, monkeypatch
+    tmp_path, disk_events
 ):
     """Defect 11 (durability): ``meta.json`` was renamed into place without an fsync, so a
     power loss could leave an empty one; temporary files of a crash were never removed."""
@@ -196,19 +163,7 @@ def test_leftover_temporary_files_are_removed_and_meta_is_synced_before_its_rena
     leftovers = [state / "meta.tmp", state / "fragments" / "p000.safetensors.99.1.tmp"]
     for path in leftovers:
         path.write_bytes(b"half a file")
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        return real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", str(src)))
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    events = disk_events
     server = start_syncer(state, tmp_path / "events.jsonl")
     server.stop()
     assert not any(path.exists() for path in leftovers)
@@ -250,12 +205,12 @@ def test_stop_never_publishes_beside_a_committer_still_writing(tmp_path, monkeyp
     server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl")
     slow = SlowStore(tmp_path / "state")
     server.service.committer.store = slow
-    client = Client(server)
+    client = joined(server)
     stopper = threading.Thread(target=server.stop)
     try:
-        assert client.upload(41).accepted  # its round closes; the commit hangs in the store
+        assert send(client, 41).accepted  # its round closes; the commit hangs in the store
         wait_until(lambda: slow.writing == 1, timeout=10)
-        assert client.upload(43, fragment=1).accepted  # a round the committer cannot reach
+        assert send(client, 43, fragment=1).accepted  # a round the committer cannot reach
         stopper.start()
         # the old stop gave up on the committer after 10 s and wrote fragment 1 itself
         wait_until(lambda: slow.writing == 2 or not stopper.is_alive(), timeout=20)
@@ -354,9 +309,9 @@ def test_a_commit_that_hangs_on_its_disk_fails_the_syncer(tmp_path, monkeypatch)
     server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl")
     slow = SlowStore(tmp_path / "state")
     server.service.committer.store = slow
-    client = Client(server)
+    client = joined(server)
     try:
-        assert client.upload(51).accepted
+        assert send(client, 51).accepted
         wait_until(lambda: server.failure is not None, timeout=10)
         assert isinstance(server.failure, TimeoutError)
     finally:
@@ -374,9 +329,9 @@ def test_a_dropped_round_persisted_but_not_taped_is_recovered(tmp_path):
 
     state, tape = tmp_path / "state", tmp_path / "events.jsonl"
     first = start_syncer(state, tape)
-    client = Client(first)
+    client = joined(first)
     try:
-        assert client.upload(61).accepted
+        assert send(client, 61).accepted
         wait_until(lambda: on_disk(first, state) == 1, timeout=10)
     finally:
         client.close()
@@ -397,9 +352,9 @@ def test_a_rejoining_learner_is_told_of_its_uploads_still_in_an_open_round(tmp_p
     syncer holds. One in a round still open was not listed (only committed ones were), so
     the new life sent its steps again and the open round merged them as well."""
     server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl", wait_for_all=2)
-    client = Client(server)
+    client = joined(server)
     try:
-        assert client.upload(31).accepted  # the round waits for a second learner: open
+        assert send(client, 31).accepted  # the round waits for a second learner: open
         time.sleep(0.2)
         assert server.state.rounds and server.state.versions[0] == 0
         reply = client.stub.Join(join_request(server.layout, "a"), timeout=5)  # a new life
@@ -409,11 +364,11 @@ def test_a_rejoining_learner_is_told_of_its_uploads_still_in_an_open_round(tmp_p
         server.stop()
 
 
-def commit_many(server: SyncerServer, client: Client, count: int, first_id: int) -> None:
+def commit_many(server: SyncerServer, client: Peer, count: int, first_id: int) -> None:
     """``count`` commits of fragment 0, each merging one upload of ``client``."""
     for i in range(count):
         v = server.state.versions[0]
-        assert client.upload(first_id + i, base=v).accepted
+        assert send(client, first_id + i, base=v).accepted
         wait_until(lambda v=v: server.state.versions[0] == v + 1, timeout=10)
 
 
@@ -437,18 +392,18 @@ def test_a_resend_after_a_partition_longer_than_64_commits_and_a_restart_is_not_
     every commit's log; the resend is answered with its admission."""
     state, tape = tmp_path / "state", tmp_path / "events.jsonl"
     first = start_syncer(state, tape)
-    a, b = Client(first, "a"), Client(first, "b")
+    a, b = joined(first, "a"), joined(first, "b")
     try:
-        assert a.upload(21).accepted  # merged by version 1; its answer never reaches a
+        assert send(a, 21).accepted  # merged by version 1; its answer never reaches a
         wait_until(lambda: first.state.versions[0] == 1, timeout=10)
         commit_many(first, b, 70, first_id=1000)
     finally:
         a.close(), b.close()
         first.stop()
     second = start_syncer(state, tape)
-    a = Client(second, "a")
+    a = joined(second, "a")
     try:
-        again = a.upload(21, resend=True)
+        again = send(a, 21, resend=True)
         assert again.accepted and again.reason == "already accepted", again
         assert again.current_version == 0 and not again.fate_unknown
         assert second.state.logged_from()[0] == 0  # every commit's log is kept
@@ -467,23 +422,23 @@ def test_a_resend_older_than_every_log_kept_is_answered_fate_unknown_and_changes
     base is refused as stale, as ever; the kept logs stay bounded."""
     state, tape = tmp_path / "state", tmp_path / "events.jsonl"
     first = start_syncer(state, tape, commit_logs_kept=8)
-    a, b = Client(first, "a"), Client(first, "b")
+    a, b = joined(first, "a"), joined(first, "b")
     try:
-        assert a.upload(21).accepted
+        assert send(a, 21).accepted
         wait_until(lambda: first.state.versions[0] == 1, timeout=10)
         commit_many(first, b, 30, first_id=1000)
     finally:
         a.close(), b.close()
         first.stop()
     second = start_syncer(state, tape, commit_logs_kept=8)
-    a = Client(second, "a")
+    a = joined(second, "a")
     try:
         assert second.state.logged_from()[0] > 1  # version 0's log was let go
         digest = second.service.state_digest()
-        unknown = a.upload(21, resend=True)
+        unknown = send(a, 21, resend=True)
         assert unknown.fate_unknown and not unknown.accepted
         assert second.service.state_digest() == digest and not second.state.rounds
-        stale = a.upload(22)  # a first send: never accepted before, so refused as stale
+        stale = send(a, 22)  # a first send: never accepted before, so refused as stale
         assert not stale.accepted and stale.resync and not stale.fate_unknown
         lines = (state / "receipts.jsonl").read_text().splitlines()
         assert len(lines) <= 1 + 2 * 8

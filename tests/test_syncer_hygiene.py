@@ -233,26 +233,13 @@ def live_keyframes() -> list:
 
 def upload_in_chunks(peer: Peer, fragment: int, value: float) -> pb.UploadReply:
     """``peer`` uploads a delta of ``value`` everywhere to ``fragment``, in fp32, chunked."""
-    from diloco.algorithm import codecs
     from diloco.wire.protocol import CHUNK_BYTES
 
     numel = peer.server.layout.fragments[fragment].numel
-    payload = codecs.encode(torch.full((numel,), value), "fp32")
-    pieces = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
-    header = dict(
-        learner_id=peer.learner_id,
-        session=peer.session,
-        fragment=fragment,
-        base_version=peer.server.state.versions[fragment],
-        steps=4,
-        tokens=32,
-        codec="fp32",
-        numel=numel,
-        num_chunks=len(pieces),
-        step_time_s=0.1,
+    delta = torch.full((numel,), value)
+    return peer.upload(
+        fragment, delta, steps=4, tokens=32, codec="fp32", chunk_bytes=CHUNK_BYTES, timeout=30
     )
-    chunks = [pb.UploadChunk(**header, chunk_index=i, data=d) for i, d in enumerate(pieces)]
-    return peer.stub.Upload(iter(chunks), timeout=30)
 
 
 def test_streams_that_never_read_pin_at_most_one_old_keyframe_each():

@@ -7,7 +7,6 @@ a test fails (the fabric's ``with``, and the sweep of a dead owner's namespaces)
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -16,12 +15,13 @@ import sys
 import time
 
 import pytest
-from kit import diloco_command
+from kit import diloco_command, pids_mentioning, run_diloco_json, wait_until
 
 from diloco.launch.wan import on_link, wan_section
+from diloco.runtime.units import format_rate, parse_rate
 from diloco.wan import fabric as fab
 from diloco.wan.fabric import Fabric, LinkCounters, WanUnavailable, link_addresses, tbf_args
-from diloco.wan.spec import LinkSpec, format_rate, parse_link, parse_rate, plan_links
+from diloco.wan.spec import LinkSpec, parse_link, plan_links
 
 CAN_MAKE_NAMESPACES = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
 netns = pytest.mark.skipif(
@@ -36,12 +36,16 @@ def test_rates_parse_in_tc_units_and_print_back():
     assert parse_rate("50mbit") == 50e6
     assert parse_rate("1.5Gbit") == 1.5e9
     assert parse_rate("300kbit") == 3e5
-    assert parse_rate("none") is None
+    assert parse_rate("none", unshaped_ok=True) is None
     assert format_rate(5e7) == "50mbit" and format_rate(None) == "none"
     assert parse_rate(format_rate(2.5e8)) == 2.5e8
-    for bad in ("50", "fast", "-1mbit", "0mbit", "mbit"):
+    for bad in ("50", "fast", "-1mbit", "0mbit", "mbit", "none"):  # a bare number: no unit
         with pytest.raises(ValueError, match="rate"):
             parse_rate(bad)
+    assert parse_link("rate=50Mbps").up_bps == 50e6  # diloco plan's spelling reads the same
+    assert parse_link("rate=none") == LinkSpec()
+    with pytest.raises(ValueError, match="say its unit"):
+        parse_link("rate=50")
 
 
 def test_link_specs_apply_in_order_and_name_learners():
@@ -168,16 +172,12 @@ def test_namespaces_of_a_dead_owner_are_swept():
         f.close()
 
 
-def _run_json(tmp_path, *flags: str, timeout: float = 240) -> dict:
-    proc = subprocess.run(
-        diloco_command("run", "--recipe=tiny", "--learners=2")
-        + ["--no-view", f"--runs-dir={tmp_path}", "--name=r", *flags],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    return json.loads((tmp_path / "r" / "summary.json").read_text())
+def _run_json(tmp_path, *flags: str) -> dict:
+    """``diloco run`` of the tiny recipe, two learners, to its end: its summary."""
+    return run_diloco_json(
+        "run", "--recipe=tiny", "--learners=2", "--json", "--no-view",
+        f"--runs-dir={tmp_path}", "--name=r", *flags,
+    )  # fmt: skip
 
 
 @netns
@@ -227,10 +227,7 @@ def test_a_killed_run_leaves_nothing_after_the_next_start(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 60
-        while len(_owned_by(proc.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(_owned_by(proc.pid)) == 3
+        wait_until(lambda: len(_owned_by(proc.pid)) == 3, 60, "the run's namespaces", alive=proc)
         time.sleep(3)  # learners and the bridges are up
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -239,24 +236,8 @@ def test_a_killed_run_leaves_nothing_after_the_next_start(tmp_path):
     assert len(leftovers) == 3  # kill -9: nobody cleaned up
     with Fabric([LinkSpec()]):  # the next harness sweeps them at start
         assert _owned_by(proc.pid) == []
-    deadline = time.monotonic() + 20  # the children inside went with their namespaces
-    while time.monotonic() < deadline and _processes_of(str(tmp_path)):
-        time.sleep(0.2)
-    assert _processes_of(str(tmp_path)) == []
-
-
-def _processes_of(text: str) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    out.append(int(entry))
-        except OSError:
-            continue
-    return out
+    # the children inside went with their namespaces
+    wait_until(lambda: not pids_mentioning(str(tmp_path)), 20, "the run's children to end")
 
 
 @netns

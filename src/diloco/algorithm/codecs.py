@@ -6,8 +6,9 @@ as good as bf16; signs with the learners' error feedback cost about as little). 
 sends each version *down* as a delta against what learners hold, in ``int2`` by default
 (``int8`` until 2026-11-27; its rounding stays on the syncer and goes out with the next
 delta); keyframes are ``fp32``. The default's choice is measured in benchmarks/RESULTS.md
-("The default at 200×"). ``topk2`` is for links where those are too many bytes: 2-bit
-values of each chunk's few largest entries, the rest carried by error feedback both ways.
+("The default at 200×"). ``topk2`` is an experiment (``diloco.wire.experimental``: no named
+``--comms`` setting uses it): 2-bit values of each chunk's few largest entries, the rest
+carried by error feedback both ways.
 
 Payloads are raw little-endian bytes (never pickle). A payload carries no header: the receiver
 knows the codec and the shape from the message around it, and :func:`decode` checks that the
@@ -53,7 +54,7 @@ The bounds hold up to float32 rounding (a few ulps of absmax, see :func:`roundtr
 values below float32's smallest normal (~1.2e-38) may lose all precision in a block whose absmax
 is itself that small.
 
-**topk2** (sparse, for the low-traffic settings): each chunk of ``TOPK_CHUNK = 1024`` values
+**topk2** (sparse; experimental, in no named setting): each chunk of ``TOPK_CHUNK = 1024`` values
 keeps its ``TOPK_K = 32`` largest ``|x|`` (3.1%; of equal ones the lower offsets), the rest
 is sent as zero. A kept value is 2
 bits: its sign and whether its magnitude is in the chunk's upper group (``|x| ≥ (min + max)/2``

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.wire.comms import FORMER_DEFAULT
+from diloco.wire.experimental import FORMER_DEFAULT
 
 MODES = ("decoupled", "sync", "dp")
 CONDITIONS = ("clean", "chaos", "slow")
@@ -29,7 +29,7 @@ SWEEP_KEYS = ("mode", "H", "up_codec", "down_codec")
 """What identifies a sweep row (the sweep settings plus the mode)."""
 LOW_BANDWIDTH = (("decoupled", 96, "int4", "int4"), ("sync", 96, "int4", "int4"))
 """(mode, H, up codec, down codec) runs added to the sweep's grid."""
-DEFAULT_SETTING = {
+SWEEP_REFERENCE = {
     "mode": "decoupled",
     "H": FORMER_DEFAULT.sync_every,
     "up_codec": FORMER_DEFAULT.up_codec,
@@ -132,7 +132,7 @@ def sweep(budget: Budget, seed: int, hs=SWEEP_H, codecs=SWEEP_CODECS, only=None)
     """Clean runs: decoupled over (H, upload codec) with bf16 downloads, then
     ``LOW_BANDWIDTH``; with ``only`` (a collection of ``(mode, H, up, down)``), just those
     settings (which need not be on the grid)."""
-    down = DEFAULT_SETTING["down_codec"]
+    down = SWEEP_REFERENCE["down_codec"]
     settings = [("decoupled", h, codec, down) for h in hs for codec in codecs]
     settings += list(LOW_BANDWIDTH)
     if only is not None:

@@ -7,6 +7,7 @@ import json
 import sys
 
 from diloco.plan import PlanInputs, plan, with_comms
+from diloco.runtime.units import GBIT_S, parse_rate
 from diloco.wire.comms import COMMS
 
 
@@ -24,19 +25,13 @@ def parse_count(text: str) -> float:
         ) from None
 
 
-def parse_rate(text: str) -> float:
-    """``1Gbps``, ``200Mbit``, ``2.5G``, ``0.5`` (Gbps) → bits per second."""
-    t = text.strip().lower().removesuffix("ps").removesuffix("bit").removesuffix("b")
-    scale = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}.get(t[-1:], 0.0)
+def link_rate(text: str) -> float:
+    """``--link``: a link rate in bits per second (``diloco.runtime.units.parse_rate``:
+    ``1Gbps``, ``200Mbit``, ``50mbit``, ``2.5g``); a bare number is Gbit/s (``0.5``)."""
     try:
-        value = float(t[:-1] if scale else t) * (scale or 1e9)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a link rate (e.g. 1Gbps, 200Mbps, 0.5 for Gbps)"
-        ) from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"a link rate must be > 0 (got {text!r})")
-    return value
+        return parse_rate(text, bare_bps=GBIT_S)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers) -> None:
@@ -65,9 +60,9 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--link",
-        type=parse_rate,
+        type=link_rate,
         metavar="RATE",
-        help="each site's wide-area link in bits/s (1Gbps, 200Mbps; a bare number is Gbps): say which --comms it needs",
+        help="each site's wide-area link in bits/s (1Gbps, 200Mbps, 50mbit as --wan reads them; a bare number is Gbps): say which --comms it needs",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=main)

@@ -2,30 +2,30 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from diloco.launch.supervisor import MAX_UNPLANNED_RESTARTS
 from diloco.launch.syncers import syncer_names
 from diloco.launch.view import clock
+from diloco.runtime.metrics import append_metric
 
 
-def append_metric(
+def record_metric(
     run_dir: Path, started: float, status, loss: float, versions: list[int], scores=None
-):
-    """One line of ``metrics.jsonl``: the global model's held-out loss now (and the recipe's
-    other held-out measures as ``val_<name>``)."""
-    rec = {
-        "t": round(time.time() - started, 3),
-        "val_loss": loss,
-        **{f"val_{k}": v for k, v in (scores or {}).items()},
-        "versions": sum(max(v, 0) for v in versions),
-        "tokens": sum(ls.tokens for ls in status.learners) if status is not None else None,
-        "rounds": status.rounds if status is not None else None,
-    }
-    with (run_dir / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps(rec) + "\n")
+) -> None:
+    """One line of ``metrics.jsonl`` (``diloco.runtime.metrics``): the global model's
+    held-out loss now, the versions it holds and the syncer's counts (``status``: its last
+    answer, None when it did not answer)."""
+    append_metric(
+        run_dir,
+        started=started,
+        val_loss=loss,
+        scores=scores,
+        versions=sum(max(v, 0) for v in versions),
+        tokens=sum(ls.tokens for ls in status.learners) if status is not None else None,
+        rounds=status.rounds if status is not None else None,
+    )
 
 
 def check_crashes(sup) -> None:
@@ -160,7 +160,7 @@ def supervise(
             if config.eval_every and now - last_eval >= config.eval_every:
                 last_eval = now
                 last_loss, versions = evaluator.evaluate()
-                append_metric(run_dir, started, status, last_loss, versions, evaluator.scores)
+                record_metric(run_dir, started, status, last_loss, versions, evaluator.scores)
             by_id = {ls.learner_id: ls for ls in learners}
             if on_tick is not None:
                 on_tick(elapsed)

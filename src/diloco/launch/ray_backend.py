@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diloco.launch.ray_actors import NODE_HOST, ProcActor, RayChild
-from diloco.launch.supervisor import Slot, Supervisor
+from diloco.launch.supervisor import ProcessSlot, Supervisor
 from diloco.runtime.procs import diloco_command
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ class RaySupervisor(Supervisor):
                     file=sys.stderr,
                 )
 
-    def add(self, name: str, argv: list[str], log: Path) -> Slot:
+    def add(self, name: str, argv: list[str], log: Path) -> ProcessSlot:
         """Start ``argv`` (a ``diloco_command``) in an actor; the slot's child is a RayChild."""
         prefix = diloco_command()
         command = argv[len(prefix) :] if argv[: len(prefix)] == prefix else list(argv)
@@ -244,7 +244,7 @@ class RaySupervisor(Supervisor):
             name, command, str(log), os.getcwd(), port_file
         )
         self.actors[name] = actor
-        slot = Slot(name, argv, log)
+        slot = ProcessSlot(name, argv, log)
         slot.child = RayChild(self.ray, name, actor, Path(log))
         self.slots[name] = slot
         return slot
@@ -278,7 +278,7 @@ class RaySupervisor(Supervisor):
             slot.child.signal(signal.SIGSTOP)
             slot.resume_at = now + event.down_s
 
-    def _check(self, slot: Slot, now: float) -> None:
+    def _check(self, slot: ProcessSlot, now: float) -> None:
         child = slot.child
         if slot.resume_at is not None and now >= slot.resume_at:
             slot.resume_at = None

@@ -38,7 +38,7 @@ from diloco.launch.children import (
     worker_config,
     write_config,
 )
-from diloco.launch.loop import append_metric, finished_rows, supervise
+from diloco.launch.loop import finished_rows, record_metric, supervise
 from diloco.launch.modes import registered
 from diloco.launch.outputs import open_outputs, run_watch
 from diloco.launch.syncers import StatusClient, syncer_commands, syncer_names
@@ -397,7 +397,7 @@ class Launch:
             self.evaluator.wait_for_versions(list(status.versions), timeout=5.0)
         val_final, versions = self.evaluator.evaluate()
         scores_final = self.evaluator.scores
-        append_metric(self.run_dir, self.started, status, val_final, versions, scores_final)
+        record_metric(self.run_dir, self.started, status, val_final, versions, scores_final)
         self.evaluator.close()
         self.evaluator = None
         syncer_codes = sup.stop(names, timeout=10.0)

@@ -40,7 +40,7 @@ MAX_UNPLANNED_RESTARTS = 5
 
 
 @dataclass
-class Slot:
+class ProcessSlot:
     """One supervised process and what the supervisor knows about it."""
 
     name: str
@@ -86,7 +86,7 @@ class Supervisor:
             raise ValueError(f"spares must be >= 0, got {spares}")
         self.relays = relays or {}
         self.disk = disk
-        self.slots: dict[str, Slot] = {}
+        self.slots: dict[str, ProcessSlot] = {}
         self.tape = tape
         self.clock = clock
         self.pending = sorted(chaos)
@@ -108,10 +108,10 @@ class Supervisor:
                 self.tape({"event": "chaos-clock", "t": time.time()})
             self._fill_spares()
 
-    def add(self, name: str, argv: list[str], log: Path) -> Slot:
+    def add(self, name: str, argv: list[str], log: Path) -> ProcessSlot:
         if self._spare_log is None:
             self._spare_log = Path(log).parent / "spare.log"
-        slot = Slot(name, argv, log)
+        slot = ProcessSlot(name, argv, log)
         slot.child = Child(name, argv, log)
         self.slots[name] = slot
         return slot
@@ -126,7 +126,7 @@ class Supervisor:
         slot.expected_death = False
         slot.child = Child(name, slot.argv, slot.log)
 
-    def learners(self) -> list[Slot]:
+    def learners(self) -> list[ProcessSlot]:
         return [s for s in self.slots.values() if not is_syncer(s.name)]
 
     def running(self, name: str) -> bool:
@@ -236,7 +236,7 @@ class Supervisor:
             self.disk.fill()
             slot.heal_at = now + event.down_s
 
-    def _check(self, slot: Slot, now: float) -> None:
+    def _check(self, slot: ProcessSlot, now: float) -> None:
         child = slot.child
         if slot.heal_at is not None and now >= slot.heal_at:
             slot.heal_at = None
@@ -277,7 +277,7 @@ class Supervisor:
                 self._group_down = False
 
     # ------------------------------------------------------------------------ spares
-    def _start(self, slot: Slot) -> tuple[Child, bool]:
+    def _start(self, slot: ProcessSlot) -> tuple[Child, bool]:
         """A process for ``slot``: a warm spare if one is ready (learners only), else a fresh
         one."""
         if not is_syncer(slot.name):

@@ -18,7 +18,7 @@ import torch
 
 
 @dataclass
-class Outgoing:
+class DeltaInFlight:
     """One delta of a fragment on its way to the syncer, from queued until merged back.
 
     ``delta`` is the fp32 delta as queued; once the syncer accepted it, the decoded wire value
@@ -47,10 +47,10 @@ class Outgoing:
 
 
 class Ledger:
-    """Per fragment, the ``Outgoing`` entries in the order they were queued."""
+    """Per fragment, the ``DeltaInFlight`` entries in the order they were queued."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, list[Outgoing]] = {}
+        self._entries: dict[int, list[DeltaInFlight]] = {}
         self._next_id = 0
 
     def add(
@@ -61,24 +61,24 @@ class Ledger:
         tokens: int,
         local_step: int,
         upload_id: int = 0,
-    ) -> Outgoing:
+    ) -> DeltaInFlight:
         """A new entry (not yet answered) with a fresh job id."""
         self._next_id += 1
-        entry = Outgoing(self._next_id, delta, steps, tokens, local_step, upload_id=upload_id)
+        entry = DeltaInFlight(self._next_id, delta, steps, tokens, local_step, upload_id=upload_id)
         self._entries.setdefault(fragment, []).append(entry)
         return entry
 
-    def of(self, fragment: int) -> list[Outgoing]:
+    def of(self, fragment: int) -> list[DeltaInFlight]:
         return list(self._entries.get(fragment, ()))
 
-    def find(self, fragment: int, job_id: int) -> Outgoing | None:
+    def find(self, fragment: int, job_id: int) -> DeltaInFlight | None:
         return next((e for e in self._entries.get(fragment, ()) if e.job_id == job_id), None)
 
-    def find_upload(self, upload_id: int) -> Outgoing | None:
+    def find_upload(self, upload_id: int) -> DeltaInFlight | None:
         """The entry sent with ``upload_id`` (of any fragment), if it is still on the ledger."""
         return next((e for _, e in self._items() if upload_id and e.upload_id == upload_id), None)
 
-    def remove(self, fragment: int, entry: Outgoing) -> None:
+    def remove(self, fragment: int, entry: DeltaInFlight) -> None:
         self._entries[fragment].remove(entry)
 
     def on_its_way(self, fragment: int) -> torch.Tensor | None:
@@ -91,7 +91,7 @@ class Ledger:
             total.add_(e.delta)
         return total
 
-    def take_merged(self, fragment: int, version: int) -> list[Outgoing]:
+    def take_merged(self, fragment: int, version: int) -> list[DeltaInFlight]:
         """Remove and return the accepted entries that ``version`` merged (admitted before)."""
         entries = self._entries.get(fragment, [])
         merged = [e for e in entries if e.admitted is not None and e.admitted < version]
@@ -99,7 +99,7 @@ class Ledger:
             self._entries[fragment] = [e for e in entries if e not in merged]
         return merged
 
-    def unanswered(self, fragment: int | None = None) -> list[Outgoing]:
+    def unanswered(self, fragment: int | None = None) -> list[DeltaInFlight]:
         """Entries without an answer yet, of one fragment or of all."""
         return [e for _, e in self._items(fragment) if e.admitted is None]
 
@@ -107,13 +107,13 @@ class Ledger:
         """Entries per fragment, fragments without any left out."""
         return {p: len(es) for p, es in self._entries.items() if es}
 
-    def _items(self, fragment: int | None = None) -> Iterator[tuple[int, Outgoing]]:
+    def _items(self, fragment: int | None = None) -> Iterator[tuple[int, DeltaInFlight]]:
         frags = self._entries if fragment is None else {fragment: self._entries.get(fragment, [])}
         for p, entries in frags.items():
             for e in entries:
                 yield p, e
 
-    def items(self) -> Iterator[tuple[int, Outgoing]]:
+    def items(self) -> Iterator[tuple[int, DeltaInFlight]]:
         """Every ``(fragment, entry)``, fragments in ascending order."""
         for p in sorted(self._entries):
             for e in list(self._entries[p]):

@@ -13,7 +13,7 @@ import torch
 
 from diloco.learner.accounting import Accounting
 from diloco.learner.inbox import Dropped, Rejoin
-from diloco.learner.ledger import Outgoing
+from diloco.learner.ledger import DeltaInFlight
 
 MERGED_REMEMBERED = 4096
 """Merged upload ids a learner remembers, so a later note that the syncer left one out of its
@@ -106,7 +106,7 @@ class Settling:
             if result.outcome == "guard" and self._reset(job.fragment):
                 self._reset_now.add(job.fragment)  # an island sends it to its other ranks
 
-    def _answered_by_the_dead(self, p: int, entry: Outgoing, result) -> str | None:
+    def _answered_by_the_dead(self, p: int, entry: DeltaInFlight, result) -> str | None:
         """The fate (``fate_at_rejoin`` with the successor's rejoin) of a delta an "accepted"
         answer came from a syncer instance this learner has already seen replaced (the
         sender thread may report an answer after the link thread reported the rejoin that
@@ -118,7 +118,7 @@ class Settling:
             return UNKNOWN  # its versions are not the successor's
         return fate_at_rejoin(successor, p, result.admitted, entry.upload_id)
 
-    def _settle_at_rejoin(self, p: int, entry: Outgoing, fate: str) -> None:
+    def _settle_at_rejoin(self, p: int, entry: DeltaInFlight, fate: str) -> None:
         """An accepted delta judged at a rejoin: kept on the ledger when the successor holds
         it, returned (sent again) when its round died, forgotten as unknown otherwise."""
         if fate == LOST:
@@ -126,7 +126,7 @@ class Settling:
         elif fate == UNKNOWN:
             self._forget_unknown(p, entry)
 
-    def _forget_unknown(self, p: int, entry: Outgoing) -> None:
+    def _forget_unknown(self, p: int, entry: DeltaInFlight) -> None:
         """Take ``entry`` off the ledger without sending it again or counting it merged: no
         syncer can tell whether it was merged. Its steps are counted ``unknown``, and its
         delta is taken into θ_p as a merge of it would be (``Learner._apply``): off the
@@ -141,7 +141,7 @@ class Settling:
         self.unknown_steps[p] += entry.steps
         self.counters["unknown"] += 1
 
-    def _return(self, p: int, entry: Outgoing) -> None:
+    def _return(self, p: int, entry: DeltaInFlight) -> None:
         """Take ``entry`` off the ledger: its progress is undelivered again (sent next time)."""
         self._ledger.remove(p, entry)
         self._journal_settled(entry.upload_id, "returned")

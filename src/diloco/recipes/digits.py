@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diloco.recipes.base import Recipe
-from diloco.recipes.text import DataError
+from diloco.recipes.text import DataError, SeededStream
 
 HOLDOUT = 0.2
 
@@ -57,34 +57,22 @@ def load_digits_split() -> tuple[
     return (x[:cut], y[:cut]), (x[cut:], y[cut:])
 
 
-class ImageStream:
-    """Random training batches for one learner; batch ``i`` depends only on (seed, learner,
-    i), so the data position is one integer (as ``diloco.recipes.text.BatchStream``)."""
+class ImageStream(SeededStream):
+    """Random training batches of images for one learner (a
+    :class:`~diloco.recipes.text.SeededStream`, as the text recipes' ``BatchStream``)."""
 
     def __init__(
         self, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, seed: int, learner: int
     ):
         if len(y) < 1:
             raise DataError("no training images")
+        super().__init__(seed=seed, learner=learner)
         self.x, self.y = x, y
-        self.batch_size, self.seed, self.learner = batch_size, seed, learner
-        self.index = 0
+        self.batch_size = batch_size
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + self.learner) * 1_000_000_007 + self.index
-        )
-        self.index += 1
-        rows = torch.randint(0, len(self.y), (self.batch_size,), generator=gen)
+        rows = torch.randint(0, len(self.y), (self.batch_size,), generator=self.next_generator())
         return self.x[rows], self.y[rows]
-
-    def state_dict(self) -> dict:
-        return {"index": self.index, "seed": self.seed, "learner": self.learner}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("seed") != self.seed or state.get("learner") != self.learner:
-            raise ValueError("batch stream state belongs to another seed or learner")
-        self.index = int(state["index"])
 
 
 @dataclass(kw_only=True)

@@ -82,35 +82,25 @@ def load_shakespeare() -> TextCorpus:
     return TextCorpus([f.read_bytes() for f in files], name="shakespeare")
 
 
-class BatchStream:
-    """Random training windows for one learner; batch ``i`` depends only on (seed, learner, i).
+class SeededStream:
+    """Random training batches for one learner where batch ``i`` depends only on (seed,
+    learner, i).
 
     That makes the data position a single integer (:meth:`state_dict`), so a restarted
     learner resumes its own stream exactly and distinct learners never share a stream.
     """
 
-    def __init__(
-        self, data: torch.Tensor, *, seq_len: int, batch_size: int, seed: int, learner: int
-    ) -> None:
-        if data.numel() < seq_len + 2:
-            raise DataError(f"{data.numel()} bytes cannot fill a window of {seq_len + 1}")
-        self.data = data
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.seed = seed
-        self.learner = learner
+    def __init__(self, *, seed: int, learner: int) -> None:
+        self.seed, self.learner = seed, learner
         self.index = 0
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_generator(self) -> torch.Generator:
+        """The random generator of the next batch (the position moves on by one)."""
         gen = torch.Generator().manual_seed(
             (self.seed * 1_000_003 + self.learner) * 1_000_000_007 + self.index
         )
         self.index += 1
-        starts = torch.randint(
-            0, self.data.numel() - self.seq_len - 1, (self.batch_size,), generator=gen
-        )
-        rows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()])
-        return rows[:, :-1], rows[:, 1:]
+        return gen
 
     def state_dict(self) -> dict:
         return {"index": self.index, "seed": self.seed, "learner": self.learner}
@@ -119,6 +109,28 @@ class BatchStream:
         if state.get("seed") != self.seed or state.get("learner") != self.learner:
             raise ValueError("batch stream state belongs to another seed or learner")
         self.index = int(state["index"])
+
+
+class BatchStream(SeededStream):
+    """Random training windows of a text for one learner (a :class:`SeededStream`)."""
+
+    def __init__(
+        self, data: torch.Tensor, *, seq_len: int, batch_size: int, seed: int, learner: int
+    ) -> None:
+        if data.numel() < seq_len + 2:
+            raise DataError(f"{data.numel()} bytes cannot fill a window of {seq_len + 1}")
+        super().__init__(seed=seed, learner=learner)
+        self.data = data
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = self.next_generator()
+        starts = torch.randint(
+            0, self.data.numel() - self.seq_len - 1, (self.batch_size,), generator=gen
+        )
+        rows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()])
+        return rows[:, :-1], rows[:, 1:]
 
 
 def heldout_windows(

@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from diloco.bench.matrix import DEFAULT_SETTING
+from diloco.bench.matrix import SWEEP_REFERENCE
 
 COLUMNS = (
     ("val_loss", "held-out loss", "{:.3f}"),
@@ -138,9 +138,9 @@ def bandwidth_target(
     sweep_rows: list[dict], dp_bytes_per_token: float | None, base_setting: dict | None = None
 ) -> dict | None:
     """>= 200x fewer bytes/token than data-parallel with loss within 5% of the sweep's
-    reference setting's (``base_setting``; by default ``matrix.DEFAULT_SETTING``, the
+    reference setting's (``base_setting``; by default ``matrix.SWEEP_REFERENCE``, the
     default until 2026-11-27: decoupled, H=24, int4 up / int8 down)."""
-    base = find(sweep_rows, **(base_setting or DEFAULT_SETTING))
+    base = find(sweep_rows, **(base_setting or SWEEP_REFERENCE))
     if not base or not dp_bytes_per_token:
         return None
     target = ">= 200x fewer bytes/token than dp, loss within 5% of the former default H=24"

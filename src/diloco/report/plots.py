@@ -4,22 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diloco.report.headless import headless_pyplot
+
 COLORS = {"decoupled": "tab:blue", "sync": "tab:orange", "dp": "tab:green", "torchft": "tab:red"}
 STYLES = {"clean": "-", "chaos": "--", "slow": ":"}
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def loss_curves(results: list[dict], out: Path) -> list[Path]:
     """Held-out loss against tokens and against wall time, one line per run."""
-    plt = _pyplot()
+    plt = headless_pyplot()
     paths = []
     for x, label, name in (("tokens", "tokens", "loss_vs_tokens"), ("t", "wall s", "loss_vs_time")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -52,7 +45,7 @@ def loss_curves(results: list[dict], out: Path) -> list[Path]:
 
 def bars(rows: list[dict], out: Path) -> list[Path]:
     """Goodput, bytes per token and tokens/s per (mode, condition) cell."""
-    plt = _pyplot()
+    plt = headless_pyplot()
     paths = []
     for column, title, log in (
         ("goodput", "goodput", False),
@@ -89,7 +82,7 @@ def contributors(results: list[dict], out: Path) -> Path | None:
     totals = {k: v for k, v in totals.items() if sum(v.values())}
     if not totals:
         return None
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ns = sorted({n for v in totals.values() for n in v})
     width = 0.8 / len(totals)
@@ -119,7 +112,7 @@ def sweep_tradeoff(rows: list[dict], out: Path) -> Path | None:
     """Held-out loss against bytes per token for every setting of the sweep."""
     if not rows:
         return None
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for r in rows:
         ax.scatter(r["bytes_per_token"], r["val_loss"], color="tab:blue")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 
+from diloco.report.headless import headless_pyplot
 from diloco.report.run_files import RunFiles, time_split
 
 MARKER_COLORS = {
@@ -24,17 +25,8 @@ MARKER_COLORS = {
 """Colors of the tape's failure and recovery markers (others are gray)."""
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _png(fig) -> bytes:
-    plt = _pyplot()
+    plt = headless_pyplot()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
@@ -61,7 +53,7 @@ def at_a_glance(run: RunFiles) -> bytes | None:
     """The main figure: held-out loss (top) and the global model's progress (bottom: committed
     rounds per second, or data-parallel's steps per second) against wall time, with every
     failure and recovery marked."""
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.6), sharex=True)
     if run.metrics:
         top.plot([m["t"] for m in run.metrics], [m["val_loss"] for m in run.metrics], "o-", ms=3)
@@ -108,7 +100,7 @@ def loss_vs_tokens(run: RunFiles) -> bytes | None:
     points = [(m["tokens"], m["val_loss"]) for m in run.metrics if m.get("tokens") is not None]
     if not points:
         return None
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(*zip(*points, strict=True), "o-", ms=3)
     ax.set_xlabel("tokens trained (all learners)")
@@ -123,7 +115,7 @@ def provisioned_time(run: RunFiles) -> bytes | None:
     split = time_split(run)
     if not split:
         return None
-    plt = _pyplot()
+    plt = headless_pyplot()
     names = list(split)
     fig, ax = plt.subplots(figsize=(6, 1.3 + 0.45 * len(names)))
     left = [0.0] * len(names)
@@ -146,7 +138,7 @@ def contributors(run: RunFiles) -> bytes | None:
     counts = run.tape.contributors
     if not counts:
         return None
-    plt = _pyplot()
+    plt = headless_pyplot()
     sizes = sorted(counts)
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.bar([str(n) for n in sizes], [counts[n] for n in sizes], color="tab:purple")
@@ -160,7 +152,7 @@ def bytes_per_learner(run: RunFiles) -> bytes | None:
     learners = run.summary.get("per_learner", {})
     if not learners:
         return None
-    plt = _pyplot()
+    plt = headless_pyplot()
     names = list(learners)
     fig, ax = plt.subplots(figsize=(6, 0.8 + 0.5 * len(names)))
     y = range(len(names))

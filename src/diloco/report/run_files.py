@@ -14,7 +14,11 @@ from pathlib import Path
 from diloco.report.goodput import schedule_down
 from diloco.report.tally import ProgressTally, TapeTally
 from diloco.runtime.jsonl import read_jsonl
+from diloco.runtime.metrics import METRICS_FILE
 from diloco.wire.protocol import ProtocolConfig
+
+TAPE = "syncer/events.jsonl"
+"""The event tape's place in a run directory."""
 
 
 class NotARun(ValueError):
@@ -50,23 +54,27 @@ class RunFiles:
         return self.started + float(self.summary.get("train_s") or self.summary["wall_s"])
 
 
-def load_run(path: str | Path) -> RunFiles:
-    """Read a finished run directory; ``NotARun`` if it has no ``summary.json``."""
+def load_run(path: str | Path, *, finished: bool = True) -> RunFiles:
+    """Read a run directory: the one loader of what a run leaves.
+
+    ``finished`` (a report): the run must have a readable ``summary.json``, else ``NotARun``;
+    a missing ``config.json`` reads as ``{}``. ``finished=False`` (the digital twin, which
+    reads a run's configuration and tape): ``config.json`` and the event tape must be there,
+    else ``NotARun``; a missing ``summary.json`` reads as ``{}``.
+    """
     path = Path(path)
-    try:
-        summary = json.loads((path / "summary.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise NotARun(
-            f"{path} is not a finished run (no readable summary.json: {exc.__class__.__name__})"
-        ) from None
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
+    summary = _read_json(path / "summary.json")
+    config = _read_json(path / "config.json")
+    tape_path = path / TAPE
+    if finished and summary is None:
+        raise NotARun(f"{path} is not a finished run (no readable summary.json)")
+    if not finished and (config is None or not tape_path.is_file()):
+        raise NotARun(f"{path}: not a diloco run directory (need config.json and {TAPE})")
+    summary, config = summary or {}, config or {}
     protocol = (config.get("syncer") or {}).get("protocol") or {}
     fragments = int(protocol.get("num_fragments") or ProtocolConfig.num_fragments)
     tape = TapeTally(fragments)
-    for record in read_jsonl(path / "syncer" / "events.jsonl"):
+    for record in read_jsonl(tape_path):
         tape.add(record)
     progress, steps = {}, {}
     for learner in summary.get("per_learner", {}):
@@ -80,11 +88,20 @@ def load_run(path: str | Path) -> RunFiles:
         path=path,
         summary=summary,
         config=config,
-        metrics=[m for m in read_jsonl(path / "metrics.jsonl") if m.get("val_loss") is not None],
+        metrics=[m for m in read_jsonl(path / METRICS_FILE) if m.get("val_loss") is not None],
         tape=tape,
         progress=progress,
         steps=steps,
     )
+
+
+def _read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``; None if it is missing, unreadable or not an object."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def time_split(run: RunFiles) -> dict[str, dict[str, float]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from diloco.report.headless import headless_pyplot
 from diloco.sim.grid import (
     PAPER_CHIPS,
     PAPER_DECOUPLED_M8_1_2M,
@@ -13,11 +14,7 @@ from diloco.sim.grid import (
 
 def plot_goodput(cells: list[dict], path: str) -> None:
     """Simulated goodput (95% CI bars) per mode; the paper's published values as open markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rows: dict[tuple[str, int], list[dict]] = {}
     for c in cells:

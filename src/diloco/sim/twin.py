@@ -24,7 +24,6 @@ the ratio of mean to median training speed (the run's provisioning uses the medi
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco.chaos import parse_spec, schedule
+from diloco.report.run_files import load_run
 from diloco.report.tally import learner_speed
 from diloco.runtime.jsonl import read_jsonl
 from diloco.sim.failures import merge_outages
@@ -91,25 +91,9 @@ class RunFacts:
             raise ValueError(f"config.json lacks {exc}: not a run of this version") from None
 
 
-def load_run(run_dir: str | Path) -> tuple[RunFacts, list[dict], dict | None]:
-    """The run's configuration (``config.json``), its event tape and ``summary.json`` (None if
-    missing)."""
-    run = Path(run_dir)
-    config_path, tape_path = run / "config.json", run / "syncer" / "events.jsonl"
-    if not config_path.is_file() or not tape_path.is_file():
-        raise FileNotFoundError(
-            f"{run}: not a diloco run directory (need config.json and syncer/events.jsonl)"
-        )
-    config = RunFacts.from_config(json.loads(config_path.read_text()))
-    records = read_jsonl(tape_path, missing_ok=False)
-    summary_path = run / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    return config, records, summary
-
-
-def launch_time(config: RunFacts, records: list[dict]) -> float | None:
-    """The run's launch time on the tape's clock, from its first chaos record and schedule."""
-    chaos = [r for r in records if r.get("event") == "chaos"]
+def launch_time(config: RunFacts, chaos: list[dict]) -> float | None:
+    """The run's launch time on the tape's clock, from its first chaos record (``chaos``: the
+    tape's chaos records, in order) and its schedule."""
     if not chaos or not config.chaos:
         return None
     planned = schedule(parse_spec(config.chaos), config.learners, config.minutes * 60, config.seed)
@@ -118,14 +102,12 @@ def launch_time(config: RunFacts, records: list[dict]) -> float | None:
 
 def measure_constants(run_dir: str | Path) -> MachineConstants:
     """Measure start-up, restart overhead and step rate from a chaos run's tape and logs."""
-    config, records, _ = load_run(run_dir)
-    launch = launch_time(config, records)
+    run = load_run(run_dir, finished=False)
+    config, tape = RunFacts.from_config(run.config), run.tape
+    launch = launch_time(config, tape.chaos)
     if launch is None:
         raise ValueError(f"{run_dir}: needs a run with --chaos (its schedule dates the launch)")
-    joins: dict[str, float] = {}
-    for r in records:
-        if r.get("event") == "join" and not r.get("observer"):
-            joins.setdefault(r["learner"], r["t"])
+    joins = tape.joins  # each learner's first join (observers excluded)
     startup = statistics.median(t - launch for t in joins.values())
     overheads, rates = [], []
     trained, at_median = 0.0, 0.0
@@ -140,21 +122,16 @@ def measure_constants(run_dir: str | Path) -> MachineConstants:
             if 0 < dt < 4.0 and dtok > 0:  # one incarnation, training (records ~1 s apart)
                 trained += dtok
                 at_median += median * dt
-        for r in records:
-            if r.get("event") == "restart" and r.get("target") == learner:
-                nxt = next((p["t"] for p in steps if p["t"] > r["t"]), None)
-                later_kill = next(
-                    (
-                        c["t"]
-                        for c in records
-                        if c.get("event") == "chaos"
-                        and c.get("target") == learner
-                        and c["t"] > r["t"]
-                    ),
-                    None,
-                )
-                if nxt is not None and (later_kill is None or nxt < later_kill):
-                    overheads.append(nxt - r["t"])
+        for restart in tape.reintegrations:
+            if restart["learner"] != learner:
+                continue
+            t = restart["restarted_at"]
+            nxt = next((p["t"] for p in steps if p["t"] > t), None)
+            later_kill = next(
+                (c["t"] for c in tape.chaos if c.get("target") == learner and c["t"] > t), None
+            )
+            if nxt is not None and (later_kill is None or nxt < later_kill):
+                overheads.append(nxt - t)
     if not overheads:
         raise ValueError(f"{run_dir}: no learner restart that trained again before its next kill")
     return MachineConstants(
@@ -196,7 +173,8 @@ def predict(config: RunFacts, constants: MachineConstants, seed: int) -> float:
 
 def twin_report(run_dir: str | Path, constants: MachineConstants, seeds: int = 200) -> dict:
     """Predicted (the run's own seed; and mean ± 95% CI over ``seeds`` other seeds) vs measured."""
-    config, _, summary = load_run(run_dir)
+    run = load_run(run_dir, finished=False)
+    config, summary = RunFacts.from_config(run.config), run.summary or None
     if not config.chaos:
         raise ValueError(f"{run_dir}: the run has no --chaos spec to predict from")
     own_seed = config.seed

@@ -86,7 +86,7 @@ RECENT_VERSIONS = 16
 
 
 @dataclass(frozen=True)
-class Outgoing:
+class QueuedVersion:
     """One fragment version queued for a stream."""
 
     fragment: int
@@ -124,7 +124,7 @@ class Subscriber:
         subscribed (the stream sends it nothing older, and deltas only on top of it)."""
         self.learner_id, self.session, self.observer = learner_id, session, observer
         self.held: dict[int, int] = dict(held or {})
-        self.pending: dict[int, list[Outgoing]] = {}
+        self.pending: dict[int, list[QueuedVersion]] = {}
         """Per fragment, what waits to be sent, in order: a keyframe, or a chain of deltas."""
         self.requests: dict[int, int] = {}
         self.cond = threading.Condition()
@@ -158,7 +158,7 @@ class Subscriber:
                 and sum(len(i.body) for i in chain if i.is_delta) + len(delta) <= keyframe.nbytes
             ):
                 chain.append(
-                    Outgoing(
+                    QueuedVersion(
                         fragment,
                         version,
                         delta,
@@ -172,7 +172,7 @@ class Subscriber:
                 skipped = frozenset().union(*(item.contributors for item in chain))
                 lost = frozenset().union(*(item.dropped for item in chain))
                 chain = [
-                    Outgoing(
+                    QueuedVersion(
                         fragment,
                         version,
                         keyframe,
@@ -189,7 +189,9 @@ class Subscriber:
         """Tell this stream's learner it already holds ``version`` (no payload)."""
         with self.cond:
             self.pending[fragment] = [
-                Outgoing(fragment, version, b"", KEYFRAME_CODEC, -1, frozenset(), unchanged=True)
+                QueuedVersion(
+                    fragment, version, b"", KEYFRAME_CODEC, -1, frozenset(), unchanged=True
+                )
             ]
             self.cond.notify()
 
@@ -199,7 +201,7 @@ class Subscriber:
             self.requests[fragment] = version
             self.cond.notify()
 
-    def take(self, timeout: float) -> tuple[list[tuple[int, int]], list[Outgoing]]:
+    def take(self, timeout: float) -> tuple[list[tuple[int, int]], list[QueuedVersion]]:
         """Wait (up to ``timeout``) for something to send; returns every request and what
         waits of one fragment, the one waiting longest (a keyframe, or a chain of deltas),
         and counts those versions as held by the learner. The other fragments wait here,
@@ -209,7 +211,7 @@ class Subscriber:
                 self.cond.wait(timeout)
             requests = sorted(self.requests.items())
             self.requests.clear()
-            items: list[Outgoing] = []
+            items: list[QueuedVersion] = []
             if self.pending:  # (a dict keeps the order fragments began to wait in)
                 items = self.pending.pop(next(iter(self.pending)))
             for item in items:

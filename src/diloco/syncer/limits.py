@@ -100,7 +100,7 @@ def stream_limits(max_learners: int) -> StreamLimits:
     )
 
 
-class Slot:
+class StreamSlot:
     """One open stream's place under the caps. ``release`` gives it back; only the first call
     counts, so a newer stream may release an older one's place while the older one's
     handler still runs (it releases nothing more when it ends)."""
@@ -125,7 +125,7 @@ class StreamLimits:
         self._total: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def take(self, kind: str, caller: Caller) -> Slot:
+    def take(self, kind: str, caller: Caller) -> StreamSlot:
         """A place for one ``kind`` stream of ``caller``; raises ``LimitExceeded`` (nothing
         held) when a cap is reached."""
         keys = tuple((kind, scope, key) for scope, key in caller.scopes())
@@ -143,7 +143,7 @@ class StreamLimits:
             self._total[kind] += 1
             for k in keys:
                 self._open[k] += 1
-        return Slot(self, kind, keys)
+        return StreamSlot(self, kind, keys)
 
     @contextmanager
     def hold(self, kind: str, caller: Caller):
@@ -154,7 +154,7 @@ class StreamLimits:
         finally:
             slot.release()
 
-    def _release(self, slot: Slot) -> None:
+    def _release(self, slot: StreamSlot) -> None:
         with self._lock:
             if not slot.held:
                 return

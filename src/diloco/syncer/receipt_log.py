@@ -26,7 +26,6 @@ logs let go. Cost per commit: one line (~40 bytes per upload it holds) and one f
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -35,7 +34,7 @@ from pathlib import Path
 
 from diloco.syncer.lineage import Behind, behind
 from diloco.syncer.receipts import RETAINED_COMMIT_LOGS, CommitLog
-from diloco.syncer.store import StateError, SyncFailed, replace_atomically
+from diloco.syncer.store import StateError, SyncFailed, replace_atomically, write_all
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +117,7 @@ class ReceiptLog:
         try:
             size = os.fstat(fd).st_size
             try:
-                _write_all(fd, line, self.path)
+                write_all(fd, line, self.path)
                 os.fsync(fd)
             except OSError as failed:
                 try:
@@ -198,12 +197,3 @@ class ReceiptLog:
         replace_atomically(self.path, text.encode(), fence=self.fence)
         self.complete_from = dict(complete_from)
         self._lines = len(logs)
-
-
-def _write_all(fd: int, data: bytes, path: Path) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(errno.ENOSPC, f"could not write {path}")
-        view = view[written:]

@@ -36,8 +36,8 @@ from diloco.syncer.limits import (
     SHORT_CALL_THREADS,
     Caller,
     LimitExceeded,
-    Slot,
     StreamLimits,
+    StreamSlot,
     stream_limits,
 )
 from diloco.syncer.receipt_log import ReceiptLog
@@ -346,7 +346,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                     )
             self.committer.wake()
 
-    def _replace(self, sub: Subscriber, caller: Caller, context) -> Slot:
+    def _replace(self, sub: Subscriber, caller: Caller, context) -> StreamSlot:
         """Register ``sub`` in the place of its learner's older subscriptions (lock held).
 
         Each older one is closed, its place under the stream caps given back at once and its

@@ -127,17 +127,23 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def write_all(fd: int, data: bytes, path: Path) -> None:
+    """Write all of ``data`` to ``fd`` (the file at ``path``), however short each write;
+    ``OSError`` (ENOSPC when the disk takes no more) if it cannot."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, f"could not write {path}")
+        view = view[written:]
+
+
 def _write_synced(path: Path, data: bytes) -> None:
     """Write ``data`` to a new file at ``path`` and fsync it; ``OSError`` (disk full, I/O
     error) if any of it could not be written."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            if written <= 0:
-                raise OSError(errno.ENOSPC, f"could not write {path}")
-            view = view[written:]
+        write_all(fd, data, path)
         os.fsync(fd)
     finally:
         os.close(fd)

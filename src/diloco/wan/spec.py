@@ -7,8 +7,8 @@ name)::
     2,3:rate=20mbit,rtt=80ms      the links of learners 2 and 3 (a slow site)
     rate=none                     unshaped (the harness, but no rate limit)
 
-``rate``: a number with ``bit``, ``kbit``, ``mbit`` or ``gbit`` (per second, decimal units as
-``tc`` reads them), or ``none``. ``rtt``: a duration (``diloco.runtime.units``; ``0`` for none).
+``rate``: bits per second with a unit (``50mbit``, ``1gbit``, ``500kbit``, decimal as ``tc``
+reads them; the grammar is ``diloco.runtime.units.parse_rate``), or ``none``. ``rtt``: a duration (``diloco.runtime.units``; ``0`` for none).
 A learner's link is shaped to ``rate`` in each direction (``up`` and ``down`` set them apart);
 ``rtt`` is the round trip between the learner and the syncer.
 """
@@ -17,10 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.runtime.units import parse_duration
-
-RATE_UNITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
-"""Rate suffixes in bits per second (longest match first)."""
+from diloco.runtime.units import format_rate, parse_duration, parse_rate
 
 
 @dataclass(frozen=True)
@@ -42,33 +39,6 @@ class LinkSpec:
         return f"{format_rate(self.up_bps)}/{format_rate(self.down_bps)} {self.rtt_s * 1e3:g}ms"
 
 
-def parse_rate(text: str) -> float | None:
-    """``50mbit`` -> 5e7 bits/s; ``none`` -> None. Raises ValueError naming the text."""
-    t = text.strip().lower()
-    if t in ("none", "unshaped", "inf"):
-        return None
-    for unit in sorted(RATE_UNITS, key=len, reverse=True):
-        if t.endswith(unit):
-            try:
-                value = float(t[: -len(unit)]) * RATE_UNITS[unit]
-            except ValueError:
-                break
-            if not value > 0:
-                raise ValueError(f"{text!r}: a rate must be > 0 (or none)")
-            return value
-    raise ValueError(f"{text!r} is not a rate (e.g. 20mbit, 1gbit, 500kbit, none)")
-
-
-def format_rate(bps: float | None) -> str:
-    """5e7 -> ``50mbit``; None -> ``none`` (``tc`` reads it back)."""
-    if bps is None:
-        return "none"
-    for unit, scale in RATE_UNITS.items():
-        if bps >= scale and unit != "bit":
-            return f"{bps / scale:g}{unit}"
-    return f"{bps:g}bit"
-
-
 def parse_link(text: str, base: LinkSpec | None = None) -> LinkSpec:
     """``rate=50mbit,rtt=40ms`` (keys ``rate``, ``up``, ``down``, ``rtt``) on top of ``base``."""
     up, down, rtt = (base.up_bps, base.down_bps, base.rtt_s) if base else (None, None, 0.0)
@@ -78,11 +48,11 @@ def parse_link(text: str, base: LinkSpec | None = None) -> LinkSpec:
             raise ValueError(f"--wan: {item!r} is not key=value (rate=, up=, down=, rtt=)")
         key = key.strip().lower()
         if key == "rate":
-            up = down = parse_rate(value)
+            up = down = parse_rate(value, unshaped_ok=True)
         elif key == "up":
-            up = parse_rate(value)
+            up = parse_rate(value, unshaped_ok=True)
         elif key == "down":
-            down = parse_rate(value)
+            down = parse_rate(value, unshaped_ok=True)
         elif key == "rtt":
             rtt = parse_duration(value)
         else:

@@ -1,5 +1,8 @@
 """Named communication settings: ``--comms default|low|lowest``, picked by the link a site has.
 
+Only the named settings live here; exchanges measured beside them (the former default, the
+sparse ``topk2`` codec) are experiments, in ``diloco.wire.experimental``.
+
 A setting fixes the three things that size the exchange: H (each fragment leaves every H inner
 steps), the codec of the learners' outer gradients (up) and that of the merged changes the
 syncer broadcasts (down), and with the latter whether the syncer keeps the down codec's
@@ -51,10 +54,9 @@ DEFAULT_SETTING = COMMS[DEFAULT_COMMS]
 
 Until 2026-11-27 the default was H = 24, int4 up, int8 down (87× fewer bytes per token than
 data-parallel); the default now sends about 211× fewer at the same held-out loss within the
-noise (benchmarks/RESULTS.md, "The default at 200×"). ``FORMER_DEFAULT`` keeps those values:
-the measurements made before the change name it."""
-FORMER_DEFAULT = CommsSetting(24, "int4", "int8")
-"""The default until 2026-11-27 (``--sync-every 24 --up-codec int4 --down-codec int8``)."""
+noise (benchmarks/RESULTS.md, "The default at 200×"). ``diloco.wire.experimental`` keeps
+those values (``FORMER_DEFAULT``) with the other measured exchanges that are no named
+setting."""
 
 
 COMMS_FIELDS = frozenset({"sync_every", "up_codec", "down_codec", "down_feedback"})

@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from diloco.config.dp_worker import DpWorkerConfig
+from diloco.runtime.metrics import append_metric
 
 #: Chaos kinds that mean something for a static group without a syncer.
 DP_CHAOS_KINDS = ("kill", "hang")
@@ -254,7 +255,7 @@ def finish(
     counters = fabric.counters() if fabric is not None else None
     facts["val_final"] = evaluator.evaluate()
     facts["scores"] = (facts.pop("scores_initial"), evaluator.scores)
-    append_metric(run_dir, facts["started"], evaluator, facts["val_final"])
+    record_metric(run_dir, facts["started"], evaluator, facts["val_final"])
     summary = summarize_dp(config, run_dir, plans, sup, facts)
     if fabric is not None:
         from diloco.launch.wan import wan_section
@@ -272,8 +273,7 @@ def supervise_group(
 ) -> str:
     """The supervisor loop for the group: failures, growth (``--add-learners``), view,
     evaluation, stop conditions, and the learner rows for ``outputs`` (the dashboard)."""
-    from diloco.launch.loop import stop_reason, view_frame
-    from diloco.launch.supervisor import MAX_UNPLANNED_RESTARTS
+    from diloco.launch.loop import check_crashes, stop_reason, view_frame
     from diloco.launch.view import LiveView
 
     view = LiveView(enabled=not config.json and not config.no_view)
@@ -287,17 +287,13 @@ def supervise_group(
             if added:
                 growth.grow(added)
             sup.poll()
-            for slot in sup.slots.values():
-                crashes = sum(1 for c in slot.exit_codes if c != 0) - slot.planned_deaths
-                if crashes > MAX_UNPLANNED_RESTARTS:
-                    tail = slot.child.tail() if slot.child else ""
-                    raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
+            check_crashes(sup)
             latest = {name: tail.latest() for name, tail in tails.items()}
             now = time.time()
             if config.eval_every and now - last_eval >= config.eval_every:
                 last_eval = now
                 last_loss = evaluator.evaluate()
-                append_metric(run_dir, started, evaluator, last_loss)
+                record_metric(run_dir, started, evaluator, last_loss)
             training = all(latest[n] is not None and "event" not in latest[n] for n in sup.group)
             if training or now - started > config.start_timeout_s:
                 sup.start_chaos()
@@ -377,17 +373,18 @@ class ProgressTail:
         return self.last
 
 
-def append_metric(run_dir: Path, started: float, evaluator: SnapshotEvaluator, loss: float):
-    rec = {
-        "t": round(time.time() - started, 3),
-        "val_loss": loss,
-        "versions": evaluator.step,
-        "tokens": evaluator.tokens,
-        "rounds": evaluator.step,
-        **{f"val_{k}": v for k, v in evaluator.scores.items()},
-    }
-    with (run_dir / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps(rec) + "\n")
+def record_metric(run_dir: Path, started: float, evaluator: SnapshotEvaluator, loss: float):
+    """One line of ``metrics.jsonl`` (``diloco.runtime.metrics``): the held-out loss of the
+    newest snapshot; a data-parallel step is its version and its round."""
+    append_metric(
+        run_dir,
+        started=started,
+        val_loss=loss,
+        scores=evaluator.scores,
+        versions=evaluator.step,
+        tokens=evaluator.tokens,
+        rounds=evaluator.step,
+    )
 
 
 def summarize_dp(config, run_dir: Path, plans, sup, facts: dict) -> dict:
