@@ -116,8 +116,22 @@ def slurm_run(cluster):
     array = slurm(env, *submit, f"--array=0-{LEARNERS - 1}", str(SLURM / "learner.sbatch"))
     learners = [f"{array}_{i}" for i in range(LEARNERS)]
     workdir = run / "learners" / str(REQUEUED)
+    syncer_out = run / f"diloco-syncer-{syncer}.out"
+    # The syncer first, while both learners have most of their steps ahead: requeued after
+    # the learner's own requeue, the learner that never stopped had sometimes finished its
+    # 900 steps (on a loaded machine) before the syncer came back, and took no part after it.
+    wait_until(lambda: last_step(workdir) >= 150, 120, "the learners to train", interval=0.2)
+    syncer_requeued_at = time.time()
+    requeue(env, syncer)
     wait_until(
-        lambda: last_step(workdir) >= 200 and (workdir / "checkpoint.pt").exists(),
+        lambda: syncer_out.read_text().count("diloco syncer serving on") == 2,
+        120,
+        "the requeued syncer to serve again",
+        interval=0.2,
+    )
+    reached = last_step(workdir)
+    wait_until(
+        lambda: last_step(workdir) >= reached + 100 and (workdir / "checkpoint.pt").exists(),
         120,
         "the learner to train and checkpoint",
         interval=0.2,
@@ -130,9 +144,6 @@ def slurm_run(cluster):
         "the requeued learner to resume",
         interval=0.2,
     )
-    wait_until(lambda: last_step(workdir) >= 500, 120, "training after the requeue", interval=0.2)
-    syncer_requeued_at = time.time()
-    requeue(env, syncer)
     wait_until(
         lambda: all(job(env, j)["JobState"] == "COMPLETED" for j in learners),
         240,
