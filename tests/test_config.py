@@ -303,6 +303,21 @@ def test_the_peers_defaults_are_our_syncers_and_torchfts_lighthouses():
         )
 
 
+def test_a_learner_has_no_sync_every(tmp_path, capsys):
+    """A learner takes H from the syncer: ``--sync-every`` is refused, and a configuration
+    file that still holds H (written before) reads without it."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["learner", "--id=x", "--no-sync", "--sync-every=4"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --sync-every" in capsys.readouterr().err
+    doc = to_dict(WorkerConfig(id="x"))
+    assert "sync_every" not in doc["protocol"]
+    doc["protocol"]["sync_every"] = 24
+    path = tmp_path / "learner.json"
+    path.write_text(json.dumps(doc))
+    assert load_config_file(str(path), WorkerConfig) == WorkerConfig(id="x")
+
+
 def test_version(capsys):
     from diloco import __version__
     from diloco.cli import main
