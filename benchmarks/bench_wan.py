@@ -8,8 +8,9 @@
 --wan rate=RATE,rtt=RTT`` (every learner, or data-parallel rank, in its own network
 namespace; the kernel's ``tbf`` shapes each link in both directions; ``diloco.wan``), with
 the default recipe and settings of each mode; ``torchft``: ``python -m
-diloco.cli.torchft_peer`` with the same flags (torchft's DiLoCo at our default H, one fragment,
-every replica group on its link); ``lowest``: decoupled with ``--comms lowest`` and Muon
+diloco.cli.torchft_peer`` with the same flags (torchft's DiLoCo at our default H and our
+syncer's outer optimizer, lr 0.6 and Nesterov momentum 0.7, one fragment, every replica group
+on its link); ``lowest``: decoupled with ``--comms lowest`` and Muon
 (``--inner-optimizer muon --inner-lr 6e-3``, the setting's measured use). Fixed wall time,
 so every mode spends the same
 seconds; ``rate=none`` is the harness unshaped (the same namespaces and routing).

@@ -29,7 +29,7 @@ from diloco.config.run import RunConfig
 from diloco.config.service import ServiceConfig
 from diloco.config.worker import WorkerConfig
 from diloco.launch.children import LearnerPlan, service_config, worker_config
-from diloco.runtime.schema import default_of, sections
+from diloco.runtime.schema import default_of, flag_name, sections
 from diloco.syncer.config import SyncerConfig
 from diloco.wire.comms import DEFAULT_SETTING
 
@@ -185,54 +185,137 @@ def test_a_runs_config_json_repeats_it_with_flags_on_top(tmp_path, capsys):
     assert main(["run", f"--config={tmp_path / 'missing.json'}"]) == 2
 
 
-# The commands whose settings are not a configuration dataclass of their own still take every
-# default from one: flag destination -> (dataclass, field).
-OTHER_DEFAULTS = {
-    "simulate": {
-        "slice_chips": ("diloco.sim.grid:SimConfig", "slice_chips"),
-        "mtbi": ("diloco.sim.grid:SimConfig", "mtbi_s"),
-        "restart": ("diloco.sim.grid:SimConfig", "restart_s"),
-        "checkpoint_every": ("diloco.sim.grid:SimConfig", "checkpoint_s"),
-        "reconfig": ("diloco.sim.grid:SimConfig", "reconfig_s"),
-        "readd": ("diloco.sim.grid:SimConfig", "readd_s"),
-        "speed_sigma": ("diloco.sim.grid:SimConfig", "speed_sigma"),
-        "quorum": ("diloco.sim.grid:SimConfig", "quorum"),
-        "duration": ("diloco.sim.grid:SimConfig", "horizon_s"),
-    },
-    "bench": {
-        "learners": ("diloco.bench.matrix:Budget", "learners"),
-        "steps": ("diloco.bench.matrix:Budget", "steps"),
-        "minutes": ("diloco.bench.matrix:Budget", "minutes"),
-        "recipe": ("diloco.bench.matrix:Budget", "recipe"),
-        "eval_every": ("diloco.bench.matrix:Budget", "eval_every"),
-    },
-    "plan": {
-        name: ("diloco.plan:PlanInputs", field)
-        for name, field in [
-            ("sites", "sites"),
-            ("dp_bits", "dp_bits"),
-            ("bits", "up_bits"),
-            ("down_bits", "down_bits"),
-            ("fragments", "num_fragments"),
-            ("sync_every", "sync_every"),
-            ("tau", "tau"),
-            ("utilization", "utilization"),
-            ("dp_overlap", "dp_overlap"),
-        ]
-    },
-}
+# The commands whose settings are a library dataclass: command -> (the dataclass, its fields
+# that are no flag (only the Python API sets them), the command's own switches that are no
+# setting). Every other flag of the command must be a field of the dataclass.
+SETTINGS_COMMANDS = {
+    "simulate": (
+        "diloco.sim.config:SimConfig",
+        set(),
+        {"table", "chips", "mode", "learners", "twin", "calibrate_from", "seeds", "seed",
+         "json", "plot"},
+    ),
+    "plan": ("diloco.plan:PlanInputs", set(), {"comms", "link", "json"}),
+    "bench": (
+        "diloco.bench.matrix:Budget",
+        {"slow_factor"},
+        {"out", "modes", "conditions", "seeds", "peer", "sweep", "sweep_seeds", "sweep_only"},
+    ),
+    "torchft-peer": (
+        "diloco.config.torchft:PeerSettings",
+        {"threads", "min_replicas", "join_timeout_ms", "quorum_tick_ms",
+         "heartbeat_timeout_ms", "start_timeout_s", "stop_timeout_s", "max_minutes"},
+        {"json"},
+    ),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("command", sorted(OTHER_DEFAULTS))
-def test_other_commands_take_their_defaults_from_a_dataclass(command):
+def settings_parser(command: str) -> argparse.ArgumentParser:
+    if command == "torchft-peer":
+        from diloco.cli.torchft_peer import parser
+
+        return parser()
+    return subparsers()[command]
+
+
+def settings_fields(cls) -> dict[str, tuple[type, dataclasses.Field, object]]:
+    """Every setting of ``cls`` and its sections: name -> (its class, its field, the default
+    its flag must have: the field's, or for a section's field the value in its owner's
+    default section)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        sub = sections(cls).get(f.name)
+        if sub is None:
+            out[f.name] = (cls, f, default_of(f))
+            continue
+        owned = default_of(f)
+        for name, (owner, g, _) in settings_fields(sub).items():
+            out[name] = (owner, g, getattr(owned, name))
+    return out
+
+
+@pytest.mark.parametrize("command", sorted(SETTINGS_COMMANDS))
+def test_a_settings_class_makes_its_commands_flags(command):
+    """Issue 47: SimConfig, PlanInputs, Budget and PeerSettings are schema dataclasses, and
+    their commands' flags are made from them: each option field is a flag with its name, its
+    default and its docstring as help; every other flag is a listed switch of the command."""
     import importlib
 
-    actions = {a.dest: a for a in subparsers()[command]._actions}
-    for dest, (where, name) in OTHER_DEFAULTS[command].items():
-        module, cls_name = where.split(":")
-        cls = getattr(importlib.import_module(module), cls_name)
-        field = {f.name: f for f in dataclasses.fields(cls)}[name]
-        assert actions[dest].default == default_of(field), (command, dest)
+    where, api_only, switches = SETTINGS_COMMANDS[command]
+    module, name = where.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    actions = {
+        a.dest: a
+        for a in settings_parser(command)._actions
+        if not isinstance(a, argparse._HelpAction)
+    }
+    flags = set()
+    for field_name, (owner, f, default) in settings_fields(cls).items():
+        if field_name in api_only:
+            assert f not in options(owner), f"{command}: {field_name} is an option"
+            continue
+        assert f in options(owner), f"{command}: {owner.__name__}.{field_name} is no option"
+        action = actions.get(field_name)
+        assert action is not None, f"{command}: {owner.__name__}.{field_name} has no flag"
+        assert flag_name(f) in action.option_strings
+        repeated = list(default.items()) if isinstance(default, dict) else default
+        if isinstance(repeated, tuple | list):
+            repeated = list(repeated)
+        assert action.default == repeated, (command, field_name, action.default, default)
+        doc = field_docs(owner)[field_name].replace("``", "")
+        assert action.help.replace("%%", "%").startswith(doc), (command, field_name)
+        flags.add(field_name)
+    assert set(actions) - flags == switches, command
+
+
+def test_a_settings_commands_defaults_build_the_dataclass_defaults():
+    """The flags' defaults, parsed, are the dataclass's own defaults (sections included)."""
+    from diloco.bench.matrix import Budget
+    from diloco.config.torchft import PeerSettings
+    from diloco.plan import PlanInputs
+    from diloco.sim.config import SimConfig
+
+    assert from_namespace(SimConfig, settings_parser("simulate").parse_args([])) == SimConfig()
+    assert from_namespace(Budget, settings_parser("bench").parse_args([])) == Budget()
+    peer = settings_parser("torchft-peer").parse_args([])
+    assert from_namespace(PeerSettings, peer) == PeerSettings()
+    plan = settings_parser("plan").parse_args(["--params", "12B", "--step-time", "2"])
+    assert from_namespace(PlanInputs, plan) == PlanInputs(params=12e9, step_time_s=2.0)
+    given = settings_parser("torchft-peer").parse_args(["--slow", "1=3", "--wan", "rate=1mbit"])
+    assert from_namespace(PeerSettings, given).slow == {1: 3.0}
+    assert from_namespace(PeerSettings, given).wan == ("rate=1mbit",)
+
+
+def test_the_peers_defaults_are_our_syncers_and_torchfts_lighthouses():
+    """PeerSettings repeated the lighthouse's defaults and had outer lr 1.0 and momentum 0
+    under a comment saying "like our syncer's": each now comes from where it is written."""
+    from diloco.config.torchft import LighthouseConfig, PeerSettings
+
+    peer = PeerSettings()
+    assert (peer.outer_lr, peer.outer_momentum) == (
+        SyncerConfig.outer_lr,
+        SyncerConfig.outer_momentum,
+    )
+    assert peer.sync_every == DEFAULT_SETTING.sync_every
+    for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+        assert getattr(peer, name) == default_of(
+            {f.name: f for f in dataclasses.fields(LighthouseConfig)}[name]
+        )
+
+
+def test_a_learner_has_no_sync_every(tmp_path, capsys):
+    """A learner takes H from the syncer: ``--sync-every`` is refused, and a configuration
+    file that still holds H (written before) reads without it."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["learner", "--id=x", "--no-sync", "--sync-every=4"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --sync-every" in capsys.readouterr().err
+    doc = to_dict(WorkerConfig(id="x"))
+    assert "sync_every" not in doc["protocol"]
+    doc["protocol"]["sync_every"] = 24
+    path = tmp_path / "learner.json"
+    path.write_text(json.dumps(doc))
+    assert load_config_file(str(path), WorkerConfig) == WorkerConfig(id="x")
 
 
 def test_version(capsys):

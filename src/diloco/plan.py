@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from diloco.runtime.schema import option, same_option
 from diloco.wire.comms import COMMS, bytes_per_value
 from diloco.wire.protocol import ProtocolConfig
 
@@ -41,32 +42,54 @@ PAPER_SYNC_EVERY = 24
 ways); our default H is ``--comms default``'s."""
 
 
+def parse_count(text: str) -> float:
+    """``12e9``, ``12B``, ``350M``, ``70b`` → a parameter count (``ValueError`` otherwise).
+
+    >>> parse_count("350M")
+    350000000.0
+    """
+    t = text.strip().upper()
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
+    if scale != 1.0:
+        t = t[:-1]
+    try:
+        return float(t) * scale
+    except ValueError:
+        raise ValueError(f"{text!r} is not a parameter count (e.g. 12B, 350M)") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanInputs:
-    params: float
-    """N, the model's parameter count."""
-    step_time_s: float
+    """What ``diloco plan`` prices: the model, the step, the sites and the exchange (each
+    field is also its flag)."""
+
+    params: float = option(type=parse_count, metavar="N")
+    """N, the model's parameter count, e.g. 12B or 350M."""
+    step_time_s: float = option(flag="--step-time", metavar="SECONDS")
     """t, seconds per optimizer step at full compute."""
-    sites: int = 8
-    """D, datacenters (one learner per site for Decoupled DiLoCo)."""
-    dp_bits: int = 16
+    sites: int = option(8)
+    """D, data centres (learners or data-parallel sites; one learner per site for Decoupled
+    DiLoCo)."""
+    dp_bits: int = option(16, metavar="BITS")
     """Bits per gradient value data-parallel sends (16: bf16, 32: fp32)."""
-    up_bits: float = 4
-    """Bits per value of a learner's outer gradient (4: int4, the paper's choice)."""
-    down_bits: float = 4
-    """Bits per value of a merged fragment sent back to the learners."""
-    num_fragments: int = ProtocolConfig.num_fragments
-    """P."""
-    sync_every: int = PAPER_SYNC_EVERY
+    up_bits: float = option(4, flag="--bits", type=int, metavar="BITS")
+    """Bits per value of a learner's outer gradient, its upload (4: int4, the paper's
+    choice)."""
+    down_bits: float = option(4, type=int, metavar="BITS")
+    """Bits per value of a merged fragment the syncer sends back to the learners."""
+    num_fragments: int = same_option(ProtocolConfig, "num_fragments")
+    """P, the fragments the model is cut into."""
+    sync_every: int = option(PAPER_SYNC_EVERY, metavar="H")
     """H: each fragment is sent every H steps (the paper's, with its 4-bit codecs above;
-    ``--comms NAME`` prices a named setting instead: :func:`with_comms`)."""
-    tau: float = 2.0
-    """τ: steps a fragment may take to arrive."""
-    utilization: float = 0.9
-    """u: target fraction of wall time the chips compute (data-parallel)."""
-    dp_overlap: float = 0.0
-    """o: transfer time, as a fraction of a step, that hides behind other work (the backward
-    pass, the all-reduce's own reductions; docs/plan.md says how to measure it)."""
+    ``--comms NAME`` prices a named setting instead, ``with_comms``)."""
+    tau: float = option(2.0)
+    """τ: steps a fragment may take to arrive (the overlap, in steps)."""
+    utilization: float = option(0.9)
+    """u: target fraction of wall time the chips compute (data-parallel), in (0, 1)."""
+    dp_overlap: float = option(0.0)
+    """o, in [0, 1]: transfer time, as a fraction of a step, that hides behind other work
+    (the backward pass, the all-reduce's own reductions; docs/plan.md says how to measure
+    it)."""
 
     def __post_init__(self) -> None:
         if not self.params > 0 or not self.step_time_s > 0:

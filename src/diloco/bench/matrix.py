@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from diloco.runtime.schema import option
 from diloco.wire.experimental import FORMER_DEFAULT
 
 MODES = ("decoupled", "sync", "dp")
@@ -40,19 +41,28 @@ SWEEP_REFERENCE = {
 measurements before the default changed."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Budget:
-    """How much each run trains: ``steps`` per learner (clean) or ``minutes`` (chaos, slow)."""
+    """How much each run trains: ``steps`` per learner (clean) or ``minutes`` (chaos, slow).
+    Each option is also a flag of ``diloco bench``."""
 
-    learners: int = 4
-    steps: int = 800
-    minutes: float = 4.0
-    recipe: str = "shakespeare"
-    chaos: str = DEFAULT_CHAOS
+    learners: int = option(4, short="-m", metavar="M")
+    """M, learners (or data-parallel ranks) per run."""
+    steps: int = option(800)
+    """Clean condition: steps per learner."""
+    minutes: float = option(4.0)
+    """Chaos and slow conditions: wall time per run, minutes."""
+    recipe: str = option("shakespeare")
+    """Model and data of every run (``diloco run --recipe``)."""
+    chaos: str = option(DEFAULT_CHAOS, metavar="SPEC")
+    """The chaos condition's failures (``diloco run --chaos`` spec)."""
     slow_factor: float = 3.0
-    eval_every: float = 10.0
-    wan: tuple[str, ...] = ()
-    """``diloco run --wan`` specs every run gets (every learner on a shaped link)."""
+    """Slow condition: learner 1 takes this many times as long per step."""
+    eval_every: float = option(10.0, metavar="SECONDS")
+    """Seconds between evaluations of the global model."""
+    wan: tuple[str, ...] = option((), metavar="SPEC")
+    """Every run on shaped links, as ``diloco run --wan`` (every learner on a shaped link;
+    repeatable; root only)."""
 
 
 @dataclass(frozen=True)

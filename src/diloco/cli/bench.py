@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from diloco.bench import matrix as mx
+from diloco.runtime.schema import add_options, from_namespace
 
 
 def parse_list(text: str, cast=str) -> list:
@@ -86,15 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from diloco.report import bench as rp
 
     try:
-        budget = mx.Budget(
-            learners=args.learners,
-            steps=args.steps,
-            minutes=args.minutes,
-            recipe=args.recipe,
-            chaos=args.chaos,
-            eval_every=args.eval_every,
-            wan=tuple(args.wan),
-        )
+        budget = from_namespace(mx.Budget, args)
         seeds = parse_list(args.seeds, int)
         specs = mx.matrix(
             parse_list(args.modes),
@@ -157,21 +150,5 @@ def register(subparsers) -> None:
         metavar="SETTINGS",
         help="sweep just these settings, comma list of mode:H:up:down (e.g. sync:96:int4:int4)",
     )
-    p.add_argument("--learners", "-m", type=int, default=mx.Budget.learners, help="M per run")
-    p.add_argument("--steps", type=int, default=mx.Budget.steps, help="clean: steps per learner")
-    p.add_argument(
-        "--minutes", type=float, default=mx.Budget.minutes, help="chaos and slow: wall time"
-    )
-    p.add_argument("--recipe", default=mx.Budget.recipe, help="model and data of every run")
-    p.add_argument("--chaos", default=mx.DEFAULT_CHAOS, help="the chaos condition's spec")
-    p.add_argument(
-        "--eval-every", type=float, default=mx.Budget.eval_every, help="seconds between evaluations"
-    )
-    p.add_argument(
-        "--wan",
-        action="append",
-        default=list(mx.Budget.wan),
-        metavar="SPEC",
-        help="every run on shaped links, as diloco run --wan (repeatable; root only)",
-    )
+    add_options(p, mx.Budget)
     p.set_defaults(func=run)

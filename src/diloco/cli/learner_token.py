@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diloco.config import add_options
+from diloco.config.common import ClientSecurityConfig
 from diloco.syncer.records import Refused, check_id
 from diloco.wire.auth import AuthConfigError, learner_token, load_token
 
@@ -20,12 +22,7 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("learner_id", metavar="ID", help="the learner's id (its --id)")
-    p.add_argument(
-        "--token-file",
-        metavar="FILE",
-        default=None,
-        help="the syncer's shared secret (default: $DILOCO_TOKEN)",
-    )
+    add_options(p, ClientSecurityConfig, only=("token_file",))  # the syncer's shared secret
     p.set_defaults(func=main)
 
 

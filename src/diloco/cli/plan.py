@@ -7,22 +7,10 @@ import json
 import sys
 
 from diloco.plan import PlanInputs, plan, with_comms
+from diloco.plan import parse_count as parse_count  # --params' grammar, where PlanInputs is
+from diloco.runtime.schema import add_options, from_namespace
 from diloco.runtime.units import GBIT_S, parse_rate
 from diloco.wire.comms import COMMS
-
-
-def parse_count(text: str) -> float:
-    """``12e9``, ``12B``, ``350M``, ``70b`` → a parameter count."""
-    t = text.strip().upper()
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
-    if scale != 1.0:
-        t = t[:-1]
-    try:
-        return float(t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a parameter count (e.g. 12B, 350M)"
-        ) from None
 
 
 def link_rate(text: str) -> float:
@@ -35,23 +23,12 @@ def link_rate(text: str) -> float:
 
 
 def register(subparsers) -> None:
-    d = PlanInputs(params=1, step_time_s=1)
     p = subparsers.add_parser(
         "plan",
         help="wide-area bandwidth data-parallel and Decoupled DiLoCo need (docs/plan.md)",
         description=__doc__.splitlines()[0].strip('`" '),
     )
-    p.add_argument("--params", type=parse_count, required=True, help="e.g. 12B")
-    p.add_argument("--step-time", type=float, required=True, help="seconds per step")
-    p.add_argument("--sites", type=int, default=d.sites, help="data centres (learners or DP sites)")
-    p.add_argument("--dp-bits", type=int, default=d.dp_bits, help="data-parallel gradient bits")
-    p.add_argument("--bits", type=int, default=d.up_bits, help="learner upload bits (int4: 4)")
-    p.add_argument("--down-bits", type=int, default=d.down_bits, help="syncer download bits")
-    p.add_argument("--fragments", type=int, default=d.num_fragments, help="P")
-    p.add_argument("--sync-every", type=int, default=d.sync_every, help="H")
-    p.add_argument("--tau", type=float, default=d.tau, help="overlap in steps")
-    p.add_argument("--utilization", type=float, default=d.utilization, help="target, in (0, 1)")
-    p.add_argument("--dp-overlap", type=float, default=d.dp_overlap, help="in [0, 1]")
+    add_options(p, PlanInputs)
     p.add_argument(
         "--comms",
         choices=tuple(COMMS),
@@ -70,19 +47,7 @@ def register(subparsers) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        inputs = PlanInputs(
-            params=args.params,
-            step_time_s=args.step_time,
-            sites=args.sites,
-            dp_bits=args.dp_bits,
-            up_bits=args.bits,
-            down_bits=args.down_bits,
-            num_fragments=args.fragments,
-            sync_every=args.sync_every,
-            tau=args.tau,
-            utilization=args.utilization,
-            dp_overlap=args.dp_overlap,
-        )
+        inputs = from_namespace(PlanInputs, args)
         if args.comms:
             inputs = with_comms(inputs, args.comms)
     except ValueError as exc:

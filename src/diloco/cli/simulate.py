@@ -15,30 +15,9 @@ import json
 import sys
 import time
 
-from diloco.runtime.units import parse_duration
-from diloco.sim.defaults import (
-    ASSUMED_RECOVERY_KIND,
-    ASSUMED_SLICE_CHIPS,
-    DEFAULT_HORIZON_S,
-    DEFAULT_SEEDS,
-    FITTED_CHECKPOINT_S,
-    FITTED_RECONFIG_S,
-    FITTED_RECOVERY_MEAN_S,
-    FITTED_RESTART_S,
-    GRID_LEARNERS,
-    MODES,
-    PAPER_CHIPS,
-    RECOVERY_KINDS,
-    YEAR_S,
-)
-
-
-def parse_seconds(text: str) -> float:
-    """A duration flag (``diloco.runtime.units``: 90s, 15m, 2h, 7d, 1y) in seconds."""
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+from diloco.runtime.schema import add_options, flat_values, from_namespace
+from diloco.sim.config import SimConfig
+from diloco.sim.defaults import DEFAULT_SEEDS, GRID_LEARNERS, MODES, PAPER_CHIPS
 
 
 def parse_chips(text: str) -> int:
@@ -97,51 +76,11 @@ def register(subparsers) -> None:
     model = p.add_argument_group(
         "failure model (defaults: fitted on the paper's dp rows, docs/simulate.md)"
     )
-    model.add_argument(
-        "--slice-chips", type=int, default=ASSUMED_SLICE_CHIPS, help="chips a failure takes down"
-    )
-    model.add_argument(
-        "--mtbi", type=parse_seconds, default=YEAR_S, help="per chip, e.g. 1y (default)"
-    )
-    model.add_argument(
-        "--recovery-kind",
-        choices=RECOVERY_KINDS,
-        default=ASSUMED_RECOVERY_KIND,
-        help="distribution of a slice's recovery time",
-    )
-    model.add_argument(
-        "--recovery-mean",
-        type=parse_seconds,
-        default=FITTED_RECOVERY_MEAN_S,
-        help="mean recovery time of a slice (seconds, or e.g. 36m)",
-    )
-    model.add_argument("--recovery-sigma", type=float, default=1.0, help="lognormal shape")
-    model.add_argument(
-        "--restart", type=parse_seconds, default=FITTED_RESTART_S, help="dp stop per failure"
-    )
-    model.add_argument(
-        "--checkpoint-every", type=parse_seconds, default=FITTED_CHECKPOINT_S, help="dp"
-    )
-    model.add_argument(
-        "--reconfig",
-        type=parse_seconds,
-        default=FITTED_RECONFIG_S,
-        help="elastic pause on losing a slice",
-    )
-    model.add_argument(
-        "--readd", type=parse_seconds, default=0.0, help="elastic pause to add a slice back"
-    )
-    model.add_argument(
-        "--speed-sigma", type=float, default=0.0, help="slice speed spread (lognormal)"
-    )
-    model.add_argument("--quorum", type=int, default=1, help="decoupled: K")
+    # the defaults of SimConfig's own instance: its recovery is the fitted one
+    fitted = flat_values(SimConfig())
+    add_options(model, SimConfig, exclude=("horizon_s",), defaults=fitted)
     run = p.add_argument_group("run")
-    run.add_argument(
-        "--duration",
-        type=parse_seconds,
-        default=DEFAULT_HORIZON_S,
-        help="simulated time per seed (default 7d)",
-    )
+    add_options(run, SimConfig, only=("horizon_s",))
     run.add_argument(
         "--seeds",
         type=int,
@@ -160,24 +99,9 @@ def _error(msg: str) -> int:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The :class:`~diloco.sim.grid.SimConfig` the flags describe (``ValueError`` if invalid)."""
-    from diloco.sim.failures import Recovery
-    from diloco.sim.grid import SimConfig
-
-    return SimConfig(
-        slice_chips=args.slice_chips,
-        mtbi_s=args.mtbi,
-        recovery=Recovery(
-            kind=args.recovery_kind, mean_s=args.recovery_mean, sigma=args.recovery_sigma
-        ),
-        restart_s=args.restart,
-        checkpoint_s=args.checkpoint_every,
-        reconfig_s=args.reconfig,
-        readd_s=args.readd,
-        speed_sigma=args.speed_sigma,
-        quorum=args.quorum,
-        horizon_s=args.duration,
-    )
+    """The :class:`~diloco.sim.config.SimConfig` the flags describe (``ValueError`` if
+    invalid)."""
+    return from_namespace(SimConfig, args)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -229,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
         print(format_table(cells, chips))
         print()
         print(format_table(cells, chips, metric="uptime"))
-        print(f"{args.seeds} seeds x {args.duration / 86400:g} days per cell, {seconds:.1f} s")
+        print(f"{args.seeds} seeds x {cfg.horizon_s / 86400:g} days per cell, {seconds:.1f} s")
     return 0
 
 

@@ -11,6 +11,9 @@ import argparse
 import json
 import sys
 
+from diloco.config import add_options
+from diloco.config.common import ClientSecurityConfig
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -19,7 +22,7 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("address", metavar="HOST:PORT", help="the syncer (or every shard, a,b)")
-    p.add_argument("--token-file", metavar="FILE", help="the shared token (default: $DILOCO_TOKEN)")
+    add_options(p, ClientSecurityConfig, only=("token_file",))
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(func=main)
 

@@ -10,8 +10,27 @@ from diloco.config.common import ClientSecurityConfig, DeviceConfig, RecipeConfi
 from diloco.learner.config import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
 from diloco.learner.pacing import DEFAULT_MAX_STRETCH
 from diloco.runtime.cadence import AUTO, parse_every
-from diloco.runtime.schema import option
+from diloco.runtime.schema import option, same_option
 from diloco.wire.protocol import ProtocolConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class LearnerProtocolConfig:
+    """What a learner process holds of the protocol (``ProtocolConfig``'s options, but H:
+    the learner takes H from the syncer's join reply, so it has no ``--sync-every``)."""
+
+    num_fragments: int = same_option(ProtocolConfig, "num_fragments")
+    """P: fragments the model is cut into (the syncer checks it at join: the same as its
+    own)."""
+    comms: str | None = same_option(ProtocolConfig, "comms")
+    """The most this learner's link accepts, a named communication setting
+    (``diloco.wire.comms``): it refuses a syncer whose exchange costs more bytes per
+    parameter per step (default: no limit)."""
+
+    @staticmethod
+    def upgrade_file_data(data: dict) -> dict:
+        """A learner's configuration file once held H (``sync_every``), which it never read."""
+        return {k: v for k, v in data.items() if k != "sync_every"}
 
 
 @dataclass(kw_only=True)
@@ -23,7 +42,7 @@ class WorkerConfig:
     """
 
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
-    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    protocol: LearnerProtocolConfig = field(default_factory=LearnerProtocolConfig)
     security: ClientSecurityConfig = field(default_factory=ClientSecurityConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     syncer: str | None = option(None, metavar="HOST:PORT[,...]")

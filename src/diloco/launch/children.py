@@ -15,7 +15,7 @@ from diloco.config import to_dict
 from diloco.config.common import ClientSecurityConfig, ServerSecurityConfig
 from diloco.config.run import RunConfig
 from diloco.config.service import ServiceConfig
-from diloco.config.worker import WorkerConfig
+from diloco.config.worker import LearnerProtocolConfig, WorkerConfig
 
 
 @dataclass
@@ -160,8 +160,8 @@ def worker_config(
     signal_free = config.ray.backend == "ray" and config.minutes
     return WorkerConfig(
         recipe=config.recipe,
-        # the run's syncer owns the exchange: no budget check against codecs given beside it
-        protocol=replace(config.syncer.protocol, comms=None),
+        # the run's syncer owns the exchange (H, codecs): no budget check against them
+        protocol=LearnerProtocolConfig(num_fragments=config.syncer.protocol.num_fragments),
         security=ClientSecurityConfig(token_file=token_file or config.token_file),
         device=config.device,
         syncer=syncer,

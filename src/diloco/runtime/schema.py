@@ -44,8 +44,11 @@ def option(
     """A dataclass field that is also a command-line flag (see the module docstring).
 
     ``flag`` overrides the name (default ``--field-name``); ``type`` parses the flag's text
-    (default: the default value's type; ``bool`` fields become ``--x/--no-x``); ``hidden``
-    keeps it out of ``--help`` (internal knobs the launchers set).
+    (default: the default value's type; ``bool`` fields become ``--x/--no-x``; a ``ValueError``
+    a parsing function raises is the flag's error message); ``hidden`` keeps it out of
+    ``--help`` (internal knobs the launchers set). A list, tuple or dict default makes the
+    flag repeatable: each use adds an item (for a dict, ``type`` parses one ``(key, value)``
+    pair).
     """
     meta = {
         _CLI: {
@@ -102,6 +105,16 @@ def sections(cls: type) -> dict[str, type]:
     }
 
 
+def same_option(cls: type, name: str) -> Any:
+    """Option ``name`` of dataclass ``cls`` again, with its default, flag, type and choices,
+    for a configuration that holds only some of ``cls``'s settings (its docstring is its
+    own: say what the setting means there)."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
 def flag_name(f: dataclasses.Field) -> str:
     """``--field-name`` unless the option names its own flag."""
     return f.metadata[_CLI]["flag"] or "--" + f.name.replace("_", "-")
@@ -131,6 +144,23 @@ def _scalar_type(cls: type, name: str) -> type:
     return args[0] if args[0] in (int, float, str) else str
 
 
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an ``argparse`` type: a parsing function's ``ValueError`` becomes the
+    flag's error message (argparse would only say "invalid parse value"); the built-in types
+    keep argparse's own message."""
+    if isinstance(parse, type):
+        return parse
+
+    @functools.wraps(parse)
+    def flag_type(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return flag_type
+
+
 def _plain(text: str) -> str:
     """Docstring markup to terminal text: ````x```` -> ``x``; ``%`` escaped for argparse."""
     return text.replace("``", "").replace("%", "%%")
@@ -141,21 +171,23 @@ def add_options(
     cls: type,
     *,
     exclude: Sequence[str] = (),
+    only: Collection[str] | None = None,
     defaults: dict[str, Any] | None = None,
     sparse: bool = False,
 ) -> None:
-    """Add every option of ``cls`` and its sections (but ``exclude``) to ``parser``; ``dest``
-    is the field name.
+    """Add every option of ``cls`` and its sections (but ``exclude``; with ``only``, just
+    those) to ``parser``; ``dest`` is the field name.
 
     ``defaults`` replaces a field's default for this parser only (a command whose own default
-    differs; say so in the field's docstring). ``sparse``: a flag that is not given leaves
+    differs; say so in the field's docstring; ``flat_values(cls())`` gives a section the
+    values of its owner's default instance). ``sparse``: a flag that is not given leaves
     nothing in the namespace (``argparse.SUPPRESS``), so :func:`from_namespace` can tell it
     from one given with its default value (a configuration file then fills it); a field
     without a default is then checked by the dataclass, not by argparse.
     """
     docs = field_docs(cls)
     for f in options(cls):
-        if f.name in exclude:
+        if f.name in exclude or (only is not None and f.name not in only):
             continue
         spec = f.metadata[_CLI]
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -165,18 +197,18 @@ def add_options(
         if spec["hidden"]:
             kwargs["help"] = argparse.SUPPRESS
         else:
-            hide = required or default is None or default is False or default in ("", [])
+            hide = required or default is None or default is False or default in ("", [], (), {})
             shown = "" if hide else f" (default: {default})"
             kwargs["help"] = _plain(docs.get(f.name, "")) + (" (required)" if required else shown)
         if isinstance(default, bool) and spec["type"] is None:
             # an off switch is a plain flag (--json); an on switch can be turned off (--no-x)
             kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
-        elif isinstance(default, list):
+        elif isinstance(default, list | tuple | dict):
             kwargs["action"] = "append"
-            kwargs["type"] = spec["type"] or str
-            kwargs["default"] = list(default)
+            kwargs["type"] = _flag_type(spec["type"] or str)
+            kwargs["default"] = list(default.items() if isinstance(default, dict) else default)
         else:
-            kwargs["type"] = spec["type"] or _scalar_type(cls, f.name)
+            kwargs["type"] = _flag_type(spec["type"] or _scalar_type(cls, f.name))
         if spec["choices"] is not None:
             kwargs["choices"] = spec["choices"]
         if spec["metavar"] is not None:
@@ -192,7 +224,7 @@ def add_options(
         if isinstance(parser, argparse.ArgumentParser):  # argparse groups do not nest
             doc = (section.__doc__ or "").strip().split("\n\n")[0]
             group = parser.add_argument_group(name, " ".join(_plain(doc).split()))
-        add_options(group, section, exclude=exclude, defaults=defaults, sparse=sparse)
+        add_options(group, section, exclude=exclude, only=only, defaults=defaults, sparse=sparse)
 
 
 def from_namespace(
@@ -226,7 +258,7 @@ def from_namespace(
     )
     for f in options(cls):
         if hasattr(ns, f.name):
-            kwargs[f.name] = getattr(ns, f.name)
+            kwargs[f.name] = _collected(getattr(ns, f.name), default_of(f))
     kwargs.update(overrides)
     missing = [
         flag_name(f)
@@ -241,6 +273,13 @@ def from_namespace(
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _collected(value: Any, default: Any) -> Any:
+    """A repeatable flag's items as the type of its field's default (a tuple, a dict)."""
+    if isinstance(value, list) and isinstance(default, tuple | dict):
+        return type(default)(value)
+    return value
 
 
 def flat_values(obj: Any) -> dict[str, Any]:

@@ -15,36 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from diloco.sim.defaults import RECOVERY_KINDS
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recovery:
-    """Distribution of the time a failed slice stays down (seconds)."""
-
-    kind: str = "lognormal"
-    """``fixed`` (always ``mean_s``), ``exponential`` or ``lognormal`` (mean ``mean_s``)."""
-    mean_s: float = 600.0
-    """Mean recovery time in seconds."""
-    sigma: float = 1.0
-    """Shape of the lognormal (standard deviation of log-time); ignored otherwise."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in RECOVERY_KINDS:
-            raise ValueError(f"recovery kind {self.kind!r}: choose one of {RECOVERY_KINDS}")
-        if not self.mean_s >= 0:
-            raise ValueError(f"recovery mean must be >= 0 s, got {self.mean_s}")
-        if not self.sigma >= 0:
-            raise ValueError(f"lognormal sigma must be >= 0, got {self.sigma}")
-
-    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """``n`` recovery times in seconds."""
-        if self.kind == "fixed" or self.mean_s == 0:
-            return np.full(n, float(self.mean_s))
-        if self.kind == "exponential":
-            return rng.exponential(self.mean_s, n)
-        mu = np.log(self.mean_s) - 0.5 * self.sigma**2  # so that E[X] = mean_s
-        return rng.lognormal(mu, self.sigma, n)
+from diloco.sim.config import Recovery as Recovery  # its home: the simulator's settings
 
 
 @dataclass(frozen=True)

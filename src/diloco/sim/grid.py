@@ -7,72 +7,20 @@ random numbers: the modes differ only by how they handle the same failures).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from diloco.sim.config import SimConfig as SimConfig  # its home: the simulator's settings
 from diloco.sim.defaults import (
-    ASSUMED_RECOVERY_KIND,
-    ASSUMED_SLICE_CHIPS,
-    DEFAULT_HORIZON_S,
-    FITTED_CHECKPOINT_S,
-    FITTED_RECONFIG_S,
-    FITTED_RECOVERY_MEAN_S,
-    FITTED_RESTART_S,
     GRID_LEARNERS,
     PAPER_CHIPS,
     PAPER_DECOUPLED_M8_1_2M,
     PAPER_DP,
     PAPER_DP_ELASTIC,
-    YEAR_S,
 )
-from diloco.sim.failures import Recovery, draw_outages
+from diloco.sim.failures import draw_outages
 from diloco.sim.modes import ModeResult, dp_accounting, elastic_accounting, speed_factor
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimConfig:
-    """Everything one simulated cell needs except the chip count, mode and seed."""
-
-    slice_chips: int = ASSUMED_SLICE_CHIPS
-    """Chips taken down together by one chip failure (a slice)."""
-    mtbi_s: float = YEAR_S
-    """Mean time between interruptions of one chip, seconds (the paper: one year)."""
-    recovery: Recovery = field(
-        default_factory=lambda: Recovery(kind=ASSUMED_RECOVERY_KIND, mean_s=FITTED_RECOVERY_MEAN_S)
-    )
-    """How long a failed slice stays down (matters to the elastic modes)."""
-    restart_s: float = FITTED_RESTART_S
-    """dp: stop after each failure (reschedule, restart, reload the checkpoint), seconds."""
-    checkpoint_s: float = FITTED_CHECKPOINT_S
-    """dp: seconds of training between checkpoints (rollback on a stop)."""
-    reconfig_s: float = FITTED_RECONFIG_S
-    """Elastic modes: pause of a group when it loses a slice, seconds."""
-    readd_s: float = 0.0
-    """Elastic modes: pause of a group to add a recovered slice back, seconds."""
-    speed_sigma: float = 0.0
-    """Log-standard-deviation of slice speeds (0: all slices equally fast)."""
-    quorum: int = 1
-    """Decoupled: K, the contributions a round needs."""
-    horizon_s: float = DEFAULT_HORIZON_S
-    """Simulated duration, seconds."""
-
-    def __post_init__(self) -> None:
-        if self.slice_chips < 1:
-            raise ValueError(f"slice_chips must be >= 1, got {self.slice_chips}")
-        for name in ("mtbi_s", "checkpoint_s", "horizon_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("restart_s", "reconfig_s", "readd_s", "speed_sigma"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.quorum < 1:
-            raise ValueError(f"quorum must be >= 1, got {self.quorum}")
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["recovery"] = asdict(self.recovery)
-        return d
 
 
 @dataclass(frozen=True)

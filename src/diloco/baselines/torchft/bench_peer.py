@@ -14,12 +14,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diloco.syncer.config import SyncerConfig
-from diloco.wire.comms import DEFAULT_SETTING
-
 
 def peer_kwargs(spec, budget) -> dict:
-    """``run_torchft`` arguments for one cell of the matrix. Pure."""
+    """``run_torchft`` arguments for one cell of the matrix (H and the outer optimizer are
+    ``PeerSettings``' defaults: ours). Pure."""
     from diloco.recipes import get_recipe
 
     recipe = get_recipe(budget.recipe)
@@ -27,9 +25,6 @@ def peer_kwargs(spec, budget) -> dict:
         "learners": budget.learners,
         "recipe": budget.recipe,
         "seed": spec.seed,
-        "sync_every": DEFAULT_SETTING.sync_every,
-        "outer_lr": SyncerConfig.outer_lr,
-        "outer_momentum": SyncerConfig.outer_momentum,
         "wan": tuple(budget.wan),
     }
     if spec.condition == "clean":

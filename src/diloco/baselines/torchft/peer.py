@@ -40,11 +40,11 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from diloco.wire.comms import DEFAULT_SETTING
+from diloco.config.torchft import PeerSettings, parse_slow_item
 
 TORCHFT_PACKAGE = "torchft-nightly"
 TORCHFT_PIN = "2026.10.26"
@@ -67,61 +67,6 @@ def torchft_version() -> str | None:
     return "unknown"
 
 
-@dataclass(kw_only=True, frozen=True)
-class PeerSettings:
-    """The arguments of :func:`run_torchft` (its docstring says what each means)."""
-
-    learners: int = 2
-    recipe: str = "tiny"
-    data: str | None = None
-    seed: int = 0
-    minutes: float = 1.0
-    tokens: int = 0
-    rounds: int = 0
-    sync_every: int = DEFAULT_SETTING.sync_every
-    fragments: int = 1
-    sync_delay: int = 0
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    slow: dict[int, float] = field(default_factory=dict)
-    batch_size: int = 0
-    run_dir: str | Path | None = None
-    threads: int = 1
-    min_replicas: int = 0
-    join_timeout_ms: int = 60000
-    quorum_tick_ms: int = 100
-    heartbeat_timeout_ms: int = 5000
-    start_timeout_s: float = 120.0
-    stop_timeout_s: float = 30.0
-    max_minutes: float = 60.0
-    wan: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.learners < 1:
-            raise ValueError(f"learners must be >= 1 (got {self.learners})")
-        if not (self.minutes > 0 or self.tokens > 0 or self.rounds > 0):
-            raise ValueError("give a budget: minutes, tokens or rounds")
-        frags, every = self.fragments, self.sync_every
-        if frags < 1 or every < frags or every % frags:
-            raise ValueError(
-                f"torchft needs sync_every ({every}) to be a multiple of fragments ({frags})"
-            )
-        for i, factor in self.slow.items():
-            if not 0 <= i < self.learners or not factor >= 1.0:
-                raise ValueError(
-                    f"slow: learner {i} factor {factor} (index < {self.learners}, factor >= 1)"
-                )
-
-    @property
-    def quorum(self) -> int:
-        """Replica groups a quorum needs (``min_replicas``, 0: all of them)."""
-        return self.min_replicas or self.learners
-
-    @property
-    def budget_s(self) -> float:
-        return self.minutes * 60 if self.minutes else self.max_minutes * 60
-
-
 def run_torchft(**settings) -> dict:
     """Train ``recipe`` with torchft's DiLoCo on ``learners`` replica groups; return a summary.
 
@@ -134,7 +79,8 @@ def run_torchft(**settings) -> dict:
     Algorithm: sync every ``sync_every`` inner steps (H); with ``fragments`` = P > 1, torchft's
     streaming DiLoCo syncs one fragment (whole tensors, balanced by size) every H/P steps, and
     ``sync_delay`` (τ) lets the all-reduce overlap that many inner steps. Outer optimizer: SGD
-    with ``outer_lr`` and ``outer_momentum`` (Nesterov when > 0), defaults like our syncer's.
+    with ``outer_lr`` and ``outer_momentum`` (Nesterov when > 0), by default our syncer's
+    (``SyncerConfig``'s 0.6 and 0.7).
     ``slow`` maps a learner index to a slowdown factor (``{1: 3.0}``: learner 1 takes 3× as
     long per inner step). ``batch_size`` 0 means the recipe's.
 
@@ -586,11 +532,5 @@ def format_torchft(summary: dict) -> str:
 
 
 def parse_slow(values: list[str]) -> dict[int, float]:
-    """``["1=3", ...]`` -> ``{1: 3.0}``."""
-    out = {}
-    for v in values:
-        index, sep, factor = v.partition("=")
-        if not sep:
-            raise ValueError(f"--slow wants I=F, got {v!r}")
-        out[int(index)] = float(factor)
-    return out
+    """``["1=3", ...]`` -> ``{1: 3.0}`` (``ValueError`` for an item that is not ``I=F``)."""
+    return dict(parse_slow_item(v) for v in values)
