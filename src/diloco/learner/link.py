@@ -164,7 +164,7 @@ class SyncerLink:
         ``failed`` (callers that keep a ledger ``withdraw`` it first)."""
         replaced = self.queue.put(job)
         if replaced is not None:
-            self._answer(replaced, UploadResult("failed"))
+            self.answer(replaced, UploadResult("failed"))
 
     def resume(self, job: UploadJob) -> None:
         """Send a job whose answer is unknown again as it was (``UploadQueue.resume``)."""
@@ -206,7 +206,9 @@ class SyncerLink:
         apply deltas to through ``have_versions``)."""
         self._end_channels()
 
-    def _answer(self, job: UploadJob, result: UploadResult) -> None:
+    def answer(self, job: UploadJob, result: UploadResult) -> None:
+        """Give ``job`` its one answer (the listener's ``on_result``): the sender's verdict,
+        or a job that never went out (replaced, given up, or no shard owns it)."""
         self.listener.on_result(job, result)
 
     def wait_idle(self, timeout: float) -> bool:
@@ -472,9 +474,9 @@ class SyncerLink:
                     again, older = self.queue.send_again(job, self._closing)
                     result = result if again else self.queue.given_up(job, self._closing)
                 if older is not None:
-                    self._answer(older, self.queue.given_up(older, self._closing))
+                    self.answer(older, self.queue.given_up(older, self._closing))
                 if not again:
-                    self._answer(job, result)
+                    self.answer(job, result)
             finally:
                 self.queue.done(job)
 

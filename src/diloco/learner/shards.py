@@ -217,7 +217,7 @@ class ShardedLink:
         link = self.owner(job.fragment)
         if link is None:
             self.links[0].stats.uploads_failed += 1
-            self.links[0]._answer(job, UploadResult("failed"))
+            self.links[0].answer(job, UploadResult("failed"))
             return
         link.submit(job)
 
