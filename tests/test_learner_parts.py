@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import doctest
 import importlib
-import itertools
+import threading
+import time
 
 import pytest
 import torch
@@ -18,16 +19,16 @@ from diloco.learner.waiting import holds_joined, late_fragments
 
 
 class SteppedClock:
-    """A clock that moves ``by`` seconds every time it is read."""
+    """A clock that moves ``by`` seconds every time it is read (from any thread)."""
 
     def __init__(self, by: float) -> None:
-        self.ticks = itertools.count()
-        self.by = by
-        self.reads = 0
+        self.by, self.reads = by, 0
+        self.lock = threading.Lock()
 
     def __call__(self) -> float:
-        self.reads += 1
-        return next(self.ticks) * self.by
+        with self.lock:
+            self.reads += 1
+            return (self.reads - 1) * self.by
 
 
 def make_learner(clock):
@@ -54,11 +55,13 @@ def test_doctests(module):
 def test_wait_for_global_gives_up_when_the_learners_clock_says_so():
     clock = SteppedClock(by=100.0)  # each read: 100 s later
     learner = make_learner(clock)
+    assert learner.link.clock is clock  # (its link's deadlines too)
     try:
+        began = time.monotonic()
         assert learner.wait_for_global(60.0, required=False) is False
-        assert clock.reads == 2  # the deadline, then past it: no wall clock consulted
         with pytest.raises(TimeoutError):
             learner.wait_for_global(60.0)
+        assert time.monotonic() - began < 30.0  # the learner's 120 s passed, not ours
     finally:
         learner.close(flush=False)
 

@@ -235,6 +235,7 @@ class Learner:
         )
         options.update(tokens_per_step=cfg.tokens_per_step, comms=cfg.comms, **(link_options or {}))
         options.setdefault("generation", cfg.generation or default_generation())
+        options.setdefault("clock", self.clock)
         return open_link(syncer, self.learner_id, self.layout, self.listener, **options)
 
     # ----------------------------------------------------------------- public
