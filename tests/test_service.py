@@ -203,7 +203,7 @@ def test_a_synchronous_learner_waits_for_the_round_of_what_it_sent(tmp_path):
         for lr in learners:
             assert lr.wait_for_global(timeout=10)
         train(learners[0], models[0], seed=1, steps=1)  # sends the fragment due at step 1
-        assert learners[0]._awaited  # in flight
+        assert learners[0].progress.awaited  # in flight
         stop = threading.Event()
         assert learners[0].wait_for_merges(1, timeout=0.1)  # lag 1: one more step allowed
         t0 = time.monotonic()

@@ -5,26 +5,50 @@ digests, heartbeat fields) is read without blocking."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from diloco.algorithm.fragments import fragment_digest
-from diloco.learner.inbox import Dropped, Rejoin
+from diloco.algorithm.fragments import FragmentLayout, fragment_digest
+from diloco.learner.delivery import DeliveryLog
+from diloco.learner.inbox import Dropped, Inbox, Rejoin
 from diloco.learner.link import UploadJob, UploadResult
 from diloco.learner.listener import LinkListener
-from diloco.learner.pacing import DOWNLINK_BEHIND_VERSIONS, versions_missing
+from diloco.learner.pacing import DOWNLINK_BEHIND_VERSIONS, Pacer, versions_missing
+from diloco.learner.progress import Progress
 from diloco.learner.settling import another_lineage
 
 log = logging.getLogger("diloco.learner.learner")
 
 
 class LearnerListener(LinkListener):
-    """A ``Learner``'s side of its link (it uses the learner's inbox, link, layout,
-    parameters, versions and step counters)."""
+    """A ``Learner``'s side of its link. Given: the ``inbox`` it hands everything to, the
+    learner's ``progress`` (it reads the versions held, the step and tokens, the state),
+    its ``layout`` and ``params`` (digests of values never received), its ``pacer`` (step
+    time, whether its uploads fall behind), its ``delivery`` log (or None) and ``reconnect``
+    (asks the link to join again). It owns what the syncers last said of this learner's
+    downlink (``down_lag``) and the lineages of their last joins."""
 
-    def __init__(self, learner) -> None:
-        self.learner = learner
-        self.joined_lineages: dict[str, str] = dict(learner.lineages)
+    def __init__(
+        self,
+        learner_id: str,
+        inbox: Inbox,
+        progress: Progress,
+        layout: FragmentLayout,
+        params: dict[str, nn.Parameter],
+        pacer: Pacer,
+        delivery: DeliveryLog | None,
+        *,
+        reconnect: Callable[[], None],
+    ) -> None:
+        self.learner_id, self.inbox, self.progress = learner_id, inbox, progress
+        self.layout, self.params, self.pacer = layout, params, pacer
+        self.delivery, self.reconnect = delivery, reconnect
+        self.down_lags: dict[str, int] = {}
+        """Per syncer (shard), the versions this learner lacked of its furthest-behind fragment
+        at the last heartbeat (``on_versions``, on the link's thread)."""
+        self.joined_lineages: dict[str, str] = dict(progress.lineages)
         """Per syncer (shard) address, the lineage of its last join (on the link's thread;
         the learner's own ``lineages`` follow when it settles that join)."""
 
@@ -36,31 +60,31 @@ class LearnerListener(LinkListener):
         contributors=frozenset(),
         base_version: int = -1,
     ) -> None:
-        if not self.learner._inbox.arrive(fragment, version, base_version, value, contributors):
-            self.learner.link.reconnect()  # "you hold it already", but we claimed nothing: resync
+        if not self.inbox.arrive(fragment, version, base_version, value, contributors):
+            self.reconnect()  # "you hold it already", but we claimed nothing: resync
 
     def on_request(self, fragment: int, version: int) -> None:
-        self.learner._inbox.request(fragment)
+        self.inbox.request(fragment)
 
     def on_versions(self, address: str, versions: list[int], dropped=()) -> None:
         """How many versions this learner lacks of the fragment it is furthest behind on,
         against the versions a syncer (shard) just reported (``pacing.versions_missing``);
         the uploads it says it left out of their merges go to the training thread."""
         if dropped:
-            self.learner._inbox.dropped(Dropped(address, frozenset(dropped)))
+            self.inbox.dropped(Dropped(address, frozenset(dropped)))
         if not versions:  # (a note that came with a version's download)
             return
-        have = self.learner._inbox.have_versions(self.learner.versions)
+        have = self.inbox.have_versions(self.progress.versions)
         missing = [versions_missing(v, have[p]) for p, v in enumerate(versions[: len(have)])]
-        self.learner._down_lags[address] = max((m for m in missing if m is not None), default=0)
+        self.down_lags[address] = max((m for m in missing if m is not None), default=0)
 
     def on_result(self, job: UploadJob, result: UploadResult) -> None:
-        if result.outcome == "accepted" and self.learner.delivery is not None:
+        if result.outcome == "accepted" and self.delivery is not None:
             try:
-                self.learner.delivery.record(job.fragment, job.local_step)
+                self.delivery.record(job.fragment, job.local_step)
             except OSError as exc:  # a full disk must not stop training; a restore may resend
-                log.warning("delivery log %s: %s", self.learner.delivery.path, exc)
-        self.learner._inbox.answer(job, result)
+                log.warning("delivery log %s: %s", self.delivery.path, exc)
+        self.inbox.answer(job, result)
 
     def on_rejoin(
         self,
@@ -77,13 +101,13 @@ class LearnerListener(LinkListener):
         that follows asks for what it lacks)."""
         log.info(
             "learner %s joined %s (syncer %s): fragments %s at versions %s",
-            self.learner.learner_id,
+            self.learner_id,
             address,
             syncer_id,
             list(fragments),
             list(versions),
         )
-        held = self.learner._inbox.have_versions(self.learner.versions)
+        held = self.inbox.have_versions(self.progress.versions)
         known = self.joined_lineages.get(address)
         another = another_lineage(known, lineage, held, list(versions), tuple(fragments))
         if lineage:
@@ -92,15 +116,15 @@ class LearnerListener(LinkListener):
             log.warning(
                 "learner %s: %s serves another lineage (%s, was %s; versions %s, held %s): "
                 "its accepted uploads there count as unknown, it takes keyframes",
-                self.learner.learner_id,
+                self.learner_id,
                 address,
                 lineage or "not said",
                 known or "not known",
                 list(versions),
                 held,
             )
-            self.learner._inbox.restart(fragments)
-        self.learner._inbox.rejoin(
+            self.inbox.restart(fragments)
+        self.inbox.rejoin(
             Rejoin(
                 address,
                 syncer_id,
@@ -116,7 +140,7 @@ class LearnerListener(LinkListener):
     def have_versions(self) -> list[int]:
         """What this learner will hold once it applied what arrived (the syncer sends deltas
         on top of it); -1 for a fragment that needs a keyframe."""
-        return self.learner._inbox.have_versions(self.learner.versions)
+        return self.inbox.have_versions(self.progress.versions)
 
     def have_digests(self) -> list[str]:
         """Digests of the fragments never received, with a copy of the values they cover: a
@@ -124,23 +148,29 @@ class LearnerListener(LinkListener):
         then downloads nothing at join. Called by the link at each subscription."""
         digests = []
         with torch.no_grad():
-            for p in range(self.learner.layout.num_fragments):
-                if self.learner.versions[p] >= 0 or self.learner._inbox.needs_keyframe(p):
+            for p in range(self.layout.num_fragments):
+                if self.progress.versions[p] >= 0 or self.inbox.needs_keyframe(p):
                     digests.append("")
                     continue
-                value = self.learner.layout.gather(p, self.learner.params).detach().clone()
-                self.learner._inbox.claim(p, value)
+                value = self.layout.gather(p, self.params).detach().clone()
+                self.inbox.claim(p, value)
                 digests.append(fragment_digest(value))
         return digests
 
+    @property
+    def down_lag(self) -> int:
+        """Versions this learner lacks of the fragment it is furthest behind on (its downlink's
+        lag, as of the last heartbeat; ``DOWNLINK_BEHIND_VERSIONS`` or more: behind)."""
+        return max(self.down_lags.values(), default=0)
+
     def heartbeat_info(self) -> dict:
-        sps = 1.0 / self.learner._step_time if self.learner._step_time else 0.0
-        behind = ["link behind"] if self.learner._behind else []
-        if self.learner.down_lag >= DOWNLINK_BEHIND_VERSIONS:
+        sps = 1.0 / self.pacer.step_time if self.pacer.step_time else 0.0
+        behind = ["link behind"] if self.pacer.behind else []
+        if self.down_lag >= DOWNLINK_BEHIND_VERSIONS:
             behind.append("downlink behind")
         return {
-            "step": self.learner.local_step,
-            "tokens": self.learner.total_tokens,
+            "step": self.progress.local_step,
+            "tokens": self.progress.total_tokens,
             "steps_per_s": sps,
-            "state": ", ".join([self.learner._state, *behind]),
+            "state": ", ".join([self.progress.state, *behind]),
         }

@@ -13,7 +13,7 @@ window began has its checkpointed progress dropped (parameters back to the ancho
 
 What it cannot see: an upload the syncer accepted whose reply never arrived (the learner died
 during that call). The restored learner asks the syncer at its first join instead: the
-upload ids it holds, against the learner's upload journal (``Restoring._confirm_delivered``).
+upload ids it holds, against the learner's upload journal (``Restorer.confirm_delivered``).
 """
 
 from __future__ import annotations

@@ -28,8 +28,6 @@ import itertools
 import logging
 import secrets
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,19 +38,22 @@ from diloco.algorithm.fragments import (
     balanced_fragments,
     due_fragments,
 )
+from diloco.learner.accounting import Accounting
 from diloco.learner.callbacks import LearnerListener
 from diloco.learner.config import LearnerConfig, default_generation, default_learner_id
 from diloco.learner.delivery import DeliveryLog
-from diloco.learner.inbox import Inbox, Rejoin, bounded, follow, rebases
-from diloco.learner.journal import UploadJournal
+from diloco.learner.inbox import Inbox, bounded, follow, rebases
 from diloco.learner.ledger import Ledger
 from diloco.learner.link import UploadJob
-from diloco.learner.pacing import Pace
-from diloco.learner.restoring import Restoring
-from diloco.learner.settling import Settling
+from diloco.learner.pacing import Pace, Pacer
+from diloco.learner.progress import HeldBy, Progress
+from diloco.learner.restoring import Restorer
+from diloco.learner.settling import Settler
 from diloco.learner.shards import open_link
 from diloco.learner.snapshot import HostCopies, Snapshot
-from diloco.learner.stopping import Stopping
+from diloco.learner.stopping import Stopper
+from diloco.learner.waiting import Waiter
+from diloco.runtime.clock import monotonic
 from diloco.runtime.modules import plain_module
 from diloco.wire.auth import client_link_options
 
@@ -64,7 +65,7 @@ LOG_EVERY_MERGES = 100
 """A progress line every this many global versions applied."""
 
 
-class Learner(Settling, Stopping, Restoring):
+class Learner:
     """Wraps a model whose parameters are trained by the user's own optimizer.
 
     ``step`` is called once per inner optimizer step, after ``optimizer.step()``. It never
@@ -80,6 +81,23 @@ class Learner(Settling, Stopping, Restoring):
     refusal. Constructing the learner validates the address list (``ValueError``).
     """
 
+    local_step = HeldBy("progress")
+    total_tokens = HeldBy("progress")
+    anchors = HeldBy("progress")
+    versions = HeldBy("progress")
+    steps_since = HeldBy("progress")
+    tokens_since = HeldBy("progress")
+    dropped = HeldBy("progress")
+    merged_steps = HeldBy("progress")
+    excluded_steps = HeldBy("progress")
+    unknown_steps = HeldBy("progress")
+    lineages = HeldBy("progress")
+    counters = HeldBy("progress")
+    journal = HeldBy("progress")
+    dropped_on_restore = HeldBy("restorer")
+    ahead_on_restore = HeldBy("restorer")
+    close_report = HeldBy("stopper", "report")
+
     def __init__(
         self,
         model: nn.Module,
@@ -90,6 +108,7 @@ class Learner(Settling, Stopping, Restoring):
         layout: FragmentLayout | None = None,
         link_options: dict | None = None,
         state: dict | None = None,
+        clock: Callable[[], float] = monotonic,
         **overrides,
     ) -> None:
         if "sync_every" in overrides:
@@ -120,110 +139,93 @@ class Learner(Settling, Stopping, Restoring):
             from diloco.learner.memory import limit_malloc_arenas
 
             limit_malloc_arenas(cfg.malloc_arenas)
-        self._init_progress(self.layout.num_fragments)
-        if state is not None:
-            self.load_state_dict(state)
-            if self.delivery is not None:
-                self._drop_delivered(self.delivery.read())
-        elif self.delivery is not None:
-            self.delivery.clear()
-        self.journal = self._open_journal(state)
-        self._host_copies = HostCopies(self.layout, self.params)
-        self.listener = LearnerListener(self)
-        """What the link tells this learner and asks of it (on the link's threads)."""
-        self.link = self._open_link(syncer, link_options)
-        self._resume_unanswered()
+        self.clock = clock
+        """Where every ``now`` of this learner and its parts comes from (seconds, monotonic)."""
         self.before_touch: Callable[[list[int]], None] | None = None
         """Called with the fragments this learner is about to read or change in the model's
         parameters (a sharded island brings its mirror of them up to date here)."""
+        self._init_parts(self.layout.num_fragments)
+        if state is not None:
+            self.load_state_dict(state)
+            if self.delivery is not None:
+                self.restorer.drop_delivered(self.delivery.read())
+        elif self.delivery is not None:
+            self.delivery.clear()
+        self.journal = self.restorer.open_journal(state)
+        self._host_copies = HostCopies(self.layout, self.params)
+        self.listener = LearnerListener(
+            self.learner_id,
+            self._inbox,
+            self.progress,
+            self.layout,
+            self.params,
+            self.pacer,
+            self.delivery,
+            reconnect=lambda: self.link.reconnect(),
+        )
+        """What the link tells this learner and asks of it (on the link's threads)."""
+        self.link = self._open_link(syncer, link_options)
+        self.stopper = Stopper(
+            self.link,
+            self._ledger,
+            self.progress,
+            cfg,
+            self.pacer,
+            clock=clock,
+            settle=self.settler.settle,
+            queue=self._queue,
+            send_copied=self._send_copied,
+            apply_arrived=self.apply_arrived,
+        )
+        """Flushes, drains and closes (``diloco.learner.stopping``)."""
+        self.waiter = Waiter(self.link, self.progress, clock, self._send_copied, self.apply_arrived)
+        """Waits for the global model, or for merges (``diloco.learner.waiting``)."""
+        self.restorer.resume_unanswered(self.link)
 
     def _touch(self, fragments) -> None:
         if self.before_touch is not None and fragments:
             self.before_touch(sorted(fragments))
 
-    def _init_progress(self, P: int) -> None:
-        """The per-fragment progress state (nothing trained, nothing held yet)."""
-        self.local_step = 0
-        self.total_tokens = 0
-        self.anchors: list[torch.Tensor | None] = [None] * P
-        """G_p: the global value of each fragment this learner holds (the syncer's wire
-        image at ``versions[p]``, bit for bit); ``None`` before the first arrival."""
-        self.versions = [-1] * P
-        self.steps_since = [0] * P
-        """Steps of the undelivered progress of each fragment (not yet in any delta)."""
-        self.tokens_since = [0] * P
-        self.dropped = [0] * P
-        """Per fragment, trained steps thrown away on purpose (a norm-guard reset, the
-        paper's overwrite rule): every trained step is merged, in flight, unsent, excluded
-        or counted here (``accounting``)."""
-        self.merged_steps = [0] * P
-        """Per fragment, trained steps in deltas merged back (``accounting``)."""
-        self.excluded_steps = [0] * P
-        """Per fragment, trained steps in deltas the syncer left out of their merges."""
-        self.unknown_steps = [0] * P
-        """Per fragment, trained steps in accepted deltas whose fate no syncer can tell."""
-        self._merged_recent: OrderedDict[int, tuple[int, int]] = OrderedDict()
-        """Upload id -> (fragment, steps) of the last merged deltas (``settling``)."""
-        self._upload_ids = itertools.count(secrets.randbits(40) << 20)
-        """Ids of this learner's uploads (random base: a restarted learner never reuses one)."""
-        self.journal: UploadJournal | None = None
-        """The upload journal (``LearnerConfig.journal_file``), opened once restored."""
+    def _init_parts(self, P: int) -> None:
+        """The learner's state and the parts that own the rest (nothing trained yet)."""
+        self.progress = Progress(P)
+        """Per-fragment values held, versions, step counts and where the steps went."""
         self.applied = 0
         self.last_applied: list[int] = []  # fragments changed by the last apply_arrived()
+        self._upload_ids = itertools.count(secrets.randbits(40) << 20)
+        """Ids of this learner's uploads (random base: a restarted learner never reuses one)."""
         self._inbox = Inbox()  # what the link's threads hand to the training thread
         self._ledger = Ledger()
-        self._syncer_ids: dict[str, str] = {}
-        """The syncer instance (per address) this learner's ledger was admitted by."""
-        self.lineages: dict[str, str] = {}
-        """Per syncer (shard) address, the lineage of the versions held (``settling``)."""
-        self._rebasing: set[int] = set()
-        """Fragments waiting for the first keyframe of another lineage (not sent till then)."""
-        self._successors: dict[str, Rejoin] = {}
-        """A replaced syncer instance's id -> the rejoin to its successor (what it restored)."""
-        self._reset_now: set[int] = set()  # fragments reset by the norm guard since last apply
-        self._residual: set[int] = set()
-        """Fragments whose undelivered progress holds the quantization residual of an accepted
-        delta (decoded other than queued), though maybe no step: a new value is rebased onto
-        it, never written over (``_apply``), until it goes out or is dropped."""
         self._copying: dict[int, Snapshot] = {}
         """Fragments queued whose parameters are still on their way to the host (a CUDA
         learner, ``diloco.learner.snapshot``): their delta is made when the copy lands."""
-        # Fragments sent and not yet merged back: p -> (local step sent at, base version).
-        self._awaited: dict[int, tuple[int, int]] = {}
         self.guard_resets = 0
         """Fragments reset to the global value after a norm-guard refusal (``_reset``)."""
-        self.counters = {
-            "withdrawn": 0,
-            "returned": 0,
-            "merged": 0,
-            "excluded": 0,
-            "unknown": 0,
-            "resyncs": 0,
-            "deferred": 0,
-        }
-        """Ledger events: deltas withdrawn before sending (sent again, bigger), returned to
-        the undelivered progress (refused, failed, lost with a restarted syncer), merged
-        back, left out of their merge by the syncer; fragments resynced because an arrival
-        did not fit what this learner holds; requests deferred while the link was behind
-        (``diloco.learner.pacing``)."""
-        self._pace = Pace(self.config.max_stretch, self.config.pace_lag_steps)
-        self._deferred_in_row = [0] * P
-        self._behind = False
-        self._down_lags: dict[str, int] = {}
-        """Per syncer (shard), the versions this learner lacked of its furthest-behind fragment
-        at the last heartbeat (``LearnerListener.on_versions``, on the link's thread)."""
-        self._step_time: float | None = None
-        self._last_step_at: float | None = None
-        self._state = "starting"
-        self._closed = False
-        self._flushed: set[int] = set()
-        self.close_report: dict = {}
-        """What ``close`` did: fragments flushed, whether the uploads went out and the merges
-        holding them came back in time (``drained``), and the fragments that did not."""
-        self.delivery = (
-            DeliveryLog(self.config.delivery_file) if self.config.delivery_file else None
+        cfg = self.config
+        self.pacer = Pacer(Pace(cfg.max_stretch, cfg.pace_lag_steps), cfg.step_time_decay, P)
+        """Step time and deferred requests (``diloco.learner.pacing``)."""
+        self.delivery = DeliveryLog(cfg.delivery_file) if cfg.delivery_file else None
+        self.settler = Settler(
+            self._inbox,
+            self._ledger,
+            self.progress,
+            self.layout,
+            self.params,
+            touch=self._touch,
+            reset=self._reset,
+            on_join=lambda rejoin: self.restorer.confirm_at_join(rejoin),
         )
-        self._init_restoring()
+        """Settles the syncer's answers and says where steps went (``settling``)."""
+        self.restorer = Restorer(
+            self.progress,
+            self._ledger,
+            self._inbox,
+            self.layout,
+            cfg,
+            self.settler,
+            overwrite=self._overwrite,
+        )
+        """Saves and restores the checkpoint state (``diloco.learner.restoring``)."""
 
     def _open_link(self, syncer: str | Sequence[str], link_options: dict | None):
         """The link to the syncer(s), heard by this learner's ``listener``."""
@@ -233,32 +235,27 @@ class Learner(Settling, Stopping, Restoring):
         )
         options.update(tokens_per_step=cfg.tokens_per_step, comms=cfg.comms, **(link_options or {}))
         options.setdefault("generation", cfg.generation or default_generation())
+        options.setdefault("clock", self.clock)
         return open_link(syncer, self.learner_id, self.layout, self.listener, **options)
 
     # ----------------------------------------------------------------- public
     def step(self, tokens: int) -> list[int]:
         """Record one inner step of ``tokens`` tokens; returns the fragments queued for upload."""
-        if self._closed:
+        if self.stopper.closed:
             raise RuntimeError("step() after close()")
         if self.link.error is not None:
             raise RuntimeError(str(self.link.error))
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
-        if self._unconfirmed:
-            self._give_up_unconfirmed()
-        now = time.perf_counter()
-        if self._last_step_at is not None:
-            dt = now - self._last_step_at
-            d = self.config.step_time_decay
-            self._step_time = dt if self._step_time is None else d * self._step_time + (1 - d) * dt
-        self._last_step_at = now
+        self.restorer.give_up_unconfirmed()  # (training resumes: too late to confirm)
+        self.pacer.stepped(self.clock())
         self.local_step += 1
         self.total_tokens += tokens
-        self._state = "training"
+        self.progress.state = "training"
         for p in range(self.layout.num_fragments):
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
-        self._settle()
+        self.settler.settle()
         self._send_copied()
         asked = self._inbox.take_requested()
         if self.link.schedule == "learner" and self.link.sync_every > 0:  # (H: the syncer's)
@@ -275,20 +272,17 @@ class Learner(Settling, Stopping, Restoring):
         next time). On the learners' own schedule (synchronous DiLoCo's lockstep) a due
         fragment is always sent."""
         backlog = self.link.backlog_s(p) if self.link.schedule == "syncer" else 0.0
-        if self._pace.defer(backlog, self._step_time, self._deferred_in_row[p]):
-            self._deferred_in_row[p] += 1
+        was_behind = self.pacer.behind
+        if self.pacer.defer(p, backlog):
             self.counters["deferred"] += 1
-            if not self._behind:
+            if not was_behind:
                 log.info(
                     "learner %s: its uploads fall behind (%.1f s waiting); it defers the "
                     "syncer's requests until they catch up",
                     self.learner_id,
                     backlog,
                 )
-            self._behind = True
             return False
-        self._deferred_in_row[p] = 0
-        self._behind = False
         return self._queue(p)
 
     def apply_arrived(self) -> int:
@@ -312,7 +306,7 @@ class Learner(Settling, Stopping, Restoring):
         # Taken after the arrivals: a job still queued now was not on the wire when any of
         # them was committed, so none of them holds it.
         queued = self.link.queued_jobs()
-        self._settle()
+        self.settler.settle()
         ready, waiting = {}, {}
         for p, chain in arrived.items():
             if p in self._copying:
@@ -324,7 +318,8 @@ class Learner(Settling, Stopping, Restoring):
         self._inbox.put_back(
             {p: bounded(chain, self.versions[p], self.anchors[p]) for p, chain in waiting.items()}
         )
-        self.last_applied, self._reset_now = sorted(self._reset_now), set()
+        self.last_applied = sorted(self.progress.reset_now)
+        self.progress.reset_now = set()
         self._touch(ready)
         with torch.no_grad():
             for p, chain in sorted(ready.items()):
@@ -337,7 +332,7 @@ class Learner(Settling, Stopping, Restoring):
                     continue  # (another lineage's first value: whatever its version)
                 self._apply(p, version, value)
                 if rebases(chain):
-                    self._rebased(p)
+                    self.settler.rebased(p)
                 if p not in self.last_applied:
                     self.last_applied.append(p)
                 self.applied += 1
@@ -358,14 +353,14 @@ class Learner(Settling, Stopping, Restoring):
     def _apply(self, p: int, version: int, value: torch.Tensor) -> None:
         held = self.anchors[p]
         merged = self._ledger.take_merged(p, version)
-        self._count_merged(p, merged, version)
+        self.settler.count_merged(p, merged, version)
         own = bool(merged)
         rebase = self.config.rebase_own if own else self.config.rebase_foreign
         if held is None:  # over the learner's own initial values: their steps are lost
             self.layout.scatter(p, value, self.params)
             self.dropped[p] += self.steps_since[p]
             self.steps_since[p] = self.tokens_since[p] = 0
-        elif rebase and self.steps_since[p] == 0 and p not in self._residual:
+        elif rebase and self.steps_since[p] == 0 and p not in self.progress.residual:
             self._overwrite(p, value)  # no undelivered progress: exactly G' − ledger
         elif rebase:
             shift = value - held
@@ -394,7 +389,7 @@ class Learner(Settling, Stopping, Restoring):
             self.dropped[p] += self.steps_since[p]
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
-        self._residual.discard(p)
+        self.progress.residual.discard(p)
 
     def _reset(self, p: int) -> bool:
         """After the syncer's norm guard refused a delta of ``p``: drop the fragment's
@@ -410,7 +405,7 @@ class Learner(Settling, Stopping, Restoring):
         if snapshot is not None:
             self.dropped[p] += snapshot.steps
         self._overwrite(p, self.anchors[p])
-        self._awaited.pop(p, None)
+        self.progress.awaited.pop(p, None)
         self.guard_resets += 1
         return True
 
@@ -424,13 +419,13 @@ class Learner(Settling, Stopping, Restoring):
     def _queue(self, p: int, *, final: bool = False) -> bool:
         """Queue fragment ``p``'s undelivered progress; True if a delta was queued. A delta
         of ``p`` still waiting to be sent is withdrawn first and goes out in this one."""
-        if self.anchors[p] is None or p in self._copying or p in self._rebasing:
+        if self.anchors[p] is None or p in self._copying or p in self.progress.rebasing:
             return False  # (a copy, or another lineage, on its way: it goes out next time)
         withdrawn = self.link.withdraw(p)
         if withdrawn is not None:
             entry = self._ledger.find(p, withdrawn.job_id)
             if entry is not None:
-                self._return(p, entry)
+                self.settler.give_back(p, entry)
                 self.counters["withdrawn"] += 1
         if self.steps_since[p] == 0:
             return False
@@ -446,8 +441,8 @@ class Learner(Settling, Stopping, Restoring):
         )
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
-        self._residual.discard(p)  # it goes out in this delta
-        self._awaited.setdefault(p, (self.local_step, self.versions[p]))
+        self.progress.residual.discard(p)  # it goes out in this delta
+        self.progress.awaited.setdefault(p, (self.local_step, self.versions[p]))
         if snapshot.copy.ready():
             self._send(p, snapshot)
         else:
@@ -482,7 +477,7 @@ class Learner(Settling, Stopping, Restoring):
                 entry.steps,
                 entry.tokens,
                 delta,
-                self._step_time or 0.0,
+                self.pacer.step_time or 0.0,
                 snapshot.local_step,
                 job_id=entry.job_id,
                 final=snapshot.final,
@@ -505,64 +500,21 @@ class Learner(Settling, Stopping, Restoring):
         return self._ledger.in_flight()
 
     def wait_for_global(self, timeout: float = 60.0, *, required: bool = True) -> bool:
-        """Block until this learner holds every fragment at least at the version the syncer had
-        when it joined, and apply them; True if so within ``timeout``. Otherwise
-        ``TimeoutError`` (it would train from its own initialization, apart from the fleet),
-        or, with ``required=False``, False.
-
-        Call it once before training: a fresh learner then starts from the global model, and
-        one restored from a checkpoint catches up before it sends.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.link.error is not None:
-                raise RuntimeError(str(self.link.error))
-            # the target first: the link sets it after reporting the rejoin, settled below
-            target = self.link.joined_versions
-            self.apply_arrived()
-            if target is not None and all(
-                h >= max(t, 0) for h, t in zip(self.versions, target, strict=False)
-            ):
-                return True
-            if time.monotonic() > deadline:
-                if required:
-                    raise TimeoutError(
-                        f"no global model from {self.link.address} within {timeout:g} s "
-                        "(is the syncer up, the address and token right?)"
-                    )
-                return False
-            time.sleep(0.02)
+        """Block until this learner holds the global model (``Waiter.wait_for_global``)."""
+        return self.waiter.wait_for_global(timeout, required=required)
 
     def wait_for_merges(
         self, lag: int, timeout: float, stop: threading.Event | None = None
     ) -> bool:
-        """Synchronous DiLoCo: block until every fragment sent ``lag`` or more steps ago has
-        come back merged (a newer version of it applied), so no learner runs more than ``lag``
-        steps ahead of a round. Returns False if ``timeout`` passed or ``stop`` was set first.
-
-        The decoupled default never calls it: a learner there never waits for anyone.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            self._send_copied()
-            self.apply_arrived()
-            for p, (_, base) in list(self._awaited.items()):
-                if self.versions[p] > base:
-                    del self._awaited[p]
-            late = [p for p, (at, _) in self._awaited.items() if self.local_step - at >= lag]
-            if not late:
-                return True
-            if self.link.error is not None:
-                raise RuntimeError(str(self.link.error))
-            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
-                return False
-            time.sleep(0.005)
+        """Synchronous DiLoCo: block until no fragment sent ``lag`` or more steps ago is still
+        unmerged (``Waiter.wait_for_merges``)."""
+        return self.waiter.wait_for_merges(lag, timeout, stop)
 
     @property
     def down_lag(self) -> int:
         """Versions this learner lacks of the fragment it is furthest behind on (its downlink's
         lag, as of the last heartbeat; ``DOWNLINK_BEHIND_VERSIONS`` or more: behind)."""
-        return max(self._down_lags.values(), default=0)
+        return self.listener.down_lag
 
     @property
     def stats(self) -> dict:
@@ -588,6 +540,56 @@ class Learner(Settling, Stopping, Restoring):
             **self.counters,
             **({"close": self.close_report} if self.close_report else {}),
         }
+
+    def accounting(self) -> Accounting:
+        """Where every trained step went, per fragment: merged, in flight (accepted, its
+        merge not back yet), unsent, dropped (``diloco.learner.accounting``). Call it from
+        the training thread (between steps, or after ``close``)."""
+        self.settler.settle()
+        return self.settler.accounting(self.unsent())
+
+    def delivered_steps(self) -> list[int]:
+        """Per fragment, the steps the syncer has (``Settler.delivered_steps``)."""
+        return self.settler.delivered_steps()
+
+    def unanswered_uploads(self) -> list[tuple[int, int, int]]:
+        """``(upload id, fragment, steps)`` of the deltas sent without an answer yet
+        (``Settler.unanswered_uploads``)."""
+        return self.settler.unanswered_uploads()
+
+    def state_dict(self) -> dict:
+        """What a restarted learner needs to carry on (``Restorer.state``), after settling
+        the answers and making the deltas still being copied (a checkpoint holds them).
+
+        Save it with the model and the inner optimizer (``torch.save``; load with
+        ``weights_only=True``) and pass it back as ``Learner(..., state=...)``: the learner
+        then resubscribes with these versions and only receives fragments that moved on.
+        """
+        self.settler.settle()
+        self._send_copied(wait=True)  # on the ledger: a checkpoint holds it
+        return self.restorer.state()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back a ``state_dict`` (``Restorer.load``; ``ValueError`` for another model)."""
+        self.restorer.load(state)
+
+    def skip(self, steps: int, tokens: int) -> None:
+        """Count steps the previous life trained as not trained again (``Restorer.skip``)."""
+        self.restorer.skip(steps, tokens)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Queue every fragment's progress as finals and wait for their answers; True if
+        every delta had one within ``timeout`` (``Stopper.flush``)."""
+        return self.stopper.flush(timeout)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (bounded) until every accepted delta has come back merged (``Stopper.drain``)."""
+        return self.stopper.drain(timeout)
+
+    def close(self, *, flush: bool = True) -> None:
+        """Optionally flush and drain, leave the syncer and stop the background threads
+        (bounded; ``Stopper.close``, what it did in ``close_report``)."""
+        self.stopper.close(flush=flush)
 
     def __enter__(self) -> Learner:
         return self

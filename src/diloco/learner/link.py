@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ from diloco.learner.listener import LinkListener
 from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
 from diloco.learner.refusals import fatal_join_refusal, upload_refusal
 from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
+from diloco.runtime.clock import monotonic
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire import keepalive
@@ -82,6 +82,7 @@ class SyncerLink:
         check_join: Callable[[SyncerLink, ShardInfo], None] | None = None,
         comms: str | None = None,
         generation: int = 0,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         """``listener`` hears everything the link learns and answers what it asks, on the
         link's threads (``diloco.learner.listener``). ``encoder`` turns a job into the bytes
@@ -121,7 +122,9 @@ class SyncerLink:
         self.sync_every = 0
         """H the syncer paces its rounds with (0 until the first join, or not used)."""
         self.stats = LinkStats()
-        self.meter = UploadMeter()
+        self.clock = clock
+        """Where the link's ``now`` comes from (its owner's clock: ``Learner.clock``)."""
+        self.meter = UploadMeter(clock=clock)
         """This learner's upload rate, measured on its own uploads (``diloco.learner.pacing``)."""
         self.error: BaseException | None = None
         self.connected = threading.Event()
@@ -144,7 +147,7 @@ class SyncerLink:
         # (seen as a segfault in a test's close()): both happen under this lock.
         self._channel_lock = threading.Lock()
         self._closing = threading.Event()
-        self.queue = UploadQueue(self._encoded_size)
+        self.queue = UploadQueue(self._encoded_size, clock=clock)
         self._threads = [
             threading.Thread(target=self._link_loop, name=f"link-{learner_id}", daemon=True),
             threading.Thread(target=self._send_loop, name=f"sender-{learner_id}", daemon=True),
@@ -164,7 +167,7 @@ class SyncerLink:
         ``failed`` (callers that keep a ledger ``withdraw`` it first)."""
         replaced = self.queue.put(job)
         if replaced is not None:
-            self._answer(replaced, UploadResult("failed"))
+            self.answer(replaced, UploadResult("failed"))
 
     def resume(self, job: UploadJob) -> None:
         """Send a job whose answer is unknown again as it was (``UploadQueue.resume``)."""
@@ -206,15 +209,17 @@ class SyncerLink:
         apply deltas to through ``have_versions``)."""
         self._end_channels()
 
-    def _answer(self, job: UploadJob, result: UploadResult) -> None:
+    def answer(self, job: UploadJob, result: UploadResult) -> None:
+        """Give ``job`` its one answer (the listener's ``on_result``): the sender's verdict,
+        or a job that never went out (replaced, given up, or no shard owns it)."""
         self.listener.on_result(job, result)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every queued upload has been sent (or given up); True if idle in time."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         with self.queue.cond:
             while self.queue.busy():
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0 or not self.connected.is_set():
                     return False
                 self.queue.cond.wait(min(left, 0.1))
@@ -472,9 +477,9 @@ class SyncerLink:
                     again, older = self.queue.send_again(job, self._closing)
                     result = result if again else self.queue.given_up(job, self._closing)
                 if older is not None:
-                    self._answer(older, self.queue.given_up(older, self._closing))
+                    self.answer(older, self.queue.given_up(older, self._closing))
                 if not again:
-                    self._answer(job, result)
+                    self.answer(job, result)
             finally:
                 self.queue.done(job)
 

@@ -133,3 +133,37 @@ class Pace:
         if self.max_stretch <= 1 or not step_s:
             return False
         return backlog_s > self.lag_steps * step_s and deferred_in_row < self.max_stretch - 1
+
+
+class Pacer:
+    """A learner's step time and its deferrals (training thread; the listener reads
+    ``step_time`` and ``behind`` for the heartbeat): ``stepped`` at each step, with ``now``
+    from the learner's clock, and ``defer`` for each request (``Pace.defer``)."""
+
+    def __init__(self, pace: Pace, step_time_decay: float, num_fragments: int) -> None:
+        self.pace, self.decay = pace, step_time_decay
+        self.step_time: float | None = None
+        """Seconds per step (exponential average; None before two steps)."""
+        self.behind = False
+        """Whether the last request was deferred: the link's uploads fall behind."""
+        self.last_step_at: float | None = None
+        self.deferred_in_row = [0] * num_fragments
+
+    def stepped(self, now: float) -> None:
+        """A step ended at ``now``: the step time takes in the time since the last one."""
+        if self.last_step_at is not None:
+            dt = now - self.last_step_at
+            d = self.decay
+            self.step_time = dt if self.step_time is None else d * self.step_time + (1 - d) * dt
+        self.last_step_at = now
+
+    def defer(self, p: int, backlog_s: float) -> bool:
+        """Whether to defer a request for ``p`` with ``backlog_s`` seconds of uploads waiting
+        (``Pace.defer``); counts the deferrals in a row and sets ``behind``."""
+        if self.pace.defer(backlog_s, self.step_time, self.deferred_in_row[p]):
+            self.deferred_in_row[p] += 1
+            self.behind = True
+            return True
+        self.deferred_in_row[p] = 0
+        self.behind = False
+        return False

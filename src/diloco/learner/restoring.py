@@ -1,25 +1,49 @@
-"""What a learner saves in its checkpoint and how it comes back from one (``state_dict``,
-``load_state_dict``, dropping what was delivered after the checkpoint; a mixin of
-``Learner``)."""
+"""What a learner saves in its checkpoint and how it comes back from one (``state``,
+``load``, dropping what was delivered after the checkpoint): the ``Restorer``, a part the
+``Learner`` holds (training thread only)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
+from diloco.algorithm.fragments import FragmentLayout
+from diloco.learner.config import LearnerConfig
 from diloco.learner.delivery import already_delivered
+from diloco.learner.inbox import Inbox, Rejoin
 from diloco.learner.journal import UploadJournal, journaled_returns, journaled_uploads
+from diloco.learner.ledger import Ledger
+from diloco.learner.progress import Progress
+from diloco.learner.settling import Settler
 from diloco.learner.uploads import UploadJob
 
 log = logging.getLogger(__name__)
 
 
-class Restoring:
-    """The checkpoint half of ``diloco.learner.learner.Learner``."""
+class Restorer:
+    """A learner's checkpoint: what it saves of the ``progress`` and the ``ledger``
+    (``state``), loads back (``load``) and, after a restore, what it finds out was delivered
+    after the checkpoint (``drop_delivered``, ``confirm_at_join``). Given: the ``inbox``
+    (fragments waiting for a rebase keyframe ask again), the ``settler`` (what it returns to
+    the undelivered progress goes through ``Settler.give_back``) and ``overwrite`` (the
+    learner's ``θ_p ← G_p − Σ ledger``, with ``drops``). It owns what a restore found out."""
 
-    def _init_restoring(self) -> None:
-        """What a restore finds out (set by ``__init__``, before any restore)."""
+    def __init__(
+        self,
+        progress: Progress,
+        ledger: Ledger,
+        inbox: Inbox,
+        layout: FragmentLayout,
+        config: LearnerConfig,
+        settler: Settler,
+        *,
+        overwrite: Callable[..., None],
+    ) -> None:
+        self.progress, self.ledger, self.inbox = progress, ledger, inbox
+        self.layout, self.config, self.settler = layout, config, settler
+        self.overwrite = overwrite
         self.dropped_on_restore: list[int] = []
         """Fragments whose checkpointed progress was found delivered already at restore."""
         self.ahead_on_restore = 0
@@ -27,13 +51,13 @@ class Restoring:
         (its delivery log, or at the first join the syncer's commits, show an upload
         queued after the checkpoint's step): training them again would merge their data
         twice; the caller skips them (``skip``, after ``wait_for_global``)."""
-        self._unconfirmed: dict[int, tuple[int, int, int]] = {}
+        self.unconfirmed: dict[int, tuple[int, int, int]] = {}
         """After a restore: upload id -> (fragment, steps, step) of the uploads queued after
-        the checkpoint whose answers this life cannot know (``Restoring._note_unconfirmed``);
+        the checkpoint whose answers this life cannot know (``note_unconfirmed``);
         checked at the first join of their syncer (shard), given up at the first step."""
-        self._restored_at: tuple[int, list[int], list[int]] = (0, [], [])
+        self.restored_at: tuple[int, list[int], list[int]] = (0, [], [])
         """After a restore: the checkpoint's step, per-fragment unsent steps and versions."""
-        self._checkpoint_life: str | None = None
+        self.checkpoint_life: str | None = None
         """After a restore: the journal's id of the life that took the checkpoint."""
 
     def skip(self, steps: int, tokens: int) -> None:
@@ -42,84 +66,82 @@ class Restoring:
         draws the same batches from its data and drops them). The step counter moves on; each
         fragment counts them ``dropped``: the previous life delivered them (the syncer's tape
         holds them under its uploads) or they died with it. Call before the first ``step``."""
+        pr = self.progress
         if steps < 0 or tokens < 0:
             raise ValueError(f"skip: steps and tokens must be >= 0, got {steps}, {tokens}")
-        self._give_up_unconfirmed()
+        self.give_up_unconfirmed()
         if not steps:
             return
-        self.local_step += steps
-        self.total_tokens += tokens
+        pr.local_step += steps
+        pr.total_tokens += tokens
         for p in range(self.layout.num_fragments):
-            self.dropped[p] += steps
-        if self.journal is not None:
-            self.journal.skipped(steps, self.local_step)
+            pr.dropped[p] += steps
+        if pr.journal is not None:
+            pr.journal.skipped(steps, pr.local_step)
 
-    def _open_journal(self, state: dict | None) -> UploadJournal | None:
+    def open_journal(self, state: dict | None) -> UploadJournal | None:
         """This life's upload journal (``config.journal_file``; none without one). A restored
         life writes what its checkpoint holds as delivered (``carried``) and notes the
         uploads queued after the checkpoint that it must check at the first join."""
+        pr = self.progress
         path = self.config.journal_file
         if not path:
             return None
         carried = None
         if state is not None:
-            carried = self.delivered_steps()
-            self._note_unconfirmed(journaled_uploads(path, state.get("journal_life")))
-        return UploadJournal(path, self.local_step, carried, list(self.unknown_steps))
+            carried = self.settler.delivered_steps()
+            self.note_unconfirmed(journaled_uploads(path, state.get("journal_life")))
+        return UploadJournal(path, pr.local_step, carried, list(pr.unknown_steps))
 
-    def state_dict(self) -> dict:
-        """What a restarted learner needs to carry on: global values held, versions, the
-        lineage they belong to, counters, the ledger of deltas on their way, the step.
-
-        Save it with the model and the inner optimizer (``torch.save``; load with
-        ``weights_only=True``) and pass it back as ``Learner(..., state=...)``: the learner
-        then resubscribes with these versions and only receives fragments that moved on.
-        """
-        self._settle()
-        self._send_copied(wait=True)  # on the ledger: a checkpoint holds it
+    def state(self) -> dict:
+        """What a restarted learner needs to carry on (``Learner.state_dict``, which settles
+        and makes the deltas still being copied first): global values held, versions, the
+        lineage they belong to, counters, the ledger of deltas on their way, the step."""
+        pr = self.progress
         return {
-            "local_step": self.local_step,
-            "total_tokens": self.total_tokens,
-            "versions": list(self.versions),
-            "steps_since": list(self.steps_since),
-            "tokens_since": list(self.tokens_since),
-            "residual": sorted(self._residual),
-            "anchors": [a.clone() if a is not None else torch.empty(0) for a in self.anchors],
-            "ledger": self._ledger.state(),
-            "merged_steps": list(self.merged_steps),
-            "dropped": list(self.dropped),
-            "excluded_steps": list(self.excluded_steps),
-            "unknown_steps": list(self.unknown_steps),
-            "syncer_ids": dict(self._syncer_ids),
-            "lineages": dict(self.lineages),
-            "rebasing": sorted(self._rebasing),
-            "journal_life": self.journal.life if self.journal is not None else None,
+            "local_step": pr.local_step,
+            "total_tokens": pr.total_tokens,
+            "versions": list(pr.versions),
+            "steps_since": list(pr.steps_since),
+            "tokens_since": list(pr.tokens_since),
+            "residual": sorted(pr.residual),
+            "anchors": [a.clone() if a is not None else torch.empty(0) for a in pr.anchors],
+            "ledger": self.ledger.state(),
+            "merged_steps": list(pr.merged_steps),
+            "dropped": list(pr.dropped),
+            "excluded_steps": list(pr.excluded_steps),
+            "unknown_steps": list(pr.unknown_steps),
+            "syncer_ids": dict(pr.syncer_ids),
+            "lineages": dict(pr.lineages),
+            "rebasing": sorted(pr.rebasing),
+            "journal_life": pr.journal.life if pr.journal is not None else None,
             "layout_hash": self.layout.hash,
         }
 
-    def _drop_delivered(self, accepted_at: dict[int, int]) -> None:
+    def drop_delivered(self, accepted_at: dict[int, int]) -> None:
         """After a restore: deltas whose answer the checkpoint did not know count as
         delivered if the delivery log shows an upload of that fragment accepted at or after
         them (else they are returned and sent again); the undelivered progress of a fragment
         whose upload queued after the checkpoint was accepted is dropped (delivered)."""
+        pr = self.progress
         with torch.no_grad():
-            for p, e in self._ledger.items():
+            for p, e in self.ledger.items():
                 if e.admitted is not None or e.upload_id:
                     continue  # (one with an upload id is sent again as it was: resumed)
                 if accepted_at.get(p, -1) >= e.local_step:
                     e.admitted = -1  # merged by the first version that arrives
                 else:
-                    self._return(p, e)
-            for p in already_delivered(accepted_at, self.local_step, self.steps_since):
-                if self.anchors[p] is None:
+                    self.settler.give_back(p, e)
+            for p in already_delivered(accepted_at, pr.local_step, pr.steps_since):
+                if pr.anchors[p] is None:
                     continue
-                self.merged_steps[p] += self.steps_since[p]  # delivered before the restart
-                self._overwrite(p, self.anchors[p], drops=False)
+                pr.merged_steps[p] += pr.steps_since[p]  # delivered before the restart
+                self.overwrite(p, pr.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
-            self._take_back_returned(accepted_at)
-        self.ahead_on_restore = max(0, max(accepted_at.values(), default=0) - self.local_step)
+            self.take_back_returned(accepted_at)
+        self.ahead_on_restore = max(0, max(accepted_at.values(), default=0) - pr.local_step)
 
-    def _take_back_returned(self, accepted_at: dict[int, int]) -> None:
+    def take_back_returned(self, accepted_at: dict[int, int]) -> None:
         """After a restore: a delta the checkpoint holds unanswered that the journal says a
         later life had back (refused or withdrawn after the checkpoint: ``returned``) is not
         sent again as it was: that life sent its steps again, in its next upload of the
@@ -127,56 +149,64 @@ class Restoring:
         its steps merged twice). Delivered when the delivery log shows an upload of the
         fragment accepted from that next one on (its steps count merged, the fragment goes
         back to its anchor); else its steps are undelivered progress again, as they were for
-        that life, which the first join judges like the rest (``_confirm_delivered``)."""
-        path = self.config.journal_file
-        returns = journaled_returns(path, self._checkpoint_life) if path else {}
-        for p, e in self._ledger.items():
-            if e.admitted is not None or e.upload_id not in returns or self.anchors[p] is None:
+        that life, which the first join judges like the rest (``confirm_delivered``)."""
+        pr, path = self.progress, self.config.journal_file
+        returns = journaled_returns(path, self.checkpoint_life) if path else {}
+        for p, e in self.ledger.items():
+            if e.admitted is not None or e.upload_id not in returns or pr.anchors[p] is None:
                 continue
-            self._ledger.remove(p, e)
+            self.ledger.remove(p, e)
             next_at = returns[e.upload_id]
             if next_at is not None and accepted_at.get(p, -1) >= next_at:
-                self.merged_steps[p] += e.steps  # delivered before the restart
-                self._overwrite(p, self.anchors[p], drops=False)  # (θ_p held e's delta)
+                pr.merged_steps[p] += e.steps  # delivered before the restart
+                self.overwrite(p, pr.anchors[p], drops=False)  # (θ_p held e's delta)
                 if p not in self.dropped_on_restore:
                     self.dropped_on_restore.append(p)
             else:  # its delta stays in θ_p: undelivered progress
-                self.steps_since[p] += e.steps
-                self.tokens_since[p] += e.tokens
+                pr.steps_since[p] += e.steps
+                pr.tokens_since[p] += e.tokens
 
-    def _note_unconfirmed(self, journaled: list[tuple[int, int, int, int]]) -> None:
+    def note_unconfirmed(self, journaled: list[tuple[int, int, int, int]]) -> None:
         """After a restore: remember the uploads (``journaled``: id, fragment, steps, step;
         of the life that took the checkpoint and any later one) queued after the
         checkpoint. One the syncer accepted just before the life died has no answer
         anywhere (neither the checkpoint nor the delivery log saw it): the first join of
-        its syncer (shard) tells, by its commit list (``_confirm_delivered``)."""
-        step, since = self.local_step, list(self.steps_since)
-        self._restored_at = (step, since, list(self.versions))
-        on_ledger = {e.upload_id for p, e in self._ledger.items() if e.upload_id}
-        self._unconfirmed = {
+        its syncer (shard) tells, by its commit list (``confirm_delivered``)."""
+        pr = self.progress
+        step, since = pr.local_step, list(pr.steps_since)
+        self.restored_at = (step, since, list(pr.versions))
+        on_ledger = {e.upload_id for p, e in self.ledger.items() if e.upload_id}
+        self.unconfirmed = {
             u: (p, steps, at)
             for u, p, steps, at in journaled
             if 0 <= p < len(since) and at > step and u not in on_ledger
         }
 
-    def _confirm_delivered(
+    def confirm_at_join(self, rejoin: Rejoin) -> None:
+        """At every join: the first one of a syncer (shard) after a restore confirms what
+        the previous life delivered (``confirm_delivered``); later ones change nothing."""
+        if self.unconfirmed:
+            self.confirm_delivered(rejoin.committed, rejoin.fragments, rejoin.logged_from)
+
+    def confirm_delivered(
         self, committed: frozenset[int], fragments: tuple[int, ...], logged_from=()
     ) -> None:
         """At the first join of a syncer (shard owning ``fragments``) after a restore: the
         uploads of those fragments queued after the checkpoint that its commits hold were
         delivered. ``ahead_on_restore`` covers the steps they reached; a fragment whose
         checkpointed progress one of them carried (its steps reach back over the unsent
-        window) has that progress dropped as delivered, as ``_drop_delivered`` does from the
+        window) has that progress dropped as delivered, as ``drop_delivered`` does from the
         delivery log, unless this life has moved it already (it trained or sent it). One its
         commits do not hold was never committed only if its admission is not older than the
         logs the syncer keeps (``logged_from``; it was made against a version at least the
         checkpoint's): else its fate is unknown, and it is treated as delivered (its steps
         skipped, the progress it may have carried dropped) but counted *unknown*."""
-        step, since, held = self._restored_at
+        pr = self.progress
+        step, since, held = self.restored_at
         owned = set(fragments)
-        mine = {u: v for u, v in self._unconfirmed.items() if v[0] in owned}
+        mine = {u: v for u, v in self.unconfirmed.items() if v[0] in owned}
         for u in mine:
-            del self._unconfirmed[u]
+            del self.unconfirmed[u]
         for upload_id, (p, steps, at) in sorted(mine.items(), key=lambda kv: kv[1]):
             logged = logged_from[p] if p < len(logged_from) else -1
             unknown = upload_id not in committed
@@ -184,33 +214,33 @@ class Restoring:
                 continue  # its admission is within the kept logs: never committed
             self.ahead_on_restore = max(self.ahead_on_restore, at - step)
             carried = at - steps <= step - since[p]  # it reached back over the unsent window
-            untouched = self.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
-            if carried and untouched and self.anchors[p] is not None:
-                column = self.unknown_steps if unknown else self.merged_steps
+            untouched = pr.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
+            if carried and untouched and pr.anchors[p] is not None:
+                column = pr.unknown_steps if unknown else pr.merged_steps
                 column[p] += since[p]  # delivered before the restart, or maybe
                 with torch.no_grad():
-                    self._overwrite(p, self.anchors[p], drops=False)
+                    self.overwrite(p, pr.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
-                if self.journal is not None:
-                    self.journal.found_delivered(p, since[p], unknown=unknown)
+                if pr.journal is not None:
+                    pr.journal.found_delivered(p, since[p], unknown=unknown)
 
-    def _give_up_unconfirmed(self) -> None:
+    def give_up_unconfirmed(self) -> None:
         """Training starts before every syncer (shard) answered the first join: what its
         commits would have said can no longer be applied (this life moved on). Said once,
         with what may reach the global model twice."""
-        if not self._unconfirmed:
+        if not self.unconfirmed:
             return
-        fragments = sorted({p for p, _, _ in self._unconfirmed.values()})
+        fragments = sorted({p for p, _, _ in self.unconfirmed.values()})
         log.warning(
             "%d uploads of the previous life (fragments %s) were not confirmed before "
             "training resumed (no join yet): if the syncer had accepted them, their steps "
             "may be merged twice",
-            len(self._unconfirmed),
+            len(self.unconfirmed),
             fragments,
         )
-        self._unconfirmed = {}
+        self.unconfirmed = {}
 
-    def _resume_unanswered(self) -> None:
+    def resume_unanswered(self, link) -> None:
         """After a restore: deltas the checkpoint holds without an answer are sent again as
         they were, with their upload ids and marked as resends, so the syncer answers one it
         accepted before with its first verdict (or ``fate_unknown`` once it no longer keeps
@@ -218,11 +248,12 @@ class Restoring:
         (id 0) is returned to the undelivered progress. Each one resent is journaled again
         by this life: its steps are this life's to account for, and the audit finds them
         under the newest life that journaled the id."""
-        for p, e in self._ledger.items():
+        pr = self.progress
+        for p, e in self.ledger.items():
             if e.admitted is not None:
                 continue
             if not e.upload_id:
-                self._return(p, e)
+                self.settler.give_back(p, e)
                 continue
             # (an entry from before base versions were kept: 0, so a syncer that no longer
             # keeps the logs of the versions since answers fate_unknown, never "new")
@@ -240,36 +271,37 @@ class Restoring:
                 attempts=1,  # sent by an earlier life, unanswered: a resend
                 on_the_wire=True,
             )
-            if self.journal is not None:
-                self.journal.queued(e.upload_id, p, e.steps, e.tokens, e.local_step)
-            self.link.resume(job)
+            if pr.journal is not None:
+                pr.journal.queued(e.upload_id, p, e.steps, e.tokens, e.local_step)
+            link.resume(job)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load(self, state: dict) -> None:
+        """Take back a ``state`` (``Learner.load_state_dict``); ``ValueError`` if it belongs
+        to another model or fragmentation (then nothing changed)."""
         if state.get("layout_hash") != self.layout.hash:
             raise ValueError("this learner state belongs to another model or fragmentation")
         P = self.layout.num_fragments
         if len(state["versions"]) != P or len(state["anchors"]) != P:
             raise ValueError(f"learner state has {len(state['versions'])} fragments, expected {P}")
-        self.local_step = int(state["local_step"])
-        self.total_tokens = int(state["total_tokens"])
-        self._checkpoint_life = state.get("journal_life")
-        self.versions = [int(v) for v in state["versions"]]
-        self.steps_since = [int(v) for v in state["steps_since"]]
-        self.tokens_since = [int(v) for v in state["tokens_since"]]
-        self._residual = {int(p) for p in state.get("residual", ()) if 0 <= int(p) < P}
-        self.anchors = [
+        pr = self.progress
+        pr.local_step = int(state["local_step"])
+        pr.total_tokens = int(state["total_tokens"])
+        self.checkpoint_life = state.get("journal_life")
+        pr.versions = [int(v) for v in state["versions"]]
+        pr.steps_since = [int(v) for v in state["steps_since"]]
+        pr.tokens_since = [int(v) for v in state["tokens_since"]]
+        pr.residual = {int(p) for p in state.get("residual", ()) if 0 <= int(p) < P}
+        pr.anchors = [
             a.clone() if v >= 0 and a.numel() == self.layout.fragments[p].numel else None
-            for p, (a, v) in enumerate(zip(state["anchors"], self.versions, strict=True))
+            for p, (a, v) in enumerate(zip(state["anchors"], pr.versions, strict=True))
         ]
-        self.versions = [
-            v if self.anchors[p] is not None else -1 for p, v in enumerate(self.versions)
-        ]
-        self._ledger.load(state.get("ledger", []), [f.numel for f in self.layout.fragments])
-        self.merged_steps = [int(v) for v in state.get("merged_steps", [0] * P)]
-        self.dropped = [int(v) for v in state.get("dropped", [0] * P)]
-        self.excluded_steps = [int(v) for v in state.get("excluded_steps", [0] * P)]
-        self.unknown_steps = [int(v) for v in state.get("unknown_steps", [0] * P)]
-        self._syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}
-        self.lineages = {str(k): str(v) for k, v in state.get("lineages", {}).items()}
-        self._rebasing = {int(p) for p in state.get("rebasing", ()) if 0 <= int(p) < P}
-        self._inbox.restart(self._rebasing)  # (its keyframe had not come: it is asked again)
+        pr.versions = [v if pr.anchors[p] is not None else -1 for p, v in enumerate(pr.versions)]
+        self.ledger.load(state.get("ledger", []), [f.numel for f in self.layout.fragments])
+        pr.merged_steps = [int(v) for v in state.get("merged_steps", [0] * P)]
+        pr.dropped = [int(v) for v in state.get("dropped", [0] * P)]
+        pr.excluded_steps = [int(v) for v in state.get("excluded_steps", [0] * P)]
+        pr.unknown_steps = [int(v) for v in state.get("unknown_steps", [0] * P)]
+        pr.syncer_ids = {str(k): str(v) for k, v in state.get("syncer_ids", {}).items()}
+        pr.lineages = {str(k): str(v) for k, v in state.get("lineages", {}).items()}
+        pr.rebasing = {int(p) for p in state.get("rebasing", ()) if 0 <= int(p) < P}
+        self.inbox.restart(pr.rebasing)  # (its keyframe had not come: it is asked again)

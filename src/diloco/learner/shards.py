@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields
 
 from diloco.algorithm.fragments import FragmentLayout
@@ -29,6 +28,7 @@ from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.address import check_spec
 from diloco.learner.link import LinkStats, SyncerLink, UploadJob, UploadResult
 from diloco.learner.listener import LinkListener
+from diloco.runtime.clock import monotonic
 
 __all__ = ["ShardedLink", "open_link", "parse_syncer_addresses"]
 
@@ -106,6 +106,8 @@ class ShardedLink:
         self.addresses = list(addresses)
         self.address = ",".join(self.addresses)
         self.layout = layout
+        self.clock: Callable[[], float] = kwargs.get("clock", monotonic)
+        """Where the deadlines of ``wait_idle`` come from (each shard's link has the same)."""
         self._lock = threading.Lock()
         self.links = [
             SyncerLink(
@@ -217,7 +219,7 @@ class ShardedLink:
         link = self.owner(job.fragment)
         if link is None:
             self.links[0].stats.uploads_failed += 1
-            self.links[0]._answer(job, UploadResult("failed"))
+            self.links[0].answer(job, UploadResult("failed"))
             return
         link.submit(job)
 
@@ -232,10 +234,10 @@ class ShardedLink:
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait (bounded by ``timeout`` in all) until every shard's uploads have gone out."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         idle = True
         for link in self.links:
-            idle = link.wait_idle(max(0.0, deadline - time.monotonic())) and idle
+            idle = link.wait_idle(max(0.0, deadline - self.clock())) and idle
         return idle
 
     def close(self, *, leave: bool = True) -> None:

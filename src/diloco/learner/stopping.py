@@ -1,16 +1,56 @@
 """How a learner stops cleanly: flush its undelivered progress, wait for it to come back
-merged, leave (``Learner.flush``, ``drain``, ``close``; a mixin of ``Learner``)."""
+merged, leave (the ``Stopper``, a part the ``Learner`` holds; ``Learner.flush``, ``drain``,
+``close``; training thread only)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from diloco.learner.config import MAX_DRAIN_S
+from diloco.learner.config import MAX_DRAIN_S, LearnerConfig
+from diloco.learner.ledger import Ledger
+from diloco.learner.pacing import Pacer
+from diloco.learner.progress import Progress
+
+AWAIT_POLL_S = 0.05
+"""How often a wait for the link to come back looks at it."""
+DRAIN_POLL_S = 0.02
+"""How often a drain looks for the merges that bring its deltas back."""
 
 
-class Stopping:
-    """The stopping half of ``diloco.learner.learner.Learner`` (it uses the learner's
-    ledger, link, counters and ``_queue`` / ``_settle`` / ``apply_arrived``)."""
+class Stopper:
+    """Stops a learner: ``flush`` queues every fragment's undelivered progress as finals and
+    waits for their answers, ``drain`` waits for the merges that hold them, ``close`` does
+    both (bounded) and leaves. Given: the ``link``, the ``ledger`` and ``progress`` it
+    reads, the ``pacer`` (the step time sizes the drain), ``clock`` (every deadline is on
+    it) and the learner's own steps: ``settle`` (``Settler.settle``), ``queue(p, final=)``,
+    ``send_copied(wait=)`` and ``apply_arrived``. It owns what closing did (``report``) and
+    whether the learner is ``closed``."""
+
+    def __init__(
+        self,
+        link,
+        ledger: Ledger,
+        progress: Progress,
+        config: LearnerConfig,
+        pacer: Pacer,
+        *,
+        clock: Callable[[], float],
+        settle: Callable[[], None],
+        queue: Callable[..., bool],
+        send_copied: Callable[..., None],
+        apply_arrived: Callable[[], int],
+    ) -> None:
+        self.link, self.ledger, self.progress = link, ledger, progress
+        self.config, self.pacer, self.clock = config, pacer, clock
+        self.settle, self.queue = settle, queue
+        self.send_copied, self.apply_arrived = send_copied, apply_arrived
+        self.closed = False
+        self.flushed: set[int] = set()
+        """The fragments the last flush queued a final delta of."""
+        self.report: dict = {}
+        """What ``close`` did: fragments flushed, whether the uploads went out and the merges
+        holding them came back in time (``drained``), and the fragments that did not."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Queue every fragment's undelivered progress, marked final (the syncer counts it as
@@ -23,21 +63,22 @@ class Stopping:
         otherwise stays unsent (the ``unsent_steps`` of ``close_report``).
         Returns True if every delta had an answer within ``timeout``.
         """
-        deadline = time.monotonic() + (self.config.flush_timeout_s if timeout is None else timeout)
-        self._settle()
-        self._flushed = set()
+        wait = self.config.flush_timeout_s if timeout is None else timeout
+        deadline = self.clock() + wait
+        self.settle()
+        self.flushed = set()
         for _attempt in range(3):
             stats = self.link.stats
             failed_before = stats.uploads_failed + stats.stale_replies
-            self._send_copied(wait=True)  # (a CUDA learner's copies still on their way)
+            self.send_copied(wait=True)  # (a CUDA learner's copies still on their way)
             with self.link.holding():  # all queued before the first goes: it names them all
-                for p in range(self.layout.num_fragments):
-                    if self.versions[p] >= 0 and self._queue(p, final=True):
-                        self._flushed.add(p)
-                self._send_copied(wait=True)
-            idle = self.link.wait_idle(max(0.0, deadline - time.monotonic()))
-            self._settle()
-            unanswered = bool(self._ledger.unanswered())
+                for p in range(len(self.progress.versions)):
+                    if self.progress.versions[p] >= 0 and self.queue(p, final=True):
+                        self.flushed.add(p)
+                self.send_copied(wait=True)
+            idle = self.link.wait_idle(max(0.0, deadline - self.clock()))
+            self.settle()
+            unanswered = bool(self.ledger.unanswered())
             if not idle or unanswered:
                 return False
             stats = self.link.stats
@@ -45,7 +86,7 @@ class Stopping:
             retry = stats.uploads_failed + stats.stale_replies > failed_before
             if retry:
                 self.apply_arrived()
-            if not retry or time.monotonic() >= deadline or not self.link.connected.is_set():
+            if not retry or self.clock() >= deadline or not self.link.connected.is_set():
                 return True
         return True
 
@@ -59,73 +100,92 @@ class Stopping:
         judged lost and its progress returned), and what was returned is flushed again, as
         finals, and drained in turn. Without the wait the learner left holding deltas
         nobody would ever merge."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         joins = self.link.stats.connects
         while True:
             self.apply_arrived()
-            pending = self._undrained()
-            left = deadline - time.monotonic()
+            pending = self.undrained()
+            left = deadline - self.clock()
             rejoined = self.link.stats.connects != joins
             if (not pending and not rejoined) or left <= 0:
                 break
             if rejoined or not self.link.connected.is_set():
-                if not self._await_link(left):  # (connected: after the rejoin was reported)
+                if not self.await_link(left):  # (connected: after the rejoin was reported)
                     break
                 joins = self.link.stats.connects
-                flushed = self._flushed
-                self.flush(timeout=max(0.0, deadline - time.monotonic()))  # settles first
-                self._flushed |= flushed
+                flushed = self.flushed
+                self.flush(timeout=max(0.0, deadline - self.clock()))  # settles first
+                self.flushed |= flushed
                 continue
-            time.sleep(0.02)
+            time.sleep(DRAIN_POLL_S)
         return not pending
 
-    def _await_link(self, timeout: float) -> bool:
+    def await_link(self, timeout: float) -> bool:
         """Wait (at most ``timeout``) until the link is connected again; True if it is."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         while not self.link.connected.is_set():
-            if time.monotonic() >= deadline or self.link.error is not None:
+            if self.clock() >= deadline or self.link.error is not None:
                 return False
-            time.sleep(0.05)
+            time.sleep(AWAIT_POLL_S)
         return True
 
-    def _drain_timeout(self) -> float:
+    def drain_timeout(self) -> float:
         """``drain_timeout_s``; on the syncer's clock at least one and a half of its cycles
         (H fleet steps, estimated by this learner's own step time), at most 30 s: flushed
         progress is merged at each fragment's next tick."""
-        wait = self.config.drain_timeout_s
-        if wait > 0 and self.link.schedule == "syncer" and self._step_time:
-            cycle = self.link.sync_every * self._step_time
-            wait = max(wait, min(1.5 * cycle, MAX_DRAIN_S))
-        return wait
+        return drain_timeout(
+            self.config.drain_timeout_s,
+            self.link.schedule,
+            self.link.sync_every,
+            self.pacer.step_time,
+        )
 
-    def _undrained(self) -> list[int]:
+    def undrained(self) -> list[int]:
         """Fragments with a delta on its way (not yet merged back)."""
-        return sorted(self._ledger.in_flight())
+        return sorted(self.ledger.in_flight())
 
     def close(self, *, flush: bool = True) -> None:
-        """Optionally flush, leave the syncer and stop the background threads (bounded)."""
-        if self._closed:
+        """Optionally flush and drain (bounded), then leave the syncer, stop the link's
+        threads and close the journal. A second call does nothing."""
+        if self.closed:
             return
         if flush and not self.link.connected.is_set():
             # (a syncer restarting: its successor settles what the dead one accepted)
-            self._await_link(self.config.flush_timeout_s)
+            self.await_link(self.config.flush_timeout_s)
         if flush and self.link.connected.is_set():
-            t0 = time.monotonic()
+            t0 = self.clock()
             flushed = self.flush()
-            t1 = time.monotonic()
-            wait = self._drain_timeout()
+            t1 = self.clock()
+            wait = self.drain_timeout()
             drained = wait > 0 and self.drain(wait)
-            self.close_report = {
-                "flushed": len(self._flushed),
+            self.report = {
+                "flushed": len(self.flushed),
                 "flush_ok": flushed,
                 "flush_s": round(t1 - t0, 3),
                 "drained": drained,
-                "drain_s": round(time.monotonic() - t1, 3),
-                "undrained": self._undrained(),
-                "unsent_steps": sum(self.steps_since),
+                "drain_s": round(self.clock() - t1, 3),
+                "undrained": self.undrained(),
+                "unsent_steps": sum(self.progress.steps_since),
             }
-        self._state = "closed"
-        self._closed = True
+        self.progress.state = "closed"
+        self.closed = True
         self.link.close()
-        if self.journal is not None:
-            self.journal.close()
+        if self.progress.journal is not None:
+            self.progress.journal.close()
+
+
+def drain_timeout(
+    configured_s: float, schedule: str, sync_every: int, step_time: float | None
+) -> float:
+    """How long a close drains: ``configured_s``; on the syncer's clock (``schedule``) at
+    least one and a half of its cycles (``sync_every`` steps of ``step_time``), at most
+    ``MAX_DRAIN_S``. Pure.
+
+    >>> drain_timeout(5.0, "syncer", 100, 0.1), drain_timeout(5.0, "learner", 100, 0.1)
+    (15.0, 5.0)
+    """
+    wait = configured_s
+    if wait > 0 and schedule == "syncer" and step_time:
+        cycle = sync_every * step_time
+        wait = max(wait, min(1.5 * cycle, MAX_DRAIN_S))
+    return wait

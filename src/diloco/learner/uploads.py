@@ -13,11 +13,12 @@ import contextlib
 import itertools
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from diloco.runtime.clock import monotonic
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class UploadJob:
     on_the_wire: bool = False
     """It left at least once (a call was started with it): the syncer may have it."""
     resend_at: float = 0.0
-    """``time.monotonic()`` before which it is not sent again."""
+    """The queue's ``clock()`` reading before which it is not sent again."""
     first_send: EncodedUpload | None = None
     """The bytes its first send carried, in their codec: every resend carries them again as
     they were, whatever codec the syncer asks for now (a syncer restarted with another
@@ -99,9 +100,12 @@ class UploadResult:
 class UploadQueue:
     """Jobs waiting by fragment, unanswered ones waiting to go again, the one in flight."""
 
-    def __init__(self, encoded_size: Callable[[UploadJob], int]) -> None:
-        """``encoded_size(job)``: the payload bytes of a job (for the backlog)."""
-        self.encoded_size = encoded_size
+    def __init__(
+        self, encoded_size: Callable[[UploadJob], int], *, clock: Callable[[], float] = monotonic
+    ) -> None:
+        """``encoded_size(job)``: the payload bytes of a job (for the backlog); ``clock``: the
+        ``now`` of resend pauses."""
+        self.encoded_size, self.clock = encoded_size, clock
         self.cond = threading.Condition()
         self._jobs: dict[int, UploadJob] = {}
         self._resends: list[UploadJob] = []
@@ -176,7 +180,7 @@ class UploadQueue:
                 self.cond.wait(0.2)
             if stopping.is_set():
                 return None
-            now = time.monotonic()
+            now = self.clock()
             due = [j for j in self._resends if j.resend_at <= now]
             if due:
                 job = min(due, key=lambda j: j.resend_at)
@@ -225,7 +229,7 @@ class UploadQueue:
         if job.attempts >= MAX_RESENDS or stopping.is_set() or not job.upload_id:
             return False, None
         job.attempts += 1
-        job.resend_at = time.monotonic() + min(RESEND_PAUSE_S * job.attempts, MAX_RESEND_PAUSE_S)
+        job.resend_at = self.clock() + min(RESEND_PAUSE_S * job.attempts, MAX_RESEND_PAUSE_S)
         with self.cond:
             self._resends.append(job)
             oldest = self._resends.pop(0) if len(self._resends) > MAX_WAITING_RESENDS else None

@@ -110,7 +110,7 @@ class StreamSlot:
         self.held = True
 
     def release(self) -> None:
-        self._limits._release(self)
+        self._limits.release(self)
 
 
 class StreamLimits:
@@ -154,7 +154,9 @@ class StreamLimits:
         finally:
             slot.release()
 
-    def _release(self, slot: StreamSlot) -> None:
+    def release(self, slot: StreamSlot) -> None:
+        """Give back ``slot``'s place under the caps; a slot released already gives back
+        nothing (``StreamSlot.release`` is the usual way to call it)."""
         with self._lock:
             if not slot.held:
                 return

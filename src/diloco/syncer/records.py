@@ -106,7 +106,9 @@ class LearnerInfo:
     syncer committed it (kept across rejoins): the guard's bound on claimed steps."""
     verdicts: deque[bool] = field(default_factory=lambda: deque(maxlen=SUSPECT_WINDOW))
     """Whether the direction check left each of its last checked contributions out."""
-    _rate_mark: tuple[float, int] | None = None
+    rate_mark: tuple[float, int] | None = None
+    """``(now, tokens)`` of the heartbeat the token rate was last measured from
+    (``update_rate``); None before the first."""
 
 
 @dataclass
@@ -250,8 +252,8 @@ class Commit:
 def update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> None:
     """EMA of a learner's tokens per second from the cumulative counts its heartbeats carry
     (a count that went down, e.g. after a restart, restarts the measurement)."""
-    mark = info._rate_mark
-    info._rate_mark = (now, tokens)
+    mark = info.rate_mark
+    info.rate_mark = (now, tokens)
     if mark is None or tokens < mark[1] or now <= mark[0]:
         return
     rate = (tokens - mark[1]) / (now - mark[0])
