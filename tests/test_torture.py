@@ -274,3 +274,15 @@ def test_an_upload_an_earlier_life_journaled_and_the_last_settled_unknown_is_fou
     ]
     verdict = audit(tape, {"a": life_a + life_b}, {"a": final(7, [0], [0], [4], "B")})
     assert verdict.ok, verdict.problems  # 3 merged + 4 carried (unknown, merged: once) = 7
+
+
+def test_the_audit_measures_the_longest_stall_beside_the_learners():
+    """The stall check reads the tape's round times after each learner was checked: a
+    learner's check once shadowed the tape (``'set' object has no attribute 'get'``)."""
+    tape = [round_record(0, 1, {"a": [[1, 4, 32]]}), round_record(0, 2, {"a": [[2, 3, 24]]})]
+    tape[0]["t"], tape[1]["t"] = 10.0, 30.0
+    journals = {"a": journal("A", (1, 0, 4, 4), (2, 0, 3, 7))}
+    verdict = audit(tape, journals, {"a": books(9, [2])}, window=(0.0, 40.0), stall_bound_s=60)
+    assert verdict.ok and verdict.longest_stall_s == 20.0, (verdict.problems, verdict)
+    stalled = audit(tape, journals, {"a": books(9, [2])}, window=(0.0, 40.0), stall_bound_s=15)
+    assert any("no commit for 20.0 s" in p for p in stalled.problems), stalled.problems

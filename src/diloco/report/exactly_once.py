@@ -150,8 +150,8 @@ def audit(
     _check_versions(commits, disk_versions, result)
     merged, excluded, undone = _uploads(commits, result)
     for learner, journal in sorted(journals.items()):
-        tape = (merged, excluded, undone.get(learner, set()))
-        _check_learner(learner, journal, finals.get(learner), tape, result)
+        uploads = (merged, excluded, undone.get(learner, set()))
+        _check_learner(learner, journal, finals.get(learner), uploads, result)
         if stopped_cleanly and finals.get(learner) is None:
             result.problems.append(f"{learner}: its last life did not stop cleanly (no final.json)")
     if window is not None and stall_bound_s is not None:
