@@ -8,7 +8,12 @@ PY := $(VENV)/bin/python
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-peers demo test lint format bench proto clean
+# The suite runs on pytest-xdist's workers, each test module whole on one worker and modules
+# that share something outside their temporary directories in one group (tests/conftest.py).
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+.PHONY: setup setup-peers demo test test-fast lint format bench proto clean
 
 $(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -51,7 +56,12 @@ demo: $(CORE)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(PARALLEL)
+
+# The tests not marked `slow` (no runs, no clusters, no subprocess-heavy checks): < 2 minutes.
+# `make test` (CI) runs everything.
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest $(PARALLEL) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

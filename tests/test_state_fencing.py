@@ -82,6 +82,7 @@ def test_a_second_syncer_on_a_state_directory_in_use_refuses_to_start(tmp_path):
         second.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_second_syncer_process_refuses_and_a_sigkilled_ones_successor_starts(tmp_path):
     """``diloco syncer`` on a directory in use exits 2 with one line naming it; the lock
