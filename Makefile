@@ -12,8 +12,11 @@ STAMP := $(VENV)/.installed
 # that share something outside their temporary directories in one group (tests/conftest.py).
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# The interpreter of `make gpu-check`: one with a CUDA build of torch (`make setup` installs
+# the CPU build).
+GPU_PYTHON ?= $(PY)
 
-.PHONY: setup setup-peers demo test test-fast lint format bench proto clean
+.PHONY: setup setup-peers demo test test-fast gpu-check lint format bench proto clean
 
 $(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,6 +65,11 @@ test: $(STAMP)
 # `make test` (CI) runs everything.
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest $(PARALLEL) -m "not slow"
+
+# On a machine with a CUDA device: tests/test_gpu.py and the learner's overhead and memory on
+# the GPU, one table with the card's name; exits 1 in one line without a device.
+gpu-check:
+	PYTHON=$(GPU_PYTHON) benchmarks/gpu_check.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
