@@ -151,7 +151,13 @@ def test_a_superseded_syncer_fails_at_its_next_commit_and_writes_nothing(tmp_pat
         # the successor's version 2 is its own, and the tape has only its round for it
         assert join_and_upload(new, 4, learner_id="b", base=1).accepted
         wait_until(lambda: version_on_disk(state, new.layout) == 2, timeout=10)
-        rounds = [r for r in read_tape(tape) if r["event"] == "round" and r["fragment"] == 0]
+
+        def rounds_of_fragment_0() -> list[dict]:
+            return [r for r in read_tape(tape) if r["event"] == "round" and r["fragment"] == 0]
+
+        # its round record is taped just after the fragment file lands: wait for it
+        wait_until(lambda: any(r["version"] == 2 for r in rounds_of_fragment_0()), timeout=10)
+        rounds = rounds_of_fragment_0()
         assert [(r["version"], r["participants"]) for r in rounds] == [(1, ["a"]), (2, ["b"])]
     finally:
         old.stop()
