@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 
 # The suite runs on pytest-xdist's workers, each test module whole on one worker and modules
 # that share something outside their temporary directories in one group (tests/conftest.py).
+# Two on the 2-core reference machine: six heavy modules took 266 s on 2 workers, 343 s on 3.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The interpreter of `make gpu-check`: one with a CUDA build of torch (`make setup` installs
