@@ -8,7 +8,16 @@ PY := $(VENV)/bin/python
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-peers demo test lint format bench proto clean
+# The suite runs on pytest-xdist's workers, each test module whole on one worker and modules
+# that share something outside their temporary directories in one group (tests/conftest.py).
+# Two on the 2-core reference machine: six heavy modules took 266 s on 2 workers, 343 s on 3.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# The interpreter of `make gpu-check`: one with a CUDA build of torch (`make setup` installs
+# the CPU build).
+GPU_PYTHON ?= $(PY)
+
+.PHONY: setup setup-peers demo test test-fast gpu-check lint format bench proto clean
 
 $(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -51,7 +60,17 @@ demo: $(CORE)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(PARALLEL)
+
+# The tests not marked `slow` (no runs, no clusters, no subprocess-heavy checks): < 2 minutes.
+# `make test` (CI) runs everything.
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest $(PARALLEL) -m "not slow"
+
+# On a machine with a CUDA device: tests/test_gpu.py and the learner's overhead and memory on
+# the GPU, one table with the card's name; exits 1 in one line without a device.
+gpu-check:
+	PYTHON=$(GPU_PYTHON) benchmarks/gpu_check.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

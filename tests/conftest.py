@@ -1,8 +1,15 @@
-"""Settings of the test process itself, and the fixtures several test modules share.
+"""Settings of the test process itself, the fixtures several test modules share, and how the
+suite is spread over pytest-xdist's workers.
 
 Many tests run several in-process learners (threads) beside a syncer on a 2-core machine;
 one torch thread per process keeps them from oversubscribing the cores (the Learner leaves
-the thread count to its user, see ``LearnerConfig.cpu_threads``)."""
+the thread count to its user, see ``LearnerConfig.cpu_threads``).
+
+``make test`` runs the suite on pytest-xdist's workers with ``--dist loadfile``: every module
+runs whole on one worker, and the modules of a ``SHARED_MODULES`` group on one worker, one
+after the other. Modules with ``slow`` tests are handed out first, so that the many short
+modules fill the end of the run.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,37 @@ import torch
 from diloco.runtime.disk import SmallDisk
 
 torch.set_num_threads(1)
+
+
+#: Test modules that share something beyond their own temporary directories, by group: a
+#: group runs on one worker, its modules one after the other. Ray instances on one host share
+#: ``/tmp/ray`` (their sessions, the address of the latest cluster).
+SHARED_MODULES = {"ray": ("test_ray_backend.py", "test_ray_cluster.py")}
+_GROUP_OF = {module: group for group, modules in SHARED_MODULES.items() for module in modules}
+
+
+def pytest_collection_modifyitems(items):
+    """Order the modules with ``slow`` tests first; each module's tests stay together, in
+    their order (a stable sort)."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow_modules)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile``: every module whole on one worker (its module-scoped fixtures
+    built once), the modules of a ``SHARED_MODULES`` group on the same worker, handed out
+    in collection order (with ``--no-loadscope-reorder``: slow modules first)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedModulesScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return _GROUP_OF.get(path.rsplit("/", 1)[-1], path)
+
+    return SharedModulesScheduling(config, log)
 
 
 @pytest.fixture

@@ -54,6 +54,7 @@ def train_to_the_end(tmp_path, learners: int, **training) -> tuple[list[Learner]
     # back most of each delta
     [("sign1", "int2"), ("int4", "int8"), ("topk2", "sign1")],
 )
+@pytest.mark.slow
 def test_every_trained_step_is_merged_exactly_once_through_pauses_refusals_and_cuts(
     tmp_path, up_codec, down_codec
 ):
@@ -133,6 +134,7 @@ class LoseEveryThirdReply(grpc.ServerInterceptor):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_upload_whose_reply_was_lost_is_merged_once(tmp_path):
     """The syncer accepted an upload but its reply never arrived: the learner sends it again
@@ -155,6 +157,7 @@ def test_an_upload_whose_reply_was_lost_is_merged_once(tmp_path):
             assert merged + lr.unsent()[p] == STEPS, (i, p, merged, lr.unsent())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_on_the_syncers_clock_rounds_merge_every_learner(tmp_path):
     """Three learners at a steady pace, no faults: the clock asks all three for each fragment
@@ -171,6 +174,7 @@ def test_on_the_syncers_clock_rounds_merge_every_learner(tmp_path):
     assert all(lr.stats["keyframes"] == P for lr in learners)  # deltas after the first pull
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_delta_the_direction_check_leaves_out_is_excluded_in_its_learners_books(tmp_path):
     """Issue 32, defect 18: one of four learners sends every delta reversed (a sign flip on
@@ -377,6 +381,7 @@ def test_learners_that_leave_without_the_final_download_are_merged_exactly_once(
     assert all(last.versions[p] < server.state.versions[p] for p in range(P))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_run_whose_learners_skip_the_final_download_stays_exact(tmp_path):
     """``diloco run --drain-timeout 0``: the learners stop without waiting for their flush to
@@ -418,6 +423,7 @@ def test_a_learners_stop_timeouts_are_finite_and_not_negative(name, value):
         LearnerConfig(**{name: value})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_status_says_how_many_admitted_contributions_wait_for_their_commit(tmp_path):
     """``StatusReply.waiting``: contributions admitted and not yet committed. While the

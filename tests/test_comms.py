@@ -166,6 +166,7 @@ def test_a_learner_refuses_a_syncer_heavier_than_its_comms_and_says_why():
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_learner_process_over_its_budget_exits_1_with_the_reason(tmp_path):
     from diloco.config.common import RecipeConfig
     from diloco.recipes import recipe_of

@@ -369,6 +369,7 @@ def test_tensorboard_reads_back_the_scalars(tmp_path):
     assert all(math.isfinite(e.value) for e in events.Scalars("train/goodput"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_weights_and_biases_gets_the_same_scalars_as_tensorboard(tmp_path):
     """Issue 36: W&B as an optional logger beside TensorBoard, offline in tests: the same

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -29,6 +28,9 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+#: How long the scrape waits for the learners' next progress report to raise the tokens
+#: trained (they report every few seconds on an idle machine, less often on a loaded one).
+METRICS_GROW_S = 40
 
 
 def stop(proc) -> None:
@@ -129,10 +131,16 @@ def test_metrics_are_scraped_during_the_run(live_run):
     with pytest.raises(urllib.error.HTTPError) as refused:
         scrape(base + "metrics", None)
     assert refused.value.code == 401
+    tokens = ("diloco_tokens_total", ())
     first = scrape(base + "metrics", token)
-    time.sleep(3)
-    second = scrape(base + "metrics", token)
-    assert second[("diloco_tokens_total", ())] > first[("diloco_tokens_total", ())]
+
+    def grown() -> dict | None:
+        now = scrape(base + "metrics", token)
+        return now if now[tokens] > first[tokens] else None
+
+    # The tokens trained grow with the learners' next progress report: wait for it, not for a
+    # fixed window (on a loaded machine 3 s once saw none).
+    second = wait_until(grown, METRICS_GROW_S, f"{tokens[0]} to grow", interval=0.5, alive=proc)
     assert second[("diloco_rounds_total", ())] > 0
     for learner in ("learner-0", "learner-1"):
         assert second[("diloco_learner_tokens_total", (("learner", learner),))] > 0

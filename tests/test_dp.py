@@ -185,6 +185,7 @@ def test_a_killed_rank_restarts_the_group_from_its_checkpoint(tmp_path):
     assert s["bytes"]["per_token"] >= 0.95 * s["bytes"]["data_parallel_per_token"]
 
 
+@pytest.mark.slow
 def test_dp_refuses_chaos_it_cannot_carry_out(tmp_path):
     t0 = time.monotonic()
     proc = run_diloco(

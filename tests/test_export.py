@@ -41,6 +41,7 @@ def run_dir(tmp_path_factory):
     return tmp / "it"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_exported_run_loads_strictly_and_is_the_syncers_global_model(run_dir, tmp_path):
     out = tmp_path / "model.safetensors"
@@ -115,6 +116,7 @@ def test_a_live_syncer_gives_its_global_model_as_a_state_dict(tmp_path):
     assert parameters_by_name(server.layout, server.state.params).keys() == by_name.keys()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_data_parallel_run_exports_rank_0s_parameters(tmp_path):
     proc = run_diloco(

@@ -51,6 +51,7 @@ def marked_lines(path: Path) -> list[int]:
         ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_example_trains_ends_by_itself_and_exports_from_the_dead_syncers_state(tmp_path):
     work = tmp_path / "own_model"
@@ -154,6 +155,7 @@ def test_the_run_is_over_when_every_learner_left_for_a_lease_or_the_budget_is_sp
     assert not StopRule().active and rule.active and budget.active
 
 
+@pytest.mark.slow
 def test_a_state_directory_exports_only_with_its_own_model(tmp_path):
     model = tiny_model(0, (8, 16, 2))
     server = local_syncer(model, num_fragments=2, state_dir=tmp_path / "state")
@@ -209,6 +211,7 @@ def test_a_compiled_model_joins_says_so_and_exports(tmp_path, caplog):
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_diloco_status_prints_the_documented_fields(tmp_path):
     server = local_syncer(tiny_model(0), num_fragments=2)

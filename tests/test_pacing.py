@@ -99,6 +99,7 @@ def test_downloads_have_a_connection_of_their_own(tmp_path):
         relay.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_learner_on_a_slow_link_defers_and_every_step_still_lands_once(tmp_path, caplog):
     # a request every other step: the learner on the fast link keeps up with room to spare

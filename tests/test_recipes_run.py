@@ -95,6 +95,7 @@ def test_embeddings_are_found_from_modules_not_names():
     }
 
 
+@pytest.mark.slow
 def test_t5s_shared_table_is_an_embedding_and_the_syncer_merges_it_so():
     transformers = pytest.importorskip("transformers")
     from diloco.syncer.server import SyncerServer

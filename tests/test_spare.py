@@ -43,6 +43,7 @@ def test_spare_count_default_follows_the_chaos_schedule():
         Supervisor(tape=lambda r: None, clock=lambda: 0.0, spares=-1)
 
 
+@pytest.mark.slow
 def test_a_spare_runs_the_command_it_is_given_into_the_given_log(tmp_path):
     spare = Child.spare(tmp_path / "spare.log")
     try:
@@ -68,6 +69,7 @@ def test_a_spare_refuses_a_command_that_is_not_a_diloco_one(tmp_path):
         spare.proc.wait(10)
 
 
+@pytest.mark.slow
 def test_an_idle_spare_exits_when_the_supervisor_closes_its_pipe(tmp_path):
     spare = Child.spare(tmp_path / "spare.log")
     spare.proc.stdin.close()
@@ -77,6 +79,7 @@ def test_an_idle_spare_exits_when_the_supervisor_closes_its_pipe(tmp_path):
         spare.kill()
 
 
+@pytest.mark.slow
 def test_a_crashed_child_restarts_warm_and_the_spare_is_replaced(tmp_path):
     tape, clock = [], [0.0]
     sup = Supervisor(tape=tape.append, clock=lambda: clock[0], spares=1)
@@ -104,6 +107,7 @@ def test_a_crashed_child_restarts_warm_and_the_spare_is_replaced(tmp_path):
     assert sup._spares == []
 
 
+@pytest.mark.slow
 def test_a_dead_spare_is_replaced_and_the_syncer_never_takes_one(tmp_path):
     tape, clock = [], [0.0]
     sup = Supervisor(tape=tape.append, clock=lambda: clock[0], spares=1)

@@ -82,6 +82,7 @@ def test_a_second_syncer_on_a_state_directory_in_use_refuses_to_start(tmp_path):
         second.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_second_syncer_process_refuses_and_a_sigkilled_ones_successor_starts(tmp_path):
     """``diloco syncer`` on a directory in use exits 2 with one line naming it; the lock
@@ -150,7 +151,13 @@ def test_a_superseded_syncer_fails_at_its_next_commit_and_writes_nothing(tmp_pat
         # the successor's version 2 is its own, and the tape has only its round for it
         assert join_and_upload(new, 4, learner_id="b", base=1).accepted
         wait_until(lambda: version_on_disk(state, new.layout) == 2, timeout=60)
-        rounds = [r for r in read_tape(tape) if r["event"] == "round" and r["fragment"] == 0]
+
+        def rounds_of_fragment_0() -> list[dict]:
+            return [r for r in read_tape(tape) if r["event"] == "round" and r["fragment"] == 0]
+
+        # its round record is taped just after the fragment file lands: wait for it
+        wait_until(lambda: any(r["version"] == 2 for r in rounds_of_fragment_0()), timeout=60)
+        rounds = rounds_of_fragment_0()
         assert [(r["version"], r["participants"]) for r in rounds] == [(1, ["a"]), (2, ["b"])]
     finally:
         old.stop()

@@ -242,6 +242,7 @@ def upload_in_chunks(peer: Peer, fragment: int, value: float) -> pb.UploadReply:
     )
 
 
+@pytest.mark.slow
 def test_streams_that_never_read_pin_at_most_one_old_keyframe_each():
     """Issue 46, item 4: a stream whose learner does not read took every fragment's
     keyframe at once and stalled sending the first: the keyframes of all the others stayed

@@ -24,9 +24,14 @@ from diloco.wan.fabric import Fabric, LinkCounters, WanUnavailable, link_address
 from diloco.wan.spec import LinkSpec, parse_link, plan_links
 
 CAN_MAKE_NAMESPACES = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
-netns = pytest.mark.skipif(
+_can_make_namespaces = pytest.mark.skipif(
     not CAN_MAKE_NAMESPACES, reason="needs root and iproute2 to make network namespaces"
 )
+
+
+def netns(test):
+    """A test on real network namespaces: root only, and ``slow`` (it starts processes)."""
+    return pytest.mark.slow(_can_make_namespaces(test))
 
 
 # ----------------------------------------------------------------------- pure
