@@ -8,7 +8,8 @@ the thread count to its user, see ``LearnerConfig.cpu_threads``).
 ``make test`` runs the suite on pytest-xdist's workers with ``--dist loadfile``: every module
 runs whole on one worker, and the modules of a ``SHARED_MODULES`` group on one worker, one
 after the other. Modules with ``slow`` tests are handed out first, so that the many short
-modules fill the end of the run.
+modules fill the end of the run. The ``solo`` modules (``SOLO_MODULES``) run afterwards, in
+one process.
 """
 
 from __future__ import annotations
@@ -28,11 +29,24 @@ torch.set_num_threads(1)
 #: ``/tmp/ray`` (their sessions, the address of the latest cluster).
 SHARED_MODULES = {"ray": ("test_ray_backend.py", "test_ray_cluster.py")}
 _GROUP_OF = {module: group for group, modules in SHARED_MODULES.items() for module in modules}
+#: Test modules whose claims are about time under chaos (commit gaps, stalls, a run's quality
+#: at a wall-clock budget): marked ``solo``, and ``make test`` runs them after the parallel
+#: part, one at a time, so that no other test process takes their CPU.
+SOLO_MODULES = (
+    "test_resilience.py",
+    "test_torture.py",
+    "test_corrupt.py",
+    "test_wan.py",
+    "test_dashboard_live.py",
+)
 
 
 def pytest_collection_modifyitems(items):
-    """Order the modules with ``slow`` tests first; each module's tests stay together, in
-    their order (a stable sort)."""
+    """Mark the tests of ``SOLO_MODULES`` ``solo``; order the modules with ``slow`` tests
+    first; each module's tests stay together, in their order (a stable sort)."""
+    for item in items:
+        if item.path.name in SOLO_MODULES:
+            item.add_marker(pytest.mark.solo)
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow_modules)
 
