@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "diloco"
 LAYERS: list[tuple[str, ...]] = [
     ("algorithm", "runtime"),  # pure math; ground-floor helpers (units, files, processes)
     ("wire",),  # the protocol: messages, its settings, authentication
-    ("recipes", "chaos"),  # models and data; failure schedules
+    ("recipes", "chaos", "data"),  # models and data; failure schedules; a data position
     ("syncer", "learner"),  # the two libraries, siblings
     ("bench", "wan", "integrations"),  # bench settings; wide-area links; training callbacks
     ("report",),  # reading what runs leave

@@ -15,6 +15,7 @@ __all__ = [
     "IslandLearner",
     "Learner",
     "LearnerConfig",
+    "StatefulSampler",
     "SyncerServer",
     "SyncerConfig",
     "__version__",
@@ -31,6 +32,10 @@ def __getattr__(name: str):
         from diloco.learner.island import IslandLearner
 
         return IslandLearner
+    if name == "StatefulSampler":
+        from diloco.data import StatefulSampler
+
+        return StatefulSampler
     if name == "SyncerServer":
         from diloco.syncer.server import SyncerServer
 

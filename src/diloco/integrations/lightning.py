@@ -12,6 +12,11 @@ the syncer when fitting ends (on an exception it leaves without flushing). Every
 per module; inside one process (a strategy with several ranks is an island:
 ``diloco.IslandLearner``).
 
+Resuming: the callback's ``state_dict`` is the learner's (``Learner.state_dict``: its unsent
+progress, the deltas on their way, the versions it holds, its step count), so every
+checkpoint Lightning saves carries it, and ``trainer.fit(..., ckpt_path=...)`` makes the
+learner from it: the progress the checkpoint held unsent is sent, not lost.
+
 Tokens per batch (the merge weight of this learner against the others): ``tokens(batch)``
 if given, else the number of elements of the batch's first tensor.
 """
@@ -51,13 +56,27 @@ class DilocoCallback(JoinsAsLearner, Callback):
         self.tokens = tokens
         self._step_seen = 0
         self._pending_tokens = 0
+        self.restored: dict | None = None
+        """The learner state of the checkpoint Lightning resumes from (``load_state_dict``)."""
+
+    def state_dict(self) -> dict:
+        return self.checkpoint_state()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.learner is not None:  # (a strategy that restores after setup)
+            raise RuntimeError(
+                "DilocoCallback: the checkpoint was restored after training began; this "
+                "strategy's resume cannot carry the learner's state"
+            )
+        self.restored = state_dict
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(
                 f"DilocoCallback needs one optimizer, the module has {len(trainer.optimizers)}"
             )
-        self.join(pl_module, trainer.optimizers[0])
+        restored, self.restored = self.restored, None
+        self.join(pl_module, trainer.optimizers[0], restored)
         self._step_seen = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

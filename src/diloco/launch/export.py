@@ -3,6 +3,11 @@ as the recipe model's own ``state_dict`` (``diloco.syncer.export``); ``diloco ex
 STATE_DIR --model MODULE:CALLABLE -o ...``: the same from any syncer's state directory, live
 or dead, for the user's own model.
 
+Formats (``ExportConfig``): one safetensors file, safetensors shards with their index, a
+``torch.save`` file, or a transformers model's ``save_pretrained`` directory. The global
+model is read into the model one fragment at a time and written one tensor (or one shard)
+at a time: the export holds the model and never a second copy of it.
+
 Where the model is: ``syncer/`` (or ``syncer-<i>/`` per shard) for ``--mode decoupled`` and
 ``--mode sync``, the last parameter snapshot of rank 0 (``dp/global.safetensors``) for
 ``--mode dp``. The run's ``config.json`` names the recipe, its seed (the initial model) and
@@ -13,12 +18,49 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diloco.syncer.export import ExportError, into_model, read_state_dirs, save_state_dict
+from diloco.config.export import ExportConfig
+from diloco.syncer.export import ExportError, load_into_model, save_state_dict
 
 
-def export_run(run_dir: str | Path, output: str | Path) -> dict:
-    """Write ``run_dir``'s global model to ``output`` (safetensors); returns what was written
-    (``keys``, ``versions`` or ``step``, ``mode``). Raises ``ExportError`` with the reason."""
+def write_model(model, state: dict, output: str | Path, options: ExportConfig, **metadata) -> str:
+    """Write ``state`` (``model``'s state_dict) to ``output`` in the format ``options`` and
+    the output's name say; returns that format. ``ExportError`` (one line) for a name that
+    contradicts the format, or ``--format hf`` of a model without ``save_pretrained``."""
+    import os
+
+    try:
+        written_as = options.resolve(str(output))
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    if written_as == "hf":
+        if not callable(getattr(model, "save_pretrained", None)):
+            raise ExportError(
+                f"--format hf needs a transformers model (save_pretrained); "
+                f"{type(model).__name__} has none: use --format safetensors"
+            )
+        shard = options.max_shard_size
+        model.save_pretrained(str(output), **({"max_shard_size": shard} if shard else {}))
+    elif written_as == "pt":
+        import torch
+
+        tmp = Path(str(output) + ".tmp")
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)  # (views: no copy)
+        os.replace(tmp, output)
+    elif options.max_shard_size is not None:
+        from diloco.runtime.tensor_files import write_sharded
+
+        write_sharded(output, state, options.max_shard_size, metadata)
+    else:
+        save_state_dict(state, output, **metadata)
+    return written_as
+
+
+def export_run(
+    run_dir: str | Path, output: str | Path, options: ExportConfig | None = None
+) -> dict:
+    """Write ``run_dir``'s global model to ``output`` (``options``: the format, safetensors
+    unless said); returns what was written (``keys``, ``versions`` or ``step``, ``mode``,
+    ``format``). Raises ``ExportError`` with the reason."""
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.config.run import load_run_config
     from diloco.launch.syncers import syncer_names
@@ -31,21 +73,19 @@ def export_run(run_dir: str | Path, output: str | Path) -> dict:
         config = load_run_config(run_dir / "config.json")
     except (ValueError, OSError) as exc:
         raise ExportError(f"{run_dir / 'config.json'}: {exc}") from None
+    options = options or ExportConfig()
     recipe = recipe_of(config.recipe)
     model = recipe.build_model(config.recipe.seed)
     if config.mode == "dp":
-        return _export_dp(run_dir, model, output)
+        return _export_dp(run_dir, model, output, options)
     layout = balanced_fragments(model.named_parameters(), config.syncer.protocol.num_fragments)
-    named = dict(model.named_parameters())
-    initial = [layout.gather(p, named) for p in range(layout.num_fragments)]
     dirs = [run_dir / name for name in syncer_names(config.shards)]
-    params, versions = read_state_dirs(dirs, layout, initial)
-    state = into_model(model, layout, params)
-    save_state_dict(state, output, mode=config.mode, versions=versions)
-    return {"mode": config.mode, "keys": len(state), "versions": versions}
+    state, versions = load_into_model(model, layout, dirs)
+    written_as = write_model(model, state, output, options, mode=config.mode, versions=versions)
+    return {"mode": config.mode, "keys": len(state), "versions": versions, "format": written_as}
 
 
-def _export_dp(run_dir: Path, model, output) -> dict:
+def _export_dp(run_dir: Path, model, output, options: ExportConfig) -> dict:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -59,16 +99,20 @@ def _export_dp(run_dir: Path, model, output) -> dict:
         raise ExportError(f"{snapshot} does not hold this recipe's parameters")
     with safe_open(str(snapshot), "pt") as f:
         step = (f.metadata() or {}).get("step", "?")
+    del tensors  # (in the model now)
     state = model.state_dict()
-    save_state_dict(state, output, mode="dp", step=step)
-    return {"mode": "dp", "keys": len(state), "step": step}
+    written_as = write_model(model, state, output, options, mode="dp", step=step)
+    return {"mode": "dp", "keys": len(state), "step": step, "format": written_as}
 
 
-def export_state_dir(state_dir: str | Path, model, output: str | Path) -> dict:
+def export_state_dir(
+    state_dir: str | Path, model, output: str | Path, options: ExportConfig | None = None
+) -> dict:
     """Write the global model held in a syncer's ``state_dir`` into ``model`` (the model the
-    syncer served, as ``--model`` builds it) and to ``output`` (safetensors); returns what
-    was written (``keys``, ``versions``). A fragment never committed keeps ``model``'s own
-    value. Raises ``ExportError`` with the reason (not a state directory, another model)."""
+    syncer served, as ``--model`` builds it) and to ``output`` (``options``: the format,
+    safetensors unless said); returns what was written (``keys``, ``versions``,
+    ``format``). A fragment never committed keeps ``model``'s own value. Raises
+    ``ExportError`` with the reason (not a state directory, another model)."""
     import json
 
     from diloco.algorithm.fragments import FragmentLayout
@@ -96,8 +140,8 @@ def export_state_dir(state_dir: str | Path, model, output: str | Path) -> dict:
         )
     except ValueError as exc:
         raise ExportError(f"--model is not the model {state_dir} holds: {exc}") from None
-    initial = [layout.gather(p, named) for p in range(layout.num_fragments)]
-    params, versions = read_state_dirs([state_dir], layout, initial)
-    state = into_model(model, layout, params)
-    save_state_dict(state, output, mode="syncer", versions=versions)
-    return {"mode": "syncer", "keys": len(state), "versions": versions}
+    state, versions = load_into_model(model, layout, [state_dir])
+    written_as = write_model(
+        model, state, output, options or ExportConfig(), mode="syncer", versions=versions
+    )
+    return {"mode": "syncer", "keys": len(state), "versions": versions, "format": written_as}

@@ -47,7 +47,7 @@ from diloco.learner.ledger import Ledger
 from diloco.learner.link import UploadJob
 from diloco.learner.pacing import Pace, Pacer
 from diloco.learner.progress import HeldBy, Progress
-from diloco.learner.restoring import Restorer
+from diloco.learner.restoring import DATA, Restorer
 from diloco.learner.settling import Settler
 from diloco.learner.shards import open_link
 from diloco.learner.snapshot import HostCopies, Snapshot
@@ -58,8 +58,7 @@ from diloco.runtime.modules import plain_module
 from diloco.wire.auth import client_link_options
 
 log = logging.getLogger(__name__)
-"""What a learner says (join, progress, falling behind): ``logging.INFO`` on
-``diloco.learner``, silent unless the program configures logging."""
+"""What a learner says (join, progress, lag): INFO, silent unless logging is configured."""
 
 LOG_EVERY_MERGES = 100
 """A progress line every this many global versions applied."""
@@ -559,12 +558,11 @@ class Learner:
 
     def state_dict(self) -> dict:
         """What a restarted learner needs to carry on (``Restorer.state``), after settling
-        the answers and making the deltas still being copied (a checkpoint holds them).
-
-        Save it with the model and the inner optimizer (``torch.save``; load with
-        ``weights_only=True``) and pass it back as ``Learner(..., state=...)``: the learner
-        then resubscribes with these versions and only receives fragments that moved on.
-        """
+        the answers and making the deltas still being copied (a checkpoint holds them), with
+        the state of what it ``track``s. Save it with the model and the inner optimizer
+        (``torch.save``; load with ``weights_only=True``) and pass it back as
+        ``Learner(..., state=...)``: the learner then resubscribes with these versions and
+        only receives fragments that moved on."""
         self.settler.settle()
         self._send_copied(wait=True)  # on the ledger: a checkpoint holds it
         return self.restorer.state()
@@ -576,6 +574,10 @@ class Learner:
     def skip(self, steps: int, tokens: int) -> None:
         """Count steps the previous life trained as not trained again (``Restorer.skip``)."""
         self.restorer.skip(steps, tokens)
+
+    def track(self, data, name: str = DATA) -> None:
+        """Carry ``data``'s position in ``state_dict`` and restore it (``Restorer.track``)."""
+        self.restorer.track(data, name)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Queue every fragment's progress as finals and wait for their answers; True if

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -20,6 +21,18 @@ from diloco.learner.settling import Settler
 from diloco.learner.uploads import UploadJob
 
 log = logging.getLogger(__name__)
+
+DATA = "data"
+"""The name a tracked object's state has in the checkpoint unless given another."""
+
+
+class Stateful(Protocol):
+    """What ``Restorer.track`` carries: a data position (``diloco.data.StatefulSampler``,
+    ``torchdata``'s ``StatefulDataLoader``) or anything else with these two methods."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Restorer:
@@ -59,6 +72,26 @@ class Restorer:
         """After a restore: the checkpoint's step, per-fragment unsent steps and versions."""
         self.checkpoint_life: str | None = None
         """After a restore: the journal's id of the life that took the checkpoint."""
+        self.tracked: dict[str, Stateful] = {}
+        """The script's own objects whose state the checkpoint carries (``track``)."""
+        self.untracked_states: dict[str, dict] = {}
+        """After a restore: the states of tracked objects not yet given back (``track``)."""
+
+    def track(self, obj: Stateful, name: str = DATA) -> None:
+        """Carry ``obj``'s state (its data position: a stateful sampler or data loader) in
+        this learner's checkpoint under ``name``: ``state`` saves ``obj.state_dict()`` with
+        the learner's own, and a restored learner gives it back with ``obj.load_state_dict``
+        (at once if the checkpoint holds one, else at the restore). Any object with both
+        methods will do; ``TypeError`` otherwise, ``ValueError`` for a name tracked already."""
+        if not callable(getattr(obj, "state_dict", None)) or not callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            raise TypeError(f"track: {type(obj).__name__} has no state_dict/load_state_dict")
+        if name in self.tracked:
+            raise ValueError(f"track: {name!r} is tracked already")
+        self.tracked[name] = obj
+        if name in self.untracked_states:
+            obj.load_state_dict(self.untracked_states.pop(name))
 
     def skip(self, steps: int, tokens: int) -> None:
         """Count ``steps`` steps of ``tokens`` tokens as trained by this learner's previous
@@ -116,6 +149,7 @@ class Restorer:
             "rebasing": sorted(pr.rebasing),
             "journal_life": pr.journal.life if pr.journal is not None else None,
             "layout_hash": self.layout.hash,
+            "tracked": {name: obj.state_dict() for name, obj in self.tracked.items()},
         }
 
     def drop_delivered(self, accepted_at: dict[int, int]) -> None:
@@ -305,3 +339,7 @@ class Restorer:
         pr.lineages = {str(k): str(v) for k, v in state.get("lineages", {}).items()}
         pr.rebasing = {int(p) for p in state.get("rebasing", ()) if 0 <= int(p) < P}
         self.inbox.restart(pr.rebasing)  # (its keyframe had not come: it is asked again)
+        self.untracked_states = dict(state.get("tracked", {}))
+        for name, obj in self.tracked.items():
+            if name in self.untracked_states:
+                obj.load_state_dict(self.untracked_states.pop(name))

@@ -23,7 +23,7 @@ import torch
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.runtime.modules import plain_module
-from diloco.syncer.store import FragmentStore, StateError, replace_atomically
+from diloco.syncer.store import FragmentStore, StateError
 
 
 class ExportError(ValueError):
@@ -97,17 +97,49 @@ def save_state_dict(
     fence: Callable[[], None] | None = None,
     **metadata,
 ) -> Path:
-    """Write ``state`` as safetensors (each tensor its own copy: tied names share memory,
-    which safetensors refuses), atomically and durably: a temporary file, fsynced, renamed,
-    the directory fsynced (``diloco.syncer.store.replace_atomically``, which calls
-    ``fence`` around the rename). ``metadata`` values are stored as strings."""
-    from safetensors.torch import save
+    """Write ``state`` as safetensors, streamed one tensor at a time (never a second copy of
+    the model; tied names are written once each), atomically and durably: a temporary file,
+    fsynced, renamed, the directory fsynced, ``fence`` called around the rename
+    (``diloco.runtime.tensor_files.write_safetensors``). ``metadata`` values are stored as
+    strings."""
+    from diloco.runtime.tensor_files import write_safetensors
 
-    path = Path(path)
-    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
-    data = save(tensors, metadata={k: str(v) for k, v in metadata.items()})
-    replace_atomically(path, data, fence=fence)
-    return path
+    return write_safetensors(path, state, metadata, fence=fence)
+
+
+def load_into_model(
+    model: torch.nn.Module, layout: FragmentLayout, dirs: Sequence[str | Path]
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Write the global model held in ``dirs`` (the state directories of one run, one per
+    syncer shard) into ``model``'s parameters, one fragment at a time (the model and one
+    fragment in memory: never two copies of the model), and return ``(model.state_dict(),
+    versions)``. A fragment no directory holds keeps ``model``'s own value at version 0.
+    Raises ``ExportError`` as ``read_state_dirs`` and ``into_model`` do."""
+    model = plain_module(model)
+    named = dict(model.named_parameters())
+    try:
+        layout.check_compatible([(n, tuple(t.shape), _dtype(t)) for n, t in named.items()])
+    except ValueError as exc:
+        raise ExportError(f"the model does not match the syncer's: {exc}") from None
+    missing = [str(d) for d in dirs if not Path(d, "meta.json").is_file()]
+    if missing or not dirs:
+        raise ExportError(
+            f"not a syncer state directory (no meta.json): {', '.join(missing) or 'none given'}"
+        )
+    stores = [FragmentStore(d) for d in dirs]
+    versions = [0] * layout.num_fragments
+    for p in range(layout.num_fragments):
+        newest = None
+        for store in stores:
+            try:
+                loaded = store.load(p, layout.fragments[p].numel)
+            except StateError as exc:
+                raise ExportError(str(exc)) from None
+            if loaded is not None and loaded[0] > versions[p]:
+                versions[p], newest = loaded[0], loaded[1]
+        if newest is not None:
+            layout.scatter(p, newest, named)
+    return model.state_dict(), versions
 
 
 def _dtype(t: torch.Tensor) -> str:
