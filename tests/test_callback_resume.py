@@ -11,6 +11,8 @@ from kit import local_syncer
 from diloco.syncer.config import SyncerConfig
 from diloco.wire.protocol import ProtocolConfig
 
+pytestmark = pytest.mark.slow  # real processes / a Trainer: left out of `make test-fast`
+
 FRAGMENTS = 2
 CHECKPOINT_STEP = 12
 TOTAL_STEPS = 20

@@ -33,7 +33,6 @@ import json, os, sys, time
 from pathlib import Path
 import torch
 import diloco
-
 address, work = sys.argv[1], Path(sys.argv[2])
 checkpoint_at = {{int(s) for s in sys.argv[3].split(",") if s}}
 torch.manual_seed(0)
@@ -146,6 +145,7 @@ def test_a_tracked_position_is_in_the_learner_state_and_given_back_on_restore():
         restored.close(flush=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_learner_killed_and_restarted_trains_every_sample_exactly_once(tmp_path):
     script = tmp_path / "train.py"

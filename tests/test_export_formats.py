@@ -15,6 +15,8 @@ from diloco.algorithm.fragments import balanced_fragments
 from diloco.runtime.tensor_files import INDEX_FILE, load_sharded, parse_size
 from diloco.syncer.store import FragmentStore
 
+pytestmark = pytest.mark.slow  # real processes: left out of `make test-fast`
+
 P = 3
 
 
@@ -63,7 +65,6 @@ def model_file(tmp_path, source: str) -> str:
 
 GPT2_SOURCE = """
 import torch, transformers
-
 def build():
     torch.manual_seed(7)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
