@@ -327,6 +327,33 @@ def test_the_syncer_refuses_a_huge_first_delta_of_a_zero_fragment_and_takes_an_h
     assert submit(state, "good", delta, now=2.0, steps=300).accept
 
 
+def paced_state(*, sync_every: int, seed: int):
+    """A state on the syncer's clock (H = ``sync_every``) whose learners "good" and "bad"
+    were measured stepping every 100 ms from t = 100 to 105, ticked at 105; and
+    ``sized(ratio)``: a random delta of fragment 0 of norm ``ratio x ||theta_0||``."""
+    state, layout = make_state(
+        joined_at=100.0,
+        schedule="syncer",
+        protocol=ProtocolConfig(sync_every=sync_every),
+        gamma=0.0,
+    )
+    n = layout.fragments[0].numel
+    gen = torch.Generator().manual_seed(seed)
+    theta = float(state.params[0].norm())
+
+    def sized(ratio):
+        delta = torch.randn(n, generator=gen)
+        return delta * ratio * theta / delta.norm()
+
+    for k in range(6):
+        for lid in ("good", "bad"):
+            state.heartbeat(
+                lid, state.learners[lid].session, now=100.0 + k, step=10 * k, steps_per_s=10.0
+            )
+    state.tick(105.0)
+    return state, sized
+
+
 def test_claimed_steps_are_bounded_by_the_pace_the_syncer_measured():
     """Issue 46, defect 10: a 9 x ||theta|| delta is refused when it claims 8 steps and was
     accepted when the same bytes claimed 2^24: the guard took the steps from the claim, up to
@@ -334,23 +361,7 @@ def test_claimed_steps_are_bounded_by_the_pace_the_syncer_measured():
     credited with at most the steps the learner's measured pace (MAX_SPEEDUP x it) allows
     since the version its previous accepted delta of the fragment was taken against (or
     since its join)."""
-    state, layout = make_state(
-        joined_at=100.0, schedule="syncer", protocol=ProtocolConfig(sync_every=24), gamma=0.0
-    )
-    n = layout.fragments[0].numel
-    gen = torch.Generator().manual_seed(11)
-    theta = float(state.params[0].norm())
-
-    def sized(ratio):
-        delta = torch.randn(n, generator=gen)
-        return delta * ratio * theta / delta.norm()
-
-    for k in range(6):  # both step every 100 ms, on the syncer's clock
-        for lid in ("good", "bad"):
-            state.heartbeat(
-                lid, state.learners[lid].session, now=100.0 + k, step=10 * k, steps_per_s=10.0
-            )
-    state.tick(105.0)
+    state, sized = paced_state(sync_every=24, seed=11)
     assert submit(state, "good", sized(0.5), 105.0, steps=24).accept
     (commit,) = state.poll(105.0)[0]  # version 1 at t = 105.0
     assert submit(state, "bad", sized(0.05), 105.05, steps=1).accept  # against version 1
@@ -375,23 +386,7 @@ def test_a_second_increment_is_judged_with_the_steps_of_the_first():
     increment's steps alone: an honest 16-step delta followed by a 1-step one in the same
     round was refused (``delta norm 3.5 over 1 steps exceeds 2.5 x the fragment's own
     norm``), an honest learner's progress thrown away (seen in a clean multi-process run)."""
-    state, layout = make_state(
-        joined_at=100.0, schedule="syncer", protocol=ProtocolConfig(sync_every=16), gamma=0.0
-    )
-    n = layout.fragments[0].numel
-    gen = torch.Generator().manual_seed(5)
-    theta = float(state.params[0].norm())
-
-    def sized(ratio):
-        delta = torch.randn(n, generator=gen)
-        return delta * ratio * theta / delta.norm()
-
-    for k in range(6):  # both step every 100 ms, on the syncer's clock
-        for lid in ("good", "bad"):
-            state.heartbeat(
-                lid, state.learners[lid].session, now=100.0 + k, step=10 * k, steps_per_s=10.0
-            )
-    state.tick(105.0)
+    state, sized = paced_state(sync_every=16, seed=5)
     assert submit(state, "good", sized(3.0), 105.0, steps=16).accept  # within 10 x 16/16
     assert submit(state, "good", sized(0.5), 105.05, steps=1).accept  # summed: 17 steps
     (contribution,) = state.rounds[0].contributions.values()

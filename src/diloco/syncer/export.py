@@ -38,11 +38,7 @@ def into_model(
     ``torch.compile`` wrapped: the names learners and the syncer agree on). Raises
     ``ExportError`` when the model is not the layout's."""
     model = plain_module(model)
-    named = dict(model.named_parameters())
-    try:
-        layout.check_compatible([(n, tuple(t.shape), _dtype(t)) for n, t in named.items()])
-    except ValueError as exc:
-        raise ExportError(f"the model does not match the syncer's: {exc}") from None
+    named = _checked_parameters(model, layout)
     for p, flat in enumerate(params):
         layout.scatter(p, flat, named)
     return model.state_dict()
@@ -116,11 +112,7 @@ def load_into_model(
     versions)``. A fragment no directory holds keeps ``model``'s own value at version 0.
     Raises ``ExportError`` as ``read_state_dirs`` and ``into_model`` do."""
     model = plain_module(model)
-    named = dict(model.named_parameters())
-    try:
-        layout.check_compatible([(n, tuple(t.shape), _dtype(t)) for n, t in named.items()])
-    except ValueError as exc:
-        raise ExportError(f"the model does not match the syncer's: {exc}") from None
+    named = _checked_parameters(model, layout)
     missing = [str(d) for d in dirs if not Path(d, "meta.json").is_file()]
     if missing or not dirs:
         raise ExportError(
@@ -144,3 +136,13 @@ def load_into_model(
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def _checked_parameters(model: torch.nn.Module, layout: FragmentLayout) -> dict[str, torch.Tensor]:
+    """``model``'s named parameters; ``ExportError`` when they are not the layout's."""
+    named = dict(model.named_parameters())
+    try:
+        layout.check_compatible([(n, tuple(t.shape), _dtype(t)) for n, t in named.items()])
+    except ValueError as exc:
+        raise ExportError(f"the model does not match the syncer's: {exc}") from None
+    return named
