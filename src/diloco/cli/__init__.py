@@ -18,6 +18,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("syncer", "diloco.cli.syncer"),
     ("learner", "diloco.cli.learner"),
     ("run", "diloco.cli.run"),
+    ("launch", "diloco.cli.launch"),
     ("dp-worker", "diloco.cli.dp_worker"),
     ("bench", "diloco.cli.bench"),
     ("simulate", "diloco.cli.simulate"),

@@ -11,7 +11,8 @@ at a time: the export holds the model and never a second copy of it.
 Where the model is: ``syncer/`` (or ``syncer-<i>/`` per shard) for ``--mode decoupled`` and
 ``--mode sync``, the last parameter snapshot of rank 0 (``dp/global.safetensors``) for
 ``--mode dp``. The run's ``config.json`` names the recipe, its seed (the initial model) and
-the fragment count.
+the fragment count; a ``diloco launch`` run's names the user's ``--model`` (imported from the
+working directory, as at the launch).
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def export_run(
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise ExportError(f"{run_dir} is not a run directory (it has no config.json)")
+    launched = launched_model(run_dir / "config.json")
+    if launched is not None:  # diloco launch: the syncer served the user's --model
+        from diloco.runtime.model_ref import load_model
+
+        return export_state_dir(run_dir / "syncer", load_model(launched), output, options)
     try:
         config = load_run_config(run_dir / "config.json")
     except (ValueError, OSError) as exc:
@@ -83,6 +89,17 @@ def export_run(
     state, versions = load_into_model(model, layout, dirs)
     written_as = write_model(model, state, output, options, mode=config.mode, versions=versions)
     return {"mode": config.mode, "keys": len(state), "versions": versions, "format": written_as}
+
+
+def launched_model(config_path: Path) -> str | None:
+    """The ``--model`` of a ``diloco launch`` run's configuration (None: a ``diloco run``)."""
+    import json
+
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{config_path}: {exc}") from None
+    return raw.get("model") if isinstance(raw, dict) and raw.get("script") else None
 
 
 def _export_dp(run_dir: Path, model, output, options: ExportConfig) -> dict:

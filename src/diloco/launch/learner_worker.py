@@ -7,15 +7,19 @@ every fragment's progress to the syncer and exits 0; so does reaching ``--deadli
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from diloco.config.worker import WorkerConfig
-from diloco.learner.journal import JOURNAL_FILE
-from diloco.report.audit_files import FINAL_ACCOUNTING
+from diloco.learner.workdir import (  # noqa: F401 (this worker's files, named there)
+    CHECKPOINT,
+    DELIVERY_LOG,
+    UPLOAD_JOURNAL,
+    load_checkpoint,
+    write_final_state,
+)
 from diloco.runtime.cadence import CheckpointCadence
 from diloco.runtime.checkpoint_writer import CheckpointWriter
 from diloco.runtime.training import (
@@ -395,11 +399,6 @@ class LearnerProcess:
         )
 
 
-CHECKPOINT = "checkpoint.pt"
-DELIVERY_LOG = "delivered.json"  # diloco.learner.delivery
-UPLOAD_JOURNAL = JOURNAL_FILE  # diloco.learner.journal
-
-
 def on_device(batch, device):
     """A recipe's batch (a tuple of tensors) on the training device."""
     if device.type == "cpu":
@@ -470,24 +469,6 @@ def checkpoint_state(model, optimizer, learner, stream) -> dict:
     }
 
 
-def load_checkpoint(path: Path) -> dict | None:
-    """The checkpoint at ``path`` (``weights_only=True``), or None if there is none or it is
-    unreadable (then the learner starts fresh from the global model, and says so)."""
-    import torch
-
-    if not path.exists():
-        return None
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as exc:  # a damaged checkpoint must not keep a learner down
-        print(f"ignoring unreadable checkpoint {path}: {exc}", file=sys.stderr)
-        return None
-    if not isinstance(state, dict) or state.get("format") != 1:
-        print(f"ignoring checkpoint {path}: unknown format", file=sys.stderr)
-        return None
-    return state
-
-
 class LocalOnly:
     """Stands in for ``Learner`` with ``--no-sync``: counts steps, talks to nobody (baseline)."""
 
@@ -509,35 +490,3 @@ class LocalOnly:
     @property
     def stats(self) -> dict:
         return {"step": self.local_step, "tokens": self.total_tokens}
-
-
-def write_final_state(workdir: Path, learner) -> None:
-    """Write what this learner holds at exit: its anchor (last global value received) and
-    version per fragment, as ``final.safetensors`` + ``final.json`` (with the steps of each
-    fragment that never reached the syncer: the unsent tail), for audits and tests."""
-    from safetensors.torch import save_file
-
-    anchors = {
-        f"anchor.{p}": a.contiguous() for p, a in enumerate(learner.anchors) if a is not None
-    }
-    save_file(anchors, str(workdir / "final.safetensors"))
-    (workdir / FINAL_ACCOUNTING).write_text(
-        json.dumps(
-            {
-                "versions": learner.versions,
-                "life": getattr(getattr(learner, "journal", None), "life", None),
-                "unsent": learner.unsent(),
-                "dropped": list(getattr(learner, "dropped", [])),
-                **(
-                    {
-                        "accounting": learner.accounting().to_dict(),
-                        "unanswered": learner.unanswered_uploads(),
-                    }
-                    if hasattr(learner, "accounting")
-                    else {}
-                ),
-                **learner.stats,
-            },
-            indent=1,
-        )
-    )

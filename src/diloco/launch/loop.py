@@ -28,11 +28,11 @@ def record_metric(
     )
 
 
-def check_crashes(sup) -> None:
-    """``RuntimeError`` if a process exited on its own more than ``MAX_UNPLANNED_RESTARTS``."""
+def check_crashes(sup, limit: int = MAX_UNPLANNED_RESTARTS) -> None:
+    """``RuntimeError`` if a process exited on its own more than ``limit`` times."""
     for slot in sup.slots.values():
         crashes = sum(1 for c in slot.exit_codes if c != 0) - slot.planned_deaths
-        if crashes > MAX_UNPLANNED_RESTARTS:
+        if crashes > limit:
             tail = slot.child.tail() if slot.child else ""
             raise RuntimeError(f"{slot.name} keeps crashing ({crashes} times):\n{tail}")
 
@@ -133,13 +133,15 @@ def supervise(
     out=None,
     outputs=None,
     on_tick=None,
+    max_restarts: int = MAX_UNPLANNED_RESTARTS,
 ) -> str:
     """Poll the processes, draw the view, evaluate every ``eval_every`` seconds, start the
     chaos schedule once every learner trains; return why the run stops (``"time"``,
     ``"tokens"``, ``"learners finished"``, ``"interrupt"``). Raises RuntimeError if a process
     keeps crashing on its own. ``outputs`` (``diloco.dashboard.live.LiveOutputs``) gets the
     learner rows of every poll, for the dashboard and the TensorBoard scalars; ``on_tick``
-    (elapsed seconds) is called every poll (it starts the learners ``--add-learners`` adds)."""
+    (elapsed seconds) is called every poll (it starts the learners ``--add-learners`` adds);
+    a process that fails on its own more than ``max_restarts`` times fails the run."""
     from diloco.launch.view import LiveView
 
     view = LiveView(enabled=not config.json and not config.no_view, stream=out)
@@ -149,7 +151,7 @@ def supervise(
             if stop.wait(0.25):
                 return "interrupt"
             sup.poll()
-            check_crashes(sup)
+            check_crashes(sup, max_restarts)
             now = time.time()
             elapsed = now - started
             up = all(sup.running(name) for name in syncer_names(config.shards))

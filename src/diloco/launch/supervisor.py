@@ -33,10 +33,9 @@ from pathlib import Path
 from diloco.chaos import NETWORK_KINDS, ChaosEvent
 from diloco.launch.syncers import is_syncer
 from diloco.runtime.disk import SmallDisk
-from diloco.runtime.procs import Child
+from diloco.runtime.procs import MAX_UNPLANNED_RESTARTS, Child
 
-MAX_UNPLANNED_RESTARTS = 5
-"""A process that exits on its own (not by chaos) more often than this fails the run."""
+__all__ = ["MAX_UNPLANNED_RESTARTS", "ProcessSlot", "Supervisor"]
 
 
 @dataclass
@@ -50,6 +49,8 @@ class ProcessSlot:
     restart_at: float | None = None
     resume_at: float | None = None
     finished: bool = False
+    env: dict[str, str] | None = None
+    """Variables set for this process on top of the supervisor's environment."""
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     expected_death: bool = False
@@ -108,11 +109,14 @@ class Supervisor:
                 self.tape({"event": "chaos-clock", "t": time.time()})
             self._fill_spares()
 
-    def add(self, name: str, argv: list[str], log: Path) -> ProcessSlot:
+    def add(
+        self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> ProcessSlot:
+        """Start ``name`` (``env``: its own variables, kept across its restarts)."""
         if self._spare_log is None:
             self._spare_log = Path(log).parent / "spare.log"
-        slot = ProcessSlot(name, argv, log)
-        slot.child = Child(name, argv, log)
+        slot = ProcessSlot(name, argv, log, env=env)
+        slot.child = Child(name, argv, log, env=env)
         self.slots[name] = slot
         return slot
 
@@ -124,7 +128,7 @@ class Supervisor:
             raise RuntimeError(f"{name} is still running")
         slot.argv, slot.finished, slot.restart_at = list(argv), False, None
         slot.expected_death = False
-        slot.child = Child(name, slot.argv, slot.log)
+        slot.child = Child(name, slot.argv, slot.log, env=slot.env)
 
     def learners(self) -> list[ProcessSlot]:
         return [s for s in self.slots.values() if not is_syncer(s.name)]
@@ -280,7 +284,7 @@ class Supervisor:
     def _start(self, slot: ProcessSlot) -> tuple[Child, bool]:
         """A process for ``slot``: a warm spare if one is ready (learners only), else a fresh
         one."""
-        if not is_syncer(slot.name):
+        if not is_syncer(slot.name) and slot.env is None:  # (a spare takes no environment)
             while self._spares:
                 spare = self._spares.pop(0)
                 try:
@@ -291,7 +295,7 @@ class Supervisor:
                 self._fill_spares()
                 return spare, True
             self._fill_spares()
-        return Child(slot.name, slot.argv, slot.log), False
+        return Child(slot.name, slot.argv, slot.log, env=slot.env), False
 
     def _fill_spares(self) -> None:
         if self.chaos_started is None or self._spare_log is None:

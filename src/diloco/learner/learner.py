@@ -51,6 +51,7 @@ from diloco.learner.restoring import DATA, Restorer
 from diloco.learner.settling import Settler
 from diloco.learner.shards import open_link
 from diloco.learner.snapshot import HostCopies, Snapshot
+from diloco.learner.stats import learner_stats
 from diloco.learner.stopping import Stopper
 from diloco.learner.waiting import Waiter
 from diloco.runtime.clock import monotonic
@@ -140,6 +141,8 @@ class Learner:
             limit_malloc_arenas(cfg.malloc_arenas)
         self.clock = clock
         """Where every ``now`` of this learner and its parts comes from (seconds, monotonic)."""
+        self.reporter = None
+        """The files a launched learner keeps (``diloco.learner.workdir``; ``from_env``)."""
         self.before_touch: Callable[[list[int]], None] | None = None
         """Called with the fragments this learner is about to read or change in the model's
         parameters (a sharded island brings its mirror of them up to date here)."""
@@ -238,8 +241,17 @@ class Learner:
         return open_link(syncer, self.learner_id, self.layout, self.listener, **options)
 
     # ----------------------------------------------------------------- public
-    def step(self, tokens: int) -> list[int]:
-        """Record one inner step of ``tokens`` tokens; returns the fragments queued for upload."""
+    @classmethod
+    def from_env(cls, model: nn.Module, optimizer=None, **overrides) -> Learner:
+        """A learner as ``diloco launch`` tells it to be (``diloco.learner.from_env``)."""
+        from diloco.learner.from_env import learner_from_env
+
+        return learner_from_env(cls, model, optimizer, **overrides)
+
+    def step(self, tokens: int, loss: float | None = None) -> list[int]:
+        """Record one inner step of ``tokens`` tokens (``loss``: its training loss, for the
+        run's records); returns the fragments queued for upload. A launched learner asked
+        to stop (``from_env``) closes here, flushing, and raises ``SystemExit(0)``."""
         if self.stopper.closed:
             raise RuntimeError("step() after close()")
         if self.link.error is not None:
@@ -263,6 +275,9 @@ class Learner:
             )
         queued = [p for p in sorted(asked) if self._answer_request(p)]
         self.apply_arrived()
+        if self.reporter is not None and self.reporter.stepped(self, loss):
+            self.close()
+            raise SystemExit(0)
         return queued
 
     def _answer_request(self, p: int) -> bool:
@@ -517,28 +532,8 @@ class Learner:
 
     @property
     def stats(self) -> dict:
-        s = self.link.stats
-        return {
-            "learner_id": self.learner_id,
-            "step": self.local_step,
-            "tokens": self.total_tokens,
-            "connected": self.link.connected.is_set(),
-            "fragments_applied": self.applied,
-            "bytes_up": s.bytes_up,
-            "bytes_down": s.bytes_down,
-            "uploads_sent": s.uploads_sent,
-            "uploads_refused": s.uploads_refused,
-            "guard_resets": self.guard_resets,
-            "dropped_steps": sum(self.dropped),
-            "stale_replies": s.stale_replies,
-            "uploads_failed": s.uploads_failed,
-            "requests": s.requests,
-            "keyframes": s.keyframes,
-            "up_rate_Bps": self.link.up_rate_Bps,
-            "down_lag": self.down_lag,
-            **self.counters,
-            **({"close": self.close_report} if self.close_report else {}),
-        }
+        """The learner's counters (``diloco.learner.stats.learner_stats``)."""
+        return learner_stats(self)
 
     def accounting(self) -> Accounting:
         """Where every trained step went, per fragment: merged, in flight (accepted, its
@@ -592,6 +587,8 @@ class Learner:
         """Optionally flush and drain, leave the syncer and stop the background threads
         (bounded; ``Stopper.close``, what it did in ``close_report``)."""
         self.stopper.close(flush=flush)
+        if self.reporter is not None:
+            self.reporter.closed_by(self, clean=flush)
 
     def __enter__(self) -> Learner:
         return self

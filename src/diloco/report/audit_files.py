@@ -9,12 +9,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from diloco.learner.journal import JOURNAL_FILE
+from diloco.learner.workdir import FINAL_ACCOUNTING
 from diloco.report.exactly_once import Audit, audit
 from diloco.runtime.jsonl import read_jsonl
 
-FINAL_ACCOUNTING = "final.json"
-"""A learner's accounting at a clean stop, in its work directory (written by the learner
-worker, ``diloco.launch.learner_worker``, which imports this name)."""
+__all__ = ["FINAL_ACCOUNTING", "audit_directories", "disk_versions"]
 
 
 def disk_versions(state_dir: Path) -> dict[int, int]:

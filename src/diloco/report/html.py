@@ -213,6 +213,7 @@ def run_report(run: RunFiles) -> str:
             ],
         ),
         _figure(run_figures.loss_vs_tokens(run), "Held-out loss against tokens trained.", "tokens"),
+        _figure(run_figures.training_loss(run), "Each learner's training loss.", "training-loss"),
         _figure(
             run_figures.provisioned_time(run),
             "Where each learner's provisioned time went (definitions: docs/resilience.md).",

@@ -110,6 +110,24 @@ def loss_vs_tokens(run: RunFiles) -> bytes | None:
     return _png(fig)
 
 
+def training_loss(run: RunFiles) -> bytes | None:
+    """Each learner's training loss against its step (the loss a script gave
+    ``learner.step(tokens, loss=...)``: the summary's ``training_loss``, ``diloco launch``)."""
+    curves = {k: v for k, v in (run.summary.get("training_loss") or {}).items() if v}
+    if not curves:
+        return None
+    plt = headless_pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for learner, points in curves.items():
+        ax.plot([p[1] for p in points], [p[2] for p in points], "-", lw=1, label=learner)
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
 def provisioned_time(run: RunFiles) -> bytes | None:
     """Per learner, its provisioned time split into useful, the schedule's down time, other."""
     split = time_split(run)

@@ -109,9 +109,12 @@ def format_summary(s: dict) -> str:
     lines = [
         f"run {s['run_dir']} ({s['mode']}, {s['learners']} learners, stopped by {s['stopped_by']})",
         f"  wall {s['wall_s']:.1f}s  tokens {s['tokens']:,}  rounds {s['rounds']}{merged}",
-        f"  held-out loss {s['val_loss']['initial']:.3f} -> {s['val_loss']['final']:.3f} "
-        + s["val_loss"].get("unit", "nats/byte"),
     ]
+    if s["val_loss"]["initial"] is not None and s["val_loss"]["final"] is not None:
+        lines.append(
+            f"  held-out loss {s['val_loss']['initial']:.3f} -> {s['val_loss']['final']:.3f} "
+            + s["val_loss"].get("unit", "nats/byte")
+        )
     for name, v in (s.get("val_scores") or {}).items():
         if v["initial"] is not None and v["final"] is not None:
             lines.append(f"  held-out {name} {v['initial']:.3f} -> {v['final']:.3f}")

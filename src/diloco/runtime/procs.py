@@ -16,6 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+MAX_UNPLANNED_RESTARTS = 5
+"""A supervised process that exits on its own (not by chaos) more often than this fails the
+run (``diloco launch --max-restarts``'s default)."""
+
 
 def diloco_command(*args: str) -> list[str]:
     """The command line that runs ``diloco ARGS`` with this interpreter."""
