@@ -17,6 +17,7 @@ __all__ = [
     "LearnerConfig",
     "SyncerServer",
     "SyncerConfig",
+    "SyncerUnreachable",
     "__version__",
 ]
 
@@ -31,6 +32,10 @@ def __getattr__(name: str):
         from diloco.learner.island import IslandLearner
 
         return IslandLearner
+    if name == "SyncerUnreachable":
+        from diloco.learner.waiting import SyncerUnreachable
+
+        return SyncerUnreachable
     if name == "SyncerServer":
         from diloco.syncer.server import SyncerServer
 
