@@ -15,6 +15,7 @@ __all__ = [
     "IslandLearner",
     "Learner",
     "LearnerConfig",
+    "ProtocolConfig",
     "SyncerServer",
     "SyncerConfig",
     "SyncerUnreachable",
@@ -32,6 +33,10 @@ def __getattr__(name: str):
         from diloco.learner.island import IslandLearner
 
         return IslandLearner
+    if name == "ProtocolConfig":
+        from diloco.wire.protocol import ProtocolConfig
+
+        return ProtocolConfig
     if name == "SyncerUnreachable":
         from diloco.learner.waiting import SyncerUnreachable
 

@@ -14,6 +14,7 @@ from diloco.algorithm.guard import (
     DEFAULT_ZERO_RMS,
 )
 from diloco.algorithm.rounds import SCHEDULES
+from diloco.runtime.renamed import moved_to_protocol, renamed_keywords
 from diloco.runtime.schema import on_off, option
 from diloco.syncer.receipts import RETAINED_COMMIT_LOGS
 from diloco.wire.comms import comms_setting
@@ -27,6 +28,11 @@ OUTER_SCALES = ("share", "none")
 """How a round's merged delta is scaled before the outer step (``SyncerConfig.outer_scale``)."""
 
 
+@renamed_keywords(
+    sync_every=moved_to_protocol("sync_every"),
+    fragments=moved_to_protocol("num_fragments"),
+    num_fragments=moved_to_protocol("num_fragments"),
+)
 @dataclass(kw_only=True)
 class SyncerConfig:
     schedule: str = option("syncer", choices=SCHEDULES)
