@@ -282,7 +282,9 @@ class LearnerProcess:
         if not joined:
             print(
                 f"learner {config.id}: no global model from {config.syncer} within "
-                f"{config.join_timeout_s}s; training from the local init"
+                f"{config.join_timeout_s}s; training on from "
+                f"{'its checkpoint' if self.restored else 'the local init'}",
+                file=sys.stderr,
             )
         progress = self.workdir / "progress.jsonl" if self.workdir and self.leader else None
         self.log = ProgressLog(
@@ -377,7 +379,10 @@ class LearnerProcess:
             return
         waited = self.learner.wait_for_merges(config.wait_for_merge, config.merge_timeout_s, stop)
         if not waited and not stop.is_set():
-            print(f"learner {config.id}: no merge within {config.merge_timeout_s}s; going on")
+            print(
+                f"learner {config.id}: no merge within {config.merge_timeout_s}s; going on",
+                file=sys.stderr,
+            )
 
     def state(self) -> dict:
         state = checkpoint_state(self.model, self.optimizer, self.learner, self.stream)

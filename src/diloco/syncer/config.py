@@ -35,6 +35,9 @@ OUTER_SCALES = ("share", "none")
 )
 @dataclass(kw_only=True)
 class SyncerConfig:
+    """The syncer's algorithm: who drives the rounds, P and H, the quorum and grace window,
+    the outer step, the codecs, the merge and the norm guard (docs/algorithm.md)."""
+
     schedule: str = option("syncer", choices=SCHEDULES)
     """Who drives the rounds: ``"syncer"`` (the syncer's clock opens each fragment's round
     in turn and asks every live learner for it; docs/algorithm.md "The syncer's
