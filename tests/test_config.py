@@ -24,6 +24,7 @@ from diloco.config import (
     options,
     to_dict,
 )
+from diloco.config.common import LoggingConfig
 from diloco.config.dp_worker import DpWorkerConfig
 from diloco.config.run import RunConfig
 from diloco.config.service import ServiceConfig
@@ -62,10 +63,11 @@ def all_options(cls) -> dict[str, dataclasses.Field]:
 
 @pytest.mark.parametrize("command", sorted(COMMAND_CONFIGS))
 def test_help_defaults_are_the_dataclass_defaults(command):
-    """Every flag of a configured command is one of its dataclass's options, and --help shows
-    the dataclass default (the parser's own default, when it keeps one, is that default)."""
+    """Every flag of a configured command is one of its dataclass's options or a common option
+    of every configured command (``LoggingConfig``), and --help shows the dataclass default
+    (the parser's own default, when it keeps one, is that default)."""
     cls = COMMAND_CONFIGS[command]
-    fields = all_options(cls)
+    fields = {**all_options(cls), **all_options(LoggingConfig)}
     parser = subparsers()[command]
     seen = set()
     for action in parser._actions:

@@ -15,9 +15,11 @@ __all__ = [
     "IslandLearner",
     "Learner",
     "LearnerConfig",
+    "ProtocolConfig",
     "StatefulSampler",
     "SyncerServer",
     "SyncerConfig",
+    "SyncerUnreachable",
     "__version__",
 ]
 
@@ -32,6 +34,14 @@ def __getattr__(name: str):
         from diloco.learner.island import IslandLearner
 
         return IslandLearner
+    if name == "ProtocolConfig":
+        from diloco.wire.protocol import ProtocolConfig
+
+        return ProtocolConfig
+    if name == "SyncerUnreachable":
+        from diloco.learner.waiting import SyncerUnreachable
+
+        return SyncerUnreachable
     if name == "StatefulSampler":
         from diloco.data import StatefulSampler
 

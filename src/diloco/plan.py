@@ -61,7 +61,9 @@ def parse_count(text: str) -> float:
 @dataclass(frozen=True, kw_only=True)
 class PlanInputs:
     """What ``diloco plan`` prices: the model, the step, the sites and the exchange (each
-    field is also its flag)."""
+    field is also its flag). The exchange's defaults are the paper's setting (H = 24, P = 24,
+    τ = 2, 4-bit values both ways), not the project's default exchange: ``--comms
+    default`` prices that."""
 
     params: float = option(type=parse_count, metavar="N")
     """N, the model's parameter count, e.g. 12B or 350M."""

@@ -63,10 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decoupled DiLoCo: resilient, asynchronous, low-communication training.",
     )
     parser.add_argument("--version", action="version", version=f"diloco {_version()}")
+    _add_commands(parser)
+    return parser
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every sub-command's parser, by its name (what ``diloco NAME --help`` shows)."""
+    return dict(_add_commands(OneLineErrors(prog="diloco")).choices)
+
+
+def _add_commands(parser: argparse.ArgumentParser):
+    """Register every sub-command on ``parser``; returns argparse's sub-parsers action."""
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _name, module in _COMMANDS:
         importlib.import_module(module).register(subparsers)
-    return parser
+    return subparsers
 
 
 def _version() -> str:

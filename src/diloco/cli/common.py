@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable
 
 from diloco.config import ConfigError, add_options, from_namespace
+from diloco.config.common import LOG_LEVEL_ENV, LoggingConfig
 from diloco.runtime.config_files import read_config_file
 from diloco.wire.comms import COMMS_FIELDS
 
@@ -26,6 +27,23 @@ def config_from_args(cls: type, args, load: Callable[[str], object] | None = Non
     )
     unset = COMMS_FIELDS if hasattr(args, "comms") else ()
     return from_namespace(cls, args, base=base, unset=unset)
+
+
+def configure_logging(level: str | None) -> None:
+    """Print the library's log records at ``level`` and above on stderr (None: the level
+    this process inherited from the command that started it, else ``LoggingConfig``'s
+    default), and hand the level down to the processes this one starts."""
+    import logging
+    import os
+
+    level = level or os.environ.get(LOG_LEVEL_ENV) or LoggingConfig.log_level
+    os.environ[LOG_LEVEL_ENV] = level
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    library = logging.getLogger("diloco")
+    library.handlers[:] = [handler]
+    library.setLevel(level.upper())
+    library.propagate = False
 
 
 def configured_command(
@@ -52,8 +70,10 @@ def configured_command(
         help="read the settings from this JSON or .toml file (flags override)",
     )
     add_options(p, cls, sparse=True)
+    add_options(p, LoggingConfig, sparse=True)
 
     def main(args) -> int:
+        configure_logging(getattr(args, "log_level", None))
         try:
             config = config_from_args(cls, args, load)
         except (ConfigError, OSError, ValueError) as exc:

@@ -26,7 +26,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
         help="wide-area bandwidth data-parallel and Decoupled DiLoCo need (docs/plan.md)",
-        description=__doc__.splitlines()[0].strip('`" '),
+        description="diloco plan: wide-area bandwidth data-parallel and Decoupled DiLoCo need "
+        "(docs/plan.md). The exchange's defaults are the paper's setting (H=24, P=24, tau=2, "
+        "4-bit values both ways), not this project's default exchange: --comms default prices "
+        "that.",
     )
     add_options(p, PlanInputs)
     p.add_argument(

@@ -1,8 +1,10 @@
 """``diloco status ADDRESS``: what a running syncer says of itself (its ``Status`` RPC).
 
 The fields are documented in docs/own-model.md ("The syncer's status"); ``--json`` prints
-them as one JSON object (the .proto's field names), the default a few readable lines. The
-exit status is 0 while the syncer serves, 1 if it does not answer or has failed.
+them as one JSON object (the .proto's field names), the default a few readable lines;
+``--watch SECONDS`` prints them again every SECONDS until Ctrl-C. The exit status is 0 while
+the syncer serves, 1 if it does not answer, refuses the call (a missing or wrong token) or
+has failed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from diloco.config import add_options
 from diloco.config.common import ClientSecurityConfig
@@ -24,26 +27,53 @@ def register(subparsers) -> None:
     p.add_argument("address", metavar="HOST:PORT", help="the syncer (or every shard, a,b)")
     add_options(p, ClientSecurityConfig, only=("token_file",))
     p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.add_argument(
+        "--watch",
+        type=float,
+        metavar="SECONDS",
+        help="print the status again every SECONDS until Ctrl-C",
+    )
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     from diloco.launch.syncers import StatusClient
     from diloco.wire.auth import AuthConfigError, load_token
 
+    if args.watch is not None and not args.watch > 0:
+        print(f"diloco status: --watch must be > 0 seconds (got {args.watch:g})", file=sys.stderr)
+        return 2
     try:
         client = StatusClient(args.address, load_token(args.token_file))
     except (AuthConfigError, ValueError, OSError) as exc:
         print(f"diloco status: error: {exc}", file=sys.stderr)
         return 2
     try:
-        reply = client.fetch()
+        code = show(client, args)
+        while args.watch is not None:
+            time.sleep(args.watch)
+            code = show(client, args)
+    except KeyboardInterrupt:  # Ctrl-C ends a --watch: the last status's exit code
+        pass
     finally:
         client.close()
+    return code
+
+
+def show(client, args: argparse.Namespace) -> int:
+    """Fetch and print the status once; its exit code."""
+    from google.protobuf.json_format import MessageToDict
+
+    reply = client.fetch()
     if reply is None:
-        print(f"diloco status: {args.address} does not answer", file=sys.stderr)
+        if client.refusal is not None:
+            print(
+                f"diloco status: {client.refusal} (give the syncer's token: --token-file or "
+                "$DILOCO_TOKEN)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"diloco status: {args.address} does not answer", file=sys.stderr)
         return 1
     if args.json:
         doc = MessageToDict(
@@ -52,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
             preserving_proto_field_name=True,
             unquote_int64_if_possible=True,
         )
-        print(json.dumps(doc, indent=1))
+        print(json.dumps(doc, indent=1), flush=True)
         return 0
     health = f"FAILED: {reply.failure}" if reply.failure else "serving"
     print(
@@ -66,4 +96,5 @@ def main(args: argparse.Namespace) -> int:
             f"  {ls.learner_id}: {live} ({ls.state}), step {ls.step}, {ls.tokens:,} tokens, "
             f"{ls.contributions} contributions"
         )
+    sys.stdout.flush()
     return 1 if reply.failure else 0

@@ -86,3 +86,18 @@ class ServerSecurityConfig:
     """Require each learner's own token (``diloco learner-token ID``, derived from the shared
     secret): a call may then act only as the id its token was made for, and the shared
     secret itself only asks for ``Status``."""
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVEL_ENV = "DILOCO_LOG_LEVEL"
+"""Carries ``--log-level`` to the processes a command starts (``diloco run``'s children)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoggingConfig:
+    """What a command's process logs on stderr (every configured command's option)."""
+
+    log_level: str = option("warning", choices=LOG_LEVELS, metavar="|".join(LOG_LEVELS))
+    """The least severe record of the library's loggers (``diloco.*``) printed on stderr:
+    ``info`` adds a learner's joins and progress and the refusals it raises, ``debug``
+    every lost link. The processes the command starts inherit it."""

@@ -144,9 +144,11 @@ class RunConfig:
     """Put each learner on its own shaped wide-area link (root only; repeatable; docs/wan.md):
     ``rate=50mbit,rtt=40ms`` for every learner, ``2,3:rate=5mbit,rtt=80ms`` for learners 2
     and 3."""
-    start_timeout_s: float = option(60.0, hidden=True, flag="--start-timeout")
+    start_timeout_s: float = option(60.0, flag="--start-timeout", metavar="SECONDS")
     """Seconds a process may take to start (and the syncer to answer) before the run fails."""
-    stop_timeout_s: float | None = option(None, type=float, hidden=True, flag="--stop-timeout")
+    stop_timeout_s: float | None = option(
+        None, type=float, flag="--stop-timeout", metavar="SECONDS"
+    )
     """Seconds learners get to flush and exit at the end before they are killed; default:
     their clean stop's bound at ``--flush-timeout`` and ``--drain-timeout``
     (``diloco.learner.config.close_bound_s``: 65 s at the defaults) and 5 s (before

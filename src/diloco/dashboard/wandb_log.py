@@ -12,8 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from diloco.dashboard.tensorboard import scalar_points
+from diloco.runtime.optional import import_optional
 
 WANDB_MODES = ("off", "offline", "online")
+
+
+def check_wandb(mode: str) -> None:
+    """Refuse ``--wandb MODE`` where the ``wandb`` package is missing (``MissingExtra``, one
+    line naming the extra), before a run starts anything."""
+    if mode != "off":
+        import_optional("wandb", "wandb", f"--wandb {mode}")
 
 
 def rows_of(points) -> list[dict]:

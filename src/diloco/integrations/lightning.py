@@ -26,9 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from lightning.pytorch import Callback
 
 from diloco.integrations.joining import JoinsAsLearner
+from diloco.runtime.optional import import_optional
+
+Callback = import_optional("lightning.pytorch", "lightning", "the Lightning callback").Callback
 
 
 def first_tensor_elements(batch) -> int:

@@ -89,6 +89,7 @@ def run(config: WorkerConfig) -> int:
     if workdir:
         workdir.mkdir(parents=True, exist_ok=True)
     stop = stop_on_signals(exit_with_parent=config.exit_with_parent)
+    from diloco.learner.waiting import SyncerUnreachable
     from diloco.wire.auth import AuthConfigError
 
     try:
@@ -98,6 +99,10 @@ def run(config: WorkerConfig) -> int:
         return 2
     try:
         proc.train(stop)
+    except SyncerUnreachable as exc:  # it would train alone: one line, exit non-zero
+        print(f"diloco learner {config.id}: {exc}", file=sys.stderr)
+        proc.learner.close(flush=False)
+        return 1
     except RuntimeError as exc:
         link = getattr(getattr(proc.learner, "leader", None) or proc.learner, "link", None)
         if getattr(link, "error", None) is None:  # (an island's ranks, --no-sync: no link)
@@ -160,6 +165,8 @@ class LearnerProcess:
         name = CHECKPOINT if self.leader else f"checkpoint.rank{rank}.pt"
         self.checkpoint = workdir / name if workdir and not config.no_sync else None
         saved = self.restore()
+        self.restored = saved is not None
+        """Whether this process resumed from its checkpoint (it reached the syncer before)."""
         self.learner = self.make_learner(saved)
         dropped = getattr(self.learner, "dropped_on_restore", [])  # (none without a syncer)
         if dropped:
@@ -274,12 +281,14 @@ class LearnerProcess:
     def train(self, stop) -> None:
         """The training loop: until the step budget, ``stop`` or the deadline."""
         config, learner = self.config, self.learner
-        joined = learner.wait_for_global(timeout=config.join_timeout_s, required=False)
+        joined = self.join()
         self.skip_delivered_steps()  # after the join: the syncer's commits say what was
         if not joined:
             print(
                 f"learner {config.id}: no global model from {config.syncer} within "
-                f"{config.join_timeout_s}s; training from the local init"
+                f"{config.join_timeout_s}s; training on from "
+                f"{'its checkpoint' if self.restored else 'the local init'}",
+                file=sys.stderr,
             )
         progress = self.workdir / "progress.jsonl" if self.workdir and self.leader else None
         self.log = ProgressLog(
@@ -350,6 +359,23 @@ class LearnerProcess:
             )
         self.train_s = time.time() - started
 
+    def join(self) -> bool:
+        """Wait for the global model; whether it came within ``--join-timeout``. A fresh
+        learner that never reached its syncer raises ``SyncerUnreachable`` (it would train
+        alone from its own initialization; ``--no-sync`` is how to ask for that); one that
+        joined while the model was still arriving, or resumed from its checkpoint (it was with
+        the syncer before, which may be restarting), trains on and takes the model later."""
+        from diloco.learner.waiting import SyncerUnreachable
+
+        try:
+            return self.learner.wait_for_global(timeout=self.config.join_timeout_s)
+        except SyncerUnreachable:
+            if not self.restored:
+                raise
+            return False
+        except TimeoutError:
+            return False
+
     def wait_for_merges(self, stop) -> None:
         """Synchronous mode: wait for the merges of the fragments sent LAG steps ago."""
         config = self.config
@@ -357,7 +383,10 @@ class LearnerProcess:
             return
         waited = self.learner.wait_for_merges(config.wait_for_merge, config.merge_timeout_s, stop)
         if not waited and not stop.is_set():
-            print(f"learner {config.id}: no merge within {config.merge_timeout_s}s; going on")
+            print(
+                f"learner {config.id}: no merge within {config.merge_timeout_s}s; going on",
+                file=sys.stderr,
+            )
 
     def state(self) -> dict:
         state = checkpoint_state(self.model, self.optimizer, self.learner, self.stream)

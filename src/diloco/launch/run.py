@@ -62,9 +62,11 @@ class Prepared:
 
 
 def prepare(config: RunConfig) -> Prepared:
-    """Validate the data, the learners, the chaos spec, the token and the backend; raises
-    ``DataError``, ``ChaosSpecError`` or ``ValueError`` with a message for the user."""
+    """Validate the data, the learners, the chaos spec, the token, the backend and the
+    optional packages asked for; raises ``DataError``, ``ChaosSpecError``, ``ValueError`` or
+    ``MissingExtra`` with a message for the user."""
     from diloco.chaos import corruptions, parse_spec, schedule
+    from diloco.dashboard.wandb_log import check_wandb
     from diloco.launch import ray_backend
     from diloco.recipes import recipe_of
     from diloco.wire.auth import load_token
@@ -85,6 +87,7 @@ def prepare(config: RunConfig) -> Prepared:
     ray_backend.check_config(config, {c.kind for c in clauses})
     check_wan(config, clauses)
     check_additions(config, plans)
+    check_wandb(config.wandb)
     if any(c.kind == "disk-full" for c in clauses) and os.geteuid() != 0:
         raise ValueError("--chaos disk-full needs root: it mounts a small tmpfs for the syncer")
     return Prepared(recipe, plans, clauses, chaos, corrupt, token)
@@ -112,13 +115,14 @@ def run(config: RunConfig) -> int:
     from diloco.chaos import ChaosSpecError
     from diloco.launch.secrets import with_token
     from diloco.recipes import DataError
+    from diloco.runtime.optional import MissingExtra
     from diloco.syncer.store import EventTape
     from diloco.wire.auth import load_token
 
     torch.set_num_threads(1)
     try:
         prep = prepare(config)
-    except (DataError, ChaosSpecError, ValueError) as exc:
+    except (DataError, ChaosSpecError, ValueError, MissingExtra) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 2
     run_dir = Path(config.runs_dir) / (config.name or time.strftime("%Y%m%d-%H%M%S"))

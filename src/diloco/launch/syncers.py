@@ -116,6 +116,9 @@ class StatusClient:
         self._channels = [auth.open_channel(t, {}) for t in self._targets]
         self._metadata = auth.call_metadata(token)
         self._stubs = [pb_grpc.SyncerStub(c) for c in self._channels]
+        self.refusal: str | None = None
+        """Why the last ``fetch`` got no status from a shard that answered and refused the
+        call (a missing or wrong token, an id not allowed); None when it was not refused."""
 
     def _follow(self, i: int) -> None:
         """For an ``@FILE`` address: reopen the channel when the file names another syncer
@@ -136,6 +139,7 @@ class StatusClient:
         import grpc
 
         replies = []
+        self.refusal = None
         for i in range(len(self._stubs)):
             self._follow(i)
             stub = self._stubs[i]
@@ -143,7 +147,10 @@ class StatusClient:
                 replies.append(
                     stub.Status(pb.StatusRequest(), timeout=2.0, metadata=self._metadata)
                 )
-            except grpc.RpcError:
+            except grpc.RpcError as exc:
+                refused = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+                if exc.code() in refused:
+                    self.refusal = f"{self.addresses[i]} answered and refused: {exc.details()}"
                 return None
         return merge_status(replies)
 

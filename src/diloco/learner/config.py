@@ -7,6 +7,12 @@ import time
 from dataclasses import dataclass, field
 
 from diloco.learner.pacing import DEFAULT_LAG_STEPS, DEFAULT_MAX_STRETCH
+from diloco.runtime.renamed import (
+    h_is_the_syncers,
+    p_is_num_fragments,
+    refuse_renamed,
+    renamed_keywords,
+)
 from diloco.wire.comms import comms_setting
 from diloco.wire.protocol import ProtocolConfig
 
@@ -44,6 +50,17 @@ def default_generation() -> int:
     return time.time_ns()
 
 
+LEARNER_RENAMED = {"fragments": p_is_num_fragments, "sync_every": h_is_the_syncers}
+"""The previous release's keyword arguments of a learner, and where each is now."""
+
+
+def renamed(owner: str, given: dict) -> None:
+    """Refuse (``TypeError``, one line naming the new spelling) a learner's keyword arguments
+    ``given`` that use a previous release's names (``LEARNER_RENAMED``)."""
+    refuse_renamed(owner, given, LEARNER_RENAMED)
+
+
+@renamed_keywords(**LEARNER_RENAMED)
 @dataclass(kw_only=True)
 class LearnerConfig:
     num_fragments: int = ProtocolConfig.num_fragments

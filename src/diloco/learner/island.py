@@ -40,6 +40,7 @@ from torch import nn
 from diloco.algorithm.fragments import FragmentLayout, balanced_fragments
 from diloco.learner.config import LearnerConfig
 from diloco.learner.learner import Learner
+from diloco.learner.waiting import SyncerUnreachable, no_global_model
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -67,6 +68,18 @@ class Mirror:
 
 
 _DONE, _REFRESH = 0, 1  # rank 0's commands to the other ranks during a Learner call
+_JOINED, _INCOMPLETE, _UNREACHED = 1, 0, -1  # how rank 0's wait for the global model ended
+
+
+def _global_outcome(leader: Learner, timeout: float) -> int:
+    """How ``leader.wait_for_global(timeout)`` ended, as one of the three codes above."""
+    try:
+        leader.wait_for_global(timeout)
+    except SyncerUnreachable:
+        return _UNREACHED
+    except TimeoutError:
+        return _INCOMPLETE
+    return _JOINED
 
 
 class IslandLearner:
@@ -97,6 +110,8 @@ class IslandLearner:
         module = _unwrap(model)
         cfg = config or LearnerConfig(**overrides)
         self.group = group
+        self.syncer = syncer if isinstance(syncer, str) else ",".join(syncer)
+        """The syncer's address (every shard's, comma-separated), as given."""
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._root = dist.get_global_rank(group, 0) if group is not None else 0
@@ -135,13 +150,14 @@ class IslandLearner:
     def wait_for_global(self, timeout: float = 60.0, *, required: bool = True) -> bool:
         """Rank 0 waits for the global model (see ``Learner.wait_for_global``), then every rank
         takes rank 0's parameters. Returns rank 0's answer on every rank (with ``required``,
-        every rank raises ``TimeoutError`` instead of returning False)."""
-        ok = self._leading(lambda leader: leader.wait_for_global(timeout, required=False), False)
+        every rank raises rank 0's ``TimeoutError`` instead of returning False:
+        ``SyncerUnreachable`` if rank 0 never joined the syncer)."""
+        outcome = self._leading(lambda leader: _global_outcome(leader, timeout), _JOINED)
         self._share(list(range(self.layout.num_fragments)))
-        ok = bool(self._broadcast_ints([int(ok)])[0])
-        if required and not ok:
-            raise TimeoutError(f"no global model within {timeout:g} s")
-        return ok
+        outcome = int(self._broadcast_ints([outcome])[0])
+        if required and outcome != _JOINED:
+            raise no_global_model(self.syncer, timeout, reached=outcome == _INCOMPLETE)
+        return outcome == _JOINED
 
     def step(self, tokens: int) -> list[int]:
         """Record one inner step on every rank; returns the fragments rank 0 queued."""

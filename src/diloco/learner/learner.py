@@ -40,7 +40,7 @@ from diloco.algorithm.fragments import (
 )
 from diloco.learner.accounting import Accounting
 from diloco.learner.callbacks import LearnerListener
-from diloco.learner.config import LearnerConfig, default_generation, default_learner_id
+from diloco.learner.config import LearnerConfig, default_generation, default_learner_id, renamed
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Inbox, bounded, follow, rebases
 from diloco.learner.ledger import Ledger
@@ -111,11 +111,7 @@ class Learner:
         clock: Callable[[], float] = monotonic,
         **overrides,
     ) -> None:
-        if "sync_every" in overrides:
-            raise TypeError(
-                "Learner(sync_every=...): H is the syncer's (diloco syncer --sync-every, "
-                "SyncerConfig.protocol); a learner takes it from the syncer when it joins"
-            )
+        renamed("Learner", overrides)  # the previous release's names: one line naming the new
         cfg = config or LearnerConfig(**overrides)
         if config is not None and overrides:
             raise ValueError("pass either config= or keyword overrides, not both")

@@ -256,13 +256,13 @@ class SyncerLink:
                     self.error = RuntimeError(
                         f"the syncer at {self.address} refused this learner: {exc.details()}"
                     )
-                    log.error("%s", self.error)
+                    log.info("%s", self.error)  # (the training thread raises it: said once)
                     return
                 log.debug("link to %s lost: %s", self.address, code)
             except (ShardError, CommsBudgetError) as exc:  # retrying cannot fix either
                 what = "syncer shards" if isinstance(exc, ShardError) else "--comms"
                 self.error = RuntimeError(f"{what}: {exc}")
-                log.error("%s", self.error)
+                log.info("%s", self.error)  # (the training thread raises it: said once)
                 self.connected.clear()
                 self._leave_quietly()
                 self._end_channels(forget=True)

@@ -17,6 +17,27 @@ MERGES_POLL_S = 0.005
 """How often ``wait_for_merges`` looks again (a round's lockstep: short)."""
 
 
+class SyncerUnreachable(TimeoutError):
+    """``wait_for_global`` timed out without this learner ever having joined its syncer (a
+    wrong or dead address, a syncer not up): training on would train alone from its own
+    initialization. A ``TimeoutError``, so code that catches that still does."""
+
+
+def no_global_model(address: str, timeout: float, reached: bool) -> TimeoutError:
+    """The error of a ``wait_for_global`` that timed out: ``SyncerUnreachable`` when the
+    learner never ``reached`` the syncer at ``address``, else a plain ``TimeoutError`` (it
+    joined; the global model had not all arrived). Pure."""
+    if not reached:
+        return SyncerUnreachable(
+            f"no global model from {address} within {timeout:g} s: never reached the syncer "
+            "(is it up, the address and token right? To train alone on purpose: --no-sync)"
+        )
+    return TimeoutError(
+        f"no global model from {address} within {timeout:g} s: joined, but the global model "
+        "had not all arrived (a slow link: give a longer timeout)"
+    )
+
+
 def holds_joined(versions: list[int], target: list[int] | None) -> bool:
     """Whether the ``versions`` held reach the versions the syncer had when this learner
     joined (``target``; None before the join). Pure.
@@ -59,8 +80,9 @@ class Waiter:
     def wait_for_global(self, timeout: float = 60.0, *, required: bool = True) -> bool:
         """Block until this learner holds every fragment at least at the version the syncer had
         when it joined, and apply them; True if so within ``timeout``. Otherwise
-        ``TimeoutError`` (it would train from its own initialization, apart from the fleet),
-        or, with ``required=False``, False.
+        ``TimeoutError`` (it would train from its own initialization, apart from the fleet):
+        ``SyncerUnreachable`` if it never joined the syncer at all; or, with
+        ``required=False`` (training on alone is what the caller asked for), False.
 
         Call it once before training: a fresh learner then starts from the global model, and
         one restored from a checkpoint catches up before it sends.
@@ -76,10 +98,7 @@ class Waiter:
                 return True
             if self.clock() > deadline:
                 if required:
-                    raise TimeoutError(
-                        f"no global model from {self.link.address} within {timeout:g} s "
-                        "(is the syncer up, the address and token right?)"
-                    )
+                    raise no_global_model(self.link.address, timeout, target is not None)
                 return False
             time.sleep(GLOBAL_POLL_S)
 

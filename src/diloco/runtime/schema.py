@@ -222,9 +222,18 @@ def add_options(
     for name, section in sections(cls).items():
         group = parser
         if isinstance(parser, argparse.ArgumentParser):  # argparse groups do not nest
-            doc = (section.__doc__ or "").strip().split("\n\n")[0]
-            group = parser.add_argument_group(name, " ".join(_plain(doc).split()))
+            group = parser.add_argument_group(name, section_description(section))
         add_options(group, section, exclude=exclude, only=only, defaults=defaults, sparse=sparse)
+
+
+def section_description(section: type) -> str:
+    """The first paragraph of a configuration section's own docstring, on one line, for its
+    group in ``--help``; "" for a class without one (``dataclass`` then makes its docstring
+    the constructor's signature, which is no description)."""
+    doc = (section.__doc__ or "").strip()
+    if doc.startswith(f"{section.__name__}("):  # dataclass's stand-in, not written by us
+        return ""
+    return " ".join(_plain(doc.split("\n\n")[0]).split())
 
 
 def from_namespace(

@@ -14,6 +14,7 @@ from diloco.algorithm.guard import (
     DEFAULT_ZERO_RMS,
 )
 from diloco.algorithm.rounds import SCHEDULES
+from diloco.runtime.renamed import moved_to_protocol, renamed_keywords
 from diloco.runtime.schema import on_off, option
 from diloco.syncer.receipts import RETAINED_COMMIT_LOGS
 from diloco.wire.comms import comms_setting
@@ -27,8 +28,16 @@ OUTER_SCALES = ("share", "none")
 """How a round's merged delta is scaled before the outer step (``SyncerConfig.outer_scale``)."""
 
 
+@renamed_keywords(
+    sync_every=moved_to_protocol("sync_every"),
+    fragments=moved_to_protocol("num_fragments"),
+    num_fragments=moved_to_protocol("num_fragments"),
+)
 @dataclass(kw_only=True)
 class SyncerConfig:
+    """The syncer's algorithm: who drives the rounds, P and H, the quorum and grace window,
+    the outer step, the codecs, the merge and the norm guard (docs/algorithm.md)."""
+
     schedule: str = option("syncer", choices=SCHEDULES)
     """Who drives the rounds: ``"syncer"`` (the syncer's clock opens each fragment's round
     in turn and asks every live learner for it; docs/algorithm.md "The syncer's

@@ -18,6 +18,7 @@ import torch
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.algorithm.shards import shard_fragments
 from diloco.runtime import clock
+from diloco.runtime.renamed import fragment_ids_not_p, moved_to_protocol, refuse_renamed
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.fencing import Claim, claim_state_dir
 from diloco.syncer.generations import GenerationFile
@@ -83,6 +84,10 @@ class SyncerServer:
         ``accept_rollback``: serve a state directory its tape (or its receipt log) shows
         was rolled back, as a new lineage (``diloco.syncer.lineage``); without it such a
         directory is a ``StateError``."""
+        if isinstance(fragments, int):  # the previous release's P, by its old name
+            raise TypeError(
+                f"SyncerServer(fragments={fragments!r}): {fragment_ids_not_p(fragments)}"
+            )
         auth.check_bind(bind, token)
         if state_dir is not None and Path(state_dir).exists() and not Path(state_dir).is_dir():
             raise StateError(f"the state directory {state_dir} is a file, not a directory")
@@ -281,8 +286,17 @@ class SyncerServer:
         ``config.protocol.num_fragments`` fragments exactly as ``diloco.Learner`` cuts them
         (same layout hash).
 
-        Other keyword arguments go to the constructor (``bind``, ``state_dir``, ...).
+        Other keyword arguments go to the constructor (``bind``, ``state_dir``, ...); P and H
+        given here by the previous release's names are refused naming where they are now.
         """
+        refuse_renamed(
+            "SyncerServer.for_model",
+            kwargs,
+            {
+                "num_fragments": moved_to_protocol("num_fragments"),
+                "sync_every": moved_to_protocol("sync_every"),
+            },
+        )
         from diloco.algorithm.embeddings import embedding_parameter_names
         from diloco.algorithm.fragments import balanced_fragments
         from diloco.runtime.modules import plain_module

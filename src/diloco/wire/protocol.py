@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diloco.runtime.renamed import p_is_num_fragments, renamed_keywords
 from diloco.runtime.schema import option
 from diloco.wire.comms import COMMS, comms_setting
 
@@ -31,6 +32,7 @@ def syncer_upload_deadline_s(nbytes: int, first_chunk_s: float = FIRST_CHUNK_S) 
     return first_chunk_s + nbytes / MIN_UPLOAD_BPS
 
 
+@renamed_keywords(fragments=p_is_num_fragments)
 @dataclass(kw_only=True, frozen=True)
 class ProtocolConfig:
     """How the model is cut and how often each piece is synchronised."""
