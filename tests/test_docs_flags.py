@@ -17,6 +17,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
 COMMAND = re.compile(r"\bdiloco(?:\.cli)? ([a-z][a-z-]*)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]+)")
+SCRIPT = re.compile(r"\s[\w./-]+\.py\b")
+"""A script ``diloco launch`` starts: the flags after it are the script's."""
 
 OTHER_TOOLS = {"--nproc-per-node", "--max-restarts", "--standalone", "--logdir", "--upgrade"}
 """Flags of torchrun, tensorboard and pip, should a line show them after a diloco command
@@ -30,7 +32,7 @@ UNDOCUMENTED = {"--help", "--config", "--output"}
 def flag_mentions() -> list[tuple[str, str, str]]:
     """``(doc, command, flag)`` for every flag in a code span or block whose line (lines
     continued with a backslash are one; a span is one) names ``diloco COMMAND`` (or
-    ``python -m diloco.cli COMMAND``) before it."""
+    ``python -m diloco.cli COMMAND``) before it, and no script (``train.py``) between them."""
     found = []
     for doc in DOCS:
         for match in CODE.finditer(doc.read_text()):
@@ -39,7 +41,7 @@ def flag_mentions() -> list[tuple[str, str, str]]:
                 commands = list(COMMAND.finditer(line))
                 for flag in FLAG.finditer(line):
                     before = [c for c in commands if c.end() <= flag.start()]
-                    if before:
+                    if before and not SCRIPT.search(line, before[-1].end(), flag.start()):
                         found.append((doc.name, before[-1].group(1), flag.group(1)))
     return found
 
