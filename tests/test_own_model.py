@@ -27,6 +27,7 @@ from diloco.launch.syncer_stopping import StopRule
 from diloco.learner.learner import Learner
 from diloco.runtime.model_ref import ModelRefError, load_model
 from diloco.syncer.export import ExportError
+from diloco.syncer.store import read_tape
 from diloco.wire import diloco_pb2 as pb
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model"
@@ -78,7 +79,7 @@ def test_the_example_trains_ends_by_itself_and_exports_from_the_dead_syncers_sta
         learners = [
             subprocess.Popen(
                 [sys.executable, "train.py", f"--syncer={address}", f"--id={site}"]
-                + ["--steps=200"],
+                + ["--steps=400"],
                 cwd=work,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -89,7 +90,7 @@ def test_the_example_trains_ends_by_itself_and_exports_from_the_dead_syncers_sta
         for proc in learners:
             out, _ = proc.communicate(timeout=120)
             assert proc.returncode == 0, out
-            assert "200 steps" in out
+            assert "400 steps" in out
         out, err = syncer.communicate(timeout=60)  # it ends by itself once both left
         assert syncer.returncode == 0, err
         assert "the run is over: every learner left (2 joined)" in out
@@ -107,6 +108,14 @@ def test_the_example_trains_ends_by_itself_and_exports_from_the_dead_syncers_sta
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(exported, strict=True)
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)  # it trained
+    # The protocol worked while they trained: rounds merged both learners, and the exported
+    # model learned (the example's README shows the same on a longer run).
+    rounds = [r for r in read_tape(work / "syncer-state" / "events.jsonl") if r["event"] == "round"]
+    assert any(len(r["participants"]) >= 2 for r in rounds), len(rounds)
+    module = importlib.util.spec_from_file_location("example_model", work / "model.py")
+    example = importlib.util.module_from_spec(module)
+    module.loader.exec_module(example)
+    assert float(example.held_out(model)) < 0.5 * float(example.held_out(example.build()))
     snapshot = load_file(str(work / "syncer-state" / "global.safetensors"))  # the last one
     assert snapshot.keys() == exported.keys()
     assert all(torch.equal(snapshot[k], exported[k]) for k in exported)
