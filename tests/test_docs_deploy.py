@@ -281,3 +281,38 @@ def test_the_syncer_array_runs_one_shard_per_task_and_the_learners_read_every_sh
     assert done.returncode == 0, done.stderr
     args = parse(diloco_argv(shlex.join(record.read_text().splitlines())))
     assert args.syncer == f"@{tmp_path}/syncer-0.at,@{tmp_path}/syncer-1.at"
+
+
+@pytest.mark.parametrize("script", ["syncer.sbatch", "learner.sbatch", "learner-island.sbatch"])
+def test_a_failed_array_task_requeues_itself_not_its_whole_array(tmp_path, script):
+    """An array task whose job id is the array's (Slurm gives the array's id to one task)
+    must requeue ``ARRAY_TASK``: ``scontrol requeue ARRAY`` requeues every task."""
+    env, record = stand_in_srun(tmp_path)
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 137\n")  # the process was killed
+    requeued = tmp_path / "scontrol.args"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {requeued}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    (tmp_path / "token").write_text("token")
+    (tmp_path / "syncer-0.at").write_text("host:7000")
+    (tmp_path / "syncer-1.at").write_text("host:7001")
+    env |= {
+        "DILOCO_HOME": str(tmp_path),
+        "DILOCO_SHARDS": "2",
+        "SLURM_JOB_ID": "7",
+        "SLURM_ARRAY_JOB_ID": "7",
+        "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_ARRAY_TASK_COUNT": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+    }
+    done = run_script(script, env)
+    assert done.returncode == 137, done.stderr
+    assert requeued.read_text().split() == ["requeue", "7_1"]
+    requeued.unlink()  # a job that is no array task requeues itself
+    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT"):
+        del env[key]
+    env["DILOCO_SHARDS"] = "1"
+    if script == "syncer.sbatch":  # (the learner scripts are always array tasks)
+        run_script(script, env)
+        assert requeued.read_text().split() == ["requeue", "7"]

@@ -248,9 +248,10 @@ def test_a_requeued_syncer_reloads_its_state_and_the_learners_go_on(slurm_run):
 
 
 SHARDS = 2
-SHARDED_STEPS = 1500
+SHARDED_STEPS = 3000
 """Per learner in the sharded run: enough that both still train when the killed shard's
-job has requeued itself and the shard serves again."""
+job has requeued itself and the shard serves again (a learner makes ~45 steps/s at --slow 3
+here, alone on the machine)."""
 KILLED = 1  # the shard whose process is killed
 
 
@@ -313,6 +314,8 @@ def sharded_run(cluster):
     out = run / f"diloco-syncer-{job(env, shard_jobs[KILLED])['JobId']}.out"  # (%j)
     [victim] = pids_mentioning("bin/diloco syncer", f"{run}/state-{KILLED}")
     before = {r["fragment"]: r["version"] for r in shard_rounds(tapes[KILLED])}
+    work = [run / "learners" / str(i) for i in range(LEARNERS)]
+    steps_at_kill = [last_step(w) for w in work]
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)  # the job sees srun fail and requeues itself
     release(env, shard_jobs[KILLED])
@@ -322,6 +325,8 @@ def sharded_run(cluster):
         "the killed shard to serve again",
         interval=0.2,
     )
+    steps_at_restart = [last_step(w) for w in work]
+    restarted_after_s = round(time.time() - killed_at, 1)
     wait_until(
         lambda: (
             participants([r for r in shard_rounds(tapes[KILLED]) if r["t"] > killed_at]) == everyone
@@ -332,7 +337,7 @@ def sharded_run(cluster):
     )
     wait_until(
         lambda: all(job(env, j)["JobState"] == "COMPLETED" for j in learners),
-        240,
+        400,
         "every learner to finish its steps",
         interval=0.5,
     )
@@ -351,11 +356,17 @@ def sharded_run(cluster):
         "before": before,
         "out": out,
         "tapes": tapes,
+        "timing": {
+            "steps_at_kill": steps_at_kill,
+            "steps_at_restart": steps_at_restart,
+            "restarted_after_s": restarted_after_s,
+        },
     }
 
 
 @pytest.mark.timeout(600)
 def test_a_sharded_syncer_loses_a_shard_and_every_step_is_counted_exactly_once(sharded_run):
+    print(sharded_run["timing"])
     env, run = sharded_run["env"], sharded_run["run"]
     for j in sharded_run["learners"]:
         fields = job(env, j)
