@@ -12,8 +12,6 @@ from diloco.learner.journal import JOURNAL_FILE
 from diloco.report.exactly_once import Audit, audit
 from diloco.runtime.jsonl import read_jsonl
 
-TAPE_FILE = "events.jsonl"
-"""A syncer's event tape in its state directory, where ``--tape`` does not put it elsewhere."""
 FINAL_ACCOUNTING = "final.json"
 """A learner's accounting at a clean stop, in its work directory (written by the learner
 worker, ``diloco.launch.learner_worker``, which imports this name)."""
@@ -32,6 +30,10 @@ def disk_versions(state_dir: Path) -> dict[int, int]:
         if loaded is not None:
             versions[p] = loaded[0]
     return versions
+
+
+TAPE_FILE = "events.jsonl"
+"""A syncer's event tape in its state directory, where ``--tape`` does not put it elsewhere."""
 
 
 def audit_directories(
