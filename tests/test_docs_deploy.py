@@ -232,3 +232,87 @@ def test_the_ray_site_script_gives_each_learner_its_id_index_and_workdir(tmp_pat
     with pytest.raises(SystemExit):
         site.parse_args(["--syncer=x:1", "--token-file=t", "--learners=0", "--workdir=w"])
     assert "`deploy/ray/learners.py`" in DOC.read_text()
+
+
+def stand_in_srun(tmp_path: Path) -> tuple[dict, Path]:
+    """A ``PATH`` whose ``srun`` records the command it was given (no Slurm needed), and the
+    file it records to."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    record = tmp_path / "srun.args"
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    (bin_dir / "srun").chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin"}, record
+
+
+def run_script(name: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(DEPLOY / "slurm" / name)], env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+def test_the_syncer_array_runs_one_shard_per_task_and_the_learners_read_every_shard(tmp_path):
+    env, record = stand_in_srun(tmp_path)
+    (tmp_path / "token").write_text("token")
+    env |= {"DILOCO_HOME": str(tmp_path), "DILOCO_PORT": "7100", "DILOCO_SHARDS": "2"}
+    for task in (0, 1):
+        task_env = env | {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": "2"}
+        done = run_script("syncer.sbatch", task_env)
+        assert done.returncode == 0, done.stderr
+        args = parse(diloco_argv(shlex.join(record.read_text().splitlines())))
+        assert (args.shard, args.bind) == (f"{task}/2", f"0.0.0.0:{7100 + task}")
+        assert args.state_dir == str(tmp_path / f"state-{task}")
+        assert args.port_file == str(tmp_path / f"syncer-{task}.addr")
+        host = (tmp_path / f"syncer-{task}.at").read_text().strip()
+        assert host.endswith(f":{7100 + task}")
+    # an array that does not match DILOCO_SHARDS, or no array at all: refused, nothing run
+    record.unlink()
+    for wrong in ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3"}, {}):
+        done = run_script("syncer.sbatch", env | wrong)
+        assert done.returncode == 2 and "--array=0-1" in done.stderr, done.stderr
+        assert not record.exists()
+    # one syncer: as before (state/, syncer.at), every fragment
+    done = run_script("syncer.sbatch", env | {"DILOCO_SHARDS": "1"})
+    args = parse(diloco_argv(shlex.join(record.read_text().splitlines())))
+    assert (args.shard, args.state_dir) == ("0/1", str(tmp_path / "state"))
+    assert (tmp_path / "syncer.at").exists()
+    # the learners of the sharded syncer: every shard's .at file, followed
+    done = run_script("learner.sbatch", env | {"SLURM_ARRAY_TASK_ID": "0"})
+    assert done.returncode == 0, done.stderr
+    args = parse(diloco_argv(shlex.join(record.read_text().splitlines())))
+    assert args.syncer == f"@{tmp_path}/syncer-0.at,@{tmp_path}/syncer-1.at"
+
+
+@pytest.mark.parametrize("script", ["syncer.sbatch", "learner.sbatch", "learner-island.sbatch"])
+def test_a_failed_array_task_requeues_itself_not_its_whole_array(tmp_path, script):
+    """An array task whose job id is the array's (Slurm gives the array's id to one task)
+    must requeue ``ARRAY_TASK``: ``scontrol requeue ARRAY`` requeues every task."""
+    env, record = stand_in_srun(tmp_path)
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 137\n")  # the process was killed
+    requeued = tmp_path / "scontrol.args"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {requeued}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    (tmp_path / "token").write_text("token")
+    (tmp_path / "syncer-0.at").write_text("host:7000")
+    (tmp_path / "syncer-1.at").write_text("host:7001")
+    env |= {
+        "DILOCO_HOME": str(tmp_path),
+        "DILOCO_SHARDS": "2",
+        "SLURM_JOB_ID": "7",
+        "SLURM_ARRAY_JOB_ID": "7",
+        "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_ARRAY_TASK_COUNT": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+    }
+    done = run_script(script, env)
+    assert done.returncode == 137, done.stderr
+    assert requeued.read_text().split() == ["requeue", "7_1"]
+    requeued.unlink()  # a job that is no array task requeues itself
+    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT"):
+        del env[key]
+    env["DILOCO_SHARDS"] = "1"
+    if script == "syncer.sbatch":  # (the learner scripts are always array tasks)
+        run_script(script, env)
+        assert requeued.read_text().split() == ["requeue", "7"]

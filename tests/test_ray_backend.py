@@ -148,3 +148,20 @@ def test_what_the_ray_backend_cannot_do_is_refused_up_front(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     with pytest.raises(ValueError, match=r"pip install 'diloco\[ray\]'"):
         check_config(run_config("--backend=ray"), set())
+
+
+def test_a_sharded_syncer_is_accepted_and_each_shard_has_its_own_label():
+    from diloco.launch.ray_backend import check_config, syncer_resources
+
+    config = run_config("--backend=ray", "--shards=2", "--ray-syncer-resource=hub-0,hub-1")
+    check_config(config, {"kill"})
+    assert [syncer_resources("hub-0,hub-1", i) for i in range(3)] == [
+        {"hub-0": 0.001},
+        {"hub-1": 0.001},
+        {"hub-0": 0.001},
+    ]
+    assert syncer_resources(None, 1) == {}
+    with pytest.raises(ValueError, match="a resource name is empty"):
+        check_config(run_config("--backend=ray", "--ray-syncer-resource=hub-0,"), set())
+    with pytest.raises(ValueError, match="more --ray-syncer-resource names than --shards"):
+        check_config(run_config("--backend=ray", "--ray-syncer-resource=a,b"), set())

@@ -8,17 +8,26 @@ workers killed): only learner-1 stops, learner-0 keeps committing; a replacement
 joins and learner-1 comes back there from its checkpoint. Then the syncer's node is lost: a
 replacement hub node joins, Ray restarts the syncer there from its state directory, on a new
 address the learners follow (``--syncer @FILE``). Every step is audited exactly once.
+
+A second run on the same cluster has a sharded syncer (``--shards 2``), each shard an actor
+on its own node (``--ray-syncer-resource shard-0,shard-1``); shard 1's process is killed with
+SIGKILL mid-run, Ray restarts it from its state directory, the learners follow it to its new
+port, and every step is audited exactly once across both shards' state.
+
+Every node of the cluster is started on 127.0.0.1 (``node_ip_address``): what the actors
+bind and advertise is their node's address, so nothing leaves the loopback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from kit import end_run, last_step, start_diloco, wait_until
+from kit import end_run, last_step, pids_mentioning, start_diloco, wait_until
 
 from diloco.report.audit_files import audit_directories
 from diloco.syncer.store import read_tape
@@ -32,6 +41,8 @@ STEPS = 4000
 learner-0, alone while site b is lost, trained 1,500 steps in 21 s and finished 2 s before
 the moved syncer served; the moves take ~40 s)."""
 LEARNERS = 2
+LOOPBACK = "127.0.0.1"
+"""Every node of the test cluster: its raylet, its workers, what the actors bind."""
 
 
 def rounds_of(run_dir: Path) -> list[dict]:
@@ -46,17 +57,22 @@ def cluster():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False},
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "node_ip_address": LOOPBACK},
     )
     nodes = {}
     try:
         for name, resources in (("site-a", {"site-a": 1}), ("site-b", {"site-b": 1})):
-            nodes[name] = cluster.add_node(num_cpus=1, resources=resources)
-        nodes["hub"] = cluster.add_node(num_cpus=1, resources={"hub": 1})
+            nodes[name] = add_node(cluster, resources=resources)
+        nodes["hub"] = add_node(cluster, resources={"hub": 1})
         cluster.wait_for_nodes()
         yield cluster, nodes
     finally:
         cluster.shutdown()
+
+
+def add_node(cluster, **options):
+    """A node of one CPU on the loopback, with ``options`` (its ``resources``)."""
+    return cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK, **options)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +130,7 @@ def ray_run(cluster, tmp_path_factory):
         events["learner1_while_lost"] = last_step(work[1])
         events["learner0_progress_while_lost"] = last_step(work[0]) - step0
         events["site_back"] = time.time()
-        nodes["site-b2"] = cluster.add_node(num_cpus=1, resources={"site-b": 1})
+        nodes["site-b2"] = add_node(cluster, resources={"site-b": 1})
         wait_until(
             lambda: any(
                 r["t"] > events["site_back"] and "learner-1" in r["participants"]
@@ -131,7 +147,7 @@ def ray_run(cluster, tmp_path_factory):
         events["hub_lost"] = time.time()
         cluster.remove_node(nodes["hub"], allow_graceful=False)
         time.sleep(1.0)
-        nodes["hub2"] = cluster.add_node(num_cpus=1, resources={"hub": 1})
+        nodes["hub2"] = add_node(cluster, resources={"hub": 1})
         wait_until(
             lambda: port_file.read_text().strip() != events["address_before"],
             90,
@@ -192,9 +208,159 @@ def test_a_lost_node_stops_only_its_learners_and_they_rejoin_on_a_replacement(ra
 @pytest.mark.timeout(600)
 def test_the_syncer_moves_to_another_node_and_the_learners_follow_it(ray_run):
     assert ray_run["address_after"] != ray_run["address_before"]
+    # The syncer bound its node's address, the loopback: the test cluster stays on it.
+    for address in (ray_run["address_before"], ray_run["address_after"]):
+        assert address.startswith(f"{LOOPBACK}:"), address
     rounds = rounds_of(ray_run["run_dir"])
     before = {r["fragment"]: r["version"] for r in rounds if r["t"] < ray_run["hub_lost"]}
     after = [r for r in rounds if r["t"] > ray_run["moved_at"]]
     assert after and all(r["version"] > before.get(r["fragment"], 0) for r in after)
     log = (ray_run["run_dir"] / "logs" / "syncer.log").read_text()
     assert log.count("diloco syncer serving on") == 2, log[-2000:]
+
+
+SHARDS = 2
+SHARDED_STEPS = 2000
+"""Per learner in the sharded run: enough that both are still training when the killed
+shard serves again (its actor restarted, its process started and its state reloaded; on an
+idle machine a learner makes ~70 steps/s at --slow 3, on a loaded one 10), few enough to end
+within --minutes on a loaded machine."""
+KILLED = 1  # the shard whose process is killed
+
+
+def shard_rounds(run_dir: Path, shard: int) -> list[dict]:
+    """The tape's rounds of the fragments shard ``shard`` owns (``p mod S == shard``)."""
+    return [r for r in rounds_of(run_dir) if r["fragment"] % SHARDS == shard]
+
+
+def learners_in(rounds: list[dict]) -> set[str]:
+    return {p for r in rounds for p in r["participants"]}
+
+
+def placements(log: Path) -> list[str]:
+    """The node id of each incarnation of an actor, from its log."""
+    from diloco.launch.ray_actors import PLACED_ON
+
+    return [
+        line.split(PLACED_ON, 1)[1].split()[0]
+        for line in log.read_text().splitlines()
+        if PLACED_ON in line
+    ]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(cluster, tmp_path_factory):
+    cluster, nodes = cluster
+    for i in range(SHARDS):  # a node of its own for each shard
+        nodes[f"shard-{i}"] = add_node(cluster, resources={f"shard-{i}": 1})
+    cluster.wait_for_nodes()
+    runs = tmp_path_factory.mktemp("ray-shards")
+    run_dir = runs / "s"
+    token = runs / "token"
+    token.write_text("ray-shards-test-token-0123456789")
+    token.chmod(0o600)
+    proc = start_diloco(
+        "run",
+        "--backend=ray",
+        f"--address={cluster.address}",
+        f"--token-file={token}",
+        f"--shards={SHARDS}",
+        "--ray-learner-resources=site-a,site-b",
+        f"--ray-syncer-resource={','.join(f'shard-{i}' for i in range(SHARDS))}",
+        "--ray-syncer-cpus=0",
+        "--recipe=tiny",
+        f"--learners={LEARNERS}",
+        f"--steps={SHARDED_STEPS}",
+        "--slow=0=3",
+        "--slow=1=3",
+        "--minutes=7",
+        "--checkpoint-every=1",
+        "--eval-every=0",
+        f"--runs-dir={runs}",
+        "--name=s",
+        "--json",
+    )
+    everyone = {f"learner-{i}" for i in range(LEARNERS)}
+    events = {"nodes": {i: nodes[f"shard-{i}"].node_id for i in range(SHARDS)}}
+    try:
+        wait_until(
+            lambda: all(learners_in(shard_rounds(run_dir, i)) == everyone for i in range(SHARDS)),
+            150,
+            "both learners in committed rounds of every shard",
+            interval=0.2,
+            alive=proc,
+        )
+        port_file = run_dir / f"syncer-{KILLED}.addr"
+        events["address_before"] = port_file.read_text().strip()
+        events["before"] = {r["fragment"]: r["version"] for r in shard_rounds(run_dir, KILLED)}
+        [victim] = pids_mentioning(f"--state-dir={run_dir / f'syncer-{KILLED}'}")
+        work = [run_dir / "learners" / f"learner-{i}" for i in range(LEARNERS)]
+        events["steps_at_kill"] = [last_step(w) for w in work]
+        events["killed_at"] = time.time()
+        os.kill(victim, signal.SIGKILL)
+        log = run_dir / "logs" / f"syncer-{KILLED}.log"
+        wait_until(
+            lambda: log.read_text().count("diloco syncer serving on") == 2,
+            90,
+            "the killed shard to serve again",
+            interval=0.2,
+            alive=proc,
+        )
+        events["steps_at_restart"] = [last_step(w) for w in work]
+        events["restarted_after_s"] = round(time.time() - events["killed_at"], 1)
+        wait_until(
+            lambda: (
+                learners_in(
+                    [r for r in shard_rounds(run_dir, KILLED) if r["t"] > events["killed_at"]]
+                )
+                == everyone
+            ),
+            90,
+            "both learners in rounds of the restarted shard",
+            interval=0.2,
+            alive=proc,
+        )
+        events["address_after"] = port_file.read_text().strip()
+        out, err = proc.communicate(timeout=300)
+        yield {"code": proc.returncode, "out": out, "err": err, "run_dir": run_dir, **events}
+    finally:
+        end_run(proc, run_dir)
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_syncer_loses_a_shard_and_every_step_is_counted_once(sharded_run):
+    print({k: sharded_run[k] for k in ("steps_at_kill", "steps_at_restart", "restarted_after_s")})
+    assert sharded_run["code"] == 0, sharded_run["err"][-3000:]
+    summary = json.loads(sharded_run["out"])
+    assert summary["backend"] == "ray" and summary["stopped_by"] == "learners finished"
+    assert summary["shards"] == SHARDS and summary["syncer_restarts"] == 1
+    assert {ln["steps"] for ln in summary["per_learner"].values()} == {SHARDED_STEPS}
+    run_dir = sharded_run["run_dir"]
+    verdict = audit_directories(
+        [run_dir / f"syncer-{i}" for i in range(SHARDS)],
+        {f"learner-{i}": run_dir / "learners" / f"learner-{i}" for i in range(LEARNERS)},
+        tape=run_dir / "syncer" / "events.jsonl",
+        stopped_cleanly=True,
+    )
+    assert verdict.ok, verdict.problems
+    assert verdict.lives == LEARNERS  # no learner restarted: only the shard did
+    restarts = [
+        r for r in read_tape(run_dir / "syncer" / "events.jsonl") if r["event"] == "restart"
+    ]
+    assert [(r["target"], r["by"]) for r in restarts] == [(f"syncer-{KILLED}", "ray")]
+
+
+@pytest.mark.timeout(600)
+def test_each_shard_runs_on_its_own_node_and_a_killed_one_comes_back_from_its_state(sharded_run):
+    run_dir = sharded_run["run_dir"]
+    for i in range(SHARDS):
+        lives = 2 if i == KILLED else 1
+        assert placements(run_dir / "logs" / f"syncer-{i}.log") == [sharded_run["nodes"][i]] * lives
+    # It came back on a new port of its node's address (loopback), which the learners read
+    # from its port file, and its versions went on from its state directory.
+    before, after = sharded_run["address_before"], sharded_run["address_after"]
+    assert (
+        before != after and before.startswith(f"{LOOPBACK}:") and after.startswith(f"{LOOPBACK}:")
+    )
+    later = [r for r in shard_rounds(run_dir, KILLED) if r["t"] > sharded_run["killed_at"]]
+    assert later and all(r["version"] > sharded_run["before"].get(r["fragment"], 0) for r in later)

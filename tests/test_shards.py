@@ -25,6 +25,7 @@ from diloco.launch.evaluator import Evaluator
 from diloco.learner.learner import Learner
 from diloco.learner.shards import parse_syncer_addresses
 from diloco.recipes import get_recipe
+from diloco.report.audit_files import audit_directories
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import FragmentStore, StateError, read_tape
@@ -198,6 +199,13 @@ def test_two_shards_two_learners_end_with_the_union_of_the_shards(tmp_path):
         assert rounds, f"shard {i} never advanced"
         assert {r["fragment"] for r in rounds} == {p for p in range(P) if p % 2 == i}
         assert tape[0]["shard"] == [i, 2] and tape[0]["fragments"] == [i, i + 2]
+    # The audit reads a sharded syncer from every shard's state directory and tape: the union
+    # of their versions on disk is the syncer's.
+    state_dirs = [tmp_path / f"shard{i}of2" for i in range(2)]
+    tapes = [tmp_path / f"shard{i}of2.jsonl" for i in range(2)]
+    verdict = audit_directories(state_dirs, {}, tape=tapes)
+    assert verdict.ok, verdict.problems
+    assert verdict.commits == sum(1 for t in tapes for r in read_tape(t) if r["event"] == "round")
 
 
 def _error_of(learner: Learner, timeout: float = 10) -> str:

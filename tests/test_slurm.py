@@ -3,6 +3,9 @@ munge, started once for the module by ``deploy/slurm/local-cluster.sh`` as root)
 job and a learner array train the tiny recipe; one array task is requeued mid-run (SIGTERM,
 flush, back as the same learner from its checkpoint), then the syncer job is requeued (it
 reloads its state directory, the learners reconnect); every step is accounted exactly once.
+A second run on the same cluster has a sharded syncer (an array of 2 shard jobs): one
+shard's process is killed with SIGKILL mid-run, its job requeues itself and the shard comes
+back from its state directory; every step is accounted exactly once across both shards.
 Skipped with the reason where Slurm cannot be started (not root, packages missing).
 """
 
@@ -11,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from kit import last_step, unused_port, wait_until
+from kit import last_step, pids_mentioning, unused_port, wait_until
 
 from diloco.report.audit_files import audit_directories
 from diloco.syncer.store import read_tape
@@ -92,6 +96,23 @@ def requeue(env, job_id: str) -> None:
                 timeout=30,
             )
         return job(env, job_id)["JobState"] == "RUNNING"
+
+    wait_until(running_again, 90, f"job {job_id} to run again", interval=0.5)
+
+
+def release(env, job_id: str) -> None:
+    """Start a job that requeued itself now (Slurm holds it for a while: BeginTime)."""
+
+    def running_again():
+        state = job(env, job_id)["JobState"]
+        if state == "PENDING":
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                env=env,
+                capture_output=True,
+                timeout=30,
+            )
+        return state == "RUNNING" and job(env, job_id)["Restarts"] != "0"
 
     wait_until(running_again, 90, f"job {job_id} to run again", interval=0.5)
 
@@ -224,3 +245,168 @@ def test_a_requeued_syncer_reloads_its_state_and_the_learners_go_on(slurm_run):
     for r in after:
         if r["fragment"] in before:
             assert r["version"] > before[r["fragment"]], r
+
+
+SHARDS = 2
+SHARDED_STEPS = 3000
+"""Per learner in the sharded run: enough that both still train when the killed shard's
+job has requeued itself and the shard serves again (a learner makes ~45 steps/s at --slow 3
+here, alone on the machine)."""
+KILLED = 1  # the shard whose process is killed
+
+
+def consecutive_unused_ports(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports no one listens on now (racy, as
+    ``unused_port``): shard i of syncer.sbatch serves on ``DILOCO_PORT + i``."""
+    import socket
+
+    for _ in range(100):
+        first = unused_port()
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def shard_rounds(tape_path: Path) -> list[dict]:
+    return [r for r in read_tape(tape_path) if r["event"] == "round"] if tape_path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def sharded_run(cluster):
+    env, home = cluster
+    run = home / "sharded"
+    run.mkdir()
+    (run / "token").write_text("slurm-shards-token-0123456789abcd")
+    (run / "token").chmod(0o600)
+    env = {
+        **env,
+        "DILOCO_HOME": str(run),
+        "DILOCO_PORT": str(consecutive_unused_ports(SHARDS)),
+        "DILOCO_SHARDS": str(SHARDS),
+        "DILOCO_RECIPE": "tiny",
+        "DILOCO_LEARNER_ARGS": (
+            f"--total-steps {SHARDED_STEPS} --slow 3 --checkpoint-every 1 --threads 1"
+        ),
+        "DILOCO_SYNCER_ARGS": "--threads 1",
+    }
+    submit = ["sbatch", "--parsable", "--cpus-per-task=1", f"--chdir={run}"]
+    shards = slurm(env, *submit, f"--array=0-{SHARDS - 1}", str(SLURM / "syncer.sbatch"))
+    array = slurm(env, *submit, f"--array=0-{LEARNERS - 1}", str(SLURM / "learner.sbatch"))
+    shard_jobs = [f"{shards}_{i}" for i in range(SHARDS)]
+    learners = [f"{array}_{i}" for i in range(LEARNERS)]
+    tapes = [run / f"state-{i}" / "events.jsonl" for i in range(SHARDS)]
+    everyone = {f"learner-{i}" for i in range(LEARNERS)}
+
+    def participants(rounds):
+        return {p for r in rounds for p in r["participants"]}
+
+    wait_until(
+        lambda: all(participants(shard_rounds(t)) == everyone for t in tapes),
+        120,
+        "both learners in committed rounds of every shard",
+        interval=0.2,
+    )
+    out = run / f"diloco-syncer-{job(env, shard_jobs[KILLED])['JobId']}.out"  # (%j)
+    [victim] = pids_mentioning("bin/diloco syncer", f"{run}/state-{KILLED}")
+    before = {r["fragment"]: r["version"] for r in shard_rounds(tapes[KILLED])}
+    work = [run / "learners" / str(i) for i in range(LEARNERS)]
+    steps_at_kill = [last_step(w) for w in work]
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)  # the job sees srun fail and requeues itself
+    release(env, shard_jobs[KILLED])
+    wait_until(
+        lambda: out.read_text().count("diloco syncer serving on") == 2,
+        120,
+        "the killed shard to serve again",
+        interval=0.2,
+    )
+    steps_at_restart = [last_step(w) for w in work]
+    restarted_after_s = round(time.time() - killed_at, 1)
+    wait_until(
+        lambda: (
+            participants([r for r in shard_rounds(tapes[KILLED]) if r["t"] > killed_at]) == everyone
+        ),
+        120,
+        "both learners in rounds of the requeued shard",
+        interval=0.2,
+    )
+    wait_until(
+        lambda: all(job(env, j)["JobState"] == "COMPLETED" for j in learners),
+        400,
+        "every learner to finish its steps",
+        interval=0.5,
+    )
+    slurm(env, "scancel", shards)  # SIGTERM: every shard stops cleanly
+    wait_until(
+        lambda: all(job(env, j)["JobState"] in ("CANCELLED", "COMPLETED") for j in shard_jobs),
+        60,
+        "the shards to stop",
+    )
+    return {
+        "run": run,
+        "env": env,
+        "shards": shard_jobs,
+        "learners": learners,
+        "killed_at": killed_at,
+        "before": before,
+        "out": out,
+        "tapes": tapes,
+        "timing": {
+            "steps_at_kill": steps_at_kill,
+            "steps_at_restart": steps_at_restart,
+            "restarted_after_s": restarted_after_s,
+        },
+    }
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_syncer_loses_a_shard_and_every_step_is_counted_exactly_once(sharded_run):
+    print(sharded_run["timing"])
+    env, run = sharded_run["env"], sharded_run["run"]
+    for j in sharded_run["learners"]:
+        fields = job(env, j)
+        assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), fields
+        assert fields["Restarts"] == "0", fields
+    for i in range(LEARNERS):
+        final = json.loads((run / "learners" / str(i) / "final.json").read_text())
+        assert final["step"] == SHARDED_STEPS, {k: final[k] for k in ("step", "accounting")}
+    verdict = audit_directories(
+        [run / f"state-{i}" for i in range(SHARDS)],
+        {f"learner-{i}": run / "learners" / str(i) for i in range(LEARNERS)},
+        stopped_cleanly=True,
+    )
+    assert verdict.ok, verdict.problems
+    rounds = [r for t in sharded_run["tapes"] for r in shard_rounds(t)]
+    # A commit persisted but not yet taped when its shard was killed is on the tape of the
+    # shard's next life (a ``recovered`` record), not as a round.
+    recovered = [
+        log
+        for t in sharded_run["tapes"]
+        for r in read_tape(t)
+        if r["event"] == "recovered"
+        for log in r.get("commits", [])
+        if log["version"] == log["admitted"] + 1
+    ]
+    assert verdict.commits == len(rounds) + len(recovered) and verdict.lives == LEARNERS
+    for i, tape in enumerate(sharded_run["tapes"]):  # each shard kept its own fragments
+        assert {r["fragment"] % SHARDS for r in shard_rounds(tape)} == {i}
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_shard_requeues_itself_and_comes_back_from_its_state(sharded_run):
+    env = sharded_run["env"]
+    killed = job(env, sharded_run["shards"][KILLED])
+    assert killed["Restarts"] == "1", killed
+    assert job(env, sharded_run["shards"][1 - KILLED])["Restarts"] == "0"
+    text = sharded_run["out"].read_text()
+    assert text.count("diloco syncer serving on") == 2 and "requeued (restart 0)" in text, text
+    later = [
+        r for r in shard_rounds(sharded_run["tapes"][KILLED]) if r["t"] > sharded_run["killed_at"]
+    ]
+    # Versions go on from what was on disk: the killed shard lost no commit.
+    assert later and all(r["version"] > sharded_run["before"].get(r["fragment"], 0) for r in later)

@@ -47,11 +47,13 @@ class RayConfig:
     ray_learner_resources: str | None = option(None, metavar="NAME[,NAME...]")
     """Spread learners over nodes by custom resources: learner i runs on a node that has
     resource NAME[i mod k] (it asks 0.001 of it: a label, e.g. one region per node)."""
-    ray_syncer_resource: str | None = option(None, metavar="NAME")
+    ray_syncer_resource: str | None = option(None, metavar="NAME[,NAME...]")
     """Run the syncer on a node that has this custom resource instead of the node of
-    ``diloco run``: if that node is lost Ray restarts the syncer on another node that has it,
-    from its state directory (``--runs-dir`` shared by the nodes), and the learners follow
-    its new address (they read it from its port file: ``--syncer @FILE``)."""
+    ``diloco run`` (with ``--shards S``: shard i on a node with NAME[i mod k]; one name per
+    shard puts each on its own node): if that node is lost Ray restarts the syncer (shard) on
+    another node that has it, from its state directory (``--runs-dir`` shared by the nodes),
+    and the learners follow its new address (they read it from its port file: ``--syncer
+    @FILE``)."""
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,11 @@ from pathlib import Path
 from diloco.runtime.procs import Child, diloco_command
 
 NODE_HOST = "ray-node-ip"
-"""In a ``--bind`` flag given to :class:`ProcActor`: the IP of the node it runs on."""
+"""In a ``--bind`` flag given to :class:`ProcActor`: the IP of the node it runs on (the
+address its raylet was started with: ``ray start --node-ip-address``, loopback for a test
+cluster started on 127.0.0.1)."""
+PLACED_ON = "[ray] placed on node"
+"""What :class:`ProcActor` writes to its log when it starts, before the node's id and IP."""
 
 
 class ProcActor:
@@ -47,11 +51,12 @@ class ProcActor:
         if rebind_file and Path(rebind_file).exists():
             address = Path(rebind_file).read_text().strip()
             command = [f"--bind={address}" if _binds_port_0(a) else a for a in command]
-        if any(a.startswith(f"--bind={NODE_HOST}:") for a in command):
-            import ray  # in an actor: this node's address, wherever Ray placed it
+        import ray  # in an actor: this node, wherever Ray placed it
 
-            host = ray.util.get_node_ip_address()
-            command = [a.replace(f"--bind={NODE_HOST}:", f"--bind={host}:") for a in command]
+        host = ray.util.get_node_ip_address()  # the IP its raylet was started with
+        command = [a.replace(f"--bind={NODE_HOST}:", f"--bind={host}:") for a in command]
+        with open(log, "a") as f:  # which node each incarnation ran on
+            f.write(f"{PLACED_ON} {ray.get_runtime_context().get_node_id()} ({host})\n")
         self.name = name
         self.stopping = False
         self.child = Child(name, [*(wrap or []), *diloco_command(*command)], Path(log), cwd=cwd)

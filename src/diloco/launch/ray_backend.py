@@ -7,7 +7,10 @@ with a non-zero code (a crash, ``kill -9``, a chaos kill), the actor ends its ow
 so that **Ray restarts the actor** (``max_restarts``); the new incarnation starts the same
 command again: a learner keeps its id and work directory, resumes from its own checkpoint and
 rejoins; the syncer reloads its state directory and binds the address its first incarnation got
-(read back from its port file). A child that exits 0 has finished and stays down.
+(read back from its port file), or with ``--ray-syncer-resource`` the address of the node Ray
+placed it on, which learners follow through its port file. With ``--shards S`` each shard is
+an actor of its own (slots ``syncer-0`` .. ``syncer-{S-1}``, shard i on a node labelled
+``NAME[i mod k]``), restarted alone. A child that exits 0 has finished and stays down.
 
 :class:`RaySupervisor` keeps the local supervisor's bookkeeping (``diloco run`` draws the same
 view, keeps the same stop conditions and writes the same run directory): it observes the
@@ -16,7 +19,8 @@ out the chaos kinds that need no local relay and stops everything in bounded tim
 
 Ray is an optional dependency (``pip install 'diloco[ray]'``), imported only here and only when
 the Ray backend is used. Requirements on a cluster: ``diloco run`` runs on a node of the cluster
-(the syncer is pinned to that node so that a restart can bind the same address), and the runs
+(without ``--ray-syncer-resource`` the syncer is pinned to that node so that a restart can bind
+the same address), and the runs
 directory is on a filesystem every node sees at the same path (logs, progress, checkpoints).
 """
 
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from diloco.launch.ray_actors import NODE_HOST, ProcActor, RayChild
 from diloco.launch.supervisor import ProcessSlot, Supervisor
+from diloco.launch.syncers import is_syncer, syncer_names
 from diloco.runtime.procs import diloco_command
 
 if TYPE_CHECKING:
@@ -44,6 +49,23 @@ MISSING = "the Ray backend needs Ray: pip install 'diloco[ray]'"
 #: Ray actors.
 UNSUPPORTED_CHAOS = ("partition", "drop", "delay", "lose-replies", "syncer-hang", "disk-full")
 LOOPBACK = "127.0.0.1"
+
+
+LOOPBACK_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Set before Ray is imported to join a cluster whose nodes run on the loopback (``ray start
+--node-ip-address 127.0.0.1``, a test cluster): Ray then takes this host's address to be
+127.0.0.1 instead of rewriting ``--address 127.0.0.1:PORT`` to the machine's network address
+(where such a cluster does not listen). The name is Ray's; on Linux it changes only that."""
+
+
+def on_loopback(address: str) -> bool:
+    """Whether a Ray cluster address ``HOST:PORT`` names this host's loopback.
+
+    >>> on_loopback("127.0.0.1:6379"), on_loopback("localhost:6379"), on_loopback("auto")
+    (True, True, False)
+    """
+    host = address.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class RayBackendError(RuntimeError):
@@ -90,8 +112,6 @@ def check_config(config: RunConfig, chaos_kinds: set[str]) -> None:
         raise ValueError(MISSING)
     if config.mode == "dp":
         raise ValueError("--mode dp: not supported with --backend ray (a static gloo group)")
-    if config.shards > 1:
-        raise ValueError("--shards > 1: not supported with --backend ray yet; use --backend local")
     if getattr(config, "spares", -1) > 0:
         raise ValueError("--spares: local backend only (Ray restarts its own actors)")
     bad = sorted(chaos_kinds & set(UNSUPPORTED_CHAOS))
@@ -115,8 +135,14 @@ def check_config(config: RunConfig, chaos_kinds: set[str]) -> None:
     ):
         if names is not None and not all(n.strip() for n in names.split(",")):
             raise ValueError(f"{flag} {names!r}: a resource name is empty")
-    if config.ray.ray_syncer_resource and "," in config.ray.ray_syncer_resource:
-        raise ValueError("--ray-syncer-resource: one resource name")
+    if config.ray.ray_syncer_resource:
+        names = config.ray.ray_syncer_resource.split(",")
+        if len(names) > config.shards:
+            raise ValueError(
+                f"--ray-syncer-resource {config.ray.ray_syncer_resource!r}: more "
+                f"--ray-syncer-resource names than --shards ({config.shards}); shard i runs "
+                "on a node with NAME[i mod k]"
+            )
 
 
 LABEL_AMOUNT = 0.001
@@ -131,6 +157,23 @@ def learner_resources(names: str | None, index: int) -> dict[str, float]:
     >>> learner_resources("site-a,site-b", 3)
     {'site-b': 0.001}
     """
+    return label_for(names, index)
+
+
+def syncer_resources(names: str | None, shard: int) -> dict[str, float]:
+    """The custom resources syncer shard ``shard`` asks for: ``NAME[shard mod k]`` of
+    ``--ray-syncer-resource`` (none without it: the shard is pinned to the node of ``diloco
+    run``). One name per shard puts each shard on its own node.
+
+    >>> syncer_resources("hub-0,hub-1", 1)
+    {'hub-1': 0.001}
+    """
+    return label_for(names, shard)
+
+
+def label_for(names: str | None, index: int) -> dict[str, float]:
+    """``{NAME[index mod k]: LABEL_AMOUNT}`` for a comma-separated list of labels, ``{}``
+    for none."""
     if not names:
         return {}
     chosen = [n.strip() for n in names.split(",")]
@@ -142,7 +185,8 @@ class RaySupervisor(Supervisor):
 
     Joins the Ray cluster at ``config.ray.address`` or starts a local Ray instance sized to the
     run's requests (:meth:`close` shuts that one down). ``add`` starts an actor per process:
-    the syncer pinned to this node and restarted always, learners wherever their
+    the syncer (each shard) pinned to this node or placed by its label and restarted always,
+    learners wherever their
     ``--ray-learner-cpus/--ray-learner-gpus`` fit, restarted up to ``--ray-max-restarts``
     times. Restarts are Ray's; ``poll`` records each new incarnation it sees (``restart`` on
     the tape, with the time the new child started, and ``crash`` unless chaos caused it).
@@ -150,6 +194,8 @@ class RaySupervisor(Supervisor):
 
     def __init__(self, config: RunConfig, **kwargs) -> None:
         super().__init__(**kwargs)
+        if config.ray.address and on_loopback(config.ray.address):
+            os.environ.update(LOOPBACK_CLUSTER_ENV)  # (read when Ray is imported, next)
         self.ray = ray = import_ray()
         self.config = config
         self.owns_ray = not config.ray.address
@@ -158,7 +204,10 @@ class RaySupervisor(Supervisor):
         on_sigterm = signal.getsignal(signal.SIGTERM)
         if self.owns_ray:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            cpus = config.learners * config.ray.ray_learner_cpus + config.ray.ray_syncer_cpus
+            cpus = (
+                config.learners * config.ray.ray_learner_cpus
+                + config.shards * config.ray.ray_syncer_cpus
+            )
             ray.init(
                 address="local",
                 num_cpus=max(1, int(cpus + 0.999)),
@@ -199,7 +248,7 @@ class RaySupervisor(Supervisor):
         have = self.ray.cluster_resources()
         need = {
             "CPU": self.config.learners * self.config.ray.ray_learner_cpus
-            + self.config.ray.ray_syncer_cpus,
+            + self.config.shards * self.config.ray.ray_syncer_cpus,
             "GPU": self.config.learners * self.config.ray.ray_learner_gpus,
         }
         for key, n in need.items():
@@ -215,13 +264,14 @@ class RaySupervisor(Supervisor):
         prefix = diloco_command()
         command = argv[len(prefix) :] if argv[: len(prefix)] == prefix else list(argv)
         port_file = None
-        if name == "syncer" and self.syncer_moves:  # wherever the resource is; rebinds anew
+        shard = syncer_names(self.config.shards).index(name) if is_syncer(name) else None
+        if shard is not None and self.syncer_moves:  # wherever its label is; rebinds anew
             options = {
                 "num_cpus": self.config.ray.ray_syncer_cpus,
                 "max_restarts": -1,
-                "resources": {self.config.ray.ray_syncer_resource.strip(): LABEL_AMOUNT},
+                "resources": syncer_resources(self.config.ray.ray_syncer_resource, shard),
             }
-        elif name == "syncer":  # on this node, where a restart binds the same address
+        elif shard is not None:  # on this node, where a restart binds the same address
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             port_file = next(
@@ -233,7 +283,7 @@ class RaySupervisor(Supervisor):
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_id, soft=False),
             }
         else:
-            index = len([n for n in self.slots if n != "syncer"])
+            index = len([n for n in self.slots if not is_syncer(n)])
             options = {
                 "num_cpus": self.config.ray.ray_learner_cpus,
                 "num_gpus": self.config.ray.ray_learner_gpus,
@@ -307,7 +357,7 @@ class RaySupervisor(Supervisor):
             )
         elif not child.dead:
             self.given_up.discard(slot.name)
-        if child.poll() == 0 and slot.name != "syncer":
+        if child.poll() == 0 and not is_syncer(slot.name):
             slot.finished = True
             slot.exit_codes.append(0)
             slot.child = None

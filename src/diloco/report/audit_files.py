@@ -31,21 +31,31 @@ def disk_versions(state_dir: Path) -> dict[int, int]:
     return versions
 
 
+TAPE_FILE = "events.jsonl"
+"""A syncer's event tape in its state directory, where ``--tape`` does not put it elsewhere."""
+
+
 def audit_directories(
-    state_dir: Path,
+    state_dir: Path | Sequence[Path],
     workdirs: Mapping[str, Path | Sequence[Path]],
     *,
-    tape: Path | None = None,
+    tape: Path | Sequence[Path] | None = None,
     **options,
 ) -> Audit:
-    """Audit the run whose syncer kept ``state_dir`` and whose learners (id -> work
-    directory, or the work directories of the machines it ran on, the last one current:
-    a superseded process and its replacement) kept ``workdirs``: the tape (``tape``, default
-    ``STATE_DIR/events.jsonl``), every learner's journals and its final accounting (from its
-    current directory; missing: it did not stop cleanly) and the versions on disk.
-    ``options`` go to :func:`~diloco.report.exactly_once.audit` (``stopped_cleanly``, the
-    stall check)."""
-    state_dir = Path(state_dir)
+    """Audit the run whose syncer kept ``state_dir`` (or whose syncer shards kept the state
+    directories ``state_dir``, one per shard: their fragments are disjoint, so the union of
+    their versions on disk is the syncer's) and whose learners (id -> work directory, or the
+    work directories of the machines it ran on, the last one current: a superseded process
+    and its replacement) kept ``workdirs``: the tape (``tape``: one file, the shards' shared
+    tape, or several, one per shard; default each state directory's ``events.jsonl``), every
+    learner's journals and its final accounting (from its current directory; missing: it did
+    not stop cleanly) and the versions on disk. ``options`` go to
+    :func:`~diloco.report.exactly_once.audit` (``stopped_cleanly``, the stall check)."""
+    state_dirs = [Path(state_dir)] if isinstance(state_dir, (str, Path)) else list(state_dir)
+    if tape is None:
+        tapes = [d / TAPE_FILE for d in state_dirs]
+    else:
+        tapes = [Path(tape)] if isinstance(tape, (str, Path)) else [Path(t) for t in tape]
     dirs = {
         k: [Path(v)] if isinstance(v, (str, Path)) else [Path(w) for w in v]
         for k, v in workdirs.items()
@@ -58,10 +68,13 @@ def audit_directories(
         learner: [line for w in paths for line in read_jsonl(w / JOURNAL_FILE)]
         for learner, paths in dirs.items()
     }
+    versions: dict[int, int] = {}
+    for d in state_dirs:  # (a shard's directory holds only the fragments it owns)
+        versions.update(disk_versions(Path(d)))
     return audit(
-        read_jsonl(Path(tape) if tape is not None else state_dir / "events.jsonl"),
+        [record for t in tapes for record in read_jsonl(t)],  # (shards: disjoint fragments)
         journals,
         finals,
-        disk_versions=disk_versions(state_dir),
+        disk_versions=versions,
         **options,
     )
