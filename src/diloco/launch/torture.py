@@ -507,8 +507,9 @@ class Torture:
             self.disk.free()
         for relay in self.relays:
             relay.heal()
-        if self.second is not None:
-            self._watch_second_syncer(time.time() + 60)  # (its verdict now)
+        while self.second is not None:  # its verdict: exited, or 60 s after its start
+            self._watch_second_syncer(time.time())
+            time.sleep(0.1)
         deadline = time.monotonic() + 90
         while self.zombies:  # healed now; each must be refused and exit by itself
             self._watch_zombies(max(time.time(), *(h for _, h in self.zombies)))
