@@ -77,7 +77,8 @@ class Snapshots:
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="snapshots", daemon=True)
-        self._thread.start()
+        """Started with the first snapshot asked for: a syncer that never commits (or is
+        never started) holds no thread, and the thread holds nothing of it."""
 
     def first(self, fragment: int) -> bool:
         """Whether the fragment has no snapshot yet: its commit is written whole, at once
@@ -101,6 +102,8 @@ class Snapshots:
                 return
             self._waiting[p] = Snapshot(commit, wire, segment)
             self._cond.notify()
+            if not self._thread.is_alive():
+                self._thread.start()
         self.since[p] = 0
 
     def idle(self) -> bool:
@@ -115,7 +118,7 @@ class Snapshots:
             self._closed = True
             self._waiting.clear()
             self._cond.notify()
-        if threading.current_thread() is not self._thread:
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
@@ -131,6 +134,7 @@ class Snapshots:
             try:
                 self._write(job)
             finally:
+                del job  # (its tensors are not kept until the next snapshot)
                 with self._cond:
                     self._busy = False
 
