@@ -31,6 +31,7 @@ from diloco.syncer.config import SyncerConfig
 from diloco.syncer.model import GlobalModel
 from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog
 from diloco.syncer.records import Closing, Commit, Contribution, FragmentRound, is_suspect
+from diloco.syncer.replay import RoundInputs
 from diloco.syncer.roster import LearnerRoster
 
 
@@ -206,8 +207,18 @@ class RoundClosing:
             params = model.params[fragment].clone()
             state = model.outer.fragment_state(fragment)
             total = self.merged_tokens[fragment]
+            inputs = RoundInputs(fragment, log, total, changed=False)
             return Commit(
-                fragment, admitted, params, state, record, log, history, total, changed=False
+                fragment,
+                admitted,
+                params,
+                state,
+                record,
+                log,
+                history,
+                total,
+                changed=False,
+                inputs=inputs,
             )
         self.last_commit_at[fragment] = now
         self.merged_tokens[fragment] += log.tokens
@@ -246,6 +257,25 @@ class RoundClosing:
             "delta_norm": float(merged.norm()),
             **uploads,
         }
+        inputs = RoundInputs(
+            fragment,
+            log,
+            self.merged_tokens[fragment],
+            contributions=[c.as_arrived() for c in contribs],
+            weights=list(closing.weights),
+            share=closing.share,
+            outer_lr=outer_lr,
+            outer_momentum=model.outer.momentum,
+            mean_pieces=sorted(
+                {
+                    piece.name
+                    for piece in closing.piece_layout.pieces
+                    if closing.is_embedding(piece.name)
+                }
+            ),
+            down_codec=self.config.down_codec,
+            down_feedback=self.config.down_feedback,
+        )
         return Commit(
             fragment,
             version,
@@ -255,6 +285,7 @@ class RoundClosing:
             log,
             history,
             self.merged_tokens[fragment],
+            inputs=inputs,
         )
 
     def tokens_merged(self) -> int:

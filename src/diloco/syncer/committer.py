@@ -3,8 +3,10 @@ and what happens when it cannot (a part ``diloco.syncer.service.SyncerService`` 
 ``committer``).
 
 One committer thread runs the syncer's clock (opens rounds and queues their requests),
-closes rounds, merges them outside the lock, writes each commit to disk, appends it to the
-tape and only then hands the new fragment to every subscriber.
+closes rounds, merges them outside the lock, makes each commit durable (its record in the
+commit journal, ``diloco.syncer.journal``; the whole fragment for its first commit; full
+snapshots follow in the background, ``diloco.syncer.snapshots``), appends it to the tape and
+only then hands the new fragment to every subscriber.
 
 **When the committer fails.** A commit it cannot persist (disk full, I/O error: an
 ``OSError`` from the store or the tape) is retried ``PERSIST_ATTEMPTS`` times over about
@@ -39,11 +41,12 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.algorithm import codecs
 from diloco.runtime import clock
 from diloco.runtime.watchdog import Watchdog
 from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe, Subscriber
 from diloco.syncer.receipt_log import ReceiptLog
+from diloco.syncer.replay import down_step
+from diloco.syncer.snapshots import Snapshots
 from diloco.syncer.state import Commit, RoundRequest, SyncerState, fragment_digest
 from diloco.syncer.store import EventTape, FragmentStore, SyncFailed
 from diloco.syncer.tape_index import TapeIndex, dropped_in
@@ -148,6 +151,18 @@ class Committer:
         out with the fragment's next version, the one their learners would take them as
         merged by."""
         self._thread = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
+        self.snapshots = (
+            Snapshots(
+                store,
+                state.config.commits_per_snapshot,
+                {p: store.replayed.get(p) for p in state.served},
+                on_failure=self.fail,
+                note=self._note,
+            )
+            if store is not None
+            else None
+        )
+        """The background snapshots (``diloco.syncer.snapshots``; None without a store)."""
 
     def start(self) -> None:
         """Start the committer thread."""
@@ -191,6 +206,8 @@ class Committer:
             self.fail(exc)
         finally:
             self.commit_lock.release()
+            if self.snapshots is not None:  # (the journal holds what a snapshot waited for)
+                self.snapshots.close(timeout=STOP_WAIT_S)
 
     def fail(self, exc: BaseException) -> None:
         """The syncer cannot do its job: refuse everything from now on, end the streams,
@@ -200,6 +217,8 @@ class Committer:
                 return
             self.failure = exc
         self._stopping.set()
+        if self.snapshots is not None:
+            self.snapshots.close(timeout=0)
         for sub in self.subscribers():
             sub.close()
         self._note({"event": "failed", "t": clock.wall(), "error": repr(exc)[:300]})
@@ -293,30 +312,23 @@ class Committer:
         p = commit.fragment
         codec = self.state.config.down_codec
         if commit.changed:
-            delta = codecs.encode(commit.params - self._wire[p], codec)
-            wire = self._wire[p] + codecs.decode(delta, commit.params.numel(), codec)
+            delta, wire = down_step(commit.params, self._wire[p], codec)
             if not self.state.config.down_feedback:  # Θ_p takes the value learners will hold
                 with self.lock:
                     self.state.model.take_wire_image(p, wire)
                 commit = dataclasses.replace(commit, params=wire.clone())
         else:
             delta, wire = b"", self._wire[p]
+        digest = fragment_digest(commit.params)  # hashed here, not under the lock
         if self.store is not None:
-            retrying(
-                lambda: self.store.save(
-                    p,
-                    commit.version,
-                    commit.params,
-                    commit.momentum,
-                    wire=wire,
-                    commits=commit.history,
-                    merged_tokens=commit.merged_tokens,
-                )
-            )
-        if self.receipt_log is not None:  # (after the rename: a successor re-appends it)
+            journalled = []
+            retrying(lambda: journalled.append(self._persist(commit, wire, digest)))
+            if journalled[-1]:  # (the commit is made: a snapshot may be due)
+                self.snapshots.after_commit(commit, wire)
+        if self.receipt_log is not None:  # (after the commit is made: a successor re-appends it)
             retrying(lambda: self.receipt_log.append(commit.log))
         record = dict(commit.record)
-        record["digest"] = fragment_digest(commit.params)  # hashed here, not under the lock
+        record["digest"] = digest
         record["sync_s"] = round(clock.monotonic() - t0, 6)
         record["bytes_delta"] = len(delta)
         retrying(lambda: self._emit(record, sync=True))
@@ -355,6 +367,26 @@ class Committer:
                     dropped=dropped,
                 )
             self.state.record_sync_time(clock.monotonic() - t0)
+
+    def _persist(self, commit: Commit, wire: torch.Tensor, digest: str) -> bool:
+        """Make ``commit`` durable: its journal record appended and synced, or, for a
+        fragment without a snapshot yet, the whole fragment written (``FragmentStore.save``).
+        Returns whether it was journalled. Raises what the store raises."""
+        p = commit.fragment
+        if commit.inputs is not None and not self.snapshots.first(p):
+            self.store.journal.append(dataclasses.replace(commit.inputs, digest=digest))
+            return True
+        self.store.save(
+            p,
+            commit.version,
+            commit.params,
+            commit.momentum,
+            wire=wire,
+            commits=commit.history,
+            merged_tokens=commit.merged_tokens,
+        )
+        self.snapshots.written_whole(p)
+        return False
 
     def save_tape_index(self) -> None:
         """Write the tape's index (``diloco.syncer.tape_index``; nothing without a tape),

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.algorithm import codecs
 from diloco.algorithm.codecs import all_finite
-from diloco.algorithm.merge import merge_contributions, token_weight
+from diloco.algorithm.merge import token_weight
 from diloco.syncer.pace import StepPace
 from diloco.syncer.receipts import UPLOADS_PER_ROUND, CommitLog, UploadPart
+from diloco.syncer.replay import Encoded, RoundInputs, merged_delta
 
 SUSPECT_WINDOW = 8
 """Checked contributions the direction check's verdicts are remembered for, per learner."""
@@ -131,6 +133,16 @@ class Contribution:
     credited: int = 0
     """The steps the norm guard credited it with (``roster.credited_steps``), summed from
     increments: a later increment is judged on the sum's size over the sum's credit."""
+    encoded: list[Encoded] | None = None
+    """Its uploads as they arrived (codec, bytes), in the order they were summed: what the
+    commit journal keeps to make the merge again (None: a delta given decoded, e.g. by a
+    test; the journal then keeps the summed delta in fp32)."""
+
+    def as_arrived(self) -> list[Encoded]:
+        """``encoded``, or the summed delta in fp32 when some upload was given decoded."""
+        if self.encoded is not None:
+            return self.encoded
+        return [("fp32", codecs.encode(self.delta, "fp32"))]
 
     @property
     def weight(self) -> float:
@@ -152,6 +164,8 @@ class Contribution:
         self.credited += other.credited
         self.final = self.final or other.final
         self.uploads = self.uploads + other.uploads
+        both = self.encoded is not None and other.encoded is not None
+        self.encoded = self.encoded + other.encoded if both else None
 
 
 @dataclass
@@ -218,13 +232,8 @@ class Closing:
         None for a dropped round."""
         if not self.contributions:
             return None
-        merged = merge_contributions(
-            [c.delta for c in self.contributions],
-            self.weights,
-            self.piece_layout,
-            is_embedding=self.is_embedding,
-        )
-        return merged * self.share if self.share != 1.0 else merged
+        deltas = [c.delta for c in self.contributions]
+        return merged_delta(deltas, self.weights, self.share, self.piece_layout, self.is_embedding)
 
 
 @dataclass(frozen=True)
@@ -247,6 +256,9 @@ class Commit:
     merged_tokens: int
     """The fragment's ``RoundClosing.merged_tokens`` with this commit: persisted with it."""
     changed: bool = True
+    inputs: RoundInputs | None = None
+    """What makes the commit again (``diloco.syncer.replay``): its commit journal record
+    (the committer adds the digest of Θ_p)."""
 
 
 def update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> None:

@@ -451,6 +451,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 delta_norm=norm,
                 final_fragments=tuple(header.final_fragments),
                 resend=header.resend,
+                encoded=(header.codec, payload),
             )
             current = self.state.versions[header.fragment]
             if admission.version is not None:

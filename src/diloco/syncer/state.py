@@ -219,8 +219,10 @@ class SyncerState:
         delta_norm: float | None = None,
         final_fragments: Collection[int] = (),
         resend: bool = False,
+        encoded: tuple[str, bytes] | None = None,
     ) -> Admission:
-        """Put a decoded contribution into fragment ``fragment``'s open round.
+        """Put a decoded contribution into fragment ``fragment``'s open round (``encoded``:
+        the upload as it arrived, ``(codec, bytes)``, kept for the commit journal).
 
         ``delta_norm``: ``‖delta‖`` when the caller computed it already (outside the
         syncer's lock: the service does); computed here otherwise.
@@ -291,6 +293,7 @@ class SyncerState:
             credited=credited,
             uploads=[UploadPart(upload_id, steps, tokens)],
             norm=norm,
+            encoded=[encoded] if encoded is not None else None,
         )
         self._into_round(fragment, contribution, now)
         info.contributions += 1

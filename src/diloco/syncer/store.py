@@ -1,4 +1,5 @@
-"""Durable syncer state: one atomic, checksummed file per fragment, plus the event tape.
+"""Durable syncer state: per fragment a checksummed snapshot and a commit journal, plus the
+event tape.
 
 Layout of a state directory::
 
@@ -10,14 +11,22 @@ Layout of a state directory::
                                each commit merged or left out, ``diloco.syncer.receipts``),
                                the tokens its commits merged in all, sha256 of all of it
 
-A commit writes only its own fragment (1/P of the model): to a temp file, fsync, rename,
-fsync of the directory. A crash leaves either the old file or the new one, and what a commit
-merged is in the same file as its value, so the two cannot disagree. Files are safetensors (no
-pickle); each carries a SHA-256 of its tensor bytes, fragment id, version and commit logs, so
-a corrupt file is detected at start and reported (naming the file), never silently loaded.
-Temporary files a crash left behind are removed when the directory is opened again. Only one
-syncer writes a directory: it claims it first, and its store checks the claim around every
-rename (``fence``), so a syncer another one has superseded never writes.
+    fragments/p007.000003.journal  segment 3 of fragment 7's commit journal
+                               (``diloco.syncer.journal``): one record per commit since
+                               the snapshot, the admitted uploads as they arrived
+
+A fragment file is a *snapshot*: written to a temp file, fsync, rename, fsync of the
+directory, so a crash leaves the old file or the new one. A fragment's first commit writes
+one at once; later commits append a journal record (the commit is made when it is synced)
+and a snapshot is written in the background every ``SyncerConfig.commits_per_snapshot`` commits
+(``diloco.syncer.snapshots``). ``load`` is the snapshot with the journal's records after it
+replayed, bit for bit. Files are safetensors (no pickle); each carries a SHA-256 of its
+tensor bytes, fragment id, version and commit logs, so a corrupt file is detected at start
+and reported (naming the file), never silently loaded; journal records carry their own
+checksum. Temporary files a crash left behind are removed when the directory is opened
+again. Only one syncer writes a directory: it claims it first, and its store checks the
+claim around every rename, append and deletion (``fence``), so a syncer another one has
+superseded never writes.
 
 The **event tape** is an append-only JSONL file: one record per decision (join, leave,
 round, refusal, injected fault, ...). Lines are written with a single ``write`` on an
@@ -40,8 +49,17 @@ import torch
 from safetensors.torch import load_file, save
 
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.syncer.files import (  # noqa: F401 (the store's API, as before)
+    TMP_SUFFIX,
+    StateError,
+    SyncFailed,
+    replace_atomically,
+    write_all,
+)
+from diloco.syncer.journal import CommitJournal
 from diloco.syncer.lineage import new_lineage
 from diloco.syncer.receipts import CommitLog
+from diloco.syncer.replay import Recovered, after_snapshot, replay
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +67,6 @@ _RECOVER = (
     "Restore the file from a backup of the state directory, or start from a fresh --state-dir "
     "(see 'Recovering from a corrupt state file' in docs/security.md)"
 )
-
-
-class StateError(RuntimeError):
-    """The state directory is unusable (corrupt file, other model); the message says which."""
-
-
-class SyncFailed(OSError):
-    """An ``fsync`` failed, so what was written since the file's last good ``fsync`` may
-    never reach the disk, and no later ``fsync`` can tell: after a failed writeback the kernel
-    may mark the pages clean (or drop them) and report the error once, so a second ``fsync``
-    succeeds for data that was never written ("fsyncgate"). Never retried as an I/O error
-    is: the committer fails the syncer at once, and its restart rebuilds from the fragment
-    files, each written whole and synced before its rename (``replace_atomically``)."""
-
-    @classmethod
-    def of(cls, path: Path, exc: OSError) -> SyncFailed:
-        return cls(
-            exc.errno,
-            f"fsync of {path} failed ({exc.strerror or exc}): what was "
-            "written since its last fsync may never reach the disk",
-        )
 
 
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -115,67 +112,6 @@ def state_hash(versions: Sequence[int], params: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_all(fd: int, data: bytes, path: Path) -> None:
-    """Write all of ``data`` to ``fd`` (the file at ``path``), however short each write;
-    ``OSError`` (ENOSPC when the disk takes no more) if it cannot."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(errno.ENOSPC, f"could not write {path}")
-        view = view[written:]
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new file at ``path`` and fsync it; ``OSError`` (disk full, I/O
-    error) if any of it could not be written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, data, path)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-TMP_SUFFIX = ".tmp"
-"""Files written under this suffix and renamed into place once synced to disk."""
-
-
-def replace_atomically(
-    path: Path, data: bytes, *, tmp: Path | None = None, fence: Callable[[], None] | None = None
-) -> None:
-    """Make ``data`` the content of ``path``, whole or not at all: written to ``tmp`` (by
-    default ``path`` + ``TMP_SUFFIX``) beside it, fsynced, renamed over ``path``, then the
-    directory fsynced. ``fence`` (``diloco.syncer.fencing.Claim.check``) is called just
-    before the rename, which it refuses by raising, and again just after it, to say that a
-    rename landed when it no longer should have. Raises ``OSError`` (disk full, I/O error)
-    with ``path`` as it was and no temporary file left."""
-    tmp = tmp or path.with_name(path.name + TMP_SUFFIX)
-    try:
-        _write_synced(tmp, data)
-        if fence is not None:
-            fence()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fence is not None:
-        fence()
-    _fsync_dir(path.parent)
-
-
 class FragmentStore:
     """Reads and writes one syncer's state directory.
 
@@ -195,6 +131,11 @@ class FragmentStore:
         """Whether ``initialize`` made the directory (nothing in it was restored)."""
         self._commits: dict[int, list[CommitLog]] = {}
         self._merged_tokens: dict[int, int | None] = {}
+        self.journal = CommitJournal(self.fragment_dir, fence=fence)
+        """The commit journal (``diloco.syncer.journal``): what makes a commit durable."""
+        self.replayed: dict[int, int] = {}
+        """Per fragment ``load`` read, the journal records it replayed onto the snapshot."""
+        self.layout: FragmentLayout | None = None
 
     def path(self, fragment: int) -> Path:
         return self.fragment_dir / f"p{fragment:03d}.safetensors"
@@ -233,6 +174,7 @@ class FragmentStore:
                 )
             lineage = meta.get("lineage")
             self.lineage = lineage if isinstance(lineage, str) and lineage else None
+            self.layout = layout
             return
         meta = {
             "layout_hash": layout.hash,
@@ -243,6 +185,7 @@ class FragmentStore:
         }
         self._write_meta(meta)
         self.lineage, self.created = meta["lineage"], True
+        self.layout = layout
 
     def set_lineage(self, lineage: str) -> None:
         """Make ``lineage`` the directory's (a rollback the operator accepted, or a
@@ -302,12 +245,53 @@ class FragmentStore:
     def load(
         self, fragment: int, numel: int
     ) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None:
-        """Return ``(version, params, state)`` of a saved fragment, or ``None``; ``state``
-        holds ``"momentum"`` and ``"wire"`` where they were saved. The commit logs and the
-        merged tokens saved with it are read by ``load_commits`` and ``load_merged_tokens``.
+        """Return ``(version, params, state)`` of a fragment as its last commit made it, or
+        ``None`` (never committed): its snapshot with the commit journal's records after it
+        replayed (``diloco.syncer.replay``); ``state`` holds ``"momentum"`` and ``"wire"``
+        where they were kept. The commit logs and merged tokens are read by
+        ``load_commits`` and ``load_merged_tokens``; ``replayed`` says how many records
+        were replayed. Raises ``StateError`` if a file is corrupt (bad format, checksum,
+        shape) or the journal does not follow its snapshot. A reader beside a running
+        syncer (no ``fence``) tries again when a snapshot landed while it read."""
+        for attempt in range(1 if self.fence is not None else 3):
+            try:
+                return self._recover(fragment, numel)
+            except StateError:
+                if attempt == (0 if self.fence is not None else 2):
+                    raise
+        return None
 
-        Raises ``StateError`` if the file is corrupt (bad format, checksum, shape).
-        """
+    def _recover(self, fragment: int, numel: int):
+        snapshot = self.load_snapshot(fragment, numel)
+        records = self.journal.read(fragment)
+        if snapshot is None:
+            if records:
+                raise StateError(
+                    f"{self.path(fragment)} is missing (its journal is not). {_RECOVER}"
+                )
+            return None
+        version, params, state = snapshot
+        history, tokens = self.load_commits(fragment), self.load_merged_tokens(fragment)
+        recovered = Recovered(version, params, state, history, tokens)
+        pending = after_snapshot(records, history, version)
+        if pending:
+            replay(recovered, pending, self._pieces(fragment), self.path(fragment))
+        self._commits[fragment] = recovered.history
+        self._merged_tokens[fragment] = recovered.merged_tokens
+        self.replayed[fragment] = recovered.replayed
+        return recovered.version, recovered.params, recovered.state
+
+    def _pieces(self, fragment: int):
+        """The fragment's pieces (``fragments.Fragment``), from ``meta.json`` if need be."""
+        if self.layout is None:
+            meta = json.loads((self.root / "meta.json").read_text())
+            self.layout = FragmentLayout.from_dict(meta["layout"])
+        return self.layout.fragments[fragment]
+
+    def load_snapshot(
+        self, fragment: int, numel: int
+    ) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None:
+        """``load`` of the fragment's snapshot file alone (no journal replayed)."""
         path = self.path(fragment)
         if not path.exists():
             return None

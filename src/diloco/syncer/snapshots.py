@@ -1,0 +1,160 @@
+"""Full fragment snapshots, written in the background at a bounded interval (a part the
+committer holds: ``Committer.snapshots``).
+
+A fragment's first commit has no snapshot to replay onto: it is written whole, at once
+(``first``). Every later commit appends its journal record (``diloco.syncer.journal``); once
+a fragment has ``SyncerConfig.commits_per_snapshot`` records past its snapshot, the committer asks
+for a new one (``after_commit``): the journal moves on to a new segment and the snapshot's
+tensors (the commit's own copies of Θ_p and momentum and the new wire image, which nothing
+changes afterwards) go to the writer thread. A commit never waits for a snapshot; a newer
+request for a fragment replaces one still waiting. The writer renames the file into place
+(``FragmentStore.save``: temp file, fsync, fenced rename, directory fsync), then deletes the
+journal segments the snapshot holds. A snapshot that cannot be written (disk full) is tried
+again after the fragment's next commit, its journal kept meanwhile; one refused by the claim
+(``fencing.Superseded``) fails the syncer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from diloco.syncer.fencing import Superseded
+from diloco.syncer.records import Commit
+from diloco.syncer.store import FragmentStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One fragment's state after a commit, to write whole; ``segment``: the journal segment
+    that commit's successors go to (the segments below it are then let go)."""
+
+    commit: Commit
+    wire: torch.Tensor
+    segment: int
+
+
+def snapshot_due(since: int | None, every: int) -> bool:
+    """Whether a fragment with ``since`` journal records past its snapshot (None: it has
+    none) needs a new one.
+
+    >>> snapshot_due(None, 8), snapshot_due(7, 8), snapshot_due(8, 8)
+    (True, False, True)
+    """
+    return since is None or since >= every
+
+
+class Snapshots:
+    """Decides when each fragment is snapshotted and writes the snapshots on its thread."""
+
+    def __init__(
+        self,
+        store: FragmentStore,
+        every: int,
+        since: dict[int, int | None],
+        *,
+        on_failure: Callable[[BaseException], None],
+        note: Callable[[dict], None],
+    ) -> None:
+        """``since``: per fragment, the journal records past its snapshot at start (None:
+        no snapshot yet); ``on_failure``: called with ``Superseded`` (the syncer must
+        stop writing); ``note``: a tape record the run can do without."""
+        self.store = store
+        self.every = every
+        self.since = dict(since)
+        self.on_failure = on_failure
+        self.note = note
+        self.written = 0
+        """Snapshots the writer has put in place."""
+        self._waiting: dict[int, Snapshot] = {}
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="snapshots", daemon=True)
+        """Started with the first snapshot asked for: a syncer that never commits (or is
+        never started) holds no thread, and the thread holds nothing of it."""
+
+    def first(self, fragment: int) -> bool:
+        """Whether the fragment has no snapshot yet: its commit is written whole, at once
+        (then ``written_whole``), not journalled."""
+        return self.since.get(fragment) is None
+
+    def written_whole(self, fragment: int) -> None:
+        """A commit of the fragment was written as a snapshot, synchronously."""
+        self.since[fragment] = 0
+
+    def after_commit(self, commit: Commit, wire: torch.Tensor) -> None:
+        """A commit's journal record is on disk: count it, and hand the fragment to the
+        writer when a snapshot is due (committer thread, never blocking)."""
+        p = commit.fragment
+        self.since[p] = (self.since.get(p) or 0) + 1
+        if not snapshot_due(self.since[p], self.every):
+            return
+        segment = self.store.journal.rotate(p)
+        with self._cond:
+            if self._closed:
+                return
+            self._waiting[p] = Snapshot(commit, wire, segment)
+            self._cond.notify()
+            if not self._thread.is_alive():
+                self._thread.start()
+        self.since[p] = 0
+
+    def idle(self) -> bool:
+        """Whether no snapshot is waiting or being written."""
+        with self._cond:
+            return not self._waiting and not self._busy
+
+    def close(self, timeout: float) -> None:
+        """Stop taking requests; let the snapshot being written finish (at most ``timeout``
+        seconds), drop those waiting (their commits are in the journal)."""
+        with self._cond:
+            self._closed = True
+            self._waiting.clear()
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                fragment = min(self._waiting)
+                job = self._waiting.pop(fragment)
+                self._busy = True
+            try:
+                self._write(job)
+            finally:
+                del job  # (its tensors are not kept until the next snapshot)
+                with self._cond:
+                    self._busy = False
+
+    def _write(self, job: Snapshot) -> None:
+        commit = job.commit
+        try:
+            self.store.save(
+                commit.fragment,
+                commit.version,
+                commit.params,
+                commit.momentum,
+                wire=job.wire,
+                commits=commit.history,
+                merged_tokens=commit.merged_tokens,
+            )
+            self.store.journal.drop_below(commit.fragment, job.segment)
+            self.written += 1
+        except Superseded as exc:
+            self.on_failure(exc)
+        except OSError as exc:  # the journal holds the commits: tried again later
+            log.warning("snapshot of fragment %d failed: %s", commit.fragment, exc)
+            self.since[commit.fragment] = self.every
+            self.note({"event": "snapshot_failed", "fragment": commit.fragment, "error": str(exc)})
