@@ -188,14 +188,14 @@ CHILD = textwrap.dedent(
             real_write_all(fd, data, path)
         journal.write_all = write_all
     elif mode == "snapshot":
-        real_synced = files._write_synced
-        def write_synced(path, data):
+        real_into = files._write_into
+        def write_into(file, data):
             if threading.current_thread().name == "snapshots":
                 calls[0] += 1
                 if calls[0] == n:
-                    die_after_half(lambda p, d: open(p, "wb").write(d), path, data)
-            real_synced(path, data)
-        files._write_synced = write_synced
+                    die_after_half(lambda f, d: (f.write(d), f.flush()), file, data)
+            real_into(file, data)
+        files._write_into = write_into
     elif mode == "drop":
         real_drop = journal.CommitJournal.drop_below
         def drop_below(self, fragment, number):

@@ -136,6 +136,12 @@ def test_a_superseded_syncer_fails_at_its_next_commit_and_writes_nothing(tmp_pat
     try:
         assert join_and_upload(old, 1).accepted
         wait_until(lambda: version_on_disk(state, old.layout) == 1, timeout=60)
+        # its commit is over when it is taped (after its receipt line): only then is the
+        # successor started, else the old one's receipt append meets the new epoch
+        wait_until(
+            lambda: any(r["event"] == "round" for r in read_tape(tape)) if tape.exists() else False,
+            timeout=60,
+        )
         (state / LOCK_FILE).unlink(missing_ok=True)  # the lock is not honoured
         new = start_syncer(state, tape_path=tape)
         before = contents(state)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from diloco.runtime.atomic_files import replace_atomically_with
+
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -70,14 +72,6 @@ def _raw(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_safetensors(
     path: str | os.PathLike,
     tensors: Mapping[str, torch.Tensor],
@@ -106,25 +100,15 @@ def write_safetensors(
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % HEADER_ALIGNMENT)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with tmp.open("wb") as f:
-            f.write(len(encoded).to_bytes(8, "little"))
-            f.write(encoded)
-            for t in tensors.values():
-                if t.numel():
-                    f.write(_raw(t))
-            f.flush()
-            os.fsync(f.fileno())
-        if fence is not None:
-            fence()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fence is not None:
-        fence()
-    _fsync_dir(path.parent)
+
+    def write(f) -> None:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for t in tensors.values():
+            if t.numel():
+                f.write(_raw(t))
+
+    replace_atomically_with(path, write, fence=fence)
     return path
 
 
@@ -169,10 +153,8 @@ def write_sharded(
         "metadata": {"total_size": total, **{k: str(v) for k, v in (metadata or {}).items()}},
         "weight_map": weight_map,
     }
-    tmp = directory / (INDEX_FILE + ".tmp")
-    tmp.write_text(json.dumps(index, indent=2))
-    os.replace(tmp, directory / INDEX_FILE)
-    _fsync_dir(directory)
+    text = json.dumps(index, indent=2).encode()
+    replace_atomically_with(directory / INDEX_FILE, lambda f: f.write(text))
     return [*written, directory / INDEX_FILE]
 
 

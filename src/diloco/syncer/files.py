@@ -9,6 +9,18 @@ import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
+
+from diloco.runtime.atomic_files import TMP_SUFFIX, fsync_dir, replace_atomically_with
+
+__all__ = [
+    "TMP_SUFFIX",
+    "StateError",
+    "SyncFailed",
+    "fsync_dir",
+    "replace_atomically",
+    "write_all",
+]
 
 
 class StateError(RuntimeError):
@@ -32,19 +44,6 @@ class SyncFailed(OSError):
         )
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (a rename or a new file in it reaches the disk)."""
-    _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_all(fd: int, data: bytes, path: Path) -> None:
     """Write all of ``data`` to ``fd`` (the file at ``path``), however short each write;
     ``OSError`` (ENOSPC when the disk takes no more) if it cannot."""
@@ -56,39 +55,16 @@ def write_all(fd: int, data: bytes, path: Path) -> None:
         view = view[written:]
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new file at ``path`` and fsync it; ``OSError`` (disk full, I/O
-    error) if any of it could not be written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, data, path)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-TMP_SUFFIX = ".tmp"
-"""Files written under this suffix and renamed into place once synced to disk."""
+def _write_into(file: BinaryIO, data: bytes) -> None:
+    """Write ``data`` into the file being replaced (``replace_atomically``)."""
+    file.write(data)
 
 
 def replace_atomically(
     path: Path, data: bytes, *, tmp: Path | None = None, fence: Callable[[], None] | None = None
 ) -> None:
-    """Make ``data`` the content of ``path``, whole or not at all: written to ``tmp`` (by
-    default ``path`` + ``TMP_SUFFIX``) beside it, fsynced, renamed over ``path``, then the
-    directory fsynced. ``fence`` (``diloco.syncer.fencing.Claim.check``) is called just
-    before the rename, which it refuses by raising, and again just after it, to say that a
-    rename landed when it no longer should have. Raises ``OSError`` (disk full, I/O error)
-    with ``path`` as it was and no temporary file left."""
-    tmp = tmp or path.with_name(path.name + TMP_SUFFIX)
-    try:
-        _write_synced(tmp, data)
-        if fence is not None:
-            fence()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fence is not None:
-        fence()
-    fsync_dir(path.parent)
+    """Make ``data`` the content of ``path``, whole or not at all
+    (``diloco.runtime.atomic_files.replace_atomically_with``: ``tmp`` beside it, ``fence``
+    around the rename). Raises ``OSError`` (disk full, I/O error) with ``path`` as it was
+    and no temporary file left."""
+    replace_atomically_with(path, lambda file: _write_into(file, data), tmp=tmp, fence=fence)
