@@ -265,12 +265,7 @@ class Launch:
             print(f"diloco run: {exc}", file=sys.stderr)
             return 1
         finally:
-            if self.evaluator is not None:
-                self.evaluator.close()
-            if self.status_client is not None:
-                self.status_client.close()
-            if self.sup is not None:
-                shut_down(self.sup)
+            close_run_parts(self.evaluator, self.status_client, self.sup)
             if disk is not None:  # (after the syncer stopped: its files stay in the run)
                 disk.unmount_keeping_files()
             self.tape.close()
@@ -490,6 +485,17 @@ def make_supervisor(config: RunConfig, **kwargs):
     from diloco.launch.supervisor import Supervisor
 
     return Supervisor(**kwargs)
+
+
+def close_run_parts(evaluator, status_client, sup) -> None:
+    """At a launcher's end, whatever ended it: close the evaluator and the status client,
+    and shut the supervisor down (``shut_down``); each may be ``None`` (never started)."""
+    if evaluator is not None:
+        evaluator.close()
+    if status_client is not None:
+        status_client.close()
+    if sup is not None:
+        shut_down(sup)
 
 
 def shut_down(sup) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from diloco.config.launch import LaunchConfig
 from diloco.launch.children import LearnerPlan, write_config
 from diloco.launch.loop import finished_rows, record_metric, supervise
-from diloco.launch.run import abandon, shut_down, wait_for_settled
+from diloco.launch.run import abandon, close_run_parts, wait_for_settled
 from diloco.launch.syncers import StatusClient, syncer_commands
 
 SYNCER = "syncer"
@@ -216,12 +216,7 @@ class ScriptLaunch:
             print(f"diloco launch: {exc}", file=sys.stderr)
             return 1
         finally:
-            if self.evaluator is not None:
-                self.evaluator.close()
-            if self.status_client is not None:
-                self.status_client.close()
-            if self.sup is not None:
-                shut_down(self.sup)
+            close_run_parts(self.evaluator, self.status_client, self.sup)
             self.tape.close()
             for s, h in old.items():
                 signal.signal(s, h)
