@@ -22,6 +22,9 @@ import torch
 from diloco.runtime.disk import SmallDisk
 
 torch.set_num_threads(1)
+# Ray in the tests serves this host only: its nodes take 127.0.0.1 as their address (read
+# when Ray is imported; ``diloco.launch.ray_backend.LOOPBACK_CLUSTER_ENV``).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 #: Test modules that share something beyond their own temporary directories, by group: a

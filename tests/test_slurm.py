@@ -129,6 +129,7 @@ def slurm_run(cluster):
         "DILOCO_HOME": str(run),
         "DILOCO_PORT": str(unused_port()),  # syncer.sbatch publishes it before it binds
         "DILOCO_RECIPE": "tiny",
+        "DILOCO_BIND_HOST": "127.0.0.1",  # loopback only (the host's name resolves to it)
         "DILOCO_LEARNER_ARGS": f"--total-steps {STEPS} --slow 3 --checkpoint-every 1 --threads 1",
         "DILOCO_SYNCER_ARGS": "--threads 1",
     }
@@ -289,6 +290,7 @@ def sharded_run(cluster):
         "DILOCO_PORT": str(consecutive_unused_ports(SHARDS)),
         "DILOCO_SHARDS": str(SHARDS),
         "DILOCO_RECIPE": "tiny",
+        "DILOCO_BIND_HOST": "127.0.0.1",  # loopback only (the host's name resolves to it)
         "DILOCO_LEARNER_ARGS": (
             f"--total-steps {SHARDED_STEPS} --slow 3 --checkpoint-every 1 --threads 1"
         ),
@@ -319,12 +321,15 @@ def sharded_run(cluster):
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)  # the job sees srun fail and requeues itself
     release(env, shard_jobs[KILLED])
-    wait_until(
-        lambda: out.read_text().count("diloco syncer serving on") == 2,
-        120,
-        "the killed shard to serve again",
-        interval=0.2,
-    )
+
+    def serving_again() -> bool:
+        # (Slurm may put the requeued task back on hold after release saw it restart: it
+        # is released again while it waits)
+        if job(env, shard_jobs[KILLED])["JobState"] == "PENDING":
+            release(env, shard_jobs[KILLED])
+        return out.read_text().count("diloco syncer serving on") == 2
+
+    wait_until(serving_again, 180, "the killed shard to serve again", interval=0.5)
     steps_at_restart = [last_step(w) for w in work]
     restarted_after_s = round(time.time() - killed_at, 1)
     wait_until(

@@ -194,8 +194,9 @@ class RaySupervisor(Supervisor):
 
     def __init__(self, config: RunConfig, **kwargs) -> None:
         super().__init__(**kwargs)
-        if config.ray.address and on_loopback(config.ray.address):
-            os.environ.update(LOOPBACK_CLUSTER_ENV)  # (read when Ray is imported, next)
+        if not config.ray.address or on_loopback(config.ray.address):
+            # (read when Ray is imported, next): an instance of our own is on the loopback too
+            os.environ.update(LOOPBACK_CLUSTER_ENV)
         self.ray = ray = import_ray()
         self.config = config
         self.owns_ray = not config.ray.address
@@ -215,6 +216,7 @@ class RaySupervisor(Supervisor):
                 include_dashboard=False,
                 log_to_driver=False,
                 object_store_memory=100 * 1024 * 1024,  # nothing of ours goes through it
+                _node_ip_address=LOOPBACK,  # it serves this host only: bind nothing else
             )
         else:
             ray.init(address=config.ray.address, log_to_driver=False)
