@@ -207,6 +207,76 @@ def test_launch_runs_the_users_script_restarts_a_killed_copy_and_leaves_a_run(pr
         sys.modules.pop("net", None)
 
 
+@pytest.mark.timeout(420)
+def test_launch_on_ray_runs_the_copies_as_actors_and_ray_restarts_a_killed_one(project):
+    """``--backend ray``: the copies are Ray actors on a local Ray instance (loopback); one
+    killed with SIGKILL is started again by Ray with its id and environment, resumes from its
+    checkpoint, and every step is accounted for exactly once."""
+    pytest.importorskip("ray")
+    proc = start(project, "--model", "net:build", "--backend", "ray", "--ray-learner-cpus", "1")
+    run = project / "runs" / "demo"
+    victim = run / "learners" / "learner-1"
+    wait_until(
+        lambda: (victim / "checkpoint.pt").exists() and last_step(victim / "progress.jsonl") >= 60,
+        timeout=240,
+        what="learner-1 trained 60 steps and wrote a checkpoint",
+        interval=0.05,
+        alive=proc,
+    )
+    pid = copy_pid("learner-1")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (out + err)[-4000:]
+    assert pids_mentioning(str(project)) == []
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["backend"] == "ray" and summary["syncer_exit_code"] == 0
+    assert summary["stopped_by"] == "learners finished"
+    assert summary["per_learner"]["learner-1"]["restarts"] == 1
+    assert summary["per_learner"]["learner-0"]["restarts"] == 0
+    assert {row["exit_code"] for row in summary["per_learner"].values()} == {0}
+    [restart] = [r for r in read_jsonl(run / "syncer" / "events.jsonl") if r["event"] == "restart"]
+    assert restart["target"] == "learner-1" and restart["by"] == "ray"
+    log = (run / "logs" / "learner-1.log").read_text()
+    assert "resumed at step" in log and "Ray restarts it" in log
+    for learner in ("learner-0", "learner-1"):
+        final = json.loads((run / "learners" / learner / "final.json").read_text())
+        assert final["step"] == STEPS
+    verdict = audit_directories(
+        run / "syncer",
+        {ln: run / "learners" / ln for ln in ("learner-0", "learner-1")},
+        stopped_cleanly=True,
+    )
+    assert verdict.ok, verdict.problems  # every step accounted for exactly once
+
+
+@pytest.mark.timeout(240)
+def test_launch_on_ray_fails_once_a_copy_fails_past_max_restarts(project):
+    pytest.importorskip("ray")
+    (project / "bad.py").write_text("import sys\nsys.exit(3)\n")
+    done = subprocess.run(
+        diloco_command(
+            "launch",
+            "--runs-dir",
+            str(project / "runs"),
+            *LAUNCH_FLAGS,
+            "--model=net:build",
+            "--backend=ray",
+            "--ray-learner-cpus=1",
+            "--learners=1",
+            "--max-restarts=1",
+            "bad.py",
+        ),
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
+    assert "learner-0 keeps failing" in done.stderr
+    assert pids_mentioning(str(project)) == []
+
+
 @pytest.mark.parametrize(
     "flags, script, says",
     [
@@ -214,7 +284,12 @@ def test_launch_runs_the_users_script_restarts_a_killed_copy_and_leaves_a_run(pr
         (["--model", "net:nope"], "train.py", "net has no 'nope'"),
         (["--model", "nowhere:build"], "train.py", "cannot import 'nowhere'"),
         ([], "train.py", "--model MODULE:CALLABLE is required"),
-        (["--model", "net:build", "--backend", "ray"], "train.py", "--backend ray: not yet"),
+        (["--model", "net:build", "--address", "auto"], "train.py", "only with --backend ray"),
+        (
+            ["--model", "net:build", "--backend", "ray", "--ray-max-restarts", "2"],
+            "train.py",
+            "at most --max-restarts times",
+        ),
     ],
 )
 def test_launch_refuses_bad_input_in_one_line_and_leaves_nothing(project, flags, script, says):

@@ -1,21 +1,26 @@
 """``diloco report``: one self-contained HTML file for a data-parallel run, a synchronous
-DiLoCo run (real ``diloco run`` processes) and a bench folder; plus the pieces it is made of."""
+DiLoCo run (real ``diloco run`` processes), a standalone syncer's state directory and a
+bench folder; plus the pieces it is made of."""
 
 from __future__ import annotations
 
 import base64
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from kit import run_diloco
+from kit import run_diloco, start_diloco, wait_until
 
 from diloco.config.run import RunConfig
 from diloco.report.html import markdown, write_report
 from diloco.report.run_files import NotARun, load_run, time_split
 from diloco.runtime.schema import command_flags
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.store import read_tape
 from diloco.wire.protocol import ProtocolConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -160,3 +165,85 @@ def test_command_flags_rebuild_a_configuration():
 
     parsed = build_parser().parse_args(["run", *flags])
     assert from_namespace(RunConfig, parsed) == config
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model"
+
+
+def standalone_syncer_run(work: Path) -> Path:
+    """``examples/own_model`` run by hand as its README says: ``diloco syncer --state-dir``
+    and two ``python train.py`` learners, until the syncer ends by itself; the state dir."""
+    shutil.copytree(EXAMPLE, work)
+    syncer = start_diloco(
+        "syncer",
+        "--model=model:build",
+        "--bind=127.0.0.1:0",
+        f"--port-file={work / 'port'}",
+        "--state-dir=syncer-state",
+        "--stop-when-learners-leave",
+        cwd=work,
+    )
+    learners = []
+    try:
+        address = wait_until(
+            lambda: (work / "port").is_file() and (work / "port").read_text(),
+            60,
+            "the syncer's port file",
+            alive=syncer,
+        )
+        learners = [
+            subprocess.Popen(
+                [sys.executable, "train.py", f"--syncer={address}", f"--id={site}", "--steps=300"],
+                cwd=work,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for site in ("site-a", "site-b")
+        ]
+        for proc in learners:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out
+        _, err = syncer.communicate(timeout=60)
+        assert syncer.returncode == 0, err
+    finally:
+        for proc in [syncer, *learners]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return work / "syncer-state"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_standalone_syncers_state_directory_gets_a_report_even_after_a_kill(tmp_path):
+    state = standalone_syncer_run(tmp_path / "own_model")
+    assert not (state / "summary.json").exists()
+    done = run_diloco("report", str(state), timeout=60)
+    assert done.returncode == 0, done.stderr
+    page = (state / "report.html").read_text()
+    figures = figures_of(page)
+    assert "glance" in figures and "contributors" in figures  # the rounds, drawn
+    rounds = [r for r in read_tape(state / "events.jsonl") if r["event"] == "round"]
+    run = load_run(state)
+    assert run.summary["rounds"] == len(rounds) > 0
+    assert set(run.summary["per_learner"]) == {"site-a", "site-b"}
+    both = sum(1 for r in rounds if len(r["participants"]) == 2)
+    assert run.summary["contributors_per_round"]["histogram"].get("2", 0) == both
+    for learner, row in run.summary["per_learner"].items():
+        assert row["contributions"] == sum(1 for r in rounds if learner in r["participants"])
+    assert "syncer&#x27;s state directory" in page and "no held-out loss" in page
+    # What a kill -9 leaves: no stop record, a line cut short; the report still reads it.
+    killed = tmp_path / "killed"
+    shutil.copytree(state, killed)
+    lines = (killed / "events.jsonl").read_text().splitlines(keepends=True)
+    assert json.loads(lines[-1])["event"] == "stop"
+    (killed / "events.jsonl").write_text("".join(lines[:-2]) + lines[-2][:17])
+    (killed / "report.html").unlink()
+    done = run_diloco("report", str(killed), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert load_run(killed).summary["rounds"] == len(rounds) - ('"round"' in lines[-2])
+    assert "no stop record" in (killed / "report.html").read_text()
+    nothing = run_diloco("report", str(tmp_path / "own_model"), timeout=60)
+    assert nothing.returncode == 2 and len(nothing.stderr.strip().splitlines()) == 1
+    assert "is not a finished run" in nothing.stderr and "state directory" in nothing.stderr

@@ -9,14 +9,19 @@ import sys
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "report",
-        help="write one self-contained HTML report of a run directory or a bench folder",
+        help="write one self-contained HTML report of a run, a syncer's state dir or a bench folder",
         description=(
             "Write an HTML file with the figures and the summary of a run directory "
-            "(diloco run, any --mode) or of a diloco bench folder, and the commands that "
-            "reproduce it. Figures are embedded: the file stands alone."
+            "(diloco run or launch, any --mode), of a standalone diloco syncer's --state-dir "
+            "(read from its event tape, even after a kill) or of a diloco bench folder, and "
+            "the commands that reproduce it. Figures are embedded: the file stands alone."
         ),
     )
-    p.add_argument("path", metavar="PATH", help="a run directory (runs/NAME) or a bench --out")
+    p.add_argument(
+        "path",
+        metavar="PATH",
+        help="a run directory (runs/NAME), a syncer --state-dir or a bench --out",
+    )
     p.add_argument(
         "-o",
         "--output",

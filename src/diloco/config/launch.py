@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.config.run import BACKENDS
+from diloco.config.run import RayConfig
 from diloco.dashboard.wandb_log import WANDB_MODES
 from diloco.learner.config import close_bound_s
 from diloco.runtime.cadence import AUTO, parse_every
@@ -25,8 +25,10 @@ class LaunchConfig:
     model: str | None = option(None, metavar="MODULE:CALLABLE")
     """The model the script trains: ``CALLABLE()`` of ``MODULE`` (imported from the working
     directory) builds it exactly as the script does; the syncer serves it (required)."""
-    backend: str = option("local", choices=BACKENDS)
-    """local: the copies are processes on this machine (ray: not yet)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """``--backend local|ray`` and the Ray options of ``diloco run``: with ray the copies
+    are Ray actors placed as ``diloco run`` places learners (``diloco.launch.ray_script``);
+    ``--max-restarts`` bounds their restarts (``--ray-max-restarts`` is refused)."""
     max_restarts: int = option(MAX_UNPLANNED_RESTARTS, metavar="K")
     """A copy that fails (exits non-zero, or is killed) is restarted from its checkpoint,
     at most K times; once more fails the run (the others are stopped)."""
@@ -73,6 +75,11 @@ class LaunchConfig:
     steps = 0
     shards = 1
     mode = "decoupled"
+
+    @property
+    def backend(self) -> str:
+        """``local`` or ``ray`` (``--backend``)."""
+        return self.ray.backend
 
     @property
     def stop_after_s(self) -> float:

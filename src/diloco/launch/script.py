@@ -42,6 +42,8 @@ from diloco.launch.loop import finished_rows, record_metric, supervise
 from diloco.launch.run import abandon, close_run_parts, wait_for_settled
 from diloco.launch.syncers import StatusClient, syncer_commands
 
+LOOPBACK = "127.0.0.1"
+"""Where the syncer binds with the local backend."""
 SYNCER = "syncer"
 """The syncer's slot (one process: ``diloco launch`` does not shard)."""
 TRAINING_LOSS_POINTS = 200
@@ -96,15 +98,17 @@ def load_callable(ref: str, flag: str):
 
 def check_inputs(config: LaunchConfig):
     """The user's model (``--model`` built once here), or ``ValueError`` with one line: the
-    script is not a file, the model cannot be built, ``--eval`` is not callable, the backend
-    is not there yet."""
+    script is not a file, the model cannot be built, ``--eval`` is not callable, the Ray
+    options cannot be used (``ray_backend.check_config``: Ray not installed, a Ray option
+    without ``--backend ray``; ``--ray-max-restarts``, which ``--max-restarts`` is here)."""
+    from diloco.launch.ray_backend import check_config
     from diloco.runtime.model_ref import load_model
 
-    if config.backend == "ray":
+    if config.ray.ray_max_restarts is not None:
         raise ValueError(
-            "--backend ray: not yet (diloco launch starts the copies on this machine: "
-            "--backend local)"
+            "--ray-max-restarts: diloco launch restarts a copy at most --max-restarts times"
         )
+    check_config(config, set())  # (fills in the Ray defaults)
     if not config.script:
         raise ValueError("give the training script: diloco launch [options] train.py [ARGS]")
     if not Path(config.script).is_file():
@@ -165,6 +169,7 @@ class ScriptLaunch:
         self.stop = threading.Event()
         self.interrupts: list[int] = []
         self.started = time.time()
+        self.out = sys.stdout  # (the Ray backend diverts sys.stdout to stderr while it runs)
         self.sup = self.evaluator = self.status_client = None
         self.val_initial = None
 
@@ -174,13 +179,15 @@ class ScriptLaunch:
 
     def run(self) -> int:
         from diloco.dashboard.watch import RunWatch
-        from diloco.launch.supervisor import Supervisor
+        from diloco.launch.ray_script import make_launch_supervisor
         from diloco.wire.auth import AuthConfigError
 
         config = self.config
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.sup = Supervisor(tape=self.tape.append, clock=lambda: time.time() - self.started)
+            self.sup = make_launch_supervisor(
+                config, tape=self.tape.append, clock=lambda: time.time() - self.started
+            )
             self.outputs.begin(
                 RunWatch(
                     tape=self.run_dir / "syncer" / "events.jsonl",
@@ -207,7 +214,7 @@ class ScriptLaunch:
                 self.evaluator,
                 self.status_client,
                 self.run_dir,
-                out=sys.stdout,
+                out=self.out,
                 outputs=self.outputs,
                 max_restarts=config.max_restarts,
             )
@@ -225,10 +232,12 @@ class ScriptLaunch:
         return self.run_dir / "learners" / plan.id
 
     def start_syncer(self) -> str:
-        """Start the syncer for ``--model``; returns its address once it serves."""
+        """Start the syncer for ``--model``; returns the address the copies are given once it
+        serves (``@PORT_FILE`` for a syncer Ray may restart on another node)."""
         from diloco.config.common import ServerSecurityConfig
         from diloco.config.service import ServiceConfig
         from diloco.runtime.procs import diloco_command, wait_for_file
+        from diloco.wire.auth import check_bind
 
         config, run_dir = self.config, self.run_dir
         service = ServiceConfig(
@@ -240,11 +249,16 @@ class ScriptLaunch:
             stop_when_learners_leave=True,
         )
         path = write_config(run_dir / "config" / "syncer.json", service)
-        ((name, argv),) = syncer_commands(run_dir, 1, [f"--config={path}"])
+        host = getattr(self.sup, "syncer_host", LOOPBACK)  # (Ray's: --ray-syncer-host)
+        check_bind(f"{host}:0", self.token)
+        ((name, argv),) = syncer_commands(run_dir, 1, [f"--config={path}"], host=host)
         slot = self.sup.add(name, diloco_command("syncer", *argv), run_dir / "logs" / "syncer.log")
-        address = wait_for_file(run_dir / f"{name}.addr", config.start_timeout_s, alive=slot.child)
-        # a restarted syncer comes back on the same address: the copies just reconnect
-        slot.argv = [f"--bind={address}" if a.startswith("--bind=") else a for a in slot.argv]
+        port_file = run_dir / f"{name}.addr"
+        address = wait_for_file(port_file, config.start_timeout_s, alive=slot.child)
+        if getattr(self.sup, "syncer_moves", False):  # the copies follow it where it restarts
+            address = f"@{port_file.resolve()}"
+        else:  # a restarted syncer comes back on the same address: the copies reconnect
+            slot.argv = [f"--bind={address}" if a.startswith("--bind=") else a for a in slot.argv]
         self.status_client = StatusClient([address], self.token)
         return address
 
@@ -347,7 +361,8 @@ class ScriptLaunch:
         summary["backend"] = config.backend
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.outputs.close(finished_rows(summary), end=train_end)
-        print(json.dumps(summary, indent=1) if config.json else format_summary(summary))
+        text = json.dumps(summary, indent=1) if config.json else format_summary(summary)
+        print(text, file=self.out)
         clean = syncer_code == 0 and all(c == 0 for c in codes.values())
         return 0 if clean else 1
 

@@ -1,6 +1,8 @@
 """``diloco report PATH``: one self-contained HTML file about a run or a bench folder.
 
-For a run directory (``--mode decoupled``, ``sync`` or ``dp``): the summary table, the
+For a run directory (``--mode decoupled``, ``sync`` or ``dp``), or a standalone syncer's
+state directory (read from its tape; the report lists what that cannot show): the summary
+table, the
 learners, the figures (the run at a glance: loss and the global model's progress against wall
 time with every failure marked; loss against tokens; where the provisioned time went;
 learners merged per round; bytes per learner) and the commands that reproduce it. For a
@@ -99,7 +101,7 @@ def summary_rows(s: dict) -> list[list]:
         ["learners", s.get("learners")],
         ["stopped by", s.get("stopped_by")],
         ["wall time (s)", s.get("wall_s")],
-        ["tokens", s.get("tokens")],
+        ["tokens merged" if s.get("source") else "tokens", s.get("tokens")],
         [
             "held-out loss, start → end",
             f"{_fmt(s['val_loss']['initial'])} → {_fmt(s['val_loss']['final'])} "
@@ -116,6 +118,8 @@ def summary_rows(s: dict) -> list[list]:
         ["longest pause of the global model (s)", s.get("max_commit_gap_s")],
         ["rounds" if s.get("mode") != "dp" else "all-reduce steps", s.get("rounds")],
     ]
+    if s.get("syncer_restarts"):
+        rows.append(["syncer restarts", s["syncer_restarts"]])
     if per_round.get("mean") is not None:
         rows.append(
             [
@@ -181,14 +185,74 @@ def commands(run: RunFiles) -> list[str]:
     return out
 
 
+def state_dir_learner_rows(s: dict) -> list[list]:
+    """The learners of a syncer's state directory, as its tape knows them."""
+    return [
+        [
+            name,
+            ln.get("steps"),
+            ln.get("tokens"),
+            ln.get("contributions"),
+            ln.get("staleness_mean"),
+            ln.get("staleness_max"),
+            ln.get("rejoins"),
+            ln.get("left") or "no leave on the tape",
+        ]
+        for name, ln in s.get("per_learner", {}).items()
+    ]
+
+
+def _learners_table(run: RunFiles) -> str:
+    if run.from_state_dir:
+        header = [
+            "learner",
+            "steps merged",
+            "tokens merged",
+            "contributions",
+            "staleness (mean)",
+            "staleness (max)",
+            "rejoins",
+            "left",
+        ]
+        return _table(state_dir_learner_rows(run.summary), header)
+    header = [
+        "learner",
+        "steps",
+        "tokens",
+        "steps/s",
+        "contributions",
+        "restarts",
+        "MB sent / received",
+        "exit",
+    ]
+    return _table(learner_rows(run.summary), header)
+
+
+def _limits(run: RunFiles) -> str:
+    """What the report cannot show (a syncer's state directory), as a short list."""
+    if not run.from_state_dir:
+        return ""
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in run.summary.get("limits", ()))
+    return (
+        "<p>"
+        + html.escape(
+            "A syncer's state directory, read from its event tape (events.jsonl): the "
+            "rounds, what each merged and who took part. It has"
+        )
+        + f"</p><ul>{items}</ul>"
+    )
+
+
 def run_report(run: RunFiles) -> str:
     s = run.summary
-    title = f"diloco run {run.path.name}"
+    kind = "syncer state" if run.from_state_dir else "run"
+    title = f"diloco {kind} {run.path.name}"
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(run.started)) if run.started else ""
     body = [
         f"<h1>{html.escape(title)}</h1>",
         f"<p class='sub'>{html.escape(s.get('mode', ''))}, {s.get('learners')} learners, "
         f"started {when}, {html.escape(str(run.path))}</p>",
+        _limits(run),
         _figure(
             run_figures.at_a_glance(run),
             "The run at a glance: held-out loss of the global model (top) and its progress "
@@ -199,19 +263,7 @@ def run_report(run: RunFiles) -> str:
         "<h2>Summary</h2>",
         _table(summary_rows(s)),
         "<h2>Learners</h2>",
-        _table(
-            learner_rows(s),
-            [
-                "learner",
-                "steps",
-                "tokens",
-                "steps/s",
-                "contributions",
-                "restarts",
-                "MB sent / received",
-                "exit",
-            ],
-        ),
+        _learners_table(run),
         _figure(run_figures.loss_vs_tokens(run), "Held-out loss against tokens trained.", "tokens"),
         _figure(run_figures.training_loss(run), "Each learner's training loss.", "training-loss"),
         _figure(

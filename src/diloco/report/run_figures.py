@@ -168,7 +168,7 @@ def contributors(run: RunFiles) -> bytes | None:
 
 def bytes_per_learner(run: RunFiles) -> bytes | None:
     learners = run.summary.get("per_learner", {})
-    if not learners:
+    if not any("bytes_up" in ln for ln in learners.values()):  # (a state dir does not know)
         return None
     plt = headless_pyplot()
     names = list(learners)

@@ -1,5 +1,7 @@
 """A finished run directory read back for its report: summary, configuration, loss curve,
-event tape and progress records, and where each learner's provisioned time went.
+event tape and progress records, and where each learner's provisioned time went. A
+standalone syncer's state directory reads as a run whose summary its tape gives
+(``diloco.report.state_dir``).
 
 The tape and the progress records are read through the same tallies as the summary
 (``diloco.report.tally``), so the report's numbers are the summary's.
@@ -12,6 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.report.goodput import schedule_down
+from diloco.report.state_dir import (
+    STATE_DIR_SOURCE,
+    STATE_TAPE,
+    is_state_dir,
+    state_dir_config,
+    tape_summary,
+)
 from diloco.report.tally import ProgressTally, TapeTally
 from diloco.runtime.jsonl import read_jsonl
 from diloco.runtime.metrics import METRICS_FILE
@@ -39,6 +48,11 @@ class RunFiles:
     """Each learner's (time, step) records (the data-parallel commit timeline)."""
 
     @property
+    def from_state_dir(self) -> bool:
+        """Whether this is a syncer's state directory (its summary built from its tape)."""
+        return self.summary.get("source") == STATE_DIR_SOURCE
+
+    @property
     def mode(self) -> str:
         return self.summary.get("mode", "decoupled")
 
@@ -58,7 +72,8 @@ def load_run(path: str | Path, *, finished: bool = True) -> RunFiles:
     """Read a run directory: the one loader of what a run leaves.
 
     ``finished`` (a report): the run must have a readable ``summary.json``, else ``NotARun``;
-    a missing ``config.json`` reads as ``{}``. ``finished=False`` (the digital twin, which
+    a missing ``config.json`` reads as ``{}``. A syncer's state directory (``meta.json``, no
+    ``summary.json``) reads as a finished run: :func:`load_state_dir`. ``finished=False`` (the digital twin, which
     reads a run's configuration and tape): ``config.json`` and the event tape must be there,
     else ``NotARun``; a missing ``summary.json`` reads as ``{}``.
     """
@@ -67,7 +82,12 @@ def load_run(path: str | Path, *, finished: bool = True) -> RunFiles:
     config = _read_json(path / "config.json")
     tape_path = path / TAPE
     if finished and summary is None:
-        raise NotARun(f"{path} is not a finished run (no readable summary.json)")
+        if is_state_dir(path):
+            return load_state_dir(path)
+        raise NotARun(
+            f"{path} is not a finished run (no readable summary.json), nor a syncer's state "
+            "directory (no meta.json)"
+        )
     if not finished and (config is None or not tape_path.is_file()):
         raise NotARun(f"{path}: not a diloco run directory (need config.json and {TAPE})")
     summary, config = summary or {}, config or {}
@@ -92,6 +112,26 @@ def load_run(path: str | Path, *, finished: bool = True) -> RunFiles:
         tape=tape,
         progress=progress,
         steps=steps,
+    )
+
+
+def load_state_dir(path: Path) -> RunFiles:
+    """A syncer's state directory as a run: its summary built from its event tape (every
+    complete record; a line a kill cut short is skipped), no loss curve, no progress records
+    (``diloco.report.state_dir``)."""
+    config = state_dir_config(path)
+    protocol = (config.get("syncer") or {}).get("protocol") or {}
+    tape = TapeTally(int(protocol.get("num_fragments") or ProtocolConfig.num_fragments))
+    records = read_jsonl(path / STATE_TAPE)
+    for record in records:
+        tape.add(record)
+    return RunFiles(
+        path=path,
+        summary=tape_summary(path, tape, records),
+        config=config,
+        metrics=[],
+        tape=tape,
+        progress={},
     )
 
 
