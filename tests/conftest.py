@@ -29,8 +29,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 #: Test modules that share something beyond their own temporary directories, by group: a
 #: group runs on one worker, its modules one after the other. Ray instances on one host share
-#: ``/tmp/ray`` (their sessions, the address of the latest cluster).
-SHARED_MODULES = {"ray": ("test_ray_backend.py", "test_ray_cluster.py")}
+#: ``/tmp/ray`` (their sessions, the address of the latest cluster); the Slurm cluster's
+#: daemons and a Ray cluster's beside each other starved Slurm's requeue of a shard (not
+#: restarted within 90 s; alone, within 10 s).
+SHARED_MODULES = {"clusters": ("test_ray_backend.py", "test_ray_cluster.py", "test_slurm.py")}
 _GROUP_OF = {module: group for group, modules in SHARED_MODULES.items() for module in modules}
 #: Test modules whose claims are about time under chaos (commit gaps, stalls, a run's quality
 #: at a wall-clock budget): marked ``solo``, and ``make test`` runs them after the parallel
