@@ -340,9 +340,15 @@ def test_diloco_run_with_two_shards(tmp_path):
     final = {}
     for i in range(2):  # each shard stored exactly its own fragments
         store_dir = run_dir / f"syncer-{i}"
-        assert sorted(f.name for f in (store_dir / "fragments").iterdir()) == [
+        names = [f.name for f in (store_dir / "fragments").iterdir()]
+        assert sorted(n for n in names if n.endswith(".safetensors")) == [
             f"p{p:03d}.safetensors" for p in range(i, P, 2)
         ]
+        # (and the commit journals after each fragment's snapshot: of its own fragments only)
+        journals = {int(n[1:4]) for n in names if n.endswith(".journal")}
+        assert journals <= set(range(i, P, 2)) and len(names) == P // 2 + sum(
+            n.endswith(".journal") for n in names
+        ), names
         for p in range(i, P, 2):
             final[p] = FragmentStore(store_dir).load(p, layout.fragments[p].numel)
     matched, closes = 0, {}
