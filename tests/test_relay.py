@@ -173,7 +173,7 @@ def test_lost_replies_are_told_by_the_grpc_method_not_the_size(tmp_path):
         assert n * 4 < 512 and relay.replies_lost == 1
         from kit import wait_until
 
-        wait_until(lambda: server.state.versions[0] == 1, 10, "the upload's commit")
+        wait_until(lambda: server.state.versions[0] == 1, 60, "the upload's commit")
         assert peer.heartbeat()  # (a new connection: heartbeats still answered)
     finally:
         peer.close()
