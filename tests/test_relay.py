@@ -179,3 +179,28 @@ def test_lost_replies_are_told_by_the_grpc_method_not_the_size(tmp_path):
         peer.close()
         relay.close()
         server.stop()
+
+
+def test_flow_control_on_an_upload_stream_is_not_its_answer():
+    """The server's WINDOW_UPDATE on an upload's stream (sent while the request still
+    arrives) was taken for the upload's answer: the relay cut the connection mid-request and
+    the syncer refused the upload as cancelled (a flaky ``lose_replies`` test)."""
+    import hpack
+
+    from diloco.launch.grpc_calls import PREFACE, UPLOAD, CallWatch
+
+    def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+        return (
+            len(payload).to_bytes(3, "big")
+            + bytes([kind, flags])
+            + stream.to_bytes(4, "big")
+            + payload
+        )
+
+    watch = CallWatch()
+    block = hpack.Encoder().encode([(":method", "POST"), (":path", UPLOAD)])
+    watch.client_sent(PREFACE + frame(0x1, 0x4, 1, block))
+    assert watch.first_answers(frame(0x8, 0, 1, (1024).to_bytes(4, "big"))) == set()
+    assert watch.first_answers(
+        frame(0x1, 0x4, 1, hpack.Encoder().encode([(":status", "200")]))
+    ) == {1}

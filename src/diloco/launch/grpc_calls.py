@@ -21,6 +21,9 @@ from diloco.wire import diloco_pb2 as pb
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 """What an HTTP/2 client sends first, before any frame."""
 HEADERS, CONTINUATION = 0x1, 0x9
+ANSWER_FRAMES = (0x0, 0x1, 0x3)
+"""The server's frames that start an answer on a stream: DATA, HEADERS, RST_STREAM (not
+WINDOW_UPDATE or PRIORITY, which a server sends while the request still arrives)."""
 END_HEADERS, PADDED, PRIORITY = 0x4, 0x8, 0x20
 UPLOAD = f"/{pb.DESCRIPTOR.services_by_name['Syncer'].full_name}/Upload"
 """The ``:path`` of the syncer's Upload call."""
@@ -91,8 +94,8 @@ class CallWatch:
             return set()
         answered = set()
         with self._lock:
-            for _kind, _flags, stream, _payload in self._down.feed(data):
-                if stream in self._watched:
+            for kind, _flags, stream, _payload in self._down.feed(data):
+                if stream in self._watched and kind in ANSWER_FRAMES:
                     self._watched.discard(stream)
                     answered.add(stream)
         return answered
