@@ -438,3 +438,57 @@ def join_and_upload(server: SyncerServer, upload_id: int, *, learner_id: str = "
     with Peer(server, learner_id) as peer:
         peer.join()
         return peer.upload(upload_id=upload_id, base=base, steps=4, tokens=32, timeout=5)
+
+
+OWN_MODEL_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model"
+
+
+def run_own_model_example(work: Path, *syncer_flags: str, steps: int) -> tuple[str, list[str]]:
+    """``examples/own_model`` run by hand in ``work`` as its README says: ``diloco syncer
+    --model model:build --state-dir syncer-state --stop-when-learners-leave`` (plus
+    ``syncer_flags``) and two ``python train.py`` learners of ``steps`` steps, until the
+    syncer ends by itself; each must exit 0. Returns the syncer's stdout and the learners'."""
+    import shutil
+
+    shutil.copytree(OWN_MODEL_EXAMPLE, work)
+    syncer = start_diloco(
+        "syncer",
+        "--model=model:build",
+        "--bind=127.0.0.1:0",
+        f"--port-file={work / 'port'}",
+        "--state-dir=syncer-state",
+        "--stop-when-learners-leave",
+        *syncer_flags,
+        cwd=work,
+    )
+    learners, outs = [], []
+    try:
+        address = wait_until(
+            lambda: (work / "port").is_file() and (work / "port").read_text(),
+            60,
+            "the syncer's port file",
+            alive=syncer,
+        )
+        learners = [
+            subprocess.Popen(
+                [sys.executable, "train.py", f"--syncer={address}", f"--id={site}"]
+                + [f"--steps={steps}"],
+                cwd=work,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for site in ("site-a", "site-b")
+        ]
+        for proc in learners:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out
+            outs.append(out)
+        out, err = syncer.communicate(timeout=60)  # it ends by itself once both left
+        assert syncer.returncode == 0, err
+        return out, outs
+    finally:
+        for proc in [syncer, *learners]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import shutil
-import subprocess
-import sys
 import tokenize
 from pathlib import Path
 
 import pytest
 import torch
-from kit import local_syncer, run_diloco, start_diloco, tiny_model, wait_until
+from kit import local_syncer, run_diloco, run_own_model_example, tiny_model
 from safetensors.torch import load_file
 
 from diloco.launch.export import export_state_dir
@@ -29,8 +26,6 @@ from diloco.runtime.model_ref import ModelRefError, load_model
 from diloco.syncer.export import ExportError
 from diloco.syncer.store import read_tape
 from diloco.wire import diloco_pb2 as pb
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model"
 
 
 def build_example_model(directory: Path):
@@ -56,49 +51,10 @@ def marked_lines(path: Path) -> list[int]:
 @pytest.mark.timeout(240)
 def test_the_example_trains_ends_by_itself_and_exports_from_the_dead_syncers_state(tmp_path):
     work = tmp_path / "own_model"
-    shutil.copytree(EXAMPLE, work)
+    out, learned = run_own_model_example(work, "--snapshot-every=1", steps=400)
     assert len(marked_lines(work / "train.py")) <= 6  # the promise: at most 6 added lines
-    syncer = start_diloco(
-        "syncer",
-        "--model=model:build",
-        "--bind=127.0.0.1:0",
-        f"--port-file={work / 'port'}",
-        "--state-dir=syncer-state",
-        "--stop-when-learners-leave",
-        "--snapshot-every=1",
-        cwd=work,
-    )
-    learners = []
-    try:
-        address = wait_until(
-            lambda: (work / "port").is_file() and (work / "port").read_text(),
-            60,
-            "the syncer's port file",
-            alive=syncer,
-        )
-        learners = [
-            subprocess.Popen(
-                [sys.executable, "train.py", f"--syncer={address}", f"--id={site}"]
-                + ["--steps=400"],
-                cwd=work,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for site in ("site-a", "site-b")
-        ]
-        for proc in learners:
-            out, _ = proc.communicate(timeout=120)
-            assert proc.returncode == 0, out
-            assert "400 steps" in out
-        out, err = syncer.communicate(timeout=60)  # it ends by itself once both left
-        assert syncer.returncode == 0, err
-        assert "the run is over: every learner left (2 joined)" in out
-    finally:
-        for proc in [syncer, *learners]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    assert all("400 steps" in text for text in learned), learned
+    assert "the run is over: every learner left (2 joined)" in out
     done = run_diloco(
         "export", "syncer-state", "--model=model:build", "-o", "model.safetensors", cwd=work
     )

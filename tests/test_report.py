@@ -8,12 +8,10 @@ import base64
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from kit import run_diloco, start_diloco, wait_until
+from kit import run_diloco, run_own_model_example
 
 from diloco.config.run import RunConfig
 from diloco.report.html import markdown, write_report
@@ -167,50 +165,10 @@ def test_command_flags_rebuild_a_configuration():
     assert from_namespace(RunConfig, parsed) == config
 
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model"
-
-
 def standalone_syncer_run(work: Path) -> Path:
-    """``examples/own_model`` run by hand as its README says: ``diloco syncer --state-dir``
-    and two ``python train.py`` learners, until the syncer ends by itself; the state dir."""
-    shutil.copytree(EXAMPLE, work)
-    syncer = start_diloco(
-        "syncer",
-        "--model=model:build",
-        "--bind=127.0.0.1:0",
-        f"--port-file={work / 'port'}",
-        "--state-dir=syncer-state",
-        "--stop-when-learners-leave",
-        cwd=work,
-    )
-    learners = []
-    try:
-        address = wait_until(
-            lambda: (work / "port").is_file() and (work / "port").read_text(),
-            60,
-            "the syncer's port file",
-            alive=syncer,
-        )
-        learners = [
-            subprocess.Popen(
-                [sys.executable, "train.py", f"--syncer={address}", f"--id={site}", "--steps=300"],
-                cwd=work,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for site in ("site-a", "site-b")
-        ]
-        for proc in learners:
-            out, _ = proc.communicate(timeout=120)
-            assert proc.returncode == 0, out
-        _, err = syncer.communicate(timeout=60)
-        assert syncer.returncode == 0, err
-    finally:
-        for proc in [syncer, *learners]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    """``examples/own_model`` run by hand as its README says (``kit.run_own_model_example``);
+    the syncer's state directory."""
+    run_own_model_example(work, steps=300)
     return work / "syncer-state"
 
 
