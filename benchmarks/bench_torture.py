@@ -85,6 +85,7 @@ def main() -> int:
     )
     print("|" + "---|" * 20)
     results = {}
+    harness_failures: dict[int, str] = {}
     for seed in seeds_of(args.seeds):
         workdir = args.out / str(seed)
         spec = TortureSpec(
@@ -94,7 +95,12 @@ def main() -> int:
             up_codec=args.up_codec,
             down_codec=args.down_codec,
         )
-        result = Torture(spec, workdir).run()
+        try:
+            result = Torture(spec, workdir).run()
+        except RuntimeError as exc:  # the run itself could not go on: this seed failed
+            print(f"| {seed} | the run stopped: {exc} |", flush=True)
+            harness_failures[seed] = str(exc)
+            continue
         r = result.to_dict()
         (workdir / "result.json").write_text(json.dumps(r, indent=1))
         results[seed] = r
@@ -102,19 +108,22 @@ def main() -> int:
         if r["audit"]["ok"] and not args.keep:  # a failed run's files are kept
             for name in ("learners", "state"):
                 shutil.rmtree(workdir / name, ignore_errors=True)
-    failed = [s for s, r in results.items() if not r["audit"]["ok"]]
+    failed = sorted([s for s, r in results.items() if not r["audit"]["ok"]] + [*harness_failures])
     stalls = [r["audit"]["longest_stall_s"] for r in results.values()]
     summary = {
-        "seeds": len(results),
-        "exact": len(results) - len(failed),
+        "seeds": len(results) + len(harness_failures),
+        "exact": len(results) + len(harness_failures) - len(failed),
         "failed_seeds": failed,
+        "runs_stopped": harness_failures,
         "syncer_kills": sum(r["syncer_kills"] for r in results.values()),
         "syncer_failures": sum(r["syncer_failures"] for r in results.values()),
         "learner_kills": sum(r["learner_kills"] for r in results.values()),
         "replies_lost": sum(r["replies_lost"] for r in results.values()),
         "commits": sum(r["audit"]["commits"] for r in results.values()),
         "uploads_merged": sum(r["audit"]["uploads_merged"] for r in results.values()),
-        "longest_stall_s": {"median": statistics.median(stalls), "max": max(stalls)},
+        "longest_stall_s": {"median": statistics.median(stalls), "max": max(stalls)}
+        if stalls
+        else None,
         "schedules_with_new_faults": sum(
             any(f["kind"] in NEW_FAULTS for f in r["faults"]) for r in results.values()
         ),

@@ -154,25 +154,21 @@ class Torture:
         self._log_path = self.workdir / "torture.jsonl"
         self._offset_file = self.workdir / "wall-clock-offset"
         self.learner_resumes = 0
-        self.second: Child | None = None
-        """A second syncer started on the state directory (``second-syncer``), until it exits."""
+        self.second: Child | None = None  # (a second syncer on the directory, until it exits)
         self.second_syncers_refused = 0
         self.second_syncers_succeeded = 0
-        self._second_due = False
-        self._second_beside: Child | None = None  # (the syncer a second one started beside)
+        self._second_due, self._second_beside = False, None  # (beside: a Child, the first)
         self._clock_step: tuple[float, int, Child] | None = None
         """(when, the tape's size then, the syncer then) of a clock step not yet followed by
         a commit of that syncer."""
         self.clock_step_commit_s: float | None = None
-        self.problems: list[str] = []
-        """What the run itself saw go wrong (beyond the audit): added to the audit's."""
+        self.problems: list[str] = []  # (what the run saw go wrong, added to the audit's)
         self.workdirs: dict[int, list[Path]] = {
             i: [self.workdir / "learners" / f"l{i}"] for i in range(spec.learners)
         }
         """Each learner id's work directories, one a machine it ran on (a zombie's
         replacement runs on another); the last is the current one."""
-        self.zombies: list[tuple[Child, float]] = []
-        """Superseded learner processes and when their link heals."""
+        self.zombies: list[tuple[Child, float]] = []  # (superseded processes, when they heal)
         self.zombies_fenced = 0
         self._old_relays: list[Relay] = []
         self._backup = self.workdir / "backup"
@@ -428,21 +424,23 @@ class Torture:
         self.second = Child("second-syncer", argv, self.workdir / "second-syncer.log")
 
     def _watch_second_syncer(self, now: float) -> None:
-        """A second syncer must exit 2 without serving (within 60 s)."""
+        """A second syncer must exit 2 without serving (within 60 s), unless the first one
+        stopped meanwhile."""
         if self._second_due:
             self._start_second_syncer()
         if self.second is None:
             return
         code = self.second.poll()
-        if code is None and now - self.second.started_at < 60:
-            return
         served = (self.workdir / "second.port").exists()
         first = self._second_beside
+        first_gone = first is not None and first.poll() is not None
+        if code is None and not first_gone and not served and now - self.second.started_at < 60:
+            return
         if code == 2 and not served:
             self.second_syncers_refused += 1
-        elif first is not None and first.poll() is not None:
-            # the first stopped meanwhile (its disk, a kill) and let the directory go: the
-            # second was a legitimate successor; it is ended so the run's own restarts go on
+        elif first_gone:
+            # the first stopped meanwhile and let the directory go: a legitimate successor,
+            # ended at once (left to serve, it would hold the directory against the restarts)
             self._log("second-syncer-succeeded", first_exit=first.poll())
             self.second_syncers_succeeded += 1
             self.second.kill()
@@ -496,10 +494,10 @@ class Torture:
             self._log("syncer-exited", code=code)
             self.syncer_failures += code == FAILED  # it failed by itself: its disk
             self._syncer_went_down()
-        elif self.syncer is not None and not self._serving and not due_kill:
-            self._log("syncer-start-failed", code=self.syncer.poll())
         if any(r[1] == "syncer" for r in restarts):
             return  # a kill's down time is not over yet
+        if self.syncer is not None and not self._serving and not due_kill:
+            self._log("syncer-start-failed", code=self.syncer.poll())
         self._start_syncer()
 
     def _heal_everything(self) -> None:
@@ -530,6 +528,9 @@ class Torture:
         while not all(self._contributing(i) for i in range(self.spec.learners)):
             if time.monotonic() > deadline:
                 raise RuntimeError("a learner does not come back to train")
+            for i, child in enumerate(self.learners):
+                if child is None or not child.running:  # (one that gave up on a syncer
+                    self._start_learner(i)  # down for its whole first minute exits 1)
             time.sleep(0.2)
         time.sleep(3.0)  # a few rounds with everyone
 
