@@ -113,6 +113,14 @@ def test_the_fewest_shards_that_fit_and_what_binds():
     assert tie["shards"] == 5 and tie["binds"] == "network"
     assert tie["per_shard_use"]["cores"] == pytest.approx(0.3375 * 5 / 24 / 0.1)
     assert tie["per_shard_use"]["network"] == pytest.approx(8 * 24e6 * 2 * U * 5 / 24 / 50e6)
+    # what needs S binds, even where another resource is busier at S: cores need 12 shards
+    # (2 fragments: 70% of 0.3375 · 2/24; 3 fragments: 105%), memory 8 (3 fragments fill
+    # 39.1 MB), and at S = 12 memory holds 29.06 of 39.1 MB (74%)
+    forced = machine(syncer_memory=39_100_000, syncer_cores=0.3375 * 2 / 24 / 0.7)
+    out = shards_needed(SMALL, forced, ROUND)
+    assert out["shards_per_resource"]["cores"] == 12 and out["shards_per_resource"]["memory"] == 8
+    assert out["binds"] == "cores"
+    assert out["per_shard_use"]["memory"] > out["per_shard_use"]["cores"]
 
 
 def need(x: Exchange, m: SyncerPlanInputs) -> dict[str, float]:

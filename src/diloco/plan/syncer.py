@@ -279,8 +279,8 @@ def use(load: ShardLoad, machine: SyncerPlanInputs) -> dict[str, float]:
 
 def shards_needed(x: Exchange, machine: SyncerPlanInputs, costs: SyncerCosts | None = None) -> dict:
     """The fewest shards S in ``[1, P]`` whose busiest shard fits ``machine``, per resource
-    and overall, and the resource that binds: the most used at that S (when no S up to P
-    fits a resource, ``shards`` is None and ``binds`` names it: one fragment is then too
+    and overall, and the resource that binds: of those that need S, the most used at S (when
+    no S up to P fits a resource, ``shards`` is None and ``binds`` names it: one fragment is then too
     much for one shard's machine).
 
     Never fewer for more parameters, learners or a faster step (every load grows with
@@ -295,7 +295,8 @@ def shards_needed(x: Exchange, machine: SyncerPlanInputs, costs: SyncerCosts | N
     short = [r for r, s in per_resource.items() if s is None]
     overall = None if short else max(per_resource.values())
     at = (overall or x.num_fragments) - 1
-    binding = short[0] if short else max(RESOURCES, key=lambda r: uses[at][r])
+    needing_most = [r for r in RESOURCES if per_resource[r] == overall]
+    binding = short[0] if short else max(needing_most, key=lambda r: uses[at][r])
     return {
         "shards": overall,
         "binds": binding,
