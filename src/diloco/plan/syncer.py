@@ -118,17 +118,17 @@ class SyncerPlanInputs:
     """M, learners the syncer serves (each sends every fragment once per H steps); default:
     one per site (--sites)."""
     syncer_cores: float = option(2.0, metavar="CORES")
-    """Cores one syncer shard can keep busy, as fast as the reference machine's (default: the
-    reference machine's 2)."""
+    """Cores one syncer shard can keep busy, as fast as the reference machine's (the default
+    is that machine's)."""
     syncer_memory: int = option(DEFAULT_SYNCER_MEMORY, type=parse_size, metavar="SIZE")
-    """Memory one syncer shard may hold (24GiB, 512GB, bytes; default: the reference
-    machine's, 24 GiB)."""
+    """Memory one syncer shard may hold (24GiB, 512GB, bytes; the default, in bytes, is the
+    reference machine's)."""
     syncer_disk_mbps: float = option(DEFAULT_DISK_MB_S, metavar="MB_PER_S")
-    """Megabytes per second one shard's disk writes and fsyncs (default: the reference
-    machine's, measured)."""
+    """Megabytes per second one shard's disk writes and fsyncs (the default is measured on the
+    reference machine)."""
     syncer_network: float = option(DEFAULT_SYNCER_NETWORK_BPS, type=network_rate, metavar="RATE")
     """One shard's network, each way, in bits per second (10Gbps, 800mbit; a bare number is
-    Gbps; default 10 Gbps, assumed)."""
+    Gbps; the default is assumed, not measured)."""
     commits_per_snapshot: int = same_option(SyncerConfig, "commits_per_snapshot")
     """K: a shard writes a full snapshot of a fragment every K commits (its 12 bytes per value
     amortised over them) and journals the uploads of the others."""
