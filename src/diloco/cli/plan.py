@@ -1,4 +1,5 @@
-"""``diloco plan``: wide-area bandwidth data-parallel and Decoupled DiLoCo need (docs/plan.md)."""
+"""``diloco plan``: wide-area bandwidth data-parallel and Decoupled DiLoCo need, and the syncer
+shards (docs/plan.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 from diloco.plan import PlanInputs, plan, with_comms
 from diloco.plan import parse_count as parse_count  # --params' grammar, where PlanInputs is
+from diloco.plan.syncer import syncer_lines
 from diloco.runtime.schema import add_options, from_namespace
 from diloco.runtime.units import GBIT_S, parse_rate
 from diloco.wire.comms import COMMS
@@ -25,9 +27,11 @@ def link_rate(text: str) -> float:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
-        help="wide-area bandwidth data-parallel and Decoupled DiLoCo need (docs/plan.md)",
-        description="diloco plan: wide-area bandwidth data-parallel and Decoupled DiLoCo need "
-        "(docs/plan.md). The exchange's defaults are the paper's setting (H=24, P=24, tau=2, "
+        help="wide-area bandwidth data-parallel and Decoupled DiLoCo need, and the syncer "
+        "shards (docs/plan.md)",
+        description="diloco plan: wide-area bandwidth data-parallel and Decoupled DiLoCo need, "
+        "and how many syncer shards (cores, memory, disk, network) it takes (docs/plan.md). "
+        "The exchange's defaults are the paper's setting (H=24, P=24, tau=2, "
         "4-bit values both ways), not this project's default exchange: --comms default prices "
         "that.",
     )
@@ -87,4 +91,6 @@ def main(args: argparse.Namespace) -> int:
             else f"  {rate} carries none of them: raise --sync-every beyond "
             f"{COMMS['lowest'].sync_every} (and --tau) or add bandwidth"
         )
+    for line in syncer_lines(out["syncer"]):
+        print(line)
     return 0

@@ -1,4 +1,5 @@
-"""The wide-area bandwidth data-parallel and Decoupled DiLoCo need (``diloco plan``).
+"""The wide-area bandwidth data-parallel and Decoupled DiLoCo need (``diloco plan``), and the
+syncer shards the exchange needs (``diloco.plan.syncer``).
 
 The model (docs/plan.md has it written out with a worked example). Bandwidth is per site, one
 direction of a full-duplex wide-area link, in bits per second; N parameters, step time t,
@@ -31,8 +32,9 @@ scales and offsets included), and :func:`recommend` picks the densest one a link
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
+from diloco.plan.syncer import Exchange, SyncerPlanInputs, codec_for_bits, shards_needed
 from diloco.runtime.schema import option, same_option
 from diloco.wire.comms import COMMS, bytes_per_value
 from diloco.wire.protocol import ProtocolConfig
@@ -60,8 +62,8 @@ def parse_count(text: str) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class PlanInputs:
-    """What ``diloco plan`` prices: the model, the step, the sites and the exchange (each
-    field is also its flag). The exchange's defaults are the paper's setting (H = 24, P = 24,
+    """What ``diloco plan`` prices: the model, the step, the sites, the exchange and the
+    syncer's machines (each field is also its flag). The exchange's defaults are the paper's setting (H = 24, P = 24,
     τ = 2, 4-bit values both ways), not the project's default exchange: ``--comms
     default`` prices that."""
 
@@ -92,6 +94,8 @@ class PlanInputs:
     """o, in [0, 1]: transfer time, as a fraction of a step, that hides behind other work
     (the backward pass, the all-reduce's own reductions; docs/plan.md says how to measure
     it)."""
+    syncer: SyncerPlanInputs = field(default_factory=SyncerPlanInputs)
+    """The syncer's side: learners served, one shard's machine (``diloco.plan.syncer``)."""
 
     def __post_init__(self) -> None:
         if not self.params > 0 or not self.step_time_s > 0:
@@ -172,6 +176,21 @@ def recommend(p: PlanInputs, link_bps: float) -> str | None:
     return fits[0] if fits else None
 
 
+def syncer_exchange(p: PlanInputs) -> Exchange:
+    """What the syncer's load depends on, from the plan's inputs: M learners (default one per
+    site), and the codecs the plan's bits name (:func:`diloco.plan.syncer.codec_for_bits`)."""
+    return Exchange(
+        params=p.params,
+        num_fragments=p.num_fragments,
+        sync_every=p.sync_every,
+        step_time_s=p.step_time_s,
+        learners=p.syncer.learners or p.sites,
+        up_codec=codec_for_bits(p.up_bits),
+        down_codec=codec_for_bits(p.down_bits),
+        commits_per_snapshot=p.syncer.commits_per_snapshot,
+    )
+
+
 def plan(p: PlanInputs, link_bps: float | None = None) -> dict:
     """The plan as JSON-able data; with ``link_bps``, the named setting it recommends."""
     dp, dec = dp_bandwidth_bps(p), decoupled_bandwidth_bps(p)
@@ -186,5 +205,6 @@ def plan(p: PlanInputs, link_bps: float | None = None) -> dict:
         "dp_bits_per_step": dp_bits_per_step(p),
         "dp_time_budget_s": dp_time_budget_s(p),
         "comms_gbps": {name: bps / 1e9 for name, bps in comms_bandwidths(p).items()},
+        "syncer": shards_needed(syncer_exchange(p), p.syncer),
         **extra,
     }
