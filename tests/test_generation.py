@@ -159,3 +159,40 @@ def test_a_resend_refused_without_proof_is_counted_unknown_not_sent_again():
         assert books.unknown == (2,) and books.unsent == (0,)
     finally:
         learner.close(flush=False)
+
+
+def test_a_replacement_after_a_backward_clock_step_still_supersedes_its_zombie(
+    tmp_path, monkeypatch
+):
+    """The default generation is taken from a counter in the learner's work directory
+    (``generation_file``), never below the last one taken there: a wall clock stepped back
+    between two starts (NTP, a VM resumed) cannot give the replacement the lower one."""
+    import time
+
+    server = local_syncer(make_model(), num_fragments=1)
+    workdir_file = tmp_path / "generation"
+    learners = []
+
+    def start(wall_ns: int) -> diloco.Learner:
+        monkeypatch.setattr(time, "time_ns", lambda: wall_ns)
+        learner = diloco.Learner(
+            make_model(),
+            syncer=server.address,
+            num_fragments=1,
+            learner_id="L",
+            generation_file=str(workdir_file),
+        )
+        learners.append(learner)
+        assert learner.link.connected.wait(10)
+        return learner
+
+    try:
+        start(2_000_000_000_000_000_000)
+        first = server.state.roster.generations.highest["L"]
+        start(2_000_000_000_000_000_000 - 60 * 10**9)  # the clock went back a minute
+        second = server.state.roster.generations.highest["L"]
+        assert second > first
+    finally:
+        for learner in learners:
+            learner.close(flush=False)
+        server.stop()

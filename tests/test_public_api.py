@@ -56,7 +56,8 @@ FIELDS = {
     "ProtocolConfig": ["num_fragments", "comms", "sync_every"],
     "LearnerConfig": [
         "num_fragments", "rebase_foreign", "rebase_own", "alpha", "comms", "tokens_per_step",
-        "delivery_file", "journal_file", "learner_id", "generation", "cpu_threads",
+        "delivery_file", "journal_file", "learner_id", "generation", "generation_file",
+        "cpu_threads",
         "malloc_arenas", "flush_timeout_s", "drain_timeout_s", "max_stretch", "pace_lag_steps",
         "step_time_decay", "token", "tls_ca", "tls_cert", "tls_key",
     ],

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 import torch
-from kit import join_request, local_syncer, tiny_model, train_in_threads, wait_until
+from kit import Peer, join_request, local_syncer, tiny_model, train_in_threads, wait_until
 from torch import nn
 
 from diloco.algorithm import codecs
@@ -220,4 +220,81 @@ def test_a_synchronous_learner_waits_for_the_round_of_what_it_sent(tmp_path):
     finally:
         for lr in learners:
             lr.close(flush=False)
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_its_client_cancelled_is_refused_as_cancelled_and_admits_nothing(tmp_path):
+    """A client that goes away mid-upload (cancels its call, or its connection closes) is
+    not said to be late: the refusal on the tape says it cancelled; nothing is admitted."""
+    server = make_server(tmp_path).start()
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.SyncerStub(ch)
+            reply = stub.Join(join_request(server.layout, "a"), timeout=5)
+            numel = server.layout.fragments[0].numel
+            data = codecs.encode(torch.ones(numel), "fp32")
+            first_sent, hold = threading.Event(), threading.Event()
+
+            def chunks():
+                yield pb.UploadChunk(
+                    learner_id="a",
+                    session=reply.session,
+                    fragment=0,
+                    base_version=0,
+                    steps=1,
+                    tokens=1,
+                    codec="fp32",
+                    numel=numel,
+                    chunk_index=0,
+                    num_chunks=1,
+                    data=data[: len(data) // 2],  # (its end never comes)
+                    upload_id=7,
+                )
+                first_sent.set()  # (asked for the second chunk: the first one went out)
+                hold.wait(30)  # the second chunk never comes: the client goes away first
+
+            before = server.service.state_digest()
+            call = stub.Upload.future(chunks(), timeout=30)
+            wait_until(lambda: server.service.limits.open("upload") == 1, 30, "the upload held")
+            first_sent.wait(10)  # (most often the syncer has its first chunk: not needed)
+            call.cancel()
+            hold.set()
+
+            def refused():
+                return [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "refused"]
+
+            wait_until(lambda: refused(), 30, "the refusal on the tape")
+            (record,) = refused()
+            # (gRPC may hand the syncer the cancel as the stream's end: then it says that)
+            assert record["code"] in ("CANCELLED", "INVALID_ARGUMENT"), record
+            assert record["learner"] in ("a", ""), record  # ("": before its first chunk)
+            said = record["reason"]
+            assert "in time" not in said and "deadline" not in said, said
+            assert "cancelled" in said or "went away" in said or "stream ended" in said, said
+            assert server.service.state_digest() == before and not server.state.rounds
+            assert server.state.receipts.admitted("a", 7, 0) is None
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_past_its_deadline_is_refused_as_late(tmp_path):
+    server = make_server(tmp_path).start()
+    server.service.first_chunk_s = 0.5
+    release = threading.Event()
+    try:
+        with Peer(server, "a") as peer:
+            peer.join()
+            (call,) = peer.silent_uploads(1, release)
+            with pytest.raises(grpc.RpcError) as ended:
+                call.result(timeout=30)
+            assert ended.value.code() == grpc.StatusCode.CANCELLED
+        release.set()
+        (record,) = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "refused"]
+        assert record["code"] == "CANCELLED", record
+        assert "did not arrive within its deadline of 0.5 s" in record["reason"], record
+        assert not server.state.rounds
+    finally:
+        release.set()
         server.stop()

@@ -3,6 +3,13 @@
 It joins as an *observer* (it never uploads and never counts towards quorum or liveness),
 receives every merged fragment like a learner does, and on request writes the latest
 fragments into its own copy of the model and measures the held-out loss.
+
+It reads the lineage of the versions it holds (``diloco.syncer.lineage``) as a learner does
+(``learner.settling.another_lineage``): a syncer that joins with another lineage, or behind
+the versions held (a state directory rolled back), serves another history, so the values
+held of its fragments are dropped and keyframes asked for; an old value is never evaluated
+in place of the new history's, nor a new delta added onto it. ``evaluated_lineages`` says
+which lineages the last evaluation's values belong to.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 
 from diloco.algorithm.fragments import balanced_fragments
 from diloco.learner.listener import LinkListener
+from diloco.learner.settling import another_lineage
 from diloco.learner.shards import open_link
 
 
@@ -42,6 +50,11 @@ class Evaluator(LinkListener):
         self._lock = threading.Lock()
         self._need_keyframe: set[int] = set()
         self.versions = [-1] * num_fragments
+        self.lineages: dict[str, str] = {}
+        """The lineage each syncer (shard) address serves, as its last join said."""
+        self.evaluated_lineages: list[str] = []
+        """The lineages of the values the last :meth:`evaluate` used (sorted)."""
+        self._lineage_of: dict[int, str] = {}
         self.link = open_link(
             address,
             "evaluator",
@@ -50,6 +63,23 @@ class Evaluator(LinkListener):
             observer=True,
             **(link_options or {}),
         )
+
+    def on_rejoin(
+        self, address, syncer_id, versions, fragments, committed=(), logged_from=(), lineage=""
+    ) -> None:
+        """A syncer (shard) joined: of another lineage than the one held from it, or behind
+        the versions held, its fragments' values held are dropped and keyframes asked for
+        (called before the subscription that follows, which asks with ``have_versions``)."""
+        held = self.have_versions()
+        with self._lock:
+            if another_lineage(self.lineages.get(address), lineage, held, versions, fragments):
+                for p in fragments:
+                    self._latest.pop(p, None)
+                    self._need_keyframe.add(p)
+                    self.versions[p] = -1
+            if lineage:
+                self.lineages[address] = lineage
+                self._lineage_of.update(dict.fromkeys(fragments, lineage))
 
     def on_fragment(
         self, fragment: int, version: int, value: torch.Tensor, _contributors=(), base=-1
@@ -92,6 +122,7 @@ class Evaluator(LinkListener):
         recipe's other measures go to ``self.scores``)."""
         with self._lock:
             latest = dict(self._latest)
+            self.evaluated_lineages = sorted({self._lineage_of.get(p, "") for p in latest} - {""})
         for p, (version, value) in latest.items():
             if version > self.versions[p]:
                 self.layout.scatter(p, value, self.named)

@@ -16,6 +16,7 @@ from diloco.config.worker import WorkerConfig
 from diloco.learner.workdir import (  # noqa: F401 (this worker's files, named there)
     CHECKPOINT,
     DELIVERY_LOG,
+    GENERATION_FILE,
     UPLOAD_JOURNAL,
     load_checkpoint,
     write_final_state,
@@ -242,6 +243,7 @@ class LearnerProcess:
             # beside the checkpoint: what was delivered after it is not sent again on restore
             delivery_file=str(workdir / DELIVERY_LOG) if workdir and self.leader else None,
             journal_file=str(workdir / UPLOAD_JOURNAL) if workdir and self.leader else None,
+            generation_file=str(workdir / GENERATION_FILE) if workdir and self.leader else None,
         )
 
     def make_learner(self, saved: dict | None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from diloco.learner.generation import next_generation
 from diloco.learner.pacing import DEFAULT_LAG_STEPS, DEFAULT_MAX_STRETCH
 from diloco.runtime.renamed import (
     h_is_the_syncers,
@@ -41,12 +42,14 @@ CLOSE_BOUND_S = close_bound_s()
 """``close_bound_s`` at the learner's defaults."""
 
 
-def default_generation() -> int:
-    """A learner process's generation when none is given: the wall clock in nanoseconds
-    (``time.time_ns``). A replacement started after the process it replaces has a larger
-    one as long as the two hosts' clocks agree to better than the time between the two
-    starts (NTP keeps them within milliseconds; a replacement comes seconds or minutes
-    later)."""
+def default_generation(generation_file: str | None = None) -> int:
+    """A learner process's generation when none is given: with a ``generation_file``, the
+    next one of the counter kept there (``diloco.learner.generation.next_generation``:
+    above every one taken from it, whatever the wall clock did); without one, the wall clock
+    in nanoseconds (``time.time_ns``), larger for a replacement only while the clocks that
+    start both processes agree to better than the time between the two starts."""
+    if generation_file:
+        return next_generation(generation_file)
     return time.time_ns()
 
 
@@ -100,9 +103,14 @@ class LearnerConfig:
     replace another of the same id must have a larger one. The syncer refuses for good a
     join with a lower generation than one it saw for the id (the older process, a zombie
     cut off on a partitioned node, stops with an error), and a higher one takes the id over.
-    None: ``default_generation()``, the wall clock in nanoseconds when the learner is made.
-    Give a counter your launcher increases across every restart of the id (never one that
-    starts over, as a new job's restart count does), in [1, 2^64)."""
+    None: ``default_generation(generation_file)``: the counter in ``generation_file``, else
+    the wall clock in nanoseconds when the learner is made. Give a counter your launcher
+    increases across every restart of the id (never one that starts over, as a new job's
+    restart count does), in [1, 2^64)."""
+    generation_file: str | None = None
+    """Where to keep this learner id's last generation (``diloco.learner.generation``): each
+    process takes the next one there, above the last whatever the wall clock did. Keep it
+    beside the checkpoint; None: the default generation is the wall clock alone."""
     cpu_threads: int | None = None
     """``torch.set_num_threads(n)`` applied when the model is on CPU; None (default): the
     Learner leaves your process's thread settings alone. Several training processes sharing

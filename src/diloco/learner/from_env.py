@@ -32,6 +32,7 @@ from pathlib import Path
 from diloco.learner.workdir import (
     CHECKPOINT,
     DELIVERY_LOG,
+    GENERATION_FILE,
     UPLOAD_JOURNAL,
     WorkdirReporter,
     load_checkpoint,
@@ -146,6 +147,7 @@ def learner_from_env(cls, model, optimizer=None, env: Mapping[str, str] | None =
         launch.workdir.mkdir(parents=True, exist_ok=True)
         settings["delivery_file"] = str(launch.workdir / DELIVERY_LOG)
         settings["journal_file"] = str(launch.workdir / UPLOAD_JOURNAL)
+        settings["generation_file"] = str(launch.workdir / GENERATION_FILE)
         saved = load_checkpoint(launch.workdir / CHECKPOINT)
     if saved is not None:
         plain_module(model).load_state_dict(saved["model"])

@@ -232,7 +232,7 @@ class Learner:
             token=cfg.token, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )
         options.update(tokens_per_step=cfg.tokens_per_step, comms=cfg.comms, **(link_options or {}))
-        options.setdefault("generation", cfg.generation or default_generation())
+        options.setdefault("generation", cfg.generation or default_generation(cfg.generation_file))
         options.setdefault("clock", self.clock)
         return open_link(syncer, self.learner_id, self.layout, self.listener, **options)
 

@@ -8,6 +8,7 @@ What a learner leaves in its work directory, whoever started it (the recipe work
                        ``optimizer``, ``learner`` and, for the recipe worker, ``stream``)
     delivered.json     what was delivered after it (``diloco.learner.delivery``)
     journal.jsonl      every upload's life (``diloco.learner.journal``)
+    generation         the last process generation taken (``diloco.learner.generation``)
     progress.jsonl     progress records, one at most every ``PROGRESS_EVERY_S`` and one at exit
     final.json         the accounting at a clean stop (``write_final_state``), beside
     final.safetensors  the anchors held then
@@ -25,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from diloco.learner.generation import GENERATION_FILE as PROCESS_GENERATIONS
 from diloco.learner.journal import JOURNAL_FILE
 from diloco.runtime.cadence import AUTO, CheckpointCadence
 from diloco.runtime.checkpoint_writer import CheckpointWriter
@@ -33,6 +35,7 @@ from diloco.runtime.training import ProgressLog
 CHECKPOINT = "checkpoint.pt"
 DELIVERY_LOG = "delivered.json"  # diloco.learner.delivery
 UPLOAD_JOURNAL = JOURNAL_FILE  # diloco.learner.journal
+GENERATION_FILE = PROCESS_GENERATIONS  # diloco.learner.generation
 PROGRESS_FILE = "progress.jsonl"
 FINAL_ACCOUNTING = "final.json"
 """A learner's accounting at a clean stop (``diloco.report.audit_files`` reads it)."""

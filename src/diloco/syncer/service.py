@@ -48,7 +48,7 @@ from diloco.syncer.store import (
     state_hash,
 )
 from diloco.syncer.tape_index import TapeIndex
-from diloco.syncer.upload import receive_upload
+from diloco.syncer.upload import cancelled_upload_reason, receive_upload
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -383,16 +383,12 @@ class SyncerService(pb_grpc.SyncerServicer):
             except Refused as err_:
                 err = err_
                 err.metadata = (*err.metadata, *self._fate_metadata(who.get("header"), counted))
-            except grpc.RpcError:  # cancelled: its deadline passed (or the client went away)
-                with self.lock:
-                    self.state.note_refusal(
-                        str(who.get("learner_id", "")),
-                        "CANCELLED",
-                        "the upload did not arrive in time",
-                        clock.monotonic(),
-                        rpc="Upload",
-                    )
-                return pb.UploadReply()
+            except grpc.RpcError:  # cancelled: its deadline passed, or the client went away
+                err = Refused("CANCELLED", cancelled_upload_reason(who))
+        if who.get("ended_early") and ("deadline_s" in who or not context.is_active()):
+            err = Refused("CANCELLED", cancelled_upload_reason(who))  # (its stream just ended)
+        if err.code == "CANCELLED":
+            log.info("upload of %r not received: %s", who.get("learner_id", ""), err.message)
         return self._refuse(context, str(who.get("learner_id", "")), err, "Upload")
 
     @contextlib.contextmanager
@@ -468,14 +464,23 @@ class SyncerService(pb_grpc.SyncerServicer):
     def _receive(self, chunks, context: grpc.ServicerContext, who: dict[str, object]):
         """``receive_upload`` under the upload's deadlines: ``first_chunk_s`` for the first
         chunk, then ``wire.protocol.syncer_upload_deadline_s`` of its size; past a deadline
-        the call is cancelled (its chunk iterator raises ``grpc.RpcError``)."""
+        the call is cancelled (its chunk iterator raises ``grpc.RpcError``) and ``who`` gets
+        the deadline that passed (``deadline_s``)."""
         started = clock.monotonic()
-        handle = [self.watchdog.arm(started + self.first_chunk_s, context.cancel)]
+
+        def expire(deadline_s: float) -> Callable[[], None]:
+            def cancel() -> None:
+                who["deadline_s"] = deadline_s  # (before the cancel the handler sees)
+                context.cancel()
+
+            return cancel
+
+        handle = [self.watchdog.arm(started + self.first_chunk_s, expire(self.first_chunk_s))]
 
         def on_header(nbytes: int) -> None:
             self.watchdog.disarm(handle[0])
             deadline_s = syncer_upload_deadline_s(nbytes, first_chunk_s=self.first_chunk_s)
-            handle[0] = self.watchdog.arm(started + deadline_s, context.cancel)
+            handle[0] = self.watchdog.arm(started + deadline_s, expire(deadline_s))
 
         try:
             return receive_upload(

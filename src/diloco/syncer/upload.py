@@ -27,8 +27,10 @@ def receive_upload(
     is read, so a stranger or a bad header costs one chunk. The session is not checked for
     an upload id the receipts hold (a resend whose first reply was lost, sent before its
     learner rejoined): ``SyncerState.submit`` answers it with its admission. ``who`` gets
-    the first chunk (``header``) and its ``learner_id``. ``on_header(nbytes)`` is told
-    the upload's size once its header passed.
+    the first chunk (``header``), its ``learner_id``, the ``chunks`` received so far and,
+    when the stream ended before the upload was whole, ``ended_early`` (a client that half-
+    closed too soon, or one that went away: the caller tells them apart by its call).
+    ``on_header(nbytes)`` is told the upload's size once its header passed.
     """
     header = None
     parts: list[bytes] = []
@@ -92,14 +94,29 @@ def receive_upload(
                 "INVALID_ARGUMENT", f"upload exceeds the {expected} bytes its header implies"
             )
         parts.append(chunk.data)
+        who["chunks"] = len(parts)
+    if header is None or len(parts) != header.num_chunks or received != expected:
+        who["ended_early"] = True
     if header is None:
-        raise Refused("INVALID_ARGUMENT", "empty upload")
+        raise Refused("INVALID_ARGUMENT", "empty upload: the stream ended before its first chunk")
     if len(parts) != header.num_chunks or received != expected:
         raise Refused(
             "INVALID_ARGUMENT",
-            f"upload truncated: {len(parts)}/{header.num_chunks} chunks, {received}/{expected} bytes",
+            f"upload truncated: the stream ended after {len(parts)}/{header.num_chunks} "
+            f"chunks, {received}/{expected} bytes",
         )
     return header, b"".join(parts)
+
+
+def cancelled_upload_reason(who: dict[str, object]) -> str:
+    """Why an upload whose call was cancelled before all of it arrived was not received, as
+    ``receive_upload`` and the deadlines left ``who``: its deadline passed (``deadline_s``,
+    set by the watchdog that cancelled it), or else the client cancelled the call or its
+    connection closed. Never admitted either way."""
+    got = f"after {who.get('chunks', 0)} chunks"
+    if "deadline_s" in who:
+        return f"the upload did not arrive within its deadline of {who['deadline_s']:.3g} s ({got})"
+    return f"the client cancelled the upload or its connection closed ({got})"
 
 
 def check_upload_codec(codec: str, up_codec: str, *, resend: bool) -> None:
