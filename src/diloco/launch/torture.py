@@ -45,7 +45,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from diloco.launch.relay import Relay
@@ -60,7 +60,7 @@ from diloco.launch.torture_schedule import (
 )
 from diloco.learner.config import CLOSE_BOUND_S
 from diloco.learner.journal import JOURNAL_FILE
-from diloco.report.audit_files import FINAL_ACCOUNTING, audit_directories
+from diloco.report.audit_files import FINAL_ACCOUNTING, audit_directories, unstepped_tape
 from diloco.report.exactly_once import Audit
 from diloco.runtime.clock import WALL_OFFSET_FILE_ENV
 from diloco.runtime.disk import SmallDisk
@@ -108,24 +108,12 @@ class TortureResult:
     healed."""
 
     def to_dict(self) -> dict:
-        return {
-            "spec": asdict(self.spec),
-            "audit": self.audit.to_dict(),
-            "faults": [asdict(f) for f in self.faults],
-            "syncer_starts": self.syncer_starts,
-            "syncer_failures": self.syncer_failures,
-            "learner_kills": self.learner_kills,
-            "syncer_kills": self.syncer_kills,
-            "replies_lost": self.replies_lost,
-            "commits": self.commits,
-            "seconds": round(self.seconds, 1),
-            "learner_resumes": self.learner_resumes,
-            "second_syncers_refused": self.second_syncers_refused,
-            "second_syncers_succeeded": self.second_syncers_succeeded,
-            "clock_step_commit_s": self.clock_step_commit_s,
-            "rollbacks": self.rollbacks,
-            "zombies_fenced": self.zombies_fenced,
-        }
+        plain = {f.name: getattr(self, f.name) for f in fields(self)}
+        plain.update(
+            spec=asdict(self.spec), audit=self.audit.to_dict(), seconds=round(self.seconds, 1)
+        )
+        plain["faults"] = [asdict(f) for f in self.faults]
+        return plain
 
 
 class Torture:
@@ -162,6 +150,7 @@ class Torture:
         """(when, the tape's size then, the syncer then) of a clock step not yet followed by
         a commit of that syncer."""
         self.clock_step_commit_s: float | None = None
+        self.tape_bytes_before_step: int | None = None
         self.problems: list[str] = []  # (what the run saw go wrong, added to the audit's)
         self.workdirs: dict[int, list[Path]] = {
             i: [self.workdir / "learners" / f"l{i}"] for i in range(spec.learners)
@@ -456,9 +445,9 @@ class Torture:
     def _step_clock(self, now: float) -> None:
         """Step the syncer's wall clock back (``CLOCK_STEP_S``) for the rest of the run."""
         self._offset_file.write_text(f"{CLOCK_STEP_S}\n")
+        size = self.tape_path.stat().st_size if self.tape_path.exists() else 0
+        self.tape_bytes_before_step = size  # (the audit takes the step out of those after)
         if self.syncer is not None and self.syncer.running and self._serving:
-            tape = self.tape_path
-            size = tape.stat().st_size if tape.exists() else 0
             self._clock_step = (now, size, self.syncer)
 
     def _watch_clock_step(self, now: float) -> None:
@@ -570,10 +559,14 @@ class Torture:
     # ------------------------------------------------------------------- audit
     def _audit(self, started: float, window_end: float) -> TortureResult:
         state = self.workdir / "state" if self.disk else self.state_dir
+        tape = self.tape_path
+        if self.tape_bytes_before_step is not None:  # (the stall check reads the run's clock)
+            before = self.tape_bytes_before_step
+            tape = unstepped_tape(tape, before, CLOCK_STEP_S, self.workdir / "unstepped.jsonl")
         verdict = audit_directories(
             state,
             {f"l{i}": self.workdirs[i] for i in range(self.spec.learners)},
-            tape=self.tape_path,
+            tape=tape,
             down=self.down,
             window=(started + 5.0, window_end),
             stall_bound_s=STALL_BOUND_S,

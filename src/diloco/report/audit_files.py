@@ -13,7 +13,7 @@ from diloco.learner.workdir import FINAL_ACCOUNTING
 from diloco.report.exactly_once import Audit, audit
 from diloco.runtime.jsonl import read_jsonl
 
-__all__ = ["FINAL_ACCOUNTING", "audit_directories", "disk_versions"]
+__all__ = ["FINAL_ACCOUNTING", "audit_directories", "disk_versions", "unstepped_tape"]
 
 
 def disk_versions(state_dir: Path) -> dict[int, int]:
@@ -78,3 +78,30 @@ def audit_directories(
         disk_versions=versions,
         **options,
     )
+
+
+def unstepped_tape(tape: Path, from_byte: int, step_s: float, out: Path) -> Path:
+    """A copy of ``tape`` at ``out`` whose records from byte ``from_byte`` on (appended after
+    the writers' wall clock stepped by ``step_s`` seconds) have the step taken out of their
+    ``t``, for a stall check against the run's own clock: the tape is append-only, so its
+    size when the clock stepped divides the records stamped before from those stamped after.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "t").write_text('{"t": 10.0}\\n{"t": 1.0, "x": 1}\\n')
+    >>> read_jsonl(unstepped_tape(d / "t", 12, -40.0, d / "u"))
+    [{'t': 10.0}, {'t': 41.0, 'x': 1}]
+    """
+    data = tape.read_bytes()
+    lines = []
+    for line in data[from_byte:].decode(errors="replace").splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None  # (a torn line stays as it is)
+        if isinstance(record, dict) and isinstance(record.get("t"), (int, float)):
+            record["t"] -= step_s
+            line = json.dumps(record, separators=(",", ":")) + "\n"
+        lines.append(line)
+    out.write_bytes(data[:from_byte] + "".join(lines).encode())
+    return out
