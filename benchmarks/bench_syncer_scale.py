@@ -20,8 +20,10 @@ tmpfs, for the kernel to count write bytes).
 
 **Phases.** Warm-up until every fragment has committed once (a fragment's first commit is
 written whole; later ones append to the journal), then ``--settle`` seconds; the measured
-window (``--duration`` seconds); the learners stop; the syncer is killed (SIGKILL) and started
-again on its state directory.
+window (``--duration`` seconds; by default one snapshot cycle at the due rate, K·P commits
+with K = ``commits_per_snapshot``, so that the kernel's count holds each fragment's snapshot
+once); the learners listen ``--drain-steps`` more steps and stop; the syncer is killed
+(SIGKILL) and started again on its state directory.
 
 **Measures**, per (N, M), over the window:
 
@@ -47,7 +49,8 @@ again on its state directory.
   window (its Status), whichever round they closed.
 - *Upload-to-commit latency*, in steps: from an accepted upload's send to the arrival, on
   its learner's stream, of the version that merges it (``current_version + 1``); an upload
-  whose version never arrived counts as infinite. p50 and p95.
+  whose version had not arrived when the learners stopped counts as infinite (JSON:
+  ``Infinity``; how many: ``uploads_never_merged``). p50 and p95.
 - *Bytes*: compressed bytes merged per commit (the tape's round records: their ``bytes_up``);
   the kernel's ``write_bytes`` (less ``cancelled_write_bytes``) and ``wchar`` of the syncer
   process (``/proc/PID/io``: all its threads) per commit; the *durable bytes per commit*:
@@ -641,7 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="100M,350M,1B", help="model sizes (e.g. 100M,1B)")
     parser.add_argument("--learners", default="1,4", help="M values (synthetic learners)")
     parser.add_argument("--step", type=float, default=1.0, help="learner step in s")
-    parser.add_argument("--duration", type=float, default=60.0, help="measured seconds")
+    parser.add_argument(
+        "--duration", type=float, default=None, help="measured s (one snapshot cycle)"
+    )
     parser.add_argument("--settle", type=float, default=None, help="s after the warm-up (2 steps)")
     parser.add_argument("--warmup-timeout", type=float, default=1800.0, help="longest warm-up in s")
     parser.add_argument(
@@ -662,7 +667,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--learners and --params must be >= 1 and --step > 0")
     if args.settle is None:
         args.settle = 2 * args.step
+    if args.duration is None:
+        args.duration = snapshot_cycle_s(args.step)
     return bench(args)
+
+
+def snapshot_cycle_s(step: float) -> float:
+    """Seconds the clock takes, at ``step``, to make every fragment due K times (K:
+    ``commits_per_snapshot``): each fragment's snapshot is written once per cycle."""
+    from diloco.algorithm.rounds import tick_period
+    from diloco.syncer.config import SyncerConfig
+
+    config = SyncerConfig()
+    P, H = config.protocol.num_fragments, config.protocol.sync_every
+    return config.commits_per_snapshot * P * tick_period(step, sync_every=H, fragments=P)
 
 
 if __name__ == "__main__":
