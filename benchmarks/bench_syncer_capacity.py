@@ -123,7 +123,13 @@ def serve(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- client
 def client(args: argparse.Namespace) -> int:
-    """Synthetic learners ``--first`` .. ``--first + --count - 1`` as threads (no torch)."""
+    """Synthetic learners ``--first`` .. ``--first + --count - 1`` as threads (no torch).
+
+    Writes to ``--out``: ``records``, one row per upload ``(due, sent, answered, fragment,
+    outcome, current_version, learner)``; ``arrivals``, per learner the ``(fragment, version,
+    time)`` of every download's first chunk; the CPU and bytes received in the window. The
+    spec's optional ``steps`` is the steps each upload claims (default P) and ``stop_file``
+    a file whose existence ends the learners before the window does."""
     import grpc
 
     from diloco.wire import diloco_pb2 as pb
@@ -132,6 +138,8 @@ def client(args: argparse.Namespace) -> int:
     spec = json.loads(Path(args.spec).read_text())
     payloads = [Path(f).read_bytes() for f in spec["payloads"]]
     P, owner, step = spec["fragments"], spec["owner"], spec["step_s"]
+    steps = spec.get("steps", P)
+    stop_file = spec.get("stop_file")
     start = spec["start_at"]
     window = (start + spec["warmup_s"], start + spec["warmup_s"] + spec["duration_s"])
     options = [
@@ -143,6 +151,11 @@ def client(args: argparse.Namespace) -> int:
     heartbeat_every = max(1, round(2.0 / step))  # steps between heartbeats (~2 s)
     records: list[tuple] = []
     received: list[list[int]] = []  # one counter per stream, each written by its own thread
+    arrivals: dict[str, list[tuple[int, int, float]]] = {}
+
+    def stopped() -> bool:
+        return stop_file is not None and os.path.exists(stop_file)
+
     lock = threading.Lock()
 
     def learner(index: int) -> None:
@@ -178,6 +191,8 @@ def client(args: argparse.Namespace) -> int:
                 except grpc.RpcError:
                     pass
 
+        arrived = arrivals[lid] = []
+
         def listen(stream, counter: list[int]) -> None:
             try:
                 for chunk in stream:
@@ -185,12 +200,13 @@ def client(args: argparse.Namespace) -> int:
                         requested.append(chunk.fragment)
                         continue
                     if chunk.chunk_index == 0:
+                        arrived.append((chunk.fragment, chunk.version, time.time()))
                         versions[chunk.fragment] = max(versions[chunk.fragment], chunk.version)
                     counter[0] += len(chunk.data)
             except grpc.RpcError:
                 pass
 
-        def upload(p: int) -> tuple[float, float, int, str]:
+        def upload(p: int) -> tuple[float, float, int, str, int, str]:
             shard = owner[p]
             payload = payloads[p]
             pieces = [payload[i : i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]
@@ -199,8 +215,8 @@ def client(args: argparse.Namespace) -> int:
                 session=sessions[shard],
                 fragment=p,
                 base_version=versions[p],
-                steps=P,
-                tokens=P * 1024,
+                steps=steps,
+                tokens=steps * 1024,
                 codec=spec["up_codec"],
                 numel=spec["numel"][p],
                 num_chunks=len(pieces),
@@ -211,14 +227,15 @@ def client(args: argparse.Namespace) -> int:
                 for i, piece in enumerate(pieces)
             )
             t0 = time.time()
-            outcome = "failed"
+            outcome, current = "failed", -1
             try:
                 reply = stubs[shard].Upload(chunks, timeout=60)
                 outcome = "accepted" if reply.accepted else "stale"
+                current = reply.current_version
                 versions[p] = max(versions[p], reply.current_version)
             except grpc.RpcError as exc:
                 outcome = f"refused:{exc.code().name}"
-            return t0, time.time(), p, outcome
+            return t0, time.time(), p, outcome, current, lid
 
         if spec["subscribe"]:
             for stub, session in zip(stubs, sessions, strict=True):
@@ -233,7 +250,7 @@ def client(args: argparse.Namespace) -> int:
         k = 0
         while True:
             due = start + k * step
-            if due >= window[1]:
+            if due >= window[1] or stopped():
                 break
             time.sleep(max(0.0, due - time.time()))
             if k % heartbeat_every == 0:
@@ -269,13 +286,15 @@ def client(args: argparse.Namespace) -> int:
     time.sleep(max(0.0, window[0] - time.time()))
     with lock:
         cpu0, rx0 = time.process_time(), sum(c[0] for c in received)
-    time.sleep(max(0.0, window[1] - time.time()))
+    while time.time() < window[1] and not stopped():
+        time.sleep(min(0.1, max(0.0, window[1] - time.time())))
     with lock:
         cpu1, rx1 = time.process_time(), sum(c[0] for c in received)
     for t in threads:
         t.join(timeout=120)
     out = {
         "records": records,
+        "arrivals": arrivals,
         "cpu_s": cpu1 - cpu0,
         "received_bytes": rx1 - rx0,
         "stuck": sum(t.is_alive() for t in threads),
@@ -434,8 +453,8 @@ def measure(args, layout, payload_files, syncers, addresses, shards, m, work, ta
     return row
 
 
-def write_payloads(layout, work: Path) -> list[Path]:
-    """One int4 payload per fragment: a real encoded delta (small random values)."""
+def write_payloads(layout, work: Path, codec: str = "int4") -> list[Path]:
+    """One payload per fragment in ``codec``: a real encoded delta (small random values)."""
     import torch
 
     from diloco.algorithm import codecs
@@ -444,7 +463,7 @@ def write_payloads(layout, work: Path) -> list[Path]:
     files = []
     for p, f in enumerate(layout.fragments):
         path = work / f"payload-{p:03d}.bin"
-        path.write_bytes(codecs.encode(torch.randn(f.numel, generator=gen) * 1e-4, "int4"))
+        path.write_bytes(codecs.encode(torch.randn(f.numel, generator=gen) * 1e-4, codec))
         files.append(path)
     return files
 

@@ -47,6 +47,7 @@ from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe, Subscriber
 from diloco.syncer.receipt_log import ReceiptLog
 from diloco.syncer.replay import down_step
 from diloco.syncer.snapshots import Snapshots
+from diloco.syncer.stage_times import StageTimes
 from diloco.syncer.state import Commit, RoundRequest, SyncerState, fragment_digest
 from diloco.syncer.store import EventTape, FragmentStore, SyncFailed
 from diloco.syncer.tape_index import TapeIndex, dropped_in
@@ -95,7 +96,8 @@ def retrying(write: Callable[[], None]) -> None:
 class Committer:
     """The committer thread and what it owns: the wire images ``W_p`` and each fragment's
     latest keyframe, the recent versions' contributors, the store, the receipt log, the tape
-    and its index, and whether the syncer stops or has failed (see the module docstring).
+    and its index, the time each stage of the commits takes (``stage_times``), and whether
+    the syncer stops or has failed (see the module docstring).
 
     The service shares its lock (every change to the state happens under it), its watchdog
     and a view of its subscriptions; it tells the committer when something may close a
@@ -130,6 +132,8 @@ class Committer:
         self.on_failure = on_failure
         self.failure: BaseException | None = None
         """Why the syncer cannot do its job (None while it can); see the module docstring."""
+        self.stage_times = StageTimes()
+        """Where the commits' time goes, stage by stage (``diloco.syncer.stage_times``)."""
         self.commit_lock = threading.Lock()
         """Held while a commit is made, persisted and published: by the committer, and by
         ``stop`` for the last commits (never two publishers of one ``W_p``)."""
@@ -158,6 +162,7 @@ class Committer:
                 {p: store.replayed.get(p) for p in state.served},
                 on_failure=self.fail,
                 note=self._note,
+                stage_times=self.stage_times,
             )
             if store is not None
             else None
@@ -259,13 +264,17 @@ class Committer:
                     request, tick_at = self.state.tick(t0)
                     if request is not None:
                         self._ask(request)
+                    closed_at = self.stage_times.clock()
                     closing, wake_at = self.state.close_rounds(t0)
+                    if closing:
+                        self.stage_times.add("guard", self.stage_times.clock() - closed_at)
                     self._closing = [len(r.contributions) + len(r.left_out) for r in closing]
                 if tick_at is not None:
                     wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
                 for round_ in closing:
-                    merged = round_.merge()  # the costly part, while uploads go on
-                    with self.lock:
+                    with self.stage_times.timing("merge"):
+                        merged = round_.merge()  # the costly part, while uploads go on
+                    with self.lock, self.stage_times.timing("outer"):
                         commit = self.state.apply(round_, merged, t0)
                     self._publish_in_time(commit, t0)
                     with self.lock:
@@ -312,19 +321,23 @@ class Committer:
         p = commit.fragment
         codec = self.state.config.down_codec
         if commit.changed:
-            delta, wire = down_step(commit.params, self._wire[p], codec)
+            with self.stage_times.timing("encode"):
+                delta, wire = down_step(commit.params, self._wire[p], codec)
             if not self.state.config.down_feedback:  # Θ_p takes the value learners will hold
                 with self.lock:
                     self.state.model.take_wire_image(p, wire)
                 commit = dataclasses.replace(commit, params=wire.clone())
         else:
             delta, wire = b"", self._wire[p]
-        digest = fragment_digest(commit.params)  # hashed here, not under the lock
+        with self.stage_times.timing("checksum"):
+            digest = fragment_digest(commit.params)  # hashed here, not under the lock
         if self.store is not None:
             journalled = []
-            retrying(lambda: journalled.append(self._persist(commit, wire, digest)))
+            with self.stage_times.timing("persist"):
+                retrying(lambda: journalled.append(self._persist(commit, wire, digest)))
             if journalled[-1]:  # (the commit is made: a snapshot may be due)
                 self.snapshots.after_commit(commit, wire)
+        logged_at = self.stage_times.clock()
         if self.receipt_log is not None:  # (after the commit is made: a successor re-appends it)
             retrying(lambda: self.receipt_log.append(commit.log))
         record = dict(commit.record)
@@ -332,6 +345,7 @@ class Committer:
         record["sync_s"] = round(clock.monotonic() - t0, 6)
         record["bytes_delta"] = len(delta)
         retrying(lambda: self._emit(record, sync=True))
+        self.stage_times.add("log", self.stage_times.clock() - logged_at)
         with self.lock:  # on disk: resends are answered from it, drops reported
             self.state.receipts.settle(commit.log)
         if self.tape_index is not None:
@@ -348,8 +362,8 @@ class Committer:
             return
         for lid, ids in self._held_drops.pop(p, {}).items():
             dropped[lid] = dropped.get(lid, frozenset()) | ids
-        keyframe = Keyframe(wire)
-        with self.lock:
+        with self.lock, self.stage_times.timing("broadcast"):
+            keyframe = Keyframe(wire)
             self._wire[p] = wire
             contributors = frozenset(commit.record["participants"])
             self._payloads[p] = (commit.version, keyframe, contributors)

@@ -424,10 +424,11 @@ class SyncerService(pb_grpc.SyncerServicer):
         """Decode a received upload and submit it to the state; its reply."""
         numel = self.state.layout.fragments[header.fragment].numel
         try:
-            delta = codecs.decode(payload, numel, header.codec)
+            with self.committer.stage_times.timing("decode"):
+                delta = codecs.decode(payload, numel, header.codec)
+                norm = float(delta.norm())  # here, not under the lock
         except codecs.CodecError as exc:
             raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
-        norm = float(delta.norm())  # here, not under the lock
         with self.lock:
             if self.committer.stopping():  # (set under this lock: see ``Committer.stop``)
                 raise Refused("UNAVAILABLE", STOPPING_REASON)

@@ -25,6 +25,7 @@ import torch
 
 from diloco.syncer.fencing import Superseded
 from diloco.syncer.records import Commit
+from diloco.syncer.stage_times import StageTimes
 from diloco.syncer.store import FragmentStore
 
 log = logging.getLogger(__name__)
@@ -61,15 +62,18 @@ class Snapshots:
         *,
         on_failure: Callable[[BaseException], None],
         note: Callable[[dict], None],
+        stage_times: StageTimes | None = None,
     ) -> None:
         """``since``: per fragment, the journal records past its snapshot at start (None:
         no snapshot yet); ``on_failure``: called with ``Superseded`` (the syncer must
-        stop writing); ``note``: a tape record the run can do without."""
+        stop writing); ``note``: a tape record the run can do without; ``stage_times``:
+        where each snapshot's write is timed (its ``snapshot`` stage)."""
         self.store = store
         self.every = every
         self.since = dict(since)
         self.on_failure = on_failure
         self.note = note
+        self.stage_times = stage_times if stage_times is not None else StageTimes()
         self.written = 0
         """Snapshots the writer has put in place."""
         self._waiting: dict[int, Snapshot] = {}
@@ -141,15 +145,16 @@ class Snapshots:
     def _write(self, job: Snapshot) -> None:
         commit = job.commit
         try:
-            self.store.save(
-                commit.fragment,
-                commit.version,
-                commit.params,
-                commit.momentum,
-                wire=job.wire,
-                commits=commit.history,
-                merged_tokens=commit.merged_tokens,
-            )
+            with self.stage_times.timing("snapshot"):
+                self.store.save(
+                    commit.fragment,
+                    commit.version,
+                    commit.params,
+                    commit.momentum,
+                    wire=job.wire,
+                    commits=commit.history,
+                    merged_tokens=commit.merged_tokens,
+                )
             self.store.journal.drop_below(commit.fragment, job.segment)
             self.written += 1
         except Superseded as exc:
