@@ -559,3 +559,41 @@ def test_sign1_crafted_payloads_are_refused(codec, bad):
         data[-1] |= 0x80  # value 15 of 10
     with pytest.raises(CodecError, match=f"{codec}: .*(scale|padding)"):
         decode(bytes(data), 10, codec)
+
+
+def _reference_sign_decode(data: bytes, n: int, block: int) -> torch.Tensor:
+    """The sign codecs' decode as first written (bit by bit, a scale per value): the oracle
+    the table-driven decode must match bit for bit."""
+    nb = -(-n // block)
+    scale = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
+    packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 * nb).copy())
+    negative = torch.stack([(packed >> k) & 1 for k in range(8)], dim=1).reshape(-1)
+    per_value = torch.repeat_interleave(scale, block)[:n]
+    return torch.where(negative[:n].bool(), -per_value, per_value)
+
+
+def _reference_sign_bits(x: torch.Tensor, block: int) -> bytes:
+    """The sign bits as first packed (one shift per bit position)."""
+    n = x.numel()
+    buf = torch.zeros(-(-n // block) * block)
+    buf[:n] = x
+    bits = (buf < 0).to(torch.uint8).view(-1, 8)
+    packed = bits[:, 0].clone()
+    for k in range(1, 8):
+        packed |= bits[:, k] << k
+    return packed[: (n + 7) // 8].numpy().tobytes()
+
+
+@pytest.mark.parametrize("codec", ["sign1", "sign1w"])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 127, 128, 129, 1023, 1025, 5000, 70_001])
+def test_the_sign_codecs_are_bit_exact_with_their_first_implementation(codec, n):
+    block = SIGN_BLOCKS[codec]
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[:: max(1, n // 5)] = -0.0  # (negative zeros carry their sign bit too)
+    data = encode(x, codec)
+    nb = -(-n // block)
+    assert data[4 * nb :] == _reference_sign_bits(x, block)
+    decoded = decode(data, n, codec)
+    expected = _reference_sign_decode(data, n, block)
+    assert torch.equal(decoded, expected)
+    assert torch.equal(torch.signbit(decoded), torch.signbit(expected))

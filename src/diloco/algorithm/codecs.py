@@ -448,10 +448,12 @@ def _encode_sign(x: torch.Tensor, block: int) -> bytes:
     # a mean is at most its largest |x|, but the rounding of a block whose length is not a
     # power of two can carry it above float32's max: keep what is sent decodable
     scale.clamp_(max=_F32_MAX)
-    packed = bits[:, 0].clone()
-    for k in range(1, 8):
-        packed |= bits[:, k] << k
-    return _le(scale, "<f4").tobytes() + packed[: (n + 7) // 8].numpy().tobytes()
+    packed = np.packbits(bits.numpy(), axis=None, bitorder="little")  # value 8j + k: bit k
+    return _le(scale, "<f4").tobytes() + packed[: (n + 7) // 8].tobytes()
+
+
+_SIGNS_OF_BYTE = torch.tensor([[-1.0 if b >> k & 1 else 1.0 for k in range(8)] for b in range(256)])
+"""Row b: the signs of the eight values whose sign bits are byte b (value k: bit k)."""
 
 
 def _decode_sign(mv: memoryview, n: int, codec: str) -> torch.Tensor:
@@ -462,9 +464,11 @@ def _decode_sign(mv: memoryview, n: int, codec: str) -> torch.Tensor:
         raise _non_finite_error(scale, codec, "payload scales")
     if bool((scale < 0).any()):
         raise CodecError(f"{codec}: payload has a negative scale")
-    packed = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8, offset=4 * nb).copy())
-    negative = torch.stack([(packed >> k) & 1 for k in range(8)], dim=1).reshape(-1)
-    if bool(negative[n:].any()):
+    packed = np.frombuffer(mv, dtype=np.uint8, offset=4 * nb)
+    if n % 8 and packed[-1] >> (n % 8):
         raise CodecError(f"{codec}: payload has set padding bits after the last value")
-    per_value = torch.repeat_interleave(scale, block)[:n]
-    return torch.where(negative[:n].bool(), -per_value, per_value)
+    whole = np.zeros(nb * block // 8, dtype=np.int64)  # (the last block's padding: +)
+    whole[: packed.size] = packed
+    # two passes per value: each byte's eight signs from a table, then the block's scale
+    out = _SIGNS_OF_BYTE[torch.from_numpy(whole)].view(nb, block).mul_(scale[:, None])
+    return out.view(-1)[:n]
