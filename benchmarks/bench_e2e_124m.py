@@ -27,8 +27,9 @@ GPT-2 of width 64 over 512 tokens (0.1M parameters) with fewer steps: the same c
   pinned, so on 2 cores the syncer's merges take CPU time from the learners: their steps/s
   are reported, not held to the 5%. This run checks that **the syncer makes every due
   commit**: its clock owes one round every ``H·ξ/P`` seconds (ξ the fleet's step time: the
-  faster learner's), so over the window in which both learners made their measured steps
-  ``due = window · P / (H · ξ)``; *made* counts the clock's requests (``tick`` records of the
+  faster learner's). Both learners join first and start training together; over the window
+  from the first measured step of either to the last of either (the clock asks whoever is
+  live) ``due = window · P / (H · ξ)``; *made* counts the clock's requests (``tick`` records of the
   syncer's tape) in that window whose fragment was committed afterwards (a ``round`` or a
   ``dropped`` record of a newer version). Target, as in ``bench_syncer_capacity.py``: made
   ≥ 95% of due, less one commit for the window's edges. Each learner closes with a flush, so
@@ -38,8 +39,9 @@ GPT-2 of width 64 over 512 tokens (0.1M parameters) with fewer steps: the same c
   kernel's ``ru_maxrss`` of that process, from ``wait4``) is compared with the model's fp32
   bytes above a baseline process that only imports what the export imports: the export
   holds the model it writes into and one fragment at a time, so that difference must stay
-  below two fp32 copies (about one, plus a fragment). The written shards are loaded back
-  strictly into a fresh model and compared with what the syncer committed.
+  below two fp32 copies (about one, plus a fragment; building the 124M GPT-2 alone peaks
+  about 0.3 copies above the model, transformers' initialisation). The written shards are
+  loaded back strictly into a fresh model and compared with what the syncer committed.
 
 Peak RSS of every process is its ``ru_maxrss``; the syncer's is also reported per model
 parameter. Medians over ``--repeats`` are printed (and written as JSON with ``--json``), and
@@ -163,6 +165,8 @@ def train(args) -> dict:
             drain_timeout_s=DRAIN_TIMEOUT_S,
         )
         learner.wait_for_global(timeout=JOIN_TIMEOUT_S)
+        Path(args.ready_file).touch()  # joined: the fleet starts training together
+        wait_for_files([Path(args.go_file)], [])
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(SEED)
     result = overhead.timed_loop(
@@ -239,6 +243,17 @@ def finish(proc: subprocess.Popen, timeout: float = PROCESS_TIMEOUT_S) -> float:
     return usage.ru_maxrss / 1024
 
 
+def wait_for_files(paths: list[Path], procs: list[subprocess.Popen]) -> None:
+    """Wait until every one of ``paths`` exists (files other processes write: polled, there is
+    no event to wait on); ``RuntimeError`` when one of ``procs`` exits first or after
+    ``PROCESS_TIMEOUT_S``."""
+    deadline = time.monotonic() + PROCESS_TIMEOUT_S
+    while not all(path.exists() for path in paths):
+        if any(proc.poll() is not None for proc in procs) or time.monotonic() > deadline:
+            raise RuntimeError(f"waited in vain for {', '.join(map(str, paths))}")
+        time.sleep(0.1)
+
+
 def kill_all(procs: list[subprocess.Popen]) -> None:
     """Kill and reap those of ``procs`` still running (after a failure)."""
     for proc in procs:
@@ -262,19 +277,18 @@ def start_syncer(args, state_dir: Path, cpus: set[int] | None) -> tuple[subproce
     """A real ``diloco syncer`` process serving the benchmark's model from ``state_dir``
     (today's default exchange); it exits when its learners have left. Returns it and its
     address."""
-    port_file = state_dir.with_suffix(".port")
+    port_file = state_dir.with_suffix(".port")  # (written once it serves)
     proc = start(
         [sys.executable, "-m", "diloco.cli", "syncer", "--model", model_ref(args.size),
          "--state-dir", str(state_dir), "--bind", "127.0.0.1:0", "--port-file", str(port_file),
          "--stop-when-learners-leave"],
         cpus,
     )  # fmt: skip
-    deadline = time.monotonic() + PROCESS_TIMEOUT_S
-    while not port_file.is_file():  # (written once it serves: a file, no event to wait on)
-        if proc.poll() is not None or time.monotonic() > deadline:
-            kill_all([proc])
-            raise RuntimeError(f"the syncer did not start (exit {proc.returncode})")
-        time.sleep(0.2)
+    try:
+        wait_for_files([port_file], [proc])
+    except RuntimeError:
+        kill_all([proc])
+        raise
     return proc, port_file.read_text().strip()
 
 
@@ -284,11 +298,16 @@ def measure_learners(args, work: Path, ids: tuple[str, ...], syncer_cpus) -> dic
     state_dir = work / f"syncer-{len(ids)}"
     syncer, address = start_syncer(args, state_dir, syncer_cpus)
     procs = [syncer]
+    go = work / f"{state_dir.name}.go"
+    ready = [work / f"{state_dir.name}-{i}.ready" for i in ids]
     try:
         for cpu, learner_id in enumerate(ids):
-            extra = (f"--syncer={address}", f"--learner-id={learner_id}")
+            extra = (f"--syncer={address}", f"--learner-id={learner_id}",
+                     f"--ready-file={ready[cpu]}", f"--go-file={go}")  # fmt: skip
             output = work / f"{state_dir.name}-{learner_id}.json"
             procs.append(start(child("train", args, *extra), {cpu}, output))
+        wait_for_files(ready, procs)
+        go.touch()
         for proc in procs[1:]:
             finish(proc)
         results = {
@@ -365,7 +384,7 @@ def one_repeat(args, work: Path) -> dict:
     single = measure_learners(args, work, LEARNERS[:1], {1})
     fleet = measure_learners(args, work, LEARNERS, None)
     learners = fleet["learners"].values()
-    window = (max(r["measured_from"] for r in learners), min(r["measured_to"] for r in learners))
+    window = (min(r["measured_from"] for r in learners), max(r["measured_to"] for r in learners))
     step_s = 1 / max(r["steps_per_s"] for r in learners)
     learner = single["learners"][LEARNERS[0]]
     params = plain["params"]
@@ -431,6 +450,8 @@ def main() -> int:
     p.add_argument("--keep", default="", help="keep the runs' files in this directory")
     p.add_argument("--syncer", default="", help=argparse.SUPPRESS)
     p.add_argument("--learner-id", default=LEARNERS[0], help=argparse.SUPPRESS)
+    p.add_argument("--ready-file", default="", help=argparse.SUPPRESS)
+    p.add_argument("--go-file", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.size = args.size or ("quick" if args.quick else "124m")
     args.steps = args.steps or SIZES[args.size].steps
