@@ -34,10 +34,6 @@ import subprocess
 import sys
 import time
 
-from diloco.syncer.config import SyncerConfig
-from diloco.wire.experimental import FORMER_DEFAULT
-from diloco.wire.protocol import ProtocolConfig
-
 WARMUP = 5
 
 
@@ -48,6 +44,44 @@ def build(layers: int, dim: int, seed: int = 0):
 
     torch.manual_seed(seed)
     return GPT(GPTConfig(seq_len=64, layers=layers, dim=dim, heads=dim // 60))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (``ru_maxrss``), MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed_loop(
+    model, optimizer, loss_of, next_batch, steps: int, learner=None, min_step_s: float = 0.0
+) -> dict:
+    """``WARMUP + steps`` training steps (``loss_of(model, x)`` on ``next_batch()``, backward,
+    ``optimizer.step``, and ``learner.step`` after each when a learner is given); returns
+    ``steps_per_s`` over the ``steps`` measured ones and their wall-clock window
+    (``measured_from``, ``measured_to``, ``time.time()``). On a CUDA model the window is
+    closed by device synchronisations. ``min_step_s``: each step lasts at least this long (a
+    stated step time, for a model too small to give the syncer's clock a pace of its own)."""
+    import torch
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    for step in range(WARMUP + steps):
+        if step == WARMUP:
+            if cuda:
+                torch.cuda.synchronize()
+            started, measured_from = time.perf_counter(), time.time()
+        began = time.perf_counter()
+        x = next_batch()
+        loss = loss_of(model, x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if learner is not None:
+            learner.step(tokens=x.numel())
+        time.sleep(max(0.0, began + min_step_s - time.perf_counter()))
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    return {"steps_per_s": steps / elapsed, "measured_from": measured_from,
+            "measured_to": measured_from + elapsed}  # fmt: skip
 
 
 def train(args) -> dict:
@@ -70,27 +104,20 @@ def train(args) -> dict:
                                  malloc_arenas=args.arenas or None)  # fmt: skip
         learner.wait_for_global(timeout=120)
     gen = torch.Generator().manual_seed(0)
-    cuda = device.type == "cuda"
-    for step in range(WARMUP + args.steps):
-        if step == WARMUP:
-            if cuda:
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-        x = torch.randint(0, 256, (args.batch, 64), generator=gen).to(device)
-        _, loss = model(x, x)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if learner is not None:
-            learner.step(tokens=x.numel())
-    if cuda:
-        torch.cuda.synchronize()
+    timing = timed_loop(
+        model,
+        optimizer,
+        lambda m, x: m(x, x)[1],
+        lambda: torch.randint(0, 256, (args.batch, 64), generator=gen).to(device),
+        args.steps,
+        learner,
+    )
     result = {
-        "steps_per_s": args.steps / (time.perf_counter() - started),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "steps_per_s": timing["steps_per_s"],
+        "peak_rss_mb": peak_rss_mb(),
         "params": sum(p.numel() for p in model.parameters()),
     }
-    if cuda:
+    if device.type == "cuda":
         result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if learner is not None:
         result["uploads"] = learner.stats.get("uploads_sent", 0)
@@ -105,7 +132,10 @@ def serve(args) -> None:
 
     import torch
 
+    from diloco.syncer.config import SyncerConfig
     from diloco.syncer.server import SyncerServer
+    from diloco.wire.experimental import FORMER_DEFAULT
+    from diloco.wire.protocol import ProtocolConfig
 
     os.sched_setaffinity(0, {1})
     torch.set_num_threads(1)
