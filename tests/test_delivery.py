@@ -97,13 +97,16 @@ def test_a_restore_drops_only_the_progress_delivered_after_the_checkpoint(tmp_pa
         assert (restored.steps_since[1], restored.tokens_since[1]) == (0, 0)
         assert torch.equal(restored.layout.gather(0, restored.params), trained[0])
         assert (restored.steps_since[0], restored.tokens_since[0]) == (6, 60)
-        # The previous life trained to step 8 and delivered them: the worker skips steps 7-8
-        # (their data is in the global model already); every fragment counts them dropped.
+        # The previous life trained to step 8 and had them accepted: the worker skips steps
+        # 7-8 (their data may be in the global model already); every fragment counts them
+        # dropped. Accepted is not merged (its round may have died with its syncer, or left
+        # it out) and without a journal nothing can tell: fragment 1's 6 steps are unknown.
         assert restored.ahead_on_restore == 2
         restored.skip(2, tokens=20)
         books = restored.accounting()
         assert (books.trained, restored.total_tokens) == (8, state["total_tokens"] + 20)
-        assert books.merged == (0, 6) and books.unsent == (6, 0) and books.dropped == (2, 2)
+        assert books.merged == (0, 0) and books.unknown == (0, 6)
+        assert books.unsent == (6, 0) and books.dropped == (2, 2)
         assert books.balanced()
     finally:
         restored.close(flush=False)
@@ -271,8 +274,9 @@ def test_a_checkpointed_delta_a_later_life_had_back_and_sent_again_is_not_resent
     """Seed 1 of the widened torture run (issue 46): after its checkpoint the previous life
     had upload X refused (returned), sent its 6 steps again with 2 more in upload Y (queued
     at step 8) and Y was accepted; then it died. Resent as it was from the checkpoint, X
-    was refused again, returned, and its steps were merged a second time. X's steps are
-    delivered: counted merged (carried), fragment 0 back at its anchor, nothing resent."""
+    was refused again, returned, and its steps were merged a second time. X is not sent
+    again; the first join finds Y among the syncer's commits (accepted alone is not merged):
+    X's steps are delivered, counted merged (carried), fragment 0 back at its anchor."""
     model, state, x, anchors, trained, life = checkpoint_with_an_unanswered_delta(tmp_path)
     journal = tmp_path / "uploads.jsonl"
     with open(journal, "a") as f:
@@ -283,12 +287,15 @@ def test_a_checkpointed_delta_a_later_life_had_back_and_sent_again_is_not_resent
     _, restored = make_journaled(tmp_path, model, state)
     try:
         assert restored._ledger.unanswered(0) == []
+        restored.listener.on_rejoin("127.0.0.1:1", "s1", [2, 2], (0, 1), [x + 1], [0, 0])
+        restored.apply_arrived()
         assert restored.merged_steps[0] == 6 and restored.steps_since == [0, 6]
         assert torch.equal(restored.layout.gather(0, restored.params), anchors[0])
         assert torch.equal(restored.layout.gather(1, restored.params), trained[1])
         assert restored.dropped_on_restore == [0] and restored.ahead_on_restore == 2
         lines = [json.loads(x) for x in journal.read_text().splitlines()[before:]]
-        assert lines[0]["carried"] == [6, 0]
+        assert lines[0]["carried"] == [0, 0]
+        assert {"found_delivered": 0, "steps": 6, "life": lines[0]["life"]} in lines
         assert not any("u" in line for line in lines)  # X not sent again
         restored.skip(2, tokens=20)
         assert restored.accounting().balanced()

@@ -89,9 +89,10 @@ class LearnerConfig:
     it refuses contributions claiming more (0: not declared)."""
     delivery_file: str | None = None
     """Where to keep the delivery log (``diloco.learner.delivery``): per fragment, the step of
-    the newest upload the syncer accepted. With it, a learner restored from a checkpoint drops
-    the checkpointed progress it had delivered after that checkpoint instead of sending it
-    twice. Keep it beside the checkpoint; None: no log (a restore may resend some progress)."""
+    the newest upload the syncer accepted. Without a ``journal_file``, a learner restored from
+    a checkpoint drops the checkpointed progress it had accepted after that checkpoint (counted
+    unknown: accepted is not merged) instead of sending it twice; with one, the first join
+    decides from the syncer's commits. Keep it beside the checkpoint; None: no log."""
     journal_file: str | None = None
     """Where to append the upload journal (``diloco.learner.journal``): a line for every
     upload before it is sent, so an audit can tell whose steps each merged upload carried,

@@ -1,19 +1,19 @@
-"""What a learner delivered after its last checkpoint, so a restart does not send it twice.
+"""What a learner had accepted after its last checkpoint, so a restart does not send it twice.
 
 A checkpoint holds, per fragment p, the progress trained since the anchor and not yet sent
 (the last ``steps_p`` steps before the checkpoint's step). A learner killed some seconds after
-its checkpoint has usually sent some fragments in between: that progress is in the global
-model. Restored from the checkpoint, it would find it again in its parameters and send it a
-second time (measured: about one sync period's worth per fragment per kill, counted and
-merged twice). So the learner keeps a tiny *delivery log*: per fragment, the local step at which
-its newest accepted upload was queued (``{"p": step, ...}`` as JSON, rewritten atomically on
-each acceptance). On restore, a fragment whose accepted upload was queued after its unsent
-window began has its checkpointed progress dropped (parameters back to the anchor, counters 0):
-:func:`already_delivered` decides, a pure function.
+its checkpoint has usually sent some fragments in between. Restored from the checkpoint, it
+would find that progress again in its parameters and send it a second time. So the learner
+keeps a tiny *delivery log*: per fragment, the local step at which its newest accepted upload
+was queued (``{"p": step, ...}`` as JSON, rewritten atomically on each acceptance).
 
-What it cannot see: an upload the syncer accepted whose reply never arrived (the learner died
-during that call). The restored learner asks the syncer at its first join instead: the
-upload ids it holds, against the learner's upload journal (``Restorer.confirm_delivered``).
+Accepted is not merged: the round that accepted an upload can die with its syncer (admissions
+are durable only at commit) or leave it out (the direction check). So a learner with an upload
+journal does not take fates from this log: the first join of each syncer decides, from the
+upload ids its commits hold (``Restorer.confirm_delivered``). Without a journal the log is all
+there is: a fragment whose accepted upload was queued after its unsent window began
+(:func:`already_delivered`, a pure function) has its checkpointed progress dropped and counted
+*unknown*, neither sent again nor counted merged (``Restorer.drop_delivered``).
 """
 
 from __future__ import annotations

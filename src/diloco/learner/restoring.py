@@ -61,12 +61,12 @@ class Restorer:
         """Fragments whose checkpointed progress was found delivered already at restore."""
         self.ahead_on_restore = 0
         """Steps past its checkpoint that the previous life trained and delivered some of
-        (its delivery log, or at the first join the syncer's commits, show an upload
-        queued after the checkpoint's step): training them again would merge their data
-        twice; the caller skips them (``skip``, after ``wait_for_global``)."""
+        (at the first join the syncer's commits, or without an upload journal its delivery
+        log, show an upload queued after the checkpoint's step): training them again would
+        merge their data twice; the caller skips them (``skip``, after ``wait_for_global``)."""
         self.unconfirmed: dict[int, tuple[int, int, int]] = {}
         """After a restore: upload id -> (fragment, steps, step) of the uploads queued after
-        the checkpoint whose answers this life cannot know (``note_unconfirmed``);
+        the checkpoint whose fates this life cannot know (``note_unconfirmed``);
         checked at the first join of their syncer (shard), given up at the first step."""
         self.restored_at: tuple[int, list[int], list[int]] = (0, [], [])
         """After a restore: the checkpoint's step, per-fragment unsent steps and versions."""
@@ -153,59 +153,60 @@ class Restorer:
         }
 
     def drop_delivered(self, accepted_at: dict[int, int]) -> None:
-        """After a restore: deltas whose answer the checkpoint did not know count as
-        delivered if the delivery log shows an upload of that fragment accepted at or after
-        them (else they are returned and sent again); the undelivered progress of a fragment
-        whose upload queued after the checkpoint was accepted is dropped (delivered)."""
+        """After a restore, what the delivery log (``accepted_at``) says of the time after
+        the checkpoint. Accepted is not merged: an accepted upload's round may die with its
+        syncer, or leave it out. With an upload journal the first join of each syncer
+        decides from its commits (``confirm_delivered``): here a delta a later life had back
+        is only made undelivered progress again (``take_back_returned``). Without one, the
+        log is all there is: a delta without an upload id that an upload accepted at or
+        after it may have carried, and the checkpointed progress of a fragment whose upload
+        queued after the checkpoint was accepted, are neither sent again nor counted merged
+        but counted *unknown*; the steps the log shows past the checkpoint are skipped."""
         pr = self.progress
+        journaled = bool(self.config.journal_file)
         with torch.no_grad():
             for p, e in self.ledger.items():
                 if e.admitted is not None or e.upload_id:
                     continue  # (one with an upload id is sent again as it was: resumed)
                 if accepted_at.get(p, -1) >= e.local_step:
-                    e.admitted = -1  # merged by the first version that arrives
+                    self.settler.forget_unknown(p, e)  # (no id: no syncer can tell)
                 else:
                     self.settler.give_back(p, e)
+            self.take_back_returned()
+            if journaled:
+                return
             for p in already_delivered(accepted_at, pr.local_step, pr.steps_since):
                 if pr.anchors[p] is None:
                     continue
-                pr.merged_steps[p] += pr.steps_since[p]  # delivered before the restart
+                pr.unknown_steps[p] += pr.steps_since[p]  # accepted: maybe merged, maybe not
                 self.overwrite(p, pr.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)
-            self.take_back_returned(accepted_at)
         self.ahead_on_restore = max(0, max(accepted_at.values(), default=0) - pr.local_step)
 
-    def take_back_returned(self, accepted_at: dict[int, int]) -> None:
+    def take_back_returned(self) -> None:
         """After a restore: a delta the checkpoint holds unanswered that the journal says a
         later life had back (refused or withdrawn after the checkpoint: ``returned``) is not
         sent again as it was: that life sent its steps again, in its next upload of the
         fragment (found by the widened torture run: a resend refused again was returned and
-        its steps merged twice). Delivered when the delivery log shows an upload of the
-        fragment accepted from that next one on (its steps count merged, the fragment goes
-        back to its anchor); else its steps are undelivered progress again, as they were for
-        that life, which the first join judges like the rest (``confirm_delivered``)."""
+        its steps merged twice). Its steps are undelivered progress again, as they were for
+        that life (its delta stays in θ_p), which the first join judges like the rest
+        (``confirm_delivered``): not sent again if the syncer's commits hold that next
+        upload."""
         pr, path = self.progress, self.config.journal_file
         returns = journaled_returns(path, self.checkpoint_life) if path else {}
         for p, e in self.ledger.items():
             if e.admitted is not None or e.upload_id not in returns or pr.anchors[p] is None:
                 continue
             self.ledger.remove(p, e)
-            next_at = returns[e.upload_id]
-            if next_at is not None and accepted_at.get(p, -1) >= next_at:
-                pr.merged_steps[p] += e.steps  # delivered before the restart
-                self.overwrite(p, pr.anchors[p], drops=False)  # (θ_p held e's delta)
-                if p not in self.dropped_on_restore:
-                    self.dropped_on_restore.append(p)
-            else:  # its delta stays in θ_p: undelivered progress
-                pr.steps_since[p] += e.steps
-                pr.tokens_since[p] += e.tokens
+            pr.steps_since[p] += e.steps
+            pr.tokens_since[p] += e.tokens
 
     def note_unconfirmed(self, journaled: list[tuple[int, int, int, int]]) -> None:
         """After a restore: remember the uploads (``journaled``: id, fragment, steps, step;
         of the life that took the checkpoint and any later one) queued after the
-        checkpoint. One the syncer accepted just before the life died has no answer
-        anywhere (neither the checkpoint nor the delivery log saw it): the first join of
-        its syncer (shard) tells, by its commit list (``confirm_delivered``)."""
+        checkpoint. Whether the syncer accepted one (an answer the delivery log may have
+        seen) says nothing of its fate: the first join of its syncer (shard) tells, by its
+        commit list (``confirm_delivered``)."""
         pr = self.progress
         step, since = pr.local_step, list(pr.steps_since)
         self.restored_at = (step, since, list(pr.versions))
@@ -229,12 +230,16 @@ class Restorer:
         uploads of those fragments queued after the checkpoint that its commits hold were
         delivered. ``ahead_on_restore`` covers the steps they reached; a fragment whose
         checkpointed progress one of them carried (its steps reach back over the unsent
-        window) has that progress dropped as delivered, as ``drop_delivered`` does from the
-        delivery log, unless this life has moved it already (it trained or sent it). One its
-        commits do not hold was never committed only if its admission is not older than the
-        logs the syncer keeps (``logged_from``; it was made against a version at least the
-        checkpoint's): else its fate is unknown, and it is treated as delivered (its steps
-        skipped, the progress it may have carried dropped) but counted *unknown*."""
+        window) has that progress dropped as delivered, as ``drop_delivered`` from the
+        delivery log once did, unless this life has moved it already (it trained or sent
+        it): counted merged, and moved to excluded when the syncer's note of the uploads it
+        left out (``Settler.on_dropped``) names it. One its commits do not hold was never
+        committed only if its admission is not older than the logs the syncer keeps
+        (``logged_from``; it was made against a version at least the checkpoint's): its
+        progress stays undelivered (trained and sent again, even if the delivery log saw it
+        accepted: its round died). Else its fate is unknown, and it is treated as delivered
+        (its steps skipped, the progress it may have carried dropped) but counted
+        *unknown*."""
         pr = self.progress
         step, since, held = self.restored_at
         owned = set(fragments)
@@ -250,8 +255,10 @@ class Restorer:
             carried = at - steps <= step - since[p]  # it reached back over the unsent window
             untouched = pr.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
             if carried and untouched and pr.anchors[p] is not None:
-                column = pr.unknown_steps if unknown else pr.merged_steps
-                column[p] += since[p]  # delivered before the restart, or maybe
+                if unknown:
+                    pr.unknown_steps[p] += since[p]  # maybe delivered before the restart
+                else:  # (excluded instead once the syncer says it left the upload out)
+                    self.settler.count_merged_upload(p, upload_id, since[p])
                 with torch.no_grad():
                     self.overwrite(p, pr.anchors[p], drops=False)
                 self.dropped_on_restore.append(p)

@@ -227,12 +227,18 @@ class Settler:
                 pr.excluded_steps[p] += e.steps
                 pr.counters["excluded"] += 1
                 continue
-            pr.merged_steps[p] += e.steps
-            pr.counters["merged"] += 1
-            if e.upload_id:
-                self.merged_recent[e.upload_id] = (p, e.steps)
-                while len(self.merged_recent) > MERGED_REMEMBERED:
-                    self.merged_recent.popitem(last=False)
+            self.count_merged_upload(p, e.upload_id, e.steps)
+
+    def count_merged_upload(self, p: int, upload_id: int, steps: int) -> None:
+        """Count ``steps`` of fragment ``p`` merged by upload ``upload_id`` (0: no id) and
+        remember it: a later note that the syncer left it out moves them to excluded."""
+        pr = self.progress
+        pr.merged_steps[p] += steps
+        pr.counters["merged"] += 1
+        if upload_id:
+            self.merged_recent[upload_id] = (p, steps)
+            while len(self.merged_recent) > MERGED_REMEMBERED:
+                self.merged_recent.popitem(last=False)
 
     def on_dropped(self, note: Dropped) -> None:
         """The syncer left these uploads out of their rounds' merges: an entry still on the
