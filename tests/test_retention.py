@@ -14,6 +14,7 @@ import grpc
 import pytest
 from kit import Peer, local_syncer, tiny_model, wait_until
 
+import diloco
 from diloco.learner.inbox import Rejoin
 from diloco.learner.settling import HELD, fate_at_rejoin
 from diloco.syncer.config import SyncerConfig
@@ -22,6 +23,7 @@ from diloco.syncer.receipts import CommitLog, Receipts, UploadPart
 from diloco.syncer.retention import LOGS_DROPPED, PIN_EXPIRED
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.store import read_tape
+from diloco.wire import diloco_pb2 as pb
 
 P = 2
 
@@ -119,8 +121,9 @@ def test_past_the_bound_pinned_logs_are_dropped_counted_and_taped(tmp_path):
 
 
 def test_a_malformed_report_is_refused_and_changes_nothing(tmp_path):
-    """``unsettled_from`` must be empty or one version >= -1 per fragment: a join with
-    another length is refused ``INVALID_ARGUMENT`` and joins nobody, pins nothing."""
+    """``unsettled_from`` must be empty or one version >= -1 per fragment: a join (or
+    heartbeat) with another is refused ``INVALID_ARGUMENT`` and changes nothing; a valid
+    heartbeat moves the pin, an empty one leaves it."""
     server = start_syncer(tmp_path / "state", tmp_path / "events.jsonl")
     try:
         for bad in ([0], [0, 0, 0], [0, -2]):
@@ -130,6 +133,14 @@ def test_a_malformed_report_is_refused_and_changes_nothing(tmp_path):
         assert "a" not in server.state.learners and server.state.receipts.pins.of("a") is None
         peer = joined(server, "a", unsettled_from=[-1, 3])  # -1: the syncer's own version
         assert server.state.receipts.pins.of("a") == {0: 0, 1: 3}
+        beat = {"learner_id": "a", "session": peer.session}
+        peer.stub.Heartbeat(pb.HeartbeatRequest(**beat, unsettled_from=[2, 4]), timeout=5)
+        assert server.state.receipts.pins.of("a") == {0: 2, 1: 4}  # a heartbeat moves it
+        with pytest.raises(grpc.RpcError) as refused:
+            peer.stub.Heartbeat(pb.HeartbeatRequest(**beat, unsettled_from=[1]), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        peer.stub.Heartbeat(pb.HeartbeatRequest(**beat), timeout=5)  # (empty: left as it was)
+        assert server.state.receipts.pins.of("a") == {0: 2, 1: 4}
         peer.close()
     finally:
         server.stop()
@@ -180,3 +191,17 @@ def test_a_restarted_syncer_holds_every_log_until_the_learners_report_again():
     receipts.pin("a", [3, 0], [8, 8], now=6.0)
     receipts.settle(log_of(8, 108), now=11.0)  # the hold is over; a's pin is not
     assert receipts.complete_from[0] == 3 and receipts.admitted("b", 103, 0) == 3
+
+
+def test_a_learner_reports_what_it_may_still_ask_about_at_join():
+    """A real ``Learner`` sends its ``unsettled_from`` with its join (and every heartbeat):
+    holding version 0 of each fragment with nothing unsettled, it pins every fragment from 0."""
+    config = SyncerConfig(schedule="learner", norm_guard_k=0.0)
+    server = local_syncer(tiny_model(0, (16, 32, 4), tanh=False), config, num_fragments=P)
+    model = tiny_model(0, (16, 32, 4), tanh=False)
+    learner = diloco.Learner(model, syncer=server.address, num_fragments=P, learner_id="l")
+    try:
+        wait_until(lambda: server.state.receipts.pins.of("l") == {0: 0, 1: 0}, timeout=30)
+    finally:
+        learner.close(flush=False)
+        server.stop()
