@@ -163,6 +163,9 @@ class LearnerListener(LinkListener):
         lag, as of the last heartbeat; ``DOWNLINK_BEHIND_VERSIONS`` or more: behind)."""
         return max(self.down_lags.values(), default=0)
 
+    def unsettled_from(self) -> list[int]:
+        return list(self.progress.unsettled_from)
+
     def heartbeat_info(self) -> dict:
         sps = 1.0 / self.pacer.step_time if self.pacer.step_time else 0.0
         behind = ["link behind"] if self.pacer.behind else []

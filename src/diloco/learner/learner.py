@@ -162,6 +162,7 @@ class Learner:
             reconnect=lambda: self.link.reconnect(),
         )
         """What the link tells this learner and asks of it (on the link's threads)."""
+        self.settler.note_unsettled()  # (what the first join reports)
         self.link = self._open_link(syncer, link_options)
         self.stopper = Stopper(
             self.link,

@@ -32,6 +32,11 @@ class LinkListener:
         """``step``, ``tokens``, ``steps_per_s`` and ``state`` for the next heartbeat."""
         return {}
 
+    def unsettled_from(self) -> list[int]:
+        """Per fragment, the oldest admission the owner may still ask about, sent with every
+        join and heartbeat (``JoinRequest.unsettled_from``; empty: none reported)."""
+        return []
+
     def on_rejoin(
         self,
         address: str,

@@ -66,6 +66,10 @@ class Progress:
         self.journal: UploadJournal | None = None
         """The upload journal (``LearnerConfig.journal_file``), opened once restored."""
         self.state = "starting"
+        self.unsettled_from: list[int] = []
+        """Per fragment, the oldest admission this learner may still ask about, as of the last
+        settle (``settling.unsettled_from``; empty: not known yet): every join and heartbeat
+        reports it, so the syncer keeps the commit logs that tell its fates."""
         """What the learner is doing, for its heartbeat: starting, training, closed."""
 
     def journal_settled(self, upload_id: int, how: str, version: int | None = None) -> None:

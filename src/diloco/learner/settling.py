@@ -10,7 +10,7 @@ rejoin to its successor, which returns what that syncer accepted and never commi
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +48,28 @@ def fate_at_rejoin(rejoin: Rejoin, p: int, admitted: int, upload_id: int) -> str
     if upload_id and 0 <= logged <= admitted:
         return LOST
     return UNKNOWN
+
+
+def unsettled_from(ledger: Ledger, versions: Sequence[int]) -> list[int]:
+    """Per fragment, the oldest admission this learner may still ask a syncer about
+    (``JoinRequest.unsettled_from``, which pins the syncer's commit logs from there on,
+    ``diloco.syncer.retention``): the version its oldest accepted delta on the ledger was
+    admitted at, or an unanswered one was made against (admitted there or later); with
+    neither, the version held (-1: none). Stale is safe: ledger entries only leave and held
+    versions only grow, so an older report is lower and pins more.
+
+    >>> ledger = Ledger()
+    >>> ledger.add(0, torch.zeros(1), 1, 1, 1).admitted = 3
+    >>> ledger.add(1, torch.zeros(1), 1, 1, 1).base_version = 5
+    >>> unsettled_from(ledger, [6, 7, 2, -1])
+    [3, 5, 2, -1]
+    """
+    floors = list(versions)
+    for p, e in ledger.items():
+        at = e.admitted if e.admitted is not None else e.base_version
+        if at >= 0:
+            floors[p] = at if floors[p] < 0 else min(floors[p], at)
+    return floors
 
 
 def another_lineage(
@@ -137,6 +159,11 @@ class Settler:
             self.give_back(job.fragment, entry)
             if result.outcome == "guard" and self.reset(job.fragment):
                 pr.reset_now.add(job.fragment)  # an island sends it to its other ranks
+        self.note_unsettled()
+
+    def note_unsettled(self) -> None:
+        """Take the ledger's ``unsettled_from`` into the progress (the link reports it)."""
+        self.progress.unsettled_from = unsettled_from(self.ledger, self.progress.versions)
 
     def answered_by_the_dead(self, p: int, entry: DeltaInFlight, result) -> str | None:
         """The fate (``fate_at_rejoin`` with the successor's rejoin) of a delta an "accepted"

@@ -347,7 +347,14 @@ class Committer:
         retrying(lambda: self._emit(record, sync=True))
         self.stage_times.add("log", self.stage_times.clock() - logged_at)
         with self.lock:  # on disk: resends are answered from it, drops reported
-            self.state.receipts.settle(commit.log)
+            receipts, now = self.state.receipts, clock.monotonic()
+            receipts.settle(commit.log, now)
+            for event in receipts.take_events():  # (retention: diloco.syncer.retention)
+                log.warning("commit log retention: %s", event)
+                self.state.record(event.pop("event"), now, **event)
+            complete_from, kept = dict(receipts.complete_from), receipts.kept
+        if self.receipt_log is not None:  # (after memory let go: the file holds no less)
+            self.receipt_log.compact(complete_from, kept)
         if self.tape_index is not None:
             self.tape_index.note(record, self.tape.end)
             if self.tape_index.due():

@@ -17,6 +17,7 @@ from diloco.algorithm.rounds import SCHEDULES
 from diloco.runtime.renamed import moved_to_protocol, renamed_keywords
 from diloco.runtime.schema import on_off, option
 from diloco.syncer.receipts import RETAINED_COMMIT_LOGS
+from diloco.syncer.retention import COMMIT_LOG_PIN_S, MAX_COMMIT_LOGS
 from diloco.wire.comms import comms_setting
 from diloco.wire.protocol import ProtocolConfig
 
@@ -137,8 +138,16 @@ class SyncerConfig:
     """Distinct learner ids the syncer remembers: a new id beyond them takes the place of the
     one gone the longest, and is refused only when all of them are live."""
     commit_logs_kept: int = option(RETAINED_COMMIT_LOGS, metavar="N")
-    """Commit logs the syncer keeps (memory and ``receipts.jsonl``): how far back the fates
-    of accepted uploads stay known; an older one is *unknown* (``diloco.syncer.receipts``)."""
+    """Commit logs the syncer keeps (memory and ``receipts.jsonl``) whatever the learners
+    report: how far back the fates of accepted uploads stay known for a learner that reports
+    no pin; an older one is *unknown* (``diloco.syncer.receipts``)."""
+    commit_logs_max: int = option(MAX_COMMIT_LOGS, metavar="N")
+    """Most commit logs kept while learners' pins still need them (``diloco.syncer.retention``):
+    past it the oldest are let go anyway (``commit_logs_dropped`` on the tape) and their
+    uploads' fates are unknown."""
+    commit_log_pin_s: float = option(COMMIT_LOG_PIN_S, metavar="SECONDS")
+    """How long after its lease a learner that stopped reporting keeps its pin on the commit
+    logs (and a restarted syncer holds every log for the learners to report again)."""
     commits_per_snapshot: int = option(8, metavar="K")
     """Commits of a fragment between two full snapshots of it, written in the background
     (``diloco.syncer.snapshots``); each commit in between appends its admitted uploads, as
@@ -242,8 +251,13 @@ class SyncerConfig:
             )
         if self.commits_per_snapshot < 1:
             raise ValueError(f"commits_per_snapshot must be >= 1 (got {self.commits_per_snapshot})")
-        if self.commit_logs_kept < 1:
-            raise ValueError(f"commit_logs_kept must be >= 1 (got {self.commit_logs_kept})")
+        if self.commit_logs_kept < 1 or self.commit_logs_max < self.commit_logs_kept:
+            raise ValueError(
+                "commit_logs_kept must be >= 1 and commit_logs_max >= commit_logs_kept "
+                f"(got {self.commit_logs_kept}, {self.commit_logs_max})"
+            )
+        if not self.commit_log_pin_s >= 0:
+            raise ValueError(f"commit_log_pin_s must be >= 0 (got {self.commit_log_pin_s})")
         if self.max_learner_ids < 1:
             raise ValueError(f"max_learner_ids must be >= 1 (got {self.max_learner_ids})")
         for name in ("up_codec", "down_codec"):

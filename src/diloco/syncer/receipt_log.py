@@ -4,9 +4,8 @@ A commit's log (``diloco.syncer.receipts.CommitLog``: which upload ids of which 
 merged and left out) is written twice. Into the fragment's own file, in the same rename as
 Θ_p, for the fragment's last ``PERSISTED_COMMITS`` commits: so a commit and what it merged
 can never disagree. And, right after that rename, appended to ``receipts.jsonl`` here, which
-keeps the last ``RETAINED_COMMIT_LOGS`` logs of the whole syncer: so the fates of uploads
-stay known however many commits pass while a learner is cut off, across any number of
-restarts. A crash between the rename and the append loses nothing: at the next start the
+keeps every log a learner may still ask about (bounded): so the fates of uploads stay known
+however many commits pass while a learner is cut off, across any number of restarts. A crash between the rename and the append loses nothing: at the next start the
 logs the fragment files hold and this file lacks are appended (:meth:`ReceiptLog.open`).
 
 Format: JSON lines. The first is a header, ``{"receipts": 1, "complete_from": {p: v}}``:
@@ -19,9 +18,11 @@ fragment files do not hold (the fragment files rolled back under their receipts)
 the operator accepts the rollback (``diloco.syncer.lineage``): then the logs above the
 fragment files are let go (``rolled_back`` says which) and the syncer starts a new lineage.
 
-When the file holds twice the retained logs, it is rewritten with the newest
-``RETAINED_COMMIT_LOGS`` (temp file, fsync, fenced rename), and ``complete_from`` moves past the
-logs let go. Cost per commit: one line (~40 bytes per upload it holds) and one fsync.
+Which logs are kept is memory's decision (``Receipts``: the last ``RETAINED_COMMIT_LOGS``
+and every log a learner's pin still needs, ``diloco.syncer.retention``); when the file holds
+twice as many, it is rewritten without those memory let go (:meth:`ReceiptLog.compact`:
+temp file, fsync, fenced rename) and ``complete_from`` moves past them. Cost per commit: one
+line (~40 bytes per upload it holds) and one fsync.
 """
 
 from __future__ import annotations
@@ -128,11 +129,24 @@ class ReceiptLog:
         finally:
             os.close(fd)
         self._lines += 1
-        if self._lines > 2 * self.retained:
-            try:
-                self._compact()
-            except OSError as exc:  # (the line is durable: compact again at the next append)
-                log.warning("could not compact the receipt log %s: %s", self.path, exc)
+
+    def compact(self, complete_from: Mapping[int, int], kept: int) -> None:
+        """Once the file holds more than twice ``kept`` (the logs memory keeps,
+        ``Receipts.kept``) and twice ``retained`` lines, rewrite it without the logs memory
+        let go: those admitted before ``complete_from`` (``Receipts.complete_from``), which
+        the header then records. Memory lets go first, so the file never holds less than
+        memory; the rewrite is atomic (a crash leaves the old file or the new). An
+        ``OSError`` is logged and the next call tries again (the lines are durable)."""
+        if self._lines <= 2 * max(kept, self.retained):
+            return
+        start = dict(self.complete_from)
+        for p, version in complete_from.items():
+            start[p] = max(start.get(p, 0), version)
+        try:
+            logs = [log for log in self._read_all() if log.admitted >= start.get(log.fragment, 0)]
+            self._rewrite(start, logs)
+        except OSError as exc:
+            log.warning("could not compact the receipt log %s: %s", self.path, exc)
 
     def _read(self, versions: Mapping[int, int], accept_rollback: bool) -> list[CommitLog]:
         data = self.path.read_bytes()
@@ -172,15 +186,6 @@ class ReceiptLog:
             logs = [log for log in logs if log.version <= versions.get(log.fragment, 0)]
             self._rewrite(self.complete_from, logs)
         return logs
-
-    def _compact(self) -> None:
-        """Keep the newest ``retained`` logs; ``complete_from`` moves past the others."""
-        logs = self._read_all()
-        dropped, kept = logs[: -self.retained], logs[-self.retained :]
-        start = dict(self.complete_from)
-        for log in dropped:
-            start[log.fragment] = max(start.get(log.fragment, 0), log.admitted + 1)
-        self._rewrite(start, kept)
 
     def _read_all(self) -> list[CommitLog]:
         lines = self.path.read_text().splitlines()[1:]

@@ -13,9 +13,10 @@ instead of merged.
 and tokens per learner) is persisted *with* the commit: in the fragment's state file (the
 last ``PERSISTED_COMMITS`` logs of the fragment, written in the same rename as Θ_p) and,
 right after that rename, appended to the state directory's receipt log
-(``diloco.syncer.receipt_log``), which keeps the last ``RETAINED_COMMIT_LOGS`` logs of the
-syncer. A restarted syncer rebuilds the fates of every log kept (:meth:`Receipts.restore`),
-so
+(``diloco.syncer.receipt_log``), which keeps the logs memory keeps: the last
+``RETAINED_COMMIT_LOGS`` of the syncer, and every older one a learner may still ask about
+(its pin, ``diloco.syncer.retention``), at most ``MAX_COMMIT_LOGS``. A restarted syncer
+rebuilds the fates of every log kept (:meth:`Receipts.restore`), so
 
 * a resend of an upload a committed round merged (its reply was lost, then the syncer died)
   is answered, not merged a second time, however many commits came since, as long as the
@@ -35,16 +36,26 @@ Pure bookkeeping: no I/O, not thread-safe (the syncer's lock is held).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+
+from diloco.syncer.retention import (
+    COMMIT_LOG_PIN_S,
+    LOGS_DROPPED,
+    MAX_COMMIT_LOGS,
+    PIN_EXPIRED,
+    Pins,
+)
 
 PERSISTED_COMMITS = 64
 """Commits of each fragment whose logs are written into the fragment's state file, in the
 same rename as the commit (the receipt log, appended after it, holds them all)."""
 RETAINED_COMMIT_LOGS = 16_384
-"""Commit logs a syncer keeps (in memory and in its receipt log), over all its fragments:
-the fates of the uploads they hold stay known across restarts and partitions. 16,384 logs
+"""Commit logs a syncer keeps (in memory and in its receipt log), over all its fragments,
+whatever its learners' pins say (older ones while a pin needs them: ``retention``): the
+fates of the uploads they hold stay known across restarts and partitions. 16,384 logs
 are ~3 hours of a fleet at P = 24, H = 16 and 1 s steps (~680 commits per fragment), ~30
 hours at 10 s steps; each upload they hold costs ~150 bytes of memory and ~40 bytes of
 disk (16,384 logs of 8 learners: ~20 MB of memory, ~6 MB on disk)."""
@@ -132,15 +143,35 @@ class Fate:
 
 class Receipts:
     """Per learner, the fates of its accepted upload ids: those of the rounds still open, and
-    those of the last ``retained_logs`` commit logs (older ones are let go with their logs,
-    which moves ``complete_from``)."""
+    those of the commit logs kept (older ones are let go with their logs, which moves
+    ``complete_from``). A log is kept while it is among the last ``retained_logs`` or some
+    learner's pin still needs it (``diloco.syncer.retention``), and never past ``max_logs``."""
 
-    def __init__(self, retained_logs: int = RETAINED_COMMIT_LOGS) -> None:
+    def __init__(
+        self,
+        retained_logs: int = RETAINED_COMMIT_LOGS,
+        max_logs: int = MAX_COMMIT_LOGS,
+        pin_s: float = COMMIT_LOG_PIN_S,
+    ) -> None:
+        """``pin_s``: how long a learner's pin lasts after its last report (its lease and the
+        pin time, ``SyncerConfig.commit_log_pin_s``)."""
         self.retained_logs = retained_logs
+        self.max_logs = max(max_logs, retained_logs)
+        self.pins = Pins(pin_s)
+        """The learners' pins (``diloco.syncer.retention.Pins``)."""
         self._fates: dict[str, dict[int, Fate]] = {}
         self._dropped: dict[str, OrderedDict[int, None]] = {}
-        self._logs: deque[tuple[int, int, list[tuple[str, int]]]] = deque()
-        """The settled logs kept, oldest first: (fragment, admitted, (learner, upload id)...)."""
+        self._logs: dict[int, deque[tuple[int, int, list[tuple[str, int]]]]] = {}
+        """Per fragment, the settled logs kept, oldest first: (order settled, admitted,
+        (learner, upload id)...)."""
+        self._settled = 0
+        self.kept = 0
+        """Logs kept, over all fragments."""
+        self.logs_dropped = 0
+        """Logs let go past ``max_logs`` while some pin still needed them."""
+        self.events: list[dict] = []
+        """Tape records of what retention did (``retention.PIN_EXPIRED``,
+        ``retention.LOGS_DROPPED``) since ``take_events``."""
         self.complete_from: dict[int, int] = {}
         """Per fragment, the version from which the log of every commit is kept (absent: 0,
         every commit): an upload admitted at or after it that no kept log holds was never
@@ -178,9 +209,14 @@ class Receipts:
         if upload_id:
             self._fates.setdefault(learner, {})[upload_id] = Fate(fragment, version, committed)
 
-    def settle(self, log: CommitLog) -> None:
-        """Record what a closed round merged and left out; let the oldest logs go once more
-        than ``retained_logs`` are kept."""
+    def pin(self, learner: str, reported, versions, now: float) -> None:
+        """``learner`` reported its ``unsettled_from`` at ``now`` (``Pins.report``)."""
+        self.pins.report(learner, reported, versions, now)
+
+    def settle(self, log: CommitLog, now: float | None = None) -> None:
+        """Record what a closed round merged and left out, then let go the logs no pin needs
+        past the last ``retained_logs``, and any past ``max_logs`` (pins expire by ``now``;
+        None: none does)."""
         held = []
         for learner, parts in log.merged.items():
             for part in parts:
@@ -195,12 +231,42 @@ class Receipts:
                     dropped[part.upload_id] = None
             while len(dropped) > REPORTED_DROPS:
                 dropped.popitem(last=False)
-        self._logs.append((log.fragment, log.admitted, held))
-        while len(self._logs) > self.retained_logs:
-            self._let_go(*self._logs.popleft())
+        self._settled += 1
+        self._logs.setdefault(log.fragment, deque()).append((self._settled, log.admitted, held))
+        self.kept += 1
+        self._prune(now)
 
-    def _let_go(self, fragment: int, admitted: int, held: list[tuple[str, int]]) -> None:
-        """Forget the oldest kept log: its uploads' fates become unknown."""
+    def _prune(self, now: float | None) -> None:
+        for learner in self.pins.expire(now):
+            self.events.append({"event": PIN_EXPIRED, "learner": learner})
+        if self.kept <= self.retained_logs:
+            return
+        floors = self.pins.floors()
+        while self.kept > self.retained_logs:  # the oldest log no pin needs
+            fronts = [(q[0][0], p) for p, q in self._logs.items() if q]
+            free = [(n, p) for n, p in fronts if self._logs[p][0][1] < floors.get(p, math.inf)]
+            if not free:
+                break
+            self._let_go(min(free)[1])
+        dropped: dict[int, int] = {}
+        while self.kept > self.max_logs:  # pinned, but past the bound: the oldest anyway
+            p = min((q[0][0], p) for p, q in self._logs.items() if q)[1]
+            self._let_go(p)
+            dropped[p] = dropped.get(p, 0) + 1
+        for p, count in sorted(dropped.items()):
+            self.logs_dropped += count
+            record = {"fragment": p, "logs": count, "logged_from": self.complete_from[p]}
+            self.events.append({"event": LOGS_DROPPED, **record})
+
+    def take_events(self) -> list[dict]:
+        """The tape records of what retention did since the last call."""
+        events, self.events = self.events, []
+        return events
+
+    def _let_go(self, fragment: int) -> None:
+        """Forget the fragment's oldest kept log: its uploads' fates become unknown."""
+        _, admitted, held = self._logs[fragment].popleft()
+        self.kept -= 1
         start = self.complete_from.get(fragment, 0)
         self.complete_from[fragment] = max(start, admitted + 1)
         for learner, upload_id in held:
@@ -229,12 +295,19 @@ class Receipts:
         return list(self._dropped.get(learner, ()))
 
     def restore(
-        self, logs: Iterable[CommitLog], complete_from: dict[int, int] | None = None
+        self,
+        logs: Iterable[CommitLog],
+        complete_from: dict[int, int] | None = None,
+        now: float | None = None,
     ) -> None:
         """Rebuild the fates of persisted commits (in the order they were committed) and the
         versions from which their logs are complete (``complete_from``; default: from
-        version 0)."""
+        version 0). With ``now`` (a syncer restarted from its state directory) every log is
+        held for one pin time from ``now`` (``Pins.hold_all``): the learners' pins died with
+        the old syncer and come back with their next reports."""
+        if now is not None:
+            self.pins.hold_all(now)
         for fragment, version in (complete_from or {}).items():
             self.complete_from[fragment] = max(self.complete_from.get(fragment, 0), version)
         for log in logs:
-            self.settle(log)
+            self.settle(log, now)

@@ -196,7 +196,8 @@ class SyncerServer:
             logs = receipt_log.open(
                 {p: versions[p] for p in owned}, embedded, accept_rollback=accept_rollback
             )
-            self.state.receipts.restore(logs, receipt_log.complete_from)
+            since = clock.monotonic() if restored or logs else None  # (pins come anew)
+            self.state.receipts.restore(logs, receipt_log.complete_from, now=since)
         self.lineage = self._lineage(held, taped_ahead, receipt_log)
         self.service = SyncerService(
             self.state,

@@ -48,7 +48,7 @@ from diloco.syncer.store import (
     state_hash,
 )
 from diloco.syncer.tape_index import TapeIndex
-from diloco.syncer.upload import cancelled_upload_reason, receive_upload
+from diloco.syncer.upload import cancelled_upload_reason, check_unsettled, receive_upload
 from diloco.wire import auth
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -206,17 +206,20 @@ class SyncerService(pb_grpc.SyncerServicer):
                     "PERMISSION_DENIED",
                     f"learner id {request.learner_id[:64]!r} is not on the syncer's allow-list",
                 )
+            unsettled = check_unsettled(request.unsettled_from, self.state.layout.num_fragments)
             with self.lock:
+                now = clock.monotonic()
                 info = self.state.join(
                     request.learner_id,
                     tensors=tensors,
                     layout_hash=request.layout_hash,
                     num_fragments=request.num_fragments,
                     observer=request.observer,
-                    now=clock.monotonic(),
+                    now=now,
                     tokens_per_step=request.tokens_per_step,
                     generation=request.generation,
                 )
+                self.state.receipts.pin(request.learner_id, unsettled, self.state.versions, now)
                 versions = list(self.state.versions)
                 committed = self.state.receipts.held(request.learner_id)
                 logged_from = self.state.logged_from()
@@ -503,6 +506,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.check_alive(context)
         try:
             self.check_caller(context, request.learner_id)
+            unsettled = check_unsettled(request.unsettled_from, self.state.layout.num_fragments)
         except Refused as err:
             return self._refuse(context, request.learner_id, err, "Heartbeat")
         sps = request.steps_per_s
@@ -511,7 +515,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 self.state.heartbeat(
                     request.learner_id,
                     request.session,
-                    now=clock.monotonic(),
+                    now=(now := clock.monotonic()),
                     step=max(0, request.step),
                     tokens=max(0, request.tokens),
                     steps_per_s=sps if 0 <= sps < 1e9 else 0.0,  # NaN and Inf report as 0
@@ -519,6 +523,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 )
             except Refused:
                 return pb.HeartbeatReply(known=False, versions=self.state.versions)
+            self.state.receipts.pin(request.learner_id, unsettled, self.state.versions, now)
             return pb.HeartbeatReply(
                 known=True,
                 versions=self.state.versions,

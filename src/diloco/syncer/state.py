@@ -133,7 +133,8 @@ class SyncerState:
             on_forget=self.norms.forget,
         )
         """The learner table (``syncer.roster``)."""
-        self.receipts = Receipts(config.commit_logs_kept)
+        pin_s = config.lease_s + config.commit_log_pin_s
+        self.receipts = Receipts(config.commit_logs_kept, config.commit_logs_max, pin_s)
         """The fates of the learners' accepted uploads (``diloco.syncer.receipts``)."""
         self.closing = RoundClosing(
             config,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from threading import Lock
 
 from diloco.algorithm import codecs
@@ -151,3 +151,16 @@ def _header_fields(chunk: pb.UploadChunk) -> tuple:
         chunk.final,
         chunk.upload_id,
     )
+
+
+def check_unsettled(reported: Sequence[int], num_fragments: int) -> list[int]:
+    """A learner's ``unsettled_from`` as sent: empty (nothing reported) or one version per
+    fragment, each >= -1 (-1: it holds none). ``Refused("INVALID_ARGUMENT")`` otherwise."""
+    floors = [int(v) for v in reported]
+    if floors and (len(floors) != num_fragments or min(floors) < -1):
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"unsettled_from must be empty or one version >= -1 per fragment "
+            f"({num_fragments}); got {len(floors)} values, least {min(floors)}",
+        )
+    return floors

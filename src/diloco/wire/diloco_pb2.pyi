@@ -17,7 +17,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout_hash", "num_fragments", "tensors", "observer", "tokens_per_step", "generation")
+    __slots__ = ("learner_id", "layout_hash", "num_fragments", "tensors", "observer", "tokens_per_step", "generation", "unsettled_from")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class JoinRequest(_message.Message):
     OBSERVER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    UNSETTLED_FROM_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     layout_hash: str
     num_fragments: int
@@ -32,7 +33,8 @@ class JoinRequest(_message.Message):
     observer: bool
     tokens_per_step: int
     generation: int
-    def __init__(self, learner_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., num_fragments: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    unsettled_from: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, learner_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., num_fragments: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., generation: _Optional[int] = ..., unsettled_from: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("session", "versions", "lease_s", "heartbeat_s", "up_codec", "down_codec", "fragments", "syncer_id", "shard", "num_shards", "schedule", "sync_every", "committed_uploads", "logged_from", "lineage")
@@ -161,20 +163,22 @@ class UploadReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., resync: _Optional[bool] = ..., current_version: _Optional[int] = ..., fate_unknown: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "session", "step", "tokens", "steps_per_s", "state")
+    __slots__ = ("learner_id", "session", "step", "tokens", "steps_per_s", "state", "unsettled_from")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    UNSETTLED_FROM_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     session: str
     step: int
     tokens: int
     steps_per_s: float
     state: str
-    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
+    unsettled_from: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., state: _Optional[str] = ..., unsettled_from: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "versions", "dropped_uploads")
