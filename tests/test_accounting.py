@@ -265,6 +265,57 @@ def test_real_processes_merge_every_trained_step_exactly_once(tmp_path):
             assert accounted == STEPS_RUN, (i, p, merged, final["unsent"][p], final["dropped"][p])
 
 
+DISK_AT, DISK_DOWN = 5.0, 8.0
+LOSS_AT, LOSS_DOWN = 3.0, 15.0  # learner-0 loses half its upload replies, across the full disk
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_and_lost_replies_in_a_run_lose_and_double_nothing(tmp_path):
+    """Issue 46, item 7: ``--chaos disk-full`` fills the syncer's disk (a tmpfs under its
+    fragment files) for the down time: its commits fail, it fails and is restarted until
+    there is room; ``--chaos lose-replies`` makes a learner's relay lose the syncer's replies
+    to its uploads. Every trained step is merged exactly once, and the fragment files
+    outlive the small disk. The learners step at a third of their speed: unpaced, an idle
+    machine trained the 3,000 steps in 15.7 s, before the disk had room again (17 s), and
+    the run ended with 47 contributions that could not be committed. It claims nothing about
+    time (it is not ``solo``): a loaded machine only lengthens the training that must outlast
+    the full disk."""
+    import os
+
+    from diloco.report.audit_files import audit_directories
+
+    if os.geteuid() != 0:
+        pytest.skip("disk-full mounts a small filesystem: root only")
+    chaos = (
+        f"disk-full:at={DISK_AT}s,down={DISK_DOWN}s;"
+        f"lose-replies:at={LOSS_AT}s,down={LOSS_DOWN}s,p=0.5,learners=0"
+    )
+    summary = run_diloco_json(
+        "run", "--recipe=tiny", "--learners=2", "--steps=3000", "--minutes=2",
+        "--slow=0=3", "--slow=1=3",  # ~25 s of training: it outlasts the full disk
+        "--eval-every=0", f"--chaos={chaos}", f"--runs-dir={tmp_path}", "--name=disk",
+        "--json", timeout=240,
+    )  # fmt: skip
+    run_dir = tmp_path / "disk"
+    tape = read_tape(run_dir / "syncer" / "events.jsonl")
+    chaos_records = {r["kind"]: r for r in tape if r["event"] == "chaos"}
+    assert set(chaos_records) == {"disk-full", "lose-replies"}, chaos_records
+    assert chaos_records["lose-replies"]["probability"] == 0.5
+    healed = [r for r in tape if r["event"] == "heal"]
+    assert {r["target"] for r in healed} == {"syncer", "learner-0"}
+    full_at = chaos_records["disk-full"]["t"]
+    failed = [r for r in tape if r["event"] == "failed" and r["t"] >= full_at]
+    assert failed and "No space" in failed[0]["error"], failed  # its commits could not land
+    assert any(r["event"] == "resent" for r in tape)  # a lost reply, answered on its resend
+    assert [r for r in tape if r["event"] == "round" and r["t"] > full_at + DISK_DOWN]
+    assert summary["stopped_by"] == "learners finished", summary["stopped_by"]
+    workdirs = {f"learner-{i}": run_dir / "learners" / f"learner-{i}" for i in range(2)}
+    audit = audit_directories(run_dir / "syncer", workdirs, stopped_cleanly=True)
+    assert audit.problems == [] and audit.steps_trained == 6000, audit.problems
+    assert not os.path.ismount(run_dir / "syncer" / "fragments")
+
+
 # A learner whose fragment copies to the host land later, as on a CUDA device: there it
 # enqueues each copy to pinned memory on a side stream and makes the delta at a later step
 # boundary (diloco.learner.snapshot). Here the copies' completion events say "not yet" for a
