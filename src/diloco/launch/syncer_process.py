@@ -52,6 +52,7 @@ def serve(config: ServiceConfig) -> int:
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.algorithm.shards import ShardError, parse_shard
     from diloco.recipes import recipe_of
+    from diloco.runtime.memory import release_large_frees
     from diloco.runtime.model_ref import ModelRefError, load_model
     from diloco.syncer.server import SyncerServer
     from diloco.syncer.store import StateError
@@ -62,6 +63,7 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
+    release_large_frees()  # (diloco.runtime.memory: commits' temporaries go back when freed)
     try:
         model = (
             load_model(config.model)
@@ -102,6 +104,11 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         outputs.close()
         return 2
+    # The server holds Θ_p: the gathered copies go, and the model too unless a snapshot is
+    # written into it (each a whole model's worth of memory for as long as the syncer runs).
+    del params, named
+    if not config.snapshot_path:
+        model = None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
