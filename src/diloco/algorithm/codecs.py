@@ -140,6 +140,29 @@ def encoded_nbytes(numel: int, codec: str) -> int:
     return 4 * (-(-numel // BLOCK_SIZE)) + (numel + per_byte - 1) // per_byte
 
 
+ALIGN_VALUES = TOPK_CHUNK
+"""Every codec encodes the values ``[k·ALIGN_VALUES, (k+1)·ALIGN_VALUES)`` on their own (its
+blocks and chunks divide it) into whole bytes of each section: a payload can be made piece
+by piece (``payload_sections``)."""
+
+
+def payload_sections(numel: int, codec: str) -> list[int]:
+    """The sizes of the sections of ``codec``'s payload of ``numel`` values, in order (the
+    byte layout in the module docstring: scales, then offsets, then codes). A payload of
+    values cut at multiples of ``ALIGN_VALUES`` is, section by section, the concatenation of
+    its pieces' sections: what ``diloco.algorithm.streaming`` encodes by. Pure."""
+    check_codec(codec)
+    total = encoded_nbytes(numel, codec)
+    if codec in _LEVELS or codec in SIGN_BLOCKS:
+        block = SIGN_BLOCKS.get(codec, BLOCK_SIZE)
+        scales = 4 * -(-numel // block)
+        return [scales, total - scales]
+    if codec == "topk2":
+        chunks, kept = _topk_counts(numel)
+        return [8 * chunks, 2 * kept, total - 8 * chunks - 2 * kept]
+    return [total]
+
+
 def _non_finite_error(x: torch.Tensor, codec: str, what: str) -> NonFiniteError:
     nan = int(torch.isnan(x).sum())
     inf = int(torch.isinf(x).sum())

@@ -87,7 +87,9 @@ def cap_weights(weights: Sequence[float], cap: float) -> list[float]:
     return [min(w, limit) for w in out] if limit > 0 else out
 
 
-def _check(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> list[float]:
+def check_contributions(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> list[float]:
+    """The weights as floats; ``ValueError`` unless there is at least one vector, one weight
+    per vector, one shape, finite non-negative weights and a positive total."""
     if len(vectors) == 0:
         raise ValueError("need at least one contribution to merge")
     if len(vectors) != len(weights):
@@ -106,7 +108,7 @@ def _check(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> list[fl
 
 def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """``Σ w·v / Σ w`` as a new float32 tensor."""
-    ws = _check(vectors, weights)
+    ws = check_contributions(vectors, weights)
     total = sum(ws)
     out = torch.zeros(vectors[0].shape, dtype=torch.float32)
     for v, w in zip(vectors, ws, strict=True):
@@ -122,7 +124,7 @@ def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tens
     in which case the weighted mean is returned). Identical inputs return that input; zero
     vectors add radius 0 and no direction.
     """
-    ws = _check(vectors, weights)
+    ws = check_contributions(vectors, weights)
     total = sum(ws)
     radius = 0.0
     direction = torch.zeros(vectors[0].shape, dtype=torch.float32)
@@ -153,12 +155,12 @@ def merge_contributions(
     pieces of one tensor are merged as one tensor, so RDA sees the tensor's full norm.
     Returns a new float32 tensor; the inputs are not modified.
     """
-    ws = _check(deltas, weights)
+    ws = check_contributions(deltas, weights)
     if fragment is None:
         return rda(deltas, ws)
     out = torch.empty(deltas[0].shape, dtype=torch.float32)
     covered = 0
-    for name, spans in _spans_by_tensor(fragment).items():
+    for name, spans in spans_by_tensor(fragment).items():
         parts = [
             torch.cat([d[a:b] for a, b in spans])
             if len(spans) > 1
@@ -178,7 +180,8 @@ def merge_contributions(
     return out
 
 
-def _spans_by_tensor(fragment) -> dict[str, list[tuple[int, int]]]:
+def spans_by_tensor(fragment) -> dict[str, list[tuple[int, int]]]:
+    """Per tensor name, the ``(start, stop)`` spans of ``fragment``'s flat vector it holds."""
     spans: dict[str, list[tuple[int, int]]] = {}
     for piece in fragment.pieces:
         spans.setdefault(piece.name, []).append((piece.offset, piece.offset + piece.numel))

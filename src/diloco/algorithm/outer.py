@@ -121,6 +121,11 @@ class NesterovOuter:
         buf.mul_(self.momentum).add_(delta)
         params.sub_(delta, alpha=lr).sub_(buf, alpha=lr * self.momentum)
 
+    def buffer(self, fragment: int) -> torch.Tensor | None:
+        """The momentum buffer of ``fragment`` itself (None before its first step with
+        μ > 0): read it, never change it."""
+        return self._buffers.get(fragment)
+
     def fragment_state(self, fragment: int) -> dict[str, torch.Tensor]:
         """Serializable state of one fragment: ``{"momentum": tensor}`` or ``{}``."""
         buf = self._buffers.get(fragment)

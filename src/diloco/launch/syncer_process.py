@@ -52,6 +52,7 @@ def serve(config: ServiceConfig) -> int:
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.algorithm.shards import ShardError, parse_shard
     from diloco.recipes import recipe_of
+    from diloco.runtime.memory import release_large_frees
     from diloco.runtime.model_ref import ModelRefError, load_model
     from diloco.syncer.server import SyncerServer
     from diloco.syncer.store import StateError
@@ -62,6 +63,7 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
+    release_large_frees()  # (diloco.runtime.memory: commits' temporaries go back when freed)
     try:
         model = (
             load_model(config.model)
@@ -74,6 +76,12 @@ def serve(config: ServiceConfig) -> int:
     layout = balanced_fragments(model.named_parameters(), config.syncer.protocol.num_fragments)
     named = dict(model.named_parameters())
     params = [layout.gather(p, named) for p in range(layout.num_fragments)]
+    embeddings = embedding_parameter_names(model)
+    # The gathered copies are Θ_p's start: the model goes now (before the server copies them,
+    # so that the start never holds three models), unless a snapshot is written into it.
+    del named
+    if not config.snapshot_path:
+        model = None
     state_dir = config.state_dir
     tape = config.tape or (Path(state_dir) / "events.jsonl" if state_dir else None)
     try:
@@ -93,7 +101,7 @@ def serve(config: ServiceConfig) -> int:
             shard=shard,
             state_dir=state_dir,
             tape_path=tape,
-            embeddings=embedding_parameter_names(model),
+            embeddings=embeddings,
             max_learners=config.max_learners,
             accept_rollback=config.accept_rollback,
             **server_security(config.security),
@@ -102,6 +110,7 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         outputs.close()
         return 2
+    del params  # (the server holds Θ_p: the gathered copies go)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -18,8 +18,8 @@ receives each version once, as its delta. The syncer's clock also queues **reque
 handler thread takes what is pending, **one fragment at a time** (the one waiting longest),
 and sends it in ``CHUNK_BYTES`` pieces.
 
-**What a slow stream holds.** A keyframe is W_p at its version (4 bytes per value) and, once
-a stream sent it, its fp32 payload (4 more). What waits for a stream is, per fragment, the
+**What a slow stream holds.** A keyframe is W_p at its version (4 bytes per value); its fp32
+payload is a view of those bytes (a copy, 4 more, only on a big-endian host). What waits for a stream is, per fragment, the
 newest version only (a newer keyframe replaces an unsent one: a learner applies the newest),
 the very keyframe the syncer keeps for the next subscriber anyway; a stream stalled in a send
 (its learner does not read) holds the one fragment it is sending, never the rest of its
@@ -29,6 +29,7 @@ not a model per stream. [test_syncer_hygiene]
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,7 +44,20 @@ KEYFRAME_CODEC = "fp32"
 """Keyframes carry W exactly, so a learner holding version v holds exactly W(v)."""
 
 
-def chunk_payload(payload: bytes) -> list[memoryview]:
+def _fp32_view(values: torch.Tensor) -> bytes | memoryview:
+    """``codecs.encode(values, "fp32")``, as a view of ``values`` where that is the same
+    bytes (a little-endian host, a contiguous fp32 CPU tensor)."""
+    flat = values.detach().reshape(-1)
+    if sys.byteorder != "little" or flat.dtype != torch.float32 or not flat.is_contiguous():
+        return codecs.encode(values, KEYFRAME_CODEC)
+    if flat.device.type != "cpu" or not codecs.all_finite(flat):
+        return codecs.encode(values, KEYFRAME_CODEC)  # (raises what it raises)
+    array = flat.numpy()
+    array.flags.writeable = False
+    return memoryview(array).cast("B")
+
+
+def chunk_payload(payload: bytes | memoryview) -> list[memoryview]:
     """Split ``payload`` into ``CHUNK_BYTES`` pieces (one empty piece for an empty payload)."""
     view = memoryview(payload)
     return [view[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [view[:0]]
@@ -52,19 +66,24 @@ def chunk_payload(payload: bytes) -> list[memoryview]:
 class Keyframe:
     """``W_p`` at one version, as the fp32 payload and digest a keyframe needs, made the first
     time a stream asks for them and then kept (thread-safe). ``values`` must not be changed
-    in place afterwards (the committer makes a new tensor for every version)."""
+    in place afterwards (the committer makes a new tensor for every version).
+
+    On a little-endian host the payload is ``values``' own memory (fp32 little-endian is
+    what the tensor holds), read through a ``memoryview``: no second copy of ``W_p``."""
 
     def __init__(self, values: torch.Tensor) -> None:
         self.values = values
-        self._payload: bytes | None = None
+        self._payload: bytes | memoryview | None = None
         self._digest: str | None = None
         self._lock = threading.Lock()
 
     @property
-    def payload(self) -> bytes:
+    def payload(self) -> bytes | memoryview:
+        """The fp32 payload: a read-only view of ``values`` where the host's byte order is
+        the wire's, else ``codecs.encode(values, KEYFRAME_CODEC)``."""
         with self._lock:
             if self._payload is None:
-                self._payload = codecs.encode(self.values, KEYFRAME_CODEC)
+                self._payload = _fp32_view(self.values)
             return self._payload
 
     @property

@@ -204,8 +204,8 @@ class RoundClosing:
                 "excluded": closing.excluded,
                 **uploads,
             }
-            params = model.params[fragment].clone()
-            state = model.outer.fragment_state(fragment)
+            params = model.params[fragment]
+            state = self._momentum(fragment)
             total = self.merged_tokens[fragment]
             inputs = RoundInputs(fragment, log, total, changed=False)
             return Commit(
@@ -279,14 +279,20 @@ class RoundClosing:
         return Commit(
             fragment,
             version,
-            model.params[fragment].clone(),
-            model.outer.fragment_state(fragment),
+            model.params[fragment],
+            self._momentum(fragment),
             record,
             log,
             history,
             self.merged_tokens[fragment],
             inputs=inputs,
         )
+
+    def _momentum(self, fragment: int) -> dict[str, torch.Tensor]:
+        """The fragment's momentum as a commit carries it: the buffer itself, not a copy
+        (``Commit``: the committer is its only writer)."""
+        buffer = self.model.outer.buffer(fragment)
+        return {} if buffer is None else {"momentum": buffer}
 
     def tokens_merged(self) -> int:
         """The tokens the run has merged into the global model: the mean over the owned

@@ -48,7 +48,7 @@ from diloco.syncer.receipt_log import ReceiptLog
 from diloco.syncer.replay import down_step
 from diloco.syncer.snapshots import Snapshots
 from diloco.syncer.stage_times import StageTimes
-from diloco.syncer.state import Commit, RoundRequest, SyncerState, fragment_digest
+from diloco.syncer.state import Closing, Commit, RoundRequest, SyncerState, fragment_digest
 from diloco.syncer.store import EventTape, FragmentStore, SyncFailed
 from diloco.syncer.tape_index import TapeIndex, dropped_in
 
@@ -271,14 +271,21 @@ class Committer:
                     self._closing = [len(r.contributions) + len(r.left_out) for r in closing]
                 if tick_at is not None:
                     wake_at = tick_at if wake_at is None else min(wake_at, tick_at)
-                for round_ in closing:
-                    with self.stage_times.timing("merge"):
-                        merged = round_.merge()  # the costly part, while uploads go on
-                    with self.lock, self.stage_times.timing("outer"):
-                        commit = self.state.apply(round_, merged, t0)
-                    self._publish_in_time(commit, t0)
-                    with self.lock:
-                        self._closing.pop(0)
+                while closing:
+                    self._commit(closing.pop(0), t0)
+
+    def _commit(self, round_: Closing, t0: float) -> None:
+        """Merge, apply, persist and broadcast one closed round. A method of its own: what
+        a commit makes (the merged delta, the commit's copies, the round's decoded uploads)
+        is let go when it returns, not kept by the clock's loop until its next wake-up."""
+        with self.stage_times.timing("merge"):
+            merged = round_.merge()  # the costly part, while uploads go on
+        with self.lock, self.stage_times.timing("outer"):
+            commit = self.state.apply(round_, merged, t0)
+        del merged, round_
+        self._publish_in_time(commit, t0)
+        with self.lock:
+            self._closing.pop(0)
 
     def waiting(self) -> int:
         """Contributions admitted and not yet settled: in open rounds, or in rounds the
@@ -324,9 +331,8 @@ class Committer:
             with self.stage_times.timing("encode"):
                 delta, wire = down_step(commit.params, self._wire[p], codec)
             if not self.state.config.down_feedback:  # Θ_p takes the value learners will hold
-                with self.lock:
+                with self.lock:  # (``commit.params`` is Θ_p itself: it holds W_p now)
                     self.state.model.take_wire_image(p, wire)
-                commit = dataclasses.replace(commit, params=wire.clone())
         else:
             delta, wire = b"", self._wire[p]
         with self.stage_times.timing("checksum"):
@@ -453,6 +459,12 @@ class Committer:
             for lid, ids in d.items():
                 dropped[lid] = dropped.get(lid, frozenset()) | ids
         return frozenset().union(*(c for c, _ in newer)), dropped
+
+    def wire_image(self, fragment: int) -> torch.Tensor:
+        """``W_p`` itself, not a copy (never changed in place: each version is a new
+        tensor): for readers that only look, e.g. a memory probe."""
+        with self.lock:
+            return self._wire[fragment]
 
     def wire(self, fragment: int) -> torch.Tensor:
         """A copy of ``W_p``: the value every learner holding the current version holds."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -244,7 +244,13 @@ class Commit:
     commit logs (this one last, as JSON): both are persisted with the value (and the
     fragment's running total of merged tokens), so a restarted syncer knows what every
     recent commit merged. A dropped round (``changed`` False) keeps
-    the version and the value; only its log is persisted, and nothing is broadcast."""
+    the version and the value; only its log is persisted, and nothing is broadcast.
+
+    ``params`` and ``momentum`` are the global model's own Θ_p and momentum buffer, not
+    copies (a copy per commit is 8 bytes per value of the fragment): they hold this
+    commit's values until the fragment's next commit, which only the committer makes, after
+    it has published this one. What keeps them longer, on another thread (a background
+    snapshot), copies them (``records.copied``)."""
 
     fragment: int
     version: int
@@ -259,6 +265,12 @@ class Commit:
     inputs: RoundInputs | None = None
     """What makes the commit again (``diloco.syncer.replay``): its commit journal record
     (the committer adds the digest of Θ_p)."""
+
+
+def copied(commit: Commit) -> Commit:
+    """``commit`` with copies of its Θ_p and momentum (see ``Commit``)."""
+    momentum = {k: v.clone() for k, v in commit.momentum.items()}
+    return replace(commit, params=commit.params.clone(), momentum=momentum)
 
 
 def update_rate(info: LearnerInfo, now: float, tokens: int, decay: float) -> None:

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.algorithm import codecs
+from diloco.algorithm import codecs, streaming
 from diloco.algorithm.fragments import fragment_digest
-from diloco.algorithm.merge import merge_contributions
 from diloco.algorithm.outer import NesterovOuter
 from diloco.syncer.files import StateError
 from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog
@@ -75,7 +74,7 @@ def contribution_delta(parts: Sequence[Encoded], numel: int) -> torch.Tensor:
     delta = None
     for codec, payload in parts:
         decoded = codecs.decode(payload, numel, codec)
-        delta = decoded if delta is None else delta + decoded
+        delta = decoded if delta is None else delta.add_(decoded)
     if delta is None:
         raise ValueError("a contribution without uploads")
     return delta
@@ -88,16 +87,17 @@ def merged_delta(
     piece_layout,
     is_embedding: Callable[[str], bool],
 ) -> torch.Tensor:
-    """A round's merged delta (``merge.merge_contributions``), scaled by its share."""
-    merged = merge_contributions(deltas, weights, piece_layout, is_embedding=is_embedding)
-    return merged * share if share != 1.0 else merged
+    """A round's merged delta (``merge.merge_contributions``), scaled by its share: a new
+    tensor, written chunk by chunk (``streaming.merge_into``: the same bits)."""
+    out = torch.empty(deltas[0].shape, dtype=torch.float32) if deltas else torch.empty(0)
+    return streaming.merge_into(out, deltas, weights, share, piece_layout, is_embedding)
 
 
 def down_step(params: torch.Tensor, wire: torch.Tensor, codec: str) -> tuple[bytes, torch.Tensor]:
     """``(d, W')``: the broadcast delta ``d = encode(Θ_p − W_p)`` and the wire image a
-    learner holds after applying it, ``W' = W_p + decode(d)`` (a new tensor)."""
-    delta = codecs.encode(params - wire, codec)
-    return delta, wire + codecs.decode(delta, params.numel(), codec)
+    learner holds after applying it, ``W' = W_p + decode(d)`` (a new tensor), made chunk by
+    chunk (``streaming.down_step``: the same bits, without whole-fragment temporaries)."""
+    return streaming.down_step(params, wire, codec)
 
 
 def redo(

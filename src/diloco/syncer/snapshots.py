@@ -5,7 +5,7 @@ A fragment's first commit has no snapshot to replay onto: it is written whole, a
 (``first``). Every later commit appends its journal record (``diloco.syncer.journal``); once
 a fragment has ``SyncerConfig.commits_per_snapshot`` records past its snapshot, the committer asks
 for a new one (``after_commit``): the journal moves on to a new segment and the snapshot's
-tensors (the commit's own copies of Θ_p and momentum and the new wire image, which nothing
+tensors (copies of the commit's Θ_p and momentum, and the new wire image, which nothing
 changes afterwards) go to the writer thread. A commit never waits for a snapshot; a newer
 request for a fragment replaces one still waiting. The writer renames the file into place
 (``FragmentStore.save``: temp file, fsync, fenced rename, directory fsync), then deletes the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.syncer.fencing import Superseded
-from diloco.syncer.records import Commit
+from diloco.syncer.records import Commit, copied
 from diloco.syncer.stage_times import StageTimes
 from diloco.syncer.store import FragmentStore
 
@@ -104,7 +104,7 @@ class Snapshots:
         with self._cond:
             if self._closed:
                 return
-            self._waiting[p] = Snapshot(commit, wire, segment)
+            self._waiting[p] = Snapshot(copied(commit), wire, segment)
             self._cond.notify()
             if not self._thread.is_alive():
                 self._thread.start()

@@ -1,0 +1,141 @@
+"""A commit's arithmetic chunk by chunk: the merge and the down step without whole-fragment
+temporaries, bit for bit what the whole-tensor functions give.
+
+A fragment of a 1B-parameter model at P = 24 holds 42M values (168 MB in fp32). Written on
+whole tensors, a commit makes several such temporaries: per tensor RDA's direction, the
+merged vector and its copy scaled by the round's share, then ``Θ_p − W_p``, the encoder's
+working copy, the decoded delta and ``W_p + d̂``. Here the merge writes into one output
+vector (``merge_into``) and the down step (``down_step``) goes through ``CHUNK_VALUES``
+values at a time, so that what a commit allocates beyond its results is a few chunks.
+
+**Bit for bit.** Every operation done chunk by chunk is elementwise (a sum with a scalar
+factor, a product, a quantisation of a block that a chunk holds whole), and every reduction
+(a tensor's norm, the norm of RDA's direction) is taken once over the whole tensor, as
+before: ``merge.merge_contributions`` and ``codecs.encode`` / ``codecs.decode`` on whole
+tensors give the same bits (``tests/test_streaming.py`` compares them), and so the journal's
+replay (``diloco.syncer.replay``), which runs these same functions, gives the live bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from diloco.algorithm import codecs
+from diloco.algorithm.merge import CANCEL_TOL, check_contributions, spans_by_tensor
+
+CHUNK_VALUES = 1 << 18
+"""Values per chunk (1 MB of fp32, a few of which stay in the CPU's caches): a multiple of
+``codecs.ALIGN_VALUES``."""
+
+
+def _chunks(n: int, chunk: int):
+    for start in range(0, n, chunk):
+        yield start, min(n, start + chunk)
+
+
+def _weighted_mean_into(out, parts, ws, total, chunk) -> None:
+    """``out := Σ w·v / Σ w`` (``merge.weighted_mean``'s order of sums), chunk by chunk."""
+    for a, b in _chunks(out.numel(), chunk):
+        piece = out[a:b].zero_()
+        for v, w in zip(parts, ws, strict=True):
+            if w:
+                piece.add_(v[a:b], alpha=w / total)
+
+
+def _rda_into(out, parts, ws, chunk) -> None:
+    """``out := merge.rda(parts, ws)``: the norms first (whole), then the direction chunk by
+    chunk into ``out``, its norm (whole), then its scaling chunk by chunk."""
+    total = sum(ws)
+    radius = 0.0
+    factors = []
+    for v, w in zip(parts, ws, strict=True):
+        norm = float(torch.linalg.vector_norm(v, dtype=torch.float32))
+        if w and norm > 0:
+            radius += w * norm / total
+            factors.append((v, w / (total * norm)))
+    for a, b in _chunks(out.numel(), chunk):
+        piece = out[a:b].zero_()
+        for v, factor in factors:
+            piece.add_(v[a:b], alpha=factor)
+    dir_norm = float(torch.linalg.vector_norm(out))
+    if dir_norm < CANCEL_TOL:
+        _weighted_mean_into(out, parts, ws, total, chunk)
+        return
+    scale = radius / dir_norm
+    for a, b in _chunks(out.numel(), chunk):
+        out[a:b].mul_(scale)
+
+
+def merge_into(
+    out: torch.Tensor,
+    deltas: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    share: float,
+    fragment,
+    is_embedding: Callable[[str], bool],
+    *,
+    chunk: int = CHUNK_VALUES,
+) -> torch.Tensor:
+    """``out := merge.merge_contributions(deltas, weights, fragment, is_embedding) · share``
+    (``× share`` only when it is not 1), bit for bit, without a whole-tensor temporary
+    (``out``: a flat float32 tensor of the deltas' length, not one of them). A tensor cut
+    into several spans of the fragment is gathered as ``merge_contributions`` gathers it.
+    Returns ``out``."""
+    ws = check_contributions(deltas, weights)
+    if out.shape != deltas[0].shape or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 of shape {tuple(deltas[0].shape)}")
+    spans = {"": [(0, out.numel())]} if fragment is None else spans_by_tensor(fragment)
+    covered = 0
+    for name, where in spans.items():
+        mean = fragment is not None and is_embedding(name)
+        if len(where) == 1:
+            a, b = where[0]
+            parts, target = [d[a:b] for d in deltas], out[a:b]
+        else:  # (rare: gathered as the whole-tensor merge gathers it)
+            parts = [torch.cat([d[a:b] for a, b in where]) for d in deltas]
+            target = torch.empty(sum(b - a for a, b in where), dtype=torch.float32)
+        if mean:
+            _weighted_mean_into(target, parts, ws, sum(ws), chunk)
+        else:
+            _rda_into(target, parts, ws, chunk)
+        if len(where) > 1:
+            start = 0
+            for a, b in where:
+                out[a:b] = target[start : start + (b - a)]
+                start += b - a
+        covered += sum(b - a for a, b in where)
+    if covered != out.numel():
+        raise ValueError(
+            f"fragment pieces cover {covered} values but the deltas have {out.numel()}"
+        )
+    if share != 1.0:
+        for a, b in _chunks(out.numel(), chunk):
+            out[a:b].mul_(share)
+    return out
+
+
+def down_step(
+    params: torch.Tensor, wire: torch.Tensor, codec: str, *, chunk: int = CHUNK_VALUES
+) -> tuple[bytes, torch.Tensor]:
+    """``(d, W')``: the broadcast delta ``d = codecs.encode(Θ_p − W_p, codec)`` and the wire
+    image a learner holds after applying it, ``W' = W_p + codecs.decode(d)`` (a new tensor;
+    ``params`` and ``wire`` are not changed), bit for bit, made ``chunk`` values at a time
+    (a multiple of ``codecs.ALIGN_VALUES``)."""
+    if chunk <= 0 or chunk % codecs.ALIGN_VALUES:
+        raise ValueError(f"chunk must be a positive multiple of {codecs.ALIGN_VALUES}")
+    n = params.numel()
+    params, wire = params.reshape(-1), wire.reshape(-1)
+    after = torch.empty(n, dtype=torch.float32)
+    sections: list[list[bytes]] = [[] for _ in codecs.payload_sections(0, codec)]
+    for a, b in _chunks(n, chunk):
+        payload = codecs.encode(params[a:b] - wire[a:b], codec)
+        torch.add(wire[a:b], codecs.decode(payload, b - a, codec), out=after[a:b])
+        view, at = memoryview(payload), 0
+        for k, size in enumerate(codecs.payload_sections(b - a, codec)):
+            sections[k].append(view[at : at + size])
+            at += size
+    if n == 0:
+        return codecs.encode(params - wire, codec), after
+    return b"".join(piece for section in sections for piece in section), after

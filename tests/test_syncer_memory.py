@@ -1,0 +1,71 @@
+"""What the syncer holds beyond Θ_p, its momentum and W_p (docs/architecture.md, "What the
+syncer holds, per parameter")."""
+
+from __future__ import annotations
+
+import sys
+import tracemalloc
+
+import pytest
+import torch
+from kit import join_state, syncer_state, tiny_model
+
+from diloco.algorithm import codecs
+from diloco.runtime.memory import release_large_frees
+from diloco.syncer.broadcast import Keyframe
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.records import copied
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="a view needs the wire's byte order")
+def test_a_keyframe_payload_is_the_wire_image_itself_not_a_copy():
+    values = torch.randn(1 << 20)
+    keyframe = Keyframe(values)
+    tracemalloc.start()
+    try:
+        payload = keyframe.payload
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < values.numel()  # (a copy would be 4 bytes per value)
+    assert bytes(payload) == codecs.encode(values, "fp32")
+    assert len(payload) == keyframe.nbytes
+    assert keyframe.payload is payload  # made once
+
+
+def test_a_keyframe_of_non_finite_values_is_refused_as_the_codec_refuses_it():
+    with pytest.raises(codecs.NonFiniteError):
+        Keyframe(torch.tensor([1.0, float("nan")])).payload  # noqa: B018
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_frees_go_back_to_the_system_on_linux():
+    assert release_large_frees() is True
+
+
+def test_a_commit_carries_the_models_own_values_not_copies():
+    """A commit hands the committer Θ_p and its momentum themselves (a copy per commit is
+    8 bytes per value of the fragment); a background snapshot gets copies."""
+    config = SyncerConfig(schedule="learner", norm_guard_k=0.0, outer_momentum=0.7, quorum=1)
+    state, layout, _ = syncer_state(tiny_model(0, (4, 4, 2), tanh=False), config, num_fragments=2)
+    session = join_state(state, "a")
+    n = layout.fragments[0].numel
+    state.submit(
+        "a",
+        session,
+        fragment=0,
+        base_version=0,
+        steps=2,
+        tokens=10,
+        delta=torch.full((n,), 0.5),
+        step_time_s=1.0,
+        nbytes=4 * n,
+        now=1.0,
+    )
+    (commit,) = state.poll(5.0, wait_for_finals=False)[0]
+    assert commit.params.data_ptr() == state.params[0].data_ptr()
+    assert commit.momentum["momentum"].data_ptr() == state.outer.buffer(0).data_ptr()
+    copy = copied(commit)
+    assert copy.params.data_ptr() != commit.params.data_ptr()
+    assert torch.equal(copy.params, commit.params)
+    assert torch.equal(copy.momentum["momentum"], commit.momentum["momentum"])
