@@ -7,6 +7,10 @@ import torch
 import diloco
 from diloco.learner.delivery import DeliveryLog, already_delivered
 from diloco.learner.link import UploadJob, UploadResult
+from diloco.learner.listener import HeldFates
+
+MERGED = HeldFates()
+"""A join reply's ``fates`` that names none of the held ids left out or open: all merged."""
 
 
 def test_already_delivered_looks_at_each_fragments_unsent_window():
@@ -150,7 +154,7 @@ def test_an_upload_committed_whose_answer_died_with_the_life_is_found_at_the_fir
     )
     try:
         assert restored.dropped_on_restore == [] and restored.ahead_on_restore == 0
-        restored.listener.on_rejoin("127.0.0.1:1", "s1", [1, 1], (0, 1), [77], [0, 0])
+        restored.listener.on_rejoin("127.0.0.1:1", "s1", [1, 1], (0, 1), [77], [0, 0], fates=MERGED)
         restored.apply_arrived()
         assert restored.dropped_on_restore == [0] and restored.ahead_on_restore == 3
         assert torch.equal(restored.layout.gather(0, restored.params), anchor0)
@@ -158,9 +162,44 @@ def test_an_upload_committed_whose_answer_died_with_the_life_is_found_at_the_fir
         lines = [json.loads(x) for x in journal.read_text().splitlines()[3:]]
         assert {"found_delivered": 0, "steps": 6} | {"life": lines[1]["life"]} in lines
         # A second join (another syncer instance) changes nothing of this.
-        restored.listener.on_rejoin("127.0.0.1:1", "s2", [1, 1], (0, 1), [77], [0, 0])
+        restored.listener.on_rejoin("127.0.0.1:1", "s2", [1, 1], (0, 1), [77], [0, 0], fates=MERGED)
         restored.apply_arrived()
         assert restored.merged_steps[0] == 6
+    finally:
+        restored.close(flush=False)
+
+
+def test_a_syncer_that_does_not_tell_fates_apart_makes_a_held_upload_unknown(tmp_path):
+    """A syncer that predates ``JoinReply.fates`` lists the uploads of its open rounds with
+    the committed ones: a held upload of the previous life may never be merged (its round
+    may die with that syncer). Its checkpointed progress is neither counted merged nor sent
+    again: unknown (issue 46)."""
+    journal = tmp_path / "uploads.jsonl"
+    model, learner = make(tmp_path)
+    try:
+        anchor0 = hold_and_train(learner, model)[0]
+        state = learner.state_dict()
+    finally:
+        learner.close(flush=False)
+    journal.write_text(
+        '{"life":"old","start":0}\n{"life":"old","u":77,"p":0,"steps":9,"tokens":90,"step":9}\n'
+    )
+    restored = diloco.Learner(
+        model,
+        syncer="127.0.0.1:1",
+        num_fragments=2,
+        learner_id="me",
+        delivery_file=str(tmp_path / "delivered.json"),
+        journal_file=str(journal),
+        state=state,
+    )
+    try:
+        restored.listener.on_rejoin("127.0.0.1:1", "s1", [1, 1], (0, 1), [77], [0, 0])
+        restored.apply_arrived()
+        assert restored.dropped_on_restore == [0] and restored.ahead_on_restore == 3
+        assert torch.equal(restored.layout.gather(0, restored.params), anchor0)
+        assert restored.steps_since == [0, 6]
+        assert restored.unknown_steps[0] == 6 and restored.merged_steps[0] == 0
     finally:
         restored.close(flush=False)
 
@@ -287,7 +326,9 @@ def test_a_checkpointed_delta_a_later_life_had_back_and_sent_again_is_not_resent
     _, restored = make_journaled(tmp_path, model, state)
     try:
         assert restored._ledger.unanswered(0) == []
-        restored.listener.on_rejoin("127.0.0.1:1", "s1", [2, 2], (0, 1), [x + 1], [0, 0])
+        restored.listener.on_rejoin(
+            "127.0.0.1:1", "s1", [2, 2], (0, 1), [x + 1], [0, 0], fates=MERGED
+        )
         restored.apply_arrived()
         assert restored.merged_steps[0] == 6 and restored.steps_since == [0, 6]
         assert torch.equal(restored.layout.gather(0, restored.params), anchors[0])
@@ -321,7 +362,9 @@ def test_a_checkpointed_delta_a_later_life_had_back_is_undelivered_progress_agai
         lines = [json.loads(x) for x in journal.read_text().splitlines()[before:]]
         assert not any("u" in line for line in lines)
         # The first join finds Y committed: it carried X's steps, delivered after all.
-        restored.listener.on_rejoin("127.0.0.1:1", "s1", [2, 2], (0, 1), [x + 1], [0, 0])
+        restored.listener.on_rejoin(
+            "127.0.0.1:1", "s1", [2, 2], (0, 1), [x + 1], [0, 0], fates=MERGED
+        )
         restored.apply_arrived()
         assert restored.merged_steps[0] == 6 and restored.steps_since == [0, 6]
         assert restored.ahead_on_restore == 2

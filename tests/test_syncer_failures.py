@@ -359,6 +359,9 @@ def test_a_rejoining_learner_is_told_of_its_uploads_still_in_an_open_round(tmp_p
         assert server.state.rounds and server.state.versions[0] == 0
         reply = client.stub.Join(join_request(server.layout, "a"), timeout=5)  # a new life
         assert 31 in reply.committed_uploads
+        # ... told apart from the committed ones (issue 46): open, admitted at version 0
+        assert reply.HasField("fates") and list(reply.fates.excluded) == []
+        assert [(o.upload_id, o.admitted) for o in reply.fates.open] == [(31, 0)]
     finally:
         client.close()
         server.stop()

@@ -65,7 +65,15 @@ class Evaluator(LinkListener):
         )
 
     def on_rejoin(
-        self, address, syncer_id, versions, fragments, committed=(), logged_from=(), lineage=""
+        self,
+        address,
+        syncer_id,
+        versions,
+        fragments,
+        committed=(),
+        logged_from=(),
+        lineage="",
+        fates=None,
     ) -> None:
         """A syncer (shard) joined: of another lineage than the one held from it, or behind
         the versions held, its fragments' values held are dropped and keyframes asked for

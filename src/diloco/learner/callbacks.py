@@ -14,7 +14,7 @@ from diloco.algorithm.fragments import FragmentLayout, fragment_digest
 from diloco.learner.delivery import DeliveryLog
 from diloco.learner.inbox import Dropped, Inbox, Rejoin
 from diloco.learner.link import UploadJob, UploadResult
-from diloco.learner.listener import LinkListener
+from diloco.learner.listener import HeldFates, LinkListener
 from diloco.learner.pacing import DOWNLINK_BEHIND_VERSIONS, Pacer, versions_missing
 from diloco.learner.progress import Progress
 from diloco.learner.settling import another_lineage
@@ -95,6 +95,7 @@ class LearnerListener(LinkListener):
         committed=(),
         logged_from=(),
         lineage: str = "",
+        fates: HeldFates | None = None,
     ) -> None:
         """A syncer of another lineage than the one held (``settling.another_lineage``):
         its fragments take a rebase keyframe (``Inbox.restart``, before the subscription
@@ -134,6 +135,7 @@ class LearnerListener(LinkListener):
                 tuple(logged_from),
                 lineage,
                 another,
+                fates,
             )
         )
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.learner.listener import HeldFates
+
 Chain = list[tuple[int, int, torch.Tensor, frozenset[str]]]
 """``(version, base_version, tensor, contributors)`` in stream order; base -1: a keyframe,
 ``REBASE``: the first keyframe of another lineage."""
@@ -82,6 +84,8 @@ class Rejoin:
     logged_from: tuple[int, ...] = ()
     lineage: str = ""
     another_lineage: bool = False
+    fates: HeldFates | None = None
+    """Which held ids were left out and which sit in open rounds (None: not told)."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,11 @@ class DeltaInFlight:
     """The syncer said it left this delta out of its round's merge (the direction check):
     when the version after ``admitted`` is applied it leaves the ledger as dropped, not
     merged (the arithmetic of applying is the same)."""
+    found: bool = False
+    """Put back at a restore's first join (``Settler.keep_in_flight``): an upload of an
+    earlier life, in a round still open, that carried this entry's checkpointed progress;
+    when it settles merged, left out or unknown, the journal says that progress was found
+    delivered (not kept in a checkpoint: a later life counts it carried)."""
 
 
 class Ledger:

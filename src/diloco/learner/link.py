@@ -31,7 +31,7 @@ from diloco.algorithm.shards import ShardError, ShardInfo, check_cover
 from diloco.learner.address import FILE_PREFIX as ADDRESS_FILE
 from diloco.learner.address import resolve as resolve_address
 from diloco.learner.encoder import UploadEncoder
-from diloco.learner.listener import LinkListener
+from diloco.learner.listener import HeldFates, LinkListener
 from diloco.learner.pacing import UploadMeter, backlog_seconds, upload_deadline_s
 from diloco.learner.refusals import fatal_join_refusal, upload_refusal
 from diloco.learner.uploads import UploadJob, UploadQueue, UploadResult
@@ -405,6 +405,7 @@ class SyncerLink:
             list(reply.committed_uploads),
             list(reply.logged_from),
             reply.lineage,
+            HeldFates.of_reply(reply),
         )
         # After the rejoin is reported: whoever waits for these versions (wait_for_global)
         # then settles that rejoin first.

@@ -10,9 +10,30 @@ defaults are an owner that holds nothing and ignores everything; an observer ove
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from diloco.learner.uploads import UploadJob, UploadResult
+
+
+@dataclass(frozen=True)
+class HeldFates:
+    """What a join reply tells of the held upload ids it lists (``JoinReply.fates``): those a
+    committed round left out (``excluded``) and those in rounds still open, with the version
+    each was admitted at (``open``: id -> version); the rest were merged."""
+
+    excluded: frozenset[int] = frozenset()
+    open: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of_reply(cls, reply) -> HeldFates | None:
+        """From a ``JoinReply``; None from a syncer that predates ``fates``, whose list does
+        not tell an upload in an open round from a committed one."""
+        if not reply.HasField("fates"):
+            return None
+        told = reply.fates
+        return cls(frozenset(told.excluded), {o.upload_id: o.admitted for o in told.open})
 
 
 class LinkListener:
@@ -46,12 +67,14 @@ class LinkListener:
         committed: list[str],
         logged_from: list[int],
         lineage: str = "",
+        fates: HeldFates | None = None,
     ) -> None:
         """After every join to ``address``: the syncer instance, its versions, the fragments
-        it owns, this learner's upload ids its commit logs hold (``committed``), per
-        fragment, the version its oldest log admitted at (``logged_from``), and the lineage
-        of its versions (``diloco.syncer.lineage``; "" from a syncer that predates them).
-        Called before the subscription that follows: ``have_versions`` may change here."""
+        it owns, this learner's upload ids it holds (``committed``: its commit logs' and
+        its open rounds'; ``fates`` tells them apart, None from a syncer that predates it),
+        per fragment, the version its oldest log admitted at (``logged_from``), and the
+        lineage of its versions (``diloco.syncer.lineage``; "" from a syncer that predates
+        them). Called before the subscription that follows: ``have_versions`` may change here."""
 
     def on_fragment(
         self,

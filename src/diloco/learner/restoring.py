@@ -221,19 +221,21 @@ class Restorer:
         """At every join: the first one of a syncer (shard) after a restore confirms what
         the previous life delivered (``confirm_delivered``); later ones change nothing."""
         if self.unconfirmed:
-            self.confirm_delivered(rejoin.committed, rejoin.fragments, rejoin.logged_from)
+            self.confirm_delivered(rejoin)
 
-    def confirm_delivered(
-        self, committed: frozenset[int], fragments: tuple[int, ...], logged_from=()
-    ) -> None:
+    def confirm_delivered(self, rejoin: Rejoin) -> None:
         """At the first join of a syncer (shard owning ``fragments``) after a restore: the
         uploads of those fragments queued after the checkpoint that its commits hold were
         delivered. ``ahead_on_restore`` covers the steps they reached; a fragment whose
         checkpointed progress one of them carried (its steps reach back over the unsent
-        window) has that progress dropped as delivered, as ``drop_delivered`` from the
-        delivery log once did, unless this life has moved it already (it trained or sent
-        it): counted merged, and moved to excluded when the syncer's note of the uploads it
-        left out (``Settler.on_dropped``) names it. One its commits do not hold was never
+        window) has that progress settled by its fate, unless this life has moved it already
+        (it trained or sent it). The join reply tells the fates of the ids it holds
+        (``Rejoin.fates``): one merged or left out has the progress dropped as delivered
+        (counted merged or excluded), one in a round still open has it put on the ledger as
+        that upload in flight (``Settler.keep_in_flight``: merged when the commit comes,
+        sent again if the syncer dies first); from a syncer that does not tell them apart
+        (it predates ``fates``), a held one counts *unknown* like one older than its logs,
+        never merged. One its commits do not hold was never
         committed only if its admission is not older than the logs the syncer keeps
         (``logged_from``; it was made against a version at least the checkpoint's): its
         progress stays undelivered (trained and sent again, even if the delivery log saw it
@@ -242,28 +244,37 @@ class Restorer:
         *unknown*."""
         pr = self.progress
         step, since, held = self.restored_at
-        owned = set(fragments)
-        mine = {u: v for u, v in self.unconfirmed.items() if v[0] in owned}
+        fates, logged_from = rejoin.fates, rejoin.logged_from
+        mine = {u: v for u, v in self.unconfirmed.items() if v[0] in set(rejoin.fragments)}
         for u in mine:
             del self.unconfirmed[u]
         for upload_id, (p, steps, at) in sorted(mine.items(), key=lambda kv: kv[1]):
             logged = logged_from[p] if p < len(logged_from) else -1
-            unknown = upload_id not in committed
-            if unknown and 0 <= logged <= max(held[p] if p < len(held) else -1, 0):
+            unheld = upload_id not in rejoin.committed
+            if unheld and 0 <= logged <= max(held[p] if p < len(held) else -1, 0):
                 continue  # its admission is within the kept logs: never committed
             self.ahead_on_restore = max(self.ahead_on_restore, at - step)
             carried = at - steps <= step - since[p]  # it reached back over the unsent window
             untouched = pr.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
-            if carried and untouched and pr.anchors[p] is not None:
-                if unknown:
-                    pr.unknown_steps[p] += since[p]  # maybe delivered before the restart
-                else:  # (excluded instead once the syncer says it left the upload out)
-                    self.settler.count_merged_upload(p, upload_id, since[p])
-                with torch.no_grad():
-                    self.overwrite(p, pr.anchors[p], drops=False)
-                self.dropped_on_restore.append(p)
-                if pr.journal is not None:
-                    pr.journal.found_delivered(p, since[p], unknown=unknown)
+            if not (carried and untouched and pr.anchors[p] is not None):
+                continue
+            # (a syncer that predates ``fates`` may list an upload of a round still open)
+            unknown = unheld or fates is None
+            if not unknown and upload_id in fates.open:
+                self.settler.keep_in_flight(p, upload_id, fates.open[upload_id], rejoin, at)
+                continue
+            if unknown:
+                pr.unknown_steps[p] += since[p]  # maybe delivered before the restart
+            elif upload_id in fates.excluded:
+                pr.excluded_steps[p] += since[p]
+                pr.counters["excluded"] += 1
+            else:
+                self.settler.count_merged_upload(p, upload_id, since[p])
+            with torch.no_grad():
+                self.overwrite(p, pr.anchors[p], drops=False)
+            self.dropped_on_restore.append(p)
+            if pr.journal is not None:
+                pr.journal.found_delivered(p, since[p], unknown=unknown)
 
     def give_up_unconfirmed(self) -> None:
         """Training starts before every syncer (shard) answered the first join: what its

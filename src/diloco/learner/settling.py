@@ -197,7 +197,10 @@ class Settler:
         with torch.no_grad():
             self.layout.add_(p, entry.delta, self.params)
         pr.reset_now.add(p)  # (an island shares the changed θ_p with its other ranks)
-        pr.journal_settled(entry.upload_id, "unknown")
+        if entry.found and pr.journal is not None:  # (an earlier life's upload)
+            pr.journal.found_delivered(p, entry.steps, unknown=True)
+        else:
+            pr.journal_settled(entry.upload_id, "unknown")
         pr.unknown_steps[p] += entry.steps
         pr.counters["unknown"] += 1
 
@@ -220,6 +223,8 @@ class Settler:
         sent again. ``on_join`` hears of it first."""
         pr = self.progress
         self.on_join(rejoin)
+        if rejoin.fates is not None and rejoin.fates.excluded:  # (all of them, not the note's)
+            self.on_dropped(Dropped(rejoin.address, rejoin.fates.excluded))
         known = pr.syncer_ids.get(rejoin.address)
         pr.syncer_ids[rejoin.address] = rejoin.syncer_id
         if rejoin.lineage:
@@ -250,11 +255,33 @@ class Settler:
         pr = self.progress
         for e in entries:
             pr.journal_settled(e.upload_id, "excluded" if e.excluded else "merged", version)
+            if e.found and pr.journal is not None:  # (merged or left out: delivered)
+                pr.journal.found_delivered(p, e.steps)
             if e.excluded:
                 pr.excluded_steps[p] += e.steps
                 pr.counters["excluded"] += 1
                 continue
             self.count_merged_upload(p, e.upload_id, e.steps)
+
+    def keep_in_flight(self, p: int, upload_id: int, admitted: int, rejoin: Rejoin, at: int):
+        """After a restore: the previous life's upload ``upload_id`` (queued at step ``at``)
+        sits in a round still open at the syncer just joined, admitted at ``admitted``, and
+        carried the checkpointed progress of ``p``. That progress is put on the ledger as
+        that upload, accepted and in flight (``DeltaInFlight.found``): merged or left out
+        when the version after ``admitted`` arrives, sent again if that syncer dies before
+        (``on_syncer``), never counted merged on sight. θ_p stays; the progress is no longer
+        undelivered."""
+        pr = self.progress
+        delta = pr.anchors[p].clone()  # G_p − θ_p − (what is on its way), as ``_send`` makes
+        delta.sub_(self.layout.gather(p, self.params))
+        on_its_way = self.ledger.on_its_way(p)
+        if on_its_way is not None:
+            delta.sub_(on_its_way)
+        entry = self.ledger.add(p, delta, pr.steps_since[p], pr.tokens_since[p], at, upload_id)
+        entry.admitted, entry.syncer_id, entry.found = admitted, rejoin.syncer_id, True
+        entry.base_version = pr.versions[p]
+        pr.steps_since[p] = pr.tokens_since[p] = 0
+        pr.residual.discard(p)  # (the upload carried it)
 
     def count_merged_upload(self, p: int, upload_id: int, steps: int) -> None:
         """Count ``steps`` of fragment ``p`` merged by upload ``upload_id`` (0: no id) and

@@ -139,6 +139,8 @@ class Fate:
     admitted: int
     committed: bool = False
     """A closed round merged it or left it out (its log is persisted with that commit)."""
+    excluded: bool = False
+    """That round left it out of its merge (the direction check)."""
 
 
 class Receipts:
@@ -203,11 +205,18 @@ class Receipts:
         return [self.complete_from.get(p, 0) if p in owned else -1 for p in range(num_fragments)]
 
     def admit(
-        self, learner: str, upload_id: int, fragment: int, version: int, committed: bool = False
+        self,
+        learner: str,
+        upload_id: int,
+        fragment: int,
+        version: int,
+        committed: bool = False,
+        excluded: bool = False,
     ) -> None:
         """Remember an upload accepted at ``version`` (id 0: the learner gave none)."""
         if upload_id:
-            self._fates.setdefault(learner, {})[upload_id] = Fate(fragment, version, committed)
+            fate = Fate(fragment, version, committed, excluded)
+            self._fates.setdefault(learner, {})[upload_id] = fate
 
     def pin(self, learner: str, reported, versions, now: float) -> None:
         """``learner`` reported its ``unsettled_from`` at ``now`` (``Pins.report``)."""
@@ -225,7 +234,7 @@ class Receipts:
         for learner, parts in log.excluded.items():
             dropped = self._dropped.setdefault(learner, OrderedDict())
             for part in parts:
-                self.admit(learner, part.upload_id, log.fragment, log.admitted, True)
+                self.admit(learner, part.upload_id, log.fragment, log.admitted, True, True)
                 held.append((learner, part.upload_id))
                 if part.upload_id:
                     dropped[part.upload_id] = None
@@ -289,6 +298,13 @@ class Receipts:
         before an answer must not send those steps again. After a restart only the
         committed ones are left (open rounds died with the syncer)."""
         return list(self._fates.get(learner, ()))
+
+    def fates(self, learner: str) -> dict[int, Fate]:
+        """The fates of the learner's ``held`` upload ids (a copy): which a committed round
+        merged or left out (``excluded``, however many were left out since: ``dropped``
+        names only the most recent), and which sit in a round still open (not
+        ``committed``), admitted at which version (``JoinReply.fates``)."""
+        return dict(self._fates.get(learner, {}))
 
     def dropped(self, learner: str) -> list[int]:
         """The learner's most recent excluded upload ids (at most ``REPORTED_DROPS``)."""

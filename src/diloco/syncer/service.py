@@ -30,6 +30,7 @@ from diloco.syncer.broadcast import Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
 from diloco.syncer.fencing import Superseded
 from diloco.syncer.generations import GenerationFile
+from diloco.syncer.held_uploads import held_uploads
 from diloco.syncer.limits import (
     DEFAULT_MAX_LEARNERS,
     FIRST_CHUNK_S,
@@ -221,7 +222,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 )
                 self.state.receipts.pin(request.learner_id, unsettled, self.state.versions, now)
                 versions = list(self.state.versions)
-                committed = self.state.receipts.held(request.learner_id)
+                held = held_uploads(self.state.receipts, request.learner_id)
                 logged_from = self.state.logged_from()
                 unwritten = self.state.roster.generations.changes > self.generation_file_holds()
             if unwritten:  # on disk before this process is told it holds the id
@@ -242,7 +243,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             num_shards=self.state.shard[1],
             schedule=cfg.schedule,
             sync_every=self.state.sync_every(),  # (an H schedule: the H it runs at now)
-            committed_uploads=committed,
+            **held,  # committed_uploads, fates
             logged_from=logged_from,
             lineage=self.lineage,
         )

@@ -37,7 +37,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., num_fragments: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., observer: _Optional[bool] = ..., tokens_per_step: _Optional[int] = ..., generation: _Optional[int] = ..., unsettled_from: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("session", "versions", "lease_s", "heartbeat_s", "up_codec", "down_codec", "fragments", "syncer_id", "shard", "num_shards", "schedule", "sync_every", "committed_uploads", "logged_from", "lineage")
+    __slots__ = ("session", "versions", "lease_s", "heartbeat_s", "up_codec", "down_codec", "fragments", "syncer_id", "shard", "num_shards", "schedule", "sync_every", "committed_uploads", "logged_from", "lineage", "fates")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class JoinReply(_message.Message):
     COMMITTED_UPLOADS_FIELD_NUMBER: _ClassVar[int]
     LOGGED_FROM_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    FATES_FIELD_NUMBER: _ClassVar[int]
     session: str
     versions: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
@@ -68,7 +69,24 @@ class JoinReply(_message.Message):
     committed_uploads: _containers.RepeatedScalarFieldContainer[int]
     logged_from: _containers.RepeatedScalarFieldContainer[int]
     lineage: str
-    def __init__(self, session: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., up_codec: _Optional[str] = ..., down_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., syncer_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., schedule: _Optional[str] = ..., sync_every: _Optional[int] = ..., committed_uploads: _Optional[_Iterable[int]] = ..., logged_from: _Optional[_Iterable[int]] = ..., lineage: _Optional[str] = ...) -> None: ...
+    fates: UploadFates
+    def __init__(self, session: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., up_codec: _Optional[str] = ..., down_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., syncer_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., schedule: _Optional[str] = ..., sync_every: _Optional[int] = ..., committed_uploads: _Optional[_Iterable[int]] = ..., logged_from: _Optional[_Iterable[int]] = ..., lineage: _Optional[str] = ..., fates: _Optional[_Union[UploadFates, _Mapping]] = ...) -> None: ...
+
+class UploadFates(_message.Message):
+    __slots__ = ("excluded", "open")
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    excluded: _containers.RepeatedScalarFieldContainer[int]
+    open: _containers.RepeatedCompositeFieldContainer[OpenUpload]
+    def __init__(self, excluded: _Optional[_Iterable[int]] = ..., open: _Optional[_Iterable[_Union[OpenUpload, _Mapping]]] = ...) -> None: ...
+
+class OpenUpload(_message.Message):
+    __slots__ = ("upload_id", "admitted")
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    upload_id: int
+    admitted: int
+    def __init__(self, upload_id: _Optional[int] = ..., admitted: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("learner_id", "session", "have_versions", "have_digests")
