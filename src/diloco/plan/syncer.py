@@ -80,12 +80,12 @@ SNAPSHOT_BYTES_PER_VALUE = 12.0
 """Bytes a full snapshot writes per value: Θ_p, its momentum and the wire image in fp32
 (measured: 120.0 MB for the same 10.0M-value fragment), one every K commits."""
 
-SYNCER_BYTES_PER_PARAM = 27.0
-"""Memory the syncer process holds per parameter it serves: issue 48, a 352M-parameter model
-through ``diloco syncer --model`` with one learner on the reference machine (RESULTS,
-"Learner overhead and memory": 29.2 at 50M, 2026-11-25). Θ, momentum and the wire image need
-12; the rest (the model ``--model`` built, keyframes, buffers) is being removed (issue 48's
-memory item): this is what a syncer holds today."""
+SYNCER_BYTES_PER_PARAM = 14.0
+"""Memory the syncer process holds per parameter it serves, beyond the interpreter: Θ,
+momentum and the wire image need 12; measured 13.8 with ``benchmarks/bench_syncer_memory.py
+--params 50e6 --commits 24`` on the reference machine (2026-11-28; docs/architecture.md,
+"What the syncer holds, per parameter"), rounded up. A round's decoded uploads are counted
+apart (``DECODED_BYTES_PER_VALUE``)."""
 
 DECODED_BYTES_PER_VALUE = 4.0
 """Bytes an upload holds once decoded (fp32): the syncer decodes each on arrival and keeps it
