@@ -221,7 +221,8 @@ class CommitJournal:
     def append(self, inputs: RoundInputs) -> int:
         """Append one record and fsync it (and the directory, for a new segment); returns
         the bytes written. ``OSError`` takes the record back (the file is truncated to its
-        old size, so a retry writes it whole again); a failed fsync, or a truncation that
+        old size, so a retry writes it whole again; a syncer superseded meanwhile raises
+        ``Superseded`` instead and cuts nothing); a failed fsync, or a truncation that
         fails, is ``SyncFailed`` (never retried: ``diloco.syncer.files.SyncFailed``)."""
         header = header_of(inputs)
         if self.epoch:
@@ -260,6 +261,8 @@ class CommitJournal:
             try:
                 write_all(fd, record, path)
             except OSError:
+                if self.fence is not None:  # a successor's records may follow: never cut them
+                    self.fence()
                 try:
                     os.ftruncate(fd, size)
                 except OSError as exc:
