@@ -25,15 +25,25 @@ reads or writes anything in it (``claim_state_dir``):
 
 A lock is not always honoured (a network filesystem without working locks: then the claim
 logs a warning and relies on the epoch alone; a lock file deleted by hand). With the lock
-held, two syncers never both pass a check. Without it, the check-then-rename leaves one
-window: a successor that claims between a stale syncer's check and its rename. The stale
-syncer is single-threaded in its writes (one commit at a time), so at most the one commit it
-has in flight lands after the successor's claim; the check after the rename then fails it
-before that commit is taped or broadcast, so no learner ever holds it. A successor that read
-the fragment after that rename restored it (with its commit log); one that read it before
-overwrites it at its next commit of that fragment. The event tape is
-append-only and shared by design (``diloco.syncer.store.EventTape``): a stale syncer may
-still append records that commit nothing (joins, ticks, its ``failed`` record) until it stops.
+held, two syncers never both pass a check. Without it, the check-then-write leaves one
+window: a successor that claims between a stale syncer's check and its write. The stale
+syncer is single-threaded in its commits, so at most the one commit it has in flight lands
+after the successor's claim (and one background snapshot); the check after the write then
+fails it before that commit is taped or broadcast, so no learner ever holds it. What that
+write leaves never counts for the successor or anyone after it:
+
+- **A journal append** (``diloco.syncer.journal``): every record carries its writer's epoch,
+  and the successor appends a claim marker to each fragment's journal before it reads it;
+  readers pass over a record of a lower epoch after a marker or record of a higher one.
+  One that lands before the marker is read, and restored, by the successor.
+- **A rename** (a fragment's snapshot, ``meta.json``): the file is written to a temporary
+  name before the check, and the successor deletes the temporary files it finds once it
+  has claimed the directory (``FragmentStore.initialize``), so the late rename finds
+  nothing to rename (``FileNotFoundError``); one that landed before is read by the successor.
+
+The event tape is append-only and shared by design (``diloco.syncer.store.EventTape``): a
+stale syncer may still append records that commit nothing (joins, ticks, its ``failed``
+record) until it stops.
 """
 
 from __future__ import annotations

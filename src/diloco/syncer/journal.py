@@ -19,7 +19,20 @@ little-endian), the header (JSON), the payloads one after the other, then a BLAK
 A record cut short or whose digest does not match at the end of the newest segment is a
 torn tail (a crash in the middle of its append: its commit was never made): the syncer cuts
 it off when it opens the directory; readers pass over it. A bad record anywhere else is a
-``StateError``.
+``StateError``, but for one just before a claim marker of a higher epoch (below).
+
+**Epochs** (``diloco.syncer.fencing``). A syncer's records carry its claim's epoch in their
+header (``"epoch"``; a record without one, written before epochs, is of epoch 0). Before it
+reads a fragment's journal, a syncer that claimed the directory cuts off a torn tail and
+appends a *claim marker* (a record of no commit: ``{"epoch": e, "marker": "claim"}``,
+fsynced) to the fragment's current segment (``begin_epoch``). Readers take the segments in
+order and ignore every record of an epoch lower than a marker or record already met: what a
+superseded syncer appends once its successor claimed the directory (an append whose check
+passed just before the claim: the check after it then fails that syncer) is never replayed,
+by the successor or anyone after it. A record is written with one ``write`` on an
+``O_APPEND`` descriptor, so a marker never lands inside it (an append is atomic against
+another on a local filesystem); one cut short by its writer's death just before a marker
+(the marker's bytes follow it) is passed over.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import json
 import os
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.syncer.files import StateError, SyncFailed, fsync_dir, write_all
@@ -36,6 +50,8 @@ from diloco.syncer.receipts import CommitLog
 from diloco.syncer.replay import RoundInputs
 
 MAGIC = b"DJR1"
+CLAIM_MARKER = "claim"
+"""The ``"marker"`` of a record that begins an epoch (``CommitJournal.begin_epoch``)."""
 _LENGTHS = struct.Struct("<4sIQ")
 _DIGEST_BYTES = 16
 SUFFIX = ".journal"
@@ -93,7 +109,16 @@ def inputs_of(header: dict, payloads: memoryview) -> RoundInputs:
     )
 
 
-def parse(data: bytes, at: int) -> tuple[RoundInputs, int] | None:
+@dataclass(frozen=True)
+class Entry:
+    """One record of a journal: a commit (``inputs``) or a claim marker (``inputs`` None),
+    written under ``epoch`` (0: before epochs)."""
+
+    epoch: int
+    inputs: RoundInputs | None
+
+
+def parse(data: bytes, at: int) -> tuple[Entry, int] | None:
     """The record at offset ``at`` of ``data`` and the offset after it, or None when no
     whole, intact record starts there."""
     view = memoryview(data)
@@ -110,10 +135,42 @@ def parse(data: bytes, at: int) -> tuple[RoundInputs, int] | None:
         return None
     try:
         header = json.loads(bytes(view[body : body + header_len]))
+        epoch = header.get("epoch", 0)
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"bad epoch {epoch!r}")
+        if header.get("marker") == CLAIM_MARKER:
+            return Entry(epoch, None), end + _DIGEST_BYTES
         inputs = inputs_of(header, view[body + header_len : end])
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise StateError(f"a commit journal record at offset {at} is unreadable ({exc})") from None
-    return inputs, end + _DIGEST_BYTES
+    return Entry(epoch, inputs), end + _DIGEST_BYTES
+
+
+def scan(data: bytes, newest_epoch: int = 0) -> tuple[list[RoundInputs], int, int]:
+    """The commits of one segment's bytes that count, given the highest epoch met before
+    it: ``(commits, offset where the intact records end, highest epoch met)``. A record of
+    an epoch below one met before it is passed over; so are bad bytes just before a claim
+    marker of an epoch above every one met (a superseded syncer's append cut short)."""
+    records: list[RoundInputs] = []
+    at = 0
+    while at < len(data):
+        parsed = parse(data, at)
+        if parsed is None:
+            following = _next_record(data, at)
+            if following is None:
+                break
+            entry, _ = following[1]
+            if entry.inputs is not None or entry.epoch <= newest_epoch:
+                break
+            at = following[0]
+            continue
+        entry, at = parsed
+        if entry.epoch < newest_epoch:
+            continue  # written by a syncer superseded before it wrote
+        newest_epoch = entry.epoch
+        if entry.inputs is not None:
+            records.append(entry.inputs)
+    return records, at, newest_epoch
 
 
 class CommitJournal:
@@ -121,14 +178,20 @@ class CommitJournal:
     appends: the committer is their only writer; ``drop_below`` runs on the snapshot
     writer's thread on segments no append touches any more."""
 
-    def __init__(self, fragment_dir: Path, *, fence: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, fragment_dir: Path, *, fence: Callable[[], None] | None = None, epoch: int = 0
+    ) -> None:
         """``fence``: called before every write, truncation and deletion
-        (``diloco.syncer.fencing.Claim.check``); with one, a torn tail is cut off when read."""
+        (``diloco.syncer.fencing.Claim.check``); with one, a torn tail is cut off when read.
+        ``epoch``: the claim's epoch, written into every record (0: none, as before
+        epochs)."""
         self.dir = Path(fragment_dir)
         self.fence = fence
+        self.epoch = epoch
         self._current: dict[int, int] = {}
         self.bytes_written = 0
-        """Bytes appended since this journal was opened (records, with their framing)."""
+        """Bytes appended since this journal was opened (records and claim markers, with
+        their framing)."""
 
     def segments(self, fragment: int) -> list[tuple[int, Path]]:
         """``(number, path)`` of the fragment's segments, oldest first."""
@@ -158,26 +221,48 @@ class CommitJournal:
     def append(self, inputs: RoundInputs) -> int:
         """Append one record and fsync it (and the directory, for a new segment); returns
         the bytes written. ``OSError`` takes the record back (the file is truncated to its
-        old size, so a retry writes it whole again); a failed fsync, or a truncation that
+        old size, so a retry writes it whole again; a syncer superseded meanwhile raises
+        ``Superseded`` instead and cuts nothing); a failed fsync, or a truncation that
         fails, is ``SyncFailed`` (never retried: ``diloco.syncer.files.SyncFailed``)."""
-        header = json.dumps(header_of(inputs), separators=(",", ":")).encode()
+        header = header_of(inputs)
+        if self.epoch:
+            header["epoch"] = self.epoch
         payloads = [data for c in inputs.contributions for _, data in c]
-        lengths = _LENGTHS.pack(MAGIC, len(header), sum(len(d) for d in payloads))
-        path = self._path(inputs.fragment, self.current(inputs.fragment))
+        return self._append(inputs.fragment, header, payloads)
+
+    def begin_epoch(self, fragment: int) -> None:
+        """Begin this journal's epoch in the fragment's journal, before the syncer reads it:
+        a torn tail of the newest segment cut off, then a claim marker appended to the
+        current segment and fsynced (nothing without an epoch). From then on no reader
+        takes a record of a lower epoch that follows it (the module docstring)."""
+        if not self.epoch:
+            return
+        found = self.segments(fragment)
+        if found:
+            self._cut_torn_tail(found[-1][1])
+        self._append(fragment, {"epoch": self.epoch, "marker": CLAIM_MARKER}, [])
+
+    def _append(self, fragment: int, header: dict, payloads: list[bytes]) -> int:
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        lengths = _LENGTHS.pack(MAGIC, len(encoded), sum(len(d) for d in payloads))
+        pieces = [lengths, encoded, *payloads]
+        h = _digest()
+        for piece in pieces:
+            h.update(piece)
+        pieces.append(h.digest())
+        record = b"".join(pieces)  # one write: no other append lands inside it
+        path = self._path(fragment, self.current(fragment))
         if self.fence is not None:
             self.fence()
         new = not path.exists()
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             size = os.fstat(fd).st_size
-            h, written = _digest(), 0
             try:
-                for piece in (lengths, header, *payloads):
-                    h.update(piece)  # the checksum of the bytes as they are written
-                    write_all(fd, piece, path)
-                    written += len(piece)
-                write_all(fd, h.digest(), path)
+                write_all(fd, record, path)
             except OSError:
+                if self.fence is not None:  # a successor's records may follow: never cut them
+                    self.fence()
                 try:
                     os.ftruncate(fd, size)
                 except OSError as exc:
@@ -193,28 +278,46 @@ class CommitJournal:
             fsync_dir(self.dir)
         if self.fence is not None:
             self.fence()
-        self.bytes_written += written + _DIGEST_BYTES
-        return written + _DIGEST_BYTES
+        self.bytes_written += len(record)
+        return len(record)
+
+    def _cut_torn_tail(self, path: Path) -> None:
+        """Cut off a torn tail of the segment at ``path`` (fenced, fsynced); bytes that are
+        not a torn tail are left for ``read`` to report."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return
+        _, at, _ = scan(data)
+        if at < len(data) and not _holds_a_record_after(data, at):
+            self._truncate(path, at)
+
+    def _truncate(self, path: Path, size: int) -> None:
+        if self.fence is not None:
+            self.fence()
+        os.truncate(path, size)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def read(self, fragment: int) -> list[RoundInputs]:
-        """Every intact record of the fragment, oldest first. A torn tail of the newest
-        segment is passed over (cut off when the journal has a fence: the syncer's own);
-        a bad record before the end of a segment, or a torn one in an older segment, is
-        a ``StateError``."""
+        """Every intact record of the fragment that counts, oldest first (a record of an
+        epoch below one met before it does not: the module docstring). A torn tail of the
+        newest segment is passed over (cut off when the journal has a fence: the
+        syncer's own); a bad record before the end of a segment, or a torn one in an older
+        segment, is a ``StateError``."""
         found = self.segments(fragment)
         records: list[RoundInputs] = []
+        newest_epoch = 0
         for i, (_, path) in enumerate(found):
             try:
                 data = path.read_bytes()
             except FileNotFoundError:  # (deleted by a snapshot meanwhile: a reader's race)
                 continue
-            at = 0
-            while at < len(data):
-                parsed = parse(data, at)
-                if parsed is None:
-                    break
-                records.append(parsed[0])
-                at = parsed[1]
+            counted, at, newest_epoch = scan(data, newest_epoch)
+            records.extend(counted)
             if at == len(data):
                 continue
             if i != len(found) - 1 or _holds_a_record_after(data, at):
@@ -223,13 +326,7 @@ class CommitJournal:
                     "directory from a backup, or start from a fresh --state-dir"
                 )
             if self.fence is not None:
-                self.fence()
-                os.truncate(path, at)
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                self._truncate(path, at)
         return records
 
     def drop_below(self, fragment: int, number: int) -> None:
@@ -248,12 +345,19 @@ class CommitJournal:
 def _holds_a_record_after(data: bytes, at: int) -> bool:
     """Whether an intact record starts anywhere after offset ``at`` (then the bad bytes at
     ``at`` are not a torn tail)."""
+    try:
+        return _next_record(data, at) is not None
+    except StateError:
+        return True
+
+
+def _next_record(data: bytes, at: int) -> tuple[int, tuple[Entry, int]] | None:
+    """The first intact record that starts after offset ``at``: ``(its offset, what
+    ``parse`` makes of it)``, or None."""
     start = data.find(MAGIC, at + 1)
     while start >= 0:
-        try:
-            if parse(data, start) is not None:
-                return True
-        except StateError:
-            return True
+        parsed = parse(data, start)
+        if parsed is not None:
+            return start, parsed
         start = data.find(MAGIC, start + 1)
-    return False
+    return None

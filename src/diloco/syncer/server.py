@@ -158,7 +158,11 @@ class SyncerServer:
             self.claim = claim_state_dir(state_dir)
         self.tape_index = TapeIndex(tape_path, shard) if tape_path else None
         taped = self.tape_index.read() if self.tape_index else Taped()
-        self.store = FragmentStore(state_dir, fence=self.claim.check) if state_dir else None
+        self.store = (
+            FragmentStore(state_dir, fence=self.claim.check, epoch=self.claim.epoch)
+            if state_dir
+            else None
+        )
         params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
         versions, restored, wire = self._restore(owned, params, shard)
         held = self.store.lineage if self.store is not None else None

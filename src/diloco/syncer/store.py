@@ -26,7 +26,8 @@ and reported (naming the file), never silently loaded; journal records carry the
 checksum. Temporary files a crash left behind are removed when the directory is opened
 again. Only one syncer writes a directory: it claims it first, and its store checks the
 claim around every rename, append and deletion (``fence``), so a syncer another one has
-superseded never writes.
+superseded fails at its next write, and what that write left never counts
+(``diloco.syncer.fencing``).
 
 The **event tape** is an append-only JSONL file: one record per decision (join, leave,
 round, refusal, injected fault, ...). Lines are written with a single ``write`` on an
@@ -118,9 +119,17 @@ class FragmentStore:
     ``fence``: called before and after every rename into the directory (raising refuses
     the write; a syncer passes its ``diloco.syncer.fencing.Claim.check``, so a syncer another
     one has superseded never writes). Without one (export, audits, tools) nothing is
-    checked: only a syncer's store writes, and it has claimed the directory first."""
+    checked: only a syncer's store writes, and it has claimed the directory first.
+    ``epoch``: the claim's epoch, which the commit journal writes into its records and
+    begins in each fragment's journal before ``load`` reads it (``CommitJournal.begin_epoch``)."""
 
-    def __init__(self, root: str | os.PathLike, *, fence: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        fence: Callable[[], None] | None = None,
+        epoch: int = 0,
+    ) -> None:
         self.root = Path(root)
         self.fence = fence
         self.fragment_dir = self.root / "fragments"
@@ -131,7 +140,7 @@ class FragmentStore:
         """Whether ``initialize`` made the directory (nothing in it was restored)."""
         self._commits: dict[int, list[CommitLog]] = {}
         self._merged_tokens: dict[int, int | None] = {}
-        self.journal = CommitJournal(self.fragment_dir, fence=fence)
+        self.journal = CommitJournal(self.fragment_dir, fence=fence, epoch=epoch)
         """The commit journal (``diloco.syncer.journal``): what makes a commit durable."""
         self.replayed: dict[int, int] = {}
         """Per fragment ``load`` read, the journal records it replayed onto the snapshot."""
@@ -262,6 +271,8 @@ class FragmentStore:
         return None
 
     def _recover(self, fragment: int, numel: int):
+        if self.path(fragment).exists():  # (a fragment without one has no journal to write)
+            self.journal.begin_epoch(fragment)
         snapshot = self.load_snapshot(fragment, numel)
         records = self.journal.read(fragment)
         if snapshot is None:
