@@ -276,6 +276,33 @@ def test_an_upload_an_earlier_life_journaled_and_the_last_settled_unknown_is_fou
     assert verdict.ok, verdict.problems  # 3 merged + 4 carried (unknown, merged: once) = 7
 
 
+def test_an_upload_the_checkpoint_held_in_flight_that_no_commit_merged_leaves_carried():
+    """Seed 45 of the quiet widened run (issue 46): life A's upload 1 (4 steps) was accepted
+    into a round that died with its syncer; A checkpointed with it in flight (carried) and
+    died. Life B settled it unknown at its first join without sending it: its 4 steps are
+    unknown, counted once (the audit had counted them carried and unknown: 4 + 3 + 4 != 7).
+    Returned instead, they went out again in B's next upload. Merged after all and sent
+    again: twice, named."""
+    tape = [round_record(0, 1, {"a": [[2, 3, 24]]})]
+    life_a = journal("A", (1, 0, 4, 4))
+    life_b = [
+        {"life": "B", "start": 4, "carried": [4], "unknown": [0]},  # (in flight)
+        {"life": "B", "settled": 1, "how": "unknown"},
+        *journal("B", (2, 0, 3, 7))[1:],
+    ]
+    verdict = audit(tape, {"a": life_a + life_b}, {"a": final(7, [0], [0], [4], "B")})
+    assert verdict.ok, verdict.problems
+    assert verdict.steps_unknown == 4
+    returned = [life_b[0], {"life": "B", "settled": 1, "how": "returned"}]
+    returned += journal("B", (2, 0, 7, 7))[1:]
+    tape = [round_record(0, 1, {"a": [[2, 7, 56]]})]
+    verdict = audit(tape, {"a": life_a + returned}, {"a": final(7, [0], [0], [0], "B")})
+    assert verdict.ok, verdict.problems
+    twice = [round_record(0, 1, {"a": [[1, 4, 32]]}), round_record(0, 2, {"a": [[2, 7, 56]]})]
+    problems = audit(twice, {"a": life_a + returned}, {"a": final(7, [0], [0], [0], "B")})
+    assert not problems.ok
+
+
 def test_the_audit_measures_the_longest_stall_beside_the_learners():
     """The stall check reads the tape's round times after each learner was checked: a
     learner's check once shadowed the tape (``'set' object has no attribute 'get'``)."""

@@ -33,7 +33,10 @@ What it asserts (each failure is one line in ``Audit.problems``):
    after its checkpoint: delivered by it or lost with it, never trained again; they count
    as dropped) and the steps its checkpoint counted *unknown*, or that the last life sent
    again from its checkpoint under an earlier life's upload id and settled unknown (the
-   tape may hold them); an upload only rolled-back commits merged whose life had it back
+   tape may hold them); an earlier life's upload the checkpoint held in flight, which no
+   commit merged and the last life settled without sending it, leaves ``carried`` (for
+   the unknown window if settled unknown; returned, its steps went out again in a later
+   upload); an upload only rolled-back commits merged whose life had it back
    (``returned``: its steps went out again) is not that life's delivery;
 5. per life that was killed, per fragment: steps merged + left out ≤ the last step it
    journaled: **at most once** (what it had not delivered when it died is lost with it: the
@@ -303,6 +306,15 @@ def _check_learner(learner, journal, final, tape, result: Audit) -> None:
             if upload_id in lives[last]["uploads"]:
                 p, steps = lives[last]["uploads"][upload_id]
                 unknown[p] += steps
+        # an earlier life's upload the checkpoint held in flight (in ``carried``) that no
+        # commit merged and the last life settled without sending it: unknown, its steps
+        # move to the unknown window; returned, they went out again in a later upload
+        for upload_id in journaled_before - set(lives[last]["uploads"]) - on_tape:
+            unknown_fate = upload_id in lives[last].get("unknown", ())
+            if unknown_fate or upload_id in lives[last].get("returned", ()):
+                p, steps = lives[owner[upload_id]]["uploads"][upload_id]
+                carried[p] -= steps
+                unknown[p] += steps if unknown_fate else 0
         for p, steps in enumerate(carried):
             earlier = sum(delivered[life].get(p, 0) for life in since_fresh)
             if not steps <= earlier <= steps + unknown[p] + skipped:
