@@ -259,7 +259,7 @@ class Restorer:
             if not (carried and untouched and pr.anchors[p] is not None):
                 continue
             # (a syncer that predates ``fates`` may list an upload of a round still open)
-            unknown = unheld or fates is None
+            unknown = unheld or fates is None or rejoin.another_lineage
             if not unknown and upload_id in fates.open:
                 self.settler.keep_in_flight(p, upload_id, fates.open[upload_id], rejoin, at)
                 continue
@@ -270,25 +270,51 @@ class Restorer:
                 pr.counters["excluded"] += 1
             else:
                 self.settler.count_merged_upload(p, upload_id, since[p])
-            with torch.no_grad():
-                self.overwrite(p, pr.anchors[p], drops=False)
-            self.dropped_on_restore.append(p)
-            if pr.journal is not None:
-                pr.journal.found_delivered(p, since[p], unknown=unknown)
+            self.drop_carried(p, unknown=unknown)
+
+    def drop_carried(self, p: int, *, unknown: bool) -> None:
+        """Fragment ``p``'s checkpointed progress was carried by an upload of an earlier
+        life (counted by the caller): θ_p goes back to its anchor (``overwrite``, nothing
+        counted dropped) and the journal says so (``unknown``: its fate is not known)."""
+        pr = self.progress
+        with torch.no_grad():
+            self.overwrite(p, pr.anchors[p], drops=False)
+        self.dropped_on_restore.append(p)
+        if pr.journal is not None:
+            pr.journal.found_delivered(p, self.restored_at[1][p], unknown=unknown)
 
     def give_up_unconfirmed(self) -> None:
-        """Training starts before every syncer (shard) answered the first join: what its
-        commits would have said can no longer be applied (this life moved on). Said once,
-        with what may reach the global model twice."""
+        """Training starts before every syncer (shard) answered the first join (its wait
+        timed out: ``Waiter.wait_for_global``; else the first ``step`` or ``skip``). A join
+        already waiting in the inbox is settled first (``confirm_at_join``). Every upload
+        still unconfirmed is of unknown fate, never guessed: the steps it reached past the
+        checkpoint count in ``ahead_on_restore`` (the caller skips them), and the
+        checkpointed progress it may have carried, if this life has not moved it, is neither
+        merged nor sent again but counted *unknown* (``drop_carried``). Called from ``step``,
+        that step's update of such a fragment goes with its progress (the step is counted
+        unsent all the same): call ``wait_for_global`` before training."""
         if not self.unconfirmed:
             return
-        fragments = sorted({p for p, _, _ in self.unconfirmed.values()})
+        self.settler.settle()  # (a join that arrived after the timeout still counts)
+        if not self.unconfirmed:
+            return
+        pr = self.progress
+        step, since, _ = self.restored_at
+        for p, steps, at in sorted(self.unconfirmed.values(), key=lambda v: v[2]):
+            self.ahead_on_restore = max(self.ahead_on_restore, at - step)
+            carried = at - steps <= step - since[p]
+            untouched = pr.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
+            if carried and untouched and pr.anchors[p] is not None:
+                pr.unknown_steps[p] += since[p]
+                self.drop_carried(p, unknown=True)
         log.warning(
             "%d uploads of the previous life (fragments %s) were not confirmed before "
-            "training resumed (no join yet): if the syncer had accepted them, their steps "
-            "may be merged twice",
+            "training resumed (no join yet): their fates are unknown; the checkpointed "
+            "progress they may have carried is not sent again (counted unknown) and %d "
+            "steps past the checkpoint are to be skipped",
             len(self.unconfirmed),
-            fragments,
+            sorted({p for p, _, _ in self.unconfirmed.values()}),
+            self.ahead_on_restore,
         )
         self.unconfirmed = {}
 
