@@ -26,6 +26,9 @@ from test_restore_accepted import (
     train_to,
 )
 
+import diloco
+from diloco.learner.journal import UploadJournal
+
 
 def free_address() -> str:
     """A loopback address nothing listens on (yet)."""
@@ -145,3 +148,41 @@ def test_a_first_join_waiting_in_the_inbox_is_settled_before_the_first_step_give
             restored.close(flush=False)
         if successor is not None:
             successor.stop()
+
+
+def test_a_delta_a_later_life_had_back_is_not_resent_without_a_delivery_file(tmp_path):
+    """The checkpoint holds an unanswered delta of fragment 0; a later life had it back
+    (refused: its journal says ``returned``) and sent its steps in its next upload. A
+    learner with an upload journal and no delivery file never looked (``take_back_returned``
+    ran only with a delivery log): it sent the delta again under its id, merged twice."""
+    address = free_address()
+    journal = str(tmp_path / "uploads.jsonl")
+    model = make_model()
+    first = diloco.Learner(
+        model, syncer=address, num_fragments=P, learner_id="me", journal_file=journal
+    )
+    server = local_syncer(make_model(), config(), num_fragments=P, bind=address)
+    first.wait_for_global(timeout=30)
+    server.stop()  # (the delta below stays unanswered)
+    train_to(first, model, CHECKPOINT_STEP)
+    assert first._queue(0)
+    state = first.state_dict()
+    first.close(flush=False)
+    (entry,) = state["ledger"]
+    later = UploadJournal(journal, CHECKPOINT_STEP)
+    later.settled(entry["upload_id"], "returned")
+    later.close()
+
+    restored = diloco.Learner(
+        make_model(),
+        syncer=address,
+        num_fragments=P,
+        learner_id="me",
+        journal_file=journal,
+        state=state,
+    )
+    try:
+        assert list(restored._ledger.items()) == []  # not resent under its id
+        assert restored.steps_since == [CHECKPOINT_STEP, CHECKPOINT_STEP]
+    finally:
+        restored.close(flush=False)

@@ -114,14 +114,16 @@ class Restorer:
 
     def open_journal(self, state: dict | None) -> UploadJournal | None:
         """This life's upload journal (``config.journal_file``; none without one). A restored
-        life writes what its checkpoint holds as delivered (``carried``) and notes the
-        uploads queued after the checkpoint that it must check at the first join."""
+        life first takes back what a later life had back (``take_back_returned``: whatever
+        the delivery log), writes what its checkpoint holds as delivered (``carried``) and
+        notes the uploads queued after the checkpoint that it must check at the first join."""
         pr = self.progress
         path = self.config.journal_file
         if not path:
             return None
         carried = None
         if state is not None:
+            self.take_back_returned()  # (with or without a delivery log)
             carried = self.settler.delivered_steps()
             self.note_unconfirmed(journaled_uploads(path, state.get("journal_life")))
         return UploadJournal(path, pr.local_step, carried, list(pr.unknown_steps))
@@ -156,12 +158,12 @@ class Restorer:
         """After a restore, what the delivery log (``accepted_at``) says of the time after
         the checkpoint. Accepted is not merged: an accepted upload's round may die with its
         syncer, or leave it out. With an upload journal the first join of each syncer
-        decides from its commits (``confirm_delivered``): here a delta a later life had back
-        is only made undelivered progress again (``take_back_returned``). Without one, the
-        log is all there is: a delta without an upload id that an upload accepted at or
-        after it may have carried, and the checkpointed progress of a fragment whose upload
-        queued after the checkpoint was accepted, are neither sent again nor counted merged
-        but counted *unknown*; the steps the log shows past the checkpoint are skipped."""
+        decides from its commits (``confirm_delivered``; a delta a later life had back is
+        undelivered progress again: ``open_journal``). Without one, the log is all there
+        is: a delta without an upload id that an upload accepted at or after it may have
+        carried, and the checkpointed progress of a fragment whose upload queued after the
+        checkpoint was accepted, are neither sent again nor counted merged but counted
+        *unknown*; the steps the log shows past the checkpoint are skipped."""
         pr = self.progress
         journaled = bool(self.config.journal_file)
         with torch.no_grad():
@@ -172,7 +174,6 @@ class Restorer:
                     self.settler.forget_unknown(p, e)  # (no id: no syncer can tell)
                 else:
                     self.settler.give_back(p, e)
-            self.take_back_returned()
             if journaled:
                 return
             for p in already_delivered(accepted_at, pr.local_step, pr.steps_since):
