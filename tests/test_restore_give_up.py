@@ -13,7 +13,8 @@ parts: a syncer on a state directory, stopped and started again on the same addr
 import socket
 
 import pytest
-from kit import local_syncer, wait_until
+import torch
+from kit import Peer, local_syncer, wait_until
 from test_restore_accepted import (
     CHECKPOINT_STEP,
     UPLOAD_STEP,
@@ -186,3 +187,34 @@ def test_a_delta_a_later_life_had_back_is_not_resent_without_a_delivery_file(tmp
         assert restored.steps_since == [CHECKPOINT_STEP, CHECKPOINT_STEP]
     finally:
         restored.close(flush=False)
+
+
+@pytest.mark.timeout(150)
+def test_an_upload_checked_against_another_lineage_counts_unknown(tmp_path):
+    """The restored learner's first join meets another lineage (a state directory replaced:
+    here a syncer without one) whose logs of fragment 0 begin at the checkpoint's version
+    0. Its commits cannot hold the previous life's upload; the learner took that for "never
+    committed" (its versions are another lineage's) and sent the carried progress again.
+    Another lineage's answer says nothing of the upload: its progress counts unknown."""
+    address, state, trained = merged_previous_life(tmp_path)
+    other = local_syncer(make_model(), config(), num_fragments=P, bind=address)
+    peer = Peer(other, "x")
+    restored = None
+    try:
+        peer.join()
+        numel = other.layout.fragments[0].numel
+        assert peer.upload(0, torch.full((numel,), 1e-3), steps=1, base=0, upload_id=7).accepted
+        wait_until(lambda: other.state.versions[0] == 1, 20, "the other lineage's commit")
+        restored = restored_life(tmp_path, state, trained, address)
+        wait_until(
+            lambda: restored.apply_arrived() is not None and not restored.restorer.unconfirmed,
+            30,
+            "the first join",
+        )
+        assert restored.unknown_steps[0] == CHECKPOINT_STEP
+        assert restored.steps_since[0] == 0  # not sent again
+    finally:
+        if restored is not None:
+            restored.close(flush=False)
+        peer.close()
+        other.stop()

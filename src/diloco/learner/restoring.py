@@ -242,7 +242,8 @@ class Restorer:
         progress stays undelivered (trained and sent again, even if the delivery log saw it
         accepted: its round died). Else its fate is unknown, and it is treated as delivered
         (its steps skipped, the progress it may have carried dropped) but counted
-        *unknown*."""
+        *unknown*. So is every one checked against another lineage (a state directory
+        rolled back or replaced): its logs and commits say nothing of this one's."""
         pr = self.progress
         step, since, held = self.restored_at
         fates, logged_from = rejoin.fates, rejoin.logged_from
@@ -252,7 +253,11 @@ class Restorer:
         for upload_id, (p, steps, at) in sorted(mine.items(), key=lambda kv: kv[1]):
             logged = logged_from[p] if p < len(logged_from) else -1
             unheld = upload_id not in rejoin.committed
-            if unheld and 0 <= logged <= max(held[p] if p < len(held) else -1, 0):
+            if (
+                unheld
+                and not rejoin.another_lineage
+                and 0 <= logged <= max(held[p] if p < len(held) else -1, 0)
+            ):
                 continue  # its admission is within the kept logs: never committed
             self.ahead_on_restore = max(self.ahead_on_restore, at - step)
             carried = at - steps <= step - since[p]  # it reached back over the unsent window
