@@ -177,7 +177,10 @@ class Learner:
             apply_arrived=self.apply_arrived,
         )
         """Flushes, drains and closes (``diloco.learner.stopping``)."""
-        self.waiter = Waiter(self.link, self.progress, clock, self._send_copied, self.apply_arrived)
+        give_up = self.restorer.give_up_unconfirmed  # (a timed-out wait: no first join)
+        self.waiter = Waiter(
+            self.link, self.progress, clock, self._send_copied, self.apply_arrived, give_up
+        )
         """Waits for the global model, or for merges (``diloco.learner.waiting``)."""
         self.restorer.resume_unanswered(self.link)
 
@@ -255,7 +258,7 @@ class Learner:
             raise RuntimeError(str(self.link.error))
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
-        self.restorer.give_up_unconfirmed()  # (training resumes: too late to confirm)
+        self.restorer.give_up_unconfirmed()  # (training resumes: a join waiting settled first)
         self.pacer.stepped(self.clock())
         self.local_step += 1
         self.total_tokens += tokens

@@ -114,14 +114,16 @@ class Restorer:
 
     def open_journal(self, state: dict | None) -> UploadJournal | None:
         """This life's upload journal (``config.journal_file``; none without one). A restored
-        life writes what its checkpoint holds as delivered (``carried``) and notes the
-        uploads queued after the checkpoint that it must check at the first join."""
+        life first takes back what a later life had back (``take_back_returned``: whatever
+        the delivery log), writes what its checkpoint holds as delivered (``carried``) and
+        notes the uploads queued after the checkpoint that it must check at the first join."""
         pr = self.progress
         path = self.config.journal_file
         if not path:
             return None
         carried = None
         if state is not None:
+            self.take_back_returned()  # (with or without a delivery log)
             carried = self.settler.delivered_steps()
             self.note_unconfirmed(journaled_uploads(path, state.get("journal_life")))
         return UploadJournal(path, pr.local_step, carried, list(pr.unknown_steps))
@@ -156,12 +158,12 @@ class Restorer:
         """After a restore, what the delivery log (``accepted_at``) says of the time after
         the checkpoint. Accepted is not merged: an accepted upload's round may die with its
         syncer, or leave it out. With an upload journal the first join of each syncer
-        decides from its commits (``confirm_delivered``): here a delta a later life had back
-        is only made undelivered progress again (``take_back_returned``). Without one, the
-        log is all there is: a delta without an upload id that an upload accepted at or
-        after it may have carried, and the checkpointed progress of a fragment whose upload
-        queued after the checkpoint was accepted, are neither sent again nor counted merged
-        but counted *unknown*; the steps the log shows past the checkpoint are skipped."""
+        decides from its commits (``confirm_delivered``; a delta a later life had back is
+        undelivered progress again: ``open_journal``). Without one, the log is all there
+        is: a delta without an upload id that an upload accepted at or after it may have
+        carried, and the checkpointed progress of a fragment whose upload queued after the
+        checkpoint was accepted, are neither sent again nor counted merged but counted
+        *unknown*; the steps the log shows past the checkpoint are skipped."""
         pr = self.progress
         journaled = bool(self.config.journal_file)
         with torch.no_grad():
@@ -172,7 +174,6 @@ class Restorer:
                     self.settler.forget_unknown(p, e)  # (no id: no syncer can tell)
                 else:
                     self.settler.give_back(p, e)
-            self.take_back_returned()
             if journaled:
                 return
             for p in already_delivered(accepted_at, pr.local_step, pr.steps_since):
@@ -241,7 +242,8 @@ class Restorer:
         progress stays undelivered (trained and sent again, even if the delivery log saw it
         accepted: its round died). Else its fate is unknown, and it is treated as delivered
         (its steps skipped, the progress it may have carried dropped) but counted
-        *unknown*."""
+        *unknown*. So is every one checked against another lineage (a state directory
+        rolled back or replaced): its logs and commits say nothing of this one's."""
         pr = self.progress
         step, since, held = self.restored_at
         fates, logged_from = rejoin.fates, rejoin.logged_from
@@ -251,7 +253,11 @@ class Restorer:
         for upload_id, (p, steps, at) in sorted(mine.items(), key=lambda kv: kv[1]):
             logged = logged_from[p] if p < len(logged_from) else -1
             unheld = upload_id not in rejoin.committed
-            if unheld and 0 <= logged <= max(held[p] if p < len(held) else -1, 0):
+            if (
+                unheld
+                and not rejoin.another_lineage
+                and 0 <= logged <= max(held[p] if p < len(held) else -1, 0)
+            ):
                 continue  # its admission is within the kept logs: never committed
             self.ahead_on_restore = max(self.ahead_on_restore, at - step)
             carried = at - steps <= step - since[p]  # it reached back over the unsent window
@@ -259,7 +265,7 @@ class Restorer:
             if not (carried and untouched and pr.anchors[p] is not None):
                 continue
             # (a syncer that predates ``fates`` may list an upload of a round still open)
-            unknown = unheld or fates is None
+            unknown = unheld or fates is None or rejoin.another_lineage
             if not unknown and upload_id in fates.open:
                 self.settler.keep_in_flight(p, upload_id, fates.open[upload_id], rejoin, at)
                 continue
@@ -270,25 +276,51 @@ class Restorer:
                 pr.counters["excluded"] += 1
             else:
                 self.settler.count_merged_upload(p, upload_id, since[p])
-            with torch.no_grad():
-                self.overwrite(p, pr.anchors[p], drops=False)
-            self.dropped_on_restore.append(p)
-            if pr.journal is not None:
-                pr.journal.found_delivered(p, since[p], unknown=unknown)
+            self.drop_carried(p, unknown=unknown)
+
+    def drop_carried(self, p: int, *, unknown: bool) -> None:
+        """Fragment ``p``'s checkpointed progress was carried by an upload of an earlier
+        life (counted by the caller): θ_p goes back to its anchor (``overwrite``, nothing
+        counted dropped) and the journal says so (``unknown``: its fate is not known)."""
+        pr = self.progress
+        with torch.no_grad():
+            self.overwrite(p, pr.anchors[p], drops=False)
+        self.dropped_on_restore.append(p)
+        if pr.journal is not None:
+            pr.journal.found_delivered(p, self.restored_at[1][p], unknown=unknown)
 
     def give_up_unconfirmed(self) -> None:
-        """Training starts before every syncer (shard) answered the first join: what its
-        commits would have said can no longer be applied (this life moved on). Said once,
-        with what may reach the global model twice."""
+        """Training starts before every syncer (shard) answered the first join (its wait
+        timed out: ``Waiter.wait_for_global``; else the first ``step`` or ``skip``). A join
+        already waiting in the inbox is settled first (``confirm_at_join``). Every upload
+        still unconfirmed is of unknown fate, never guessed: the steps it reached past the
+        checkpoint count in ``ahead_on_restore`` (the caller skips them), and the
+        checkpointed progress it may have carried, if this life has not moved it, is neither
+        merged nor sent again but counted *unknown* (``drop_carried``). Called from ``step``,
+        that step's update of such a fragment goes with its progress (the step is counted
+        unsent all the same): call ``wait_for_global`` before training."""
         if not self.unconfirmed:
             return
-        fragments = sorted({p for p, _, _ in self.unconfirmed.values()})
+        self.settler.settle()  # (a join that arrived after the timeout still counts)
+        if not self.unconfirmed:
+            return
+        pr = self.progress
+        step, since, _ = self.restored_at
+        for p, steps, at in sorted(self.unconfirmed.values(), key=lambda v: v[2]):
+            self.ahead_on_restore = max(self.ahead_on_restore, at - step)
+            carried = at - steps <= step - since[p]
+            untouched = pr.steps_since[p] == since[p] > 0 and p not in self.dropped_on_restore
+            if carried and untouched and pr.anchors[p] is not None:
+                pr.unknown_steps[p] += since[p]
+                self.drop_carried(p, unknown=True)
         log.warning(
             "%d uploads of the previous life (fragments %s) were not confirmed before "
-            "training resumed (no join yet): if the syncer had accepted them, their steps "
-            "may be merged twice",
+            "training resumed (no join yet): their fates are unknown; the checkpointed "
+            "progress they may have carried is not sent again (counted unknown) and %d "
+            "steps past the checkpoint are to be skipped",
             len(self.unconfirmed),
-            fragments,
+            sorted({p for p, _, _ in self.unconfirmed.values()}),
+            self.ahead_on_restore,
         )
         self.unconfirmed = {}
 

@@ -73,16 +73,21 @@ class Waiter:
         clock: Callable[[], float],
         send_copied: Callable[[], None],
         apply_arrived: Callable[[], int],
+        give_up: Callable[[], None] = lambda: None,
     ) -> None:
         self.link, self.progress, self.clock = link, progress, clock
         self.send_copied, self.apply_arrived = send_copied, apply_arrived
+        self.give_up = give_up
+        """Called when the wait times out: training starts without the first join (a
+        restored learner gives up confirming its previous life's uploads)."""
 
     def wait_for_global(self, timeout: float = 60.0, *, required: bool = True) -> bool:
         """Block until this learner holds every fragment at least at the version the syncer had
         when it joined, and apply them; True if so within ``timeout``. Otherwise
         ``TimeoutError`` (it would train from its own initialization, apart from the fleet):
         ``SyncerUnreachable`` if it never joined the syncer at all; or, with
-        ``required=False`` (training on alone is what the caller asked for), False.
+        ``required=False`` (training on alone is what the caller asked for), False. Either
+        way a timeout calls ``give_up`` first.
 
         Call it once before training: a fresh learner then starts from the global model, and
         one restored from a checkpoint catches up before it sends.
@@ -97,6 +102,7 @@ class Waiter:
             if holds_joined(self.progress.versions, target):
                 return True
             if self.clock() > deadline:
+                self.give_up()  # (before any training step: nothing trained is lost)
                 if required:
                     raise no_global_model(self.link.address, timeout, target is not None)
                 return False
