@@ -241,6 +241,7 @@ def _check_learner(learner, journal, final, tape, result: Audit) -> None:
             lives[life] = {"uploads": {}, "last_step": defaultdict(int)}
             order.append(life)
         if "carried" in line:
+            lives[life]["start"] = line.get("start", 0)
             lives[life]["carried"] = list(line["carried"])  # (copies: added to below)
             lives[life]["carried_unknown"] = list(line.get("unknown") or [0] * len(line["carried"]))
         if "skipped" in line:
@@ -250,6 +251,7 @@ def _check_learner(learner, journal, final, tape, result: Audit) -> None:
             lives[life][column][line["found_delivered"]] += line["steps"]
         if "u" in line:
             lives[life]["uploads"][line["u"]] = (line["p"], line["steps"])
+            lives[life].setdefault("queued_at", {})[line["u"]] = line["step"]
             step = lives[life]["last_step"]
             step[line["p"]] = max(step[line["p"]], line["step"])
         if line.get("how") == "merged":
@@ -306,10 +308,12 @@ def _check_learner(learner, journal, final, tape, result: Audit) -> None:
             if upload_id in lives[last]["uploads"]:
                 p, steps = lives[last]["uploads"][upload_id]
                 unknown[p] += steps
-        # an earlier life's upload the checkpoint held in flight (in ``carried``) that no
-        # commit merged and the last life settled without sending it: unknown, its steps
-        # move to the unknown window; returned, they went out again in a later upload
+        # an earlier life's upload the checkpoint held in flight (queued by its step: in
+        # ``carried``) that no commit merged and the last life settled without sending it:
+        # unknown, its steps move to the unknown window; returned, they went out again
         for upload_id in journaled_before - set(lives[last]["uploads"]) - on_tape:
+            if lives[owner[upload_id]]["queued_at"][upload_id] > lives[last]["start"]:
+                continue  # (queued after the checkpoint: not in what it carried)
             unknown_fate = upload_id in lives[last].get("unknown", ())
             if unknown_fate or upload_id in lives[last].get("returned", ()):
                 p, steps = lives[owner[upload_id]]["uploads"][upload_id]
