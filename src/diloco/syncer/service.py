@@ -207,7 +207,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                     "PERMISSION_DENIED",
                     f"learner id {request.learner_id[:64]!r} is not on the syncer's allow-list",
                 )
-            unsettled = check_unsettled(request.unsettled_from, self.state.layout.num_fragments)
+            fragments = self.state.layout.num_fragments
+            unsettled = check_unsettled(request.unsettled_from, fragments, request.num_fragments)
             with self.lock:
                 now = clock.monotonic()
                 info = self.state.join(

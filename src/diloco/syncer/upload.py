@@ -153,9 +153,16 @@ def _header_fields(chunk: pb.UploadChunk) -> tuple:
     )
 
 
-def check_unsettled(reported: Sequence[int], num_fragments: int) -> list[int]:
+def check_unsettled(
+    reported: Sequence[int], num_fragments: int, claimed: int | None = None
+) -> list[int]:
     """A learner's ``unsettled_from`` as sent: empty (nothing reported) or one version per
-    fragment, each >= -1 (-1: it holds none). ``Refused("INVALID_ARGUMENT")`` otherwise."""
+    fragment, each >= -1 (-1: it holds none). ``Refused("INVALID_ARGUMENT")`` otherwise.
+    ``claimed``: the fragments the learner says the model has (its Join's); a report of
+    another fragmentation is ignored (``[]``), so that the join's own refusal, which names
+    both, is what the learner reads."""
+    if claimed is not None and claimed != num_fragments:
+        return []
     floors = [int(v) for v in reported]
     if floors and (len(floors) != num_fragments or min(floors) < -1):
         raise Refused(
