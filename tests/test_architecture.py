@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -136,6 +137,45 @@ def test_no_module_over_600_lines():
         if not p.name.startswith("diloco_pb2") and (n := len(p.read_text().splitlines())) > 600
     }
     assert long == {}
+
+
+PARSE_ONLY = """
+import sys
+from diloco.cli import main
+for argv in ARGVS:
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "numpy"}))
+"""
+
+
+def test_the_cli_parses_and_refuses_flags_without_importing_torch():
+    """``diloco --help`` and a flag refused while parsing or checking the configuration
+    (before anything runs) load neither torch nor numpy: a mistyped flag is answered in a
+    fraction of a second, not after the seconds torch takes to import."""
+    argvs = [
+        ["--help"],
+        ["syncer", "--nonsense"],
+        ["syncer", "--bind", "nonsense"],
+        ["syncer", "--model", "my model"],
+        ["syncer", "--max-learners", "2000"],
+        ["run", "--learners", "0"],
+        ["run", "--mode", "dp", "--bf16"],
+        ["learner", "--help"],
+        ["plan", "--nonsense"],
+        ["learner-token", "--nonsense"],
+        ["export", "--nonsense"],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", f"ARGVS = {argvs!r}\n{PARSE_ONLY}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr
 
 
 def package_of(module: str) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kit import join_state, syncer_state, tiny_model
 
-from diloco.algorithm.guard import (
+from diloco.algorithm.direction import (
     DIRECTION_SAMPLE,
     DIRECTION_WHOLE,
     consensus_cosines,

@@ -12,7 +12,8 @@ from kit import local_syncer, run_diloco
 from safetensors.torch import load_file
 
 from diloco.algorithm.fragments import balanced_fragments
-from diloco.runtime.tensor_files import INDEX_FILE, load_sharded, parse_size
+from diloco.runtime.tensor_files import INDEX_FILE, load_sharded
+from diloco.runtime.units import parse_size
 from diloco.syncer.store import FragmentStore
 
 pytestmark = pytest.mark.slow  # real processes: left out of `make test-fast`

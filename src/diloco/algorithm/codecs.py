@@ -87,57 +87,27 @@ import sys
 import numpy as np
 import torch
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2", "sign1", "sign1w", "topk2")
-
-#: Values per absmax scale block for int8/int4/int2 (one float32 scale each).
-BLOCK_SIZE = 128
-
-#: Values per scale block of the sign codecs: sign1's blocks are int4's, sign1w's wide.
-WIDE_BLOCK_SIZE = 1024
-SIGN_BLOCKS = {"sign1": BLOCK_SIZE, "sign1w": WIDE_BLOCK_SIZE}
-
-#: topk2: values per chunk, and how many of them (the largest |x|) each chunk keeps.
-TOPK_CHUNK = 1024
-TOPK_K = 32
+from diloco.algorithm.codec_sizes import (
+    BLOCK_SIZE,
+    CODECS,  # noqa: F401 (re-exported: codecs.CODECS)
+    SIGN_BLOCKS,
+    TOPK_CHUNK,
+    TOPK_K,
+    WIDE_BLOCK_SIZE,  # noqa: F401 (re-exported)
+    CodecError,
+    check_codec,
+    encoded_nbytes,
+    topk_counts,
+)
 
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # largest |q|
-_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}  # codes packed in one byte
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
 _BF16_REL = 2.0**-8  # half an ulp of bfloat16's 8-bit significand, relative
 
 
-class CodecError(ValueError):
-    """Bad codec name, wrong payload length, bad shape or a payload this codec never produces."""
-
-
 class NonFiniteError(CodecError):
     """A tensor (to encode) or payload (to decode) holds NaN or Inf values."""
-
-
-def check_codec(name: str) -> str:
-    """Return ``name`` if it is one of :data:`CODECS`, else raise :class:`CodecError`."""
-    if name not in CODECS:
-        raise CodecError(f"unknown codec {name!r}; valid codecs are {', '.join(CODECS)}")
-    return name
-
-
-def encoded_nbytes(numel: int, codec: str) -> int:
-    """Exact payload size in bytes for ``numel`` values in ``codec``."""
-    check_codec(codec)
-    if numel < 0:
-        raise CodecError(f"numel must be >= 0, got {numel}")
-    if codec == "fp32":
-        return 4 * numel
-    if codec == "bf16":
-        return 2 * numel
-    if codec == "topk2":
-        chunks, kept = _topk_counts(numel)
-        return 8 * chunks + 2 * kept + (kept + 3) // 4
-    if codec in SIGN_BLOCKS:
-        return 4 * (-(-numel // SIGN_BLOCKS[codec])) + (numel + 7) // 8
-    per_byte = _PER_BYTE[codec]
-    return 4 * (-(-numel // BLOCK_SIZE)) + (numel + per_byte - 1) // per_byte
 
 
 ALIGN_VALUES = TOPK_CHUNK
@@ -158,7 +128,7 @@ def payload_sections(numel: int, codec: str) -> list[int]:
         scales = 4 * -(-numel // block)
         return [scales, total - scales]
     if codec == "topk2":
-        chunks, kept = _topk_counts(numel)
+        chunks, kept = topk_counts(numel)
         return [8 * chunks, 2 * kept, total - 8 * chunks - 2 * kept]
     return [total]
 
@@ -355,15 +325,6 @@ def roundtrip_error_bound(tensor: torch.Tensor, codec: str) -> float:
 # ---------------------------------------------------------------------------------- topk2
 
 
-def _topk_counts(n: int) -> tuple[int, int]:
-    """(chunks, kept values) of ``n`` values in topk2. Pure."""
-    chunks = -(-n // TOPK_CHUNK)
-    if not chunks:
-        return 0, 0
-    last = n - (chunks - 1) * TOPK_CHUNK
-    return chunks, (chunks - 1) * TOPK_K + min(TOPK_K, last)
-
-
 def _kept(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(offsets, values) of the kept entries of ``x`` (one chunk per row, equal lengths):
     each row's ``min(TOPK_K, row length)`` largest ``|x|``, in increasing offset order."""
@@ -376,7 +337,7 @@ def _kept(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _encode_topk(x: torch.Tensor) -> bytes:
     n = x.numel()
-    chunks, _ = _topk_counts(n)
+    chunks, _ = topk_counts(n)
     if not chunks:
         return b""
     full = (n // TOPK_CHUNK) * TOPK_CHUNK
@@ -413,7 +374,7 @@ def _encode_topk(x: torch.Tensor) -> bytes:
 
 
 def _decode_topk(mv: memoryview, n: int) -> torch.Tensor:
-    chunks, kept = _topk_counts(n)
+    chunks, kept = topk_counts(n)
     out = torch.zeros(n, dtype=torch.float32)
     if not chunks:
         return out

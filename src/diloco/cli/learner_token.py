@@ -7,8 +7,6 @@ import sys
 
 from diloco.config import add_options
 from diloco.config.common import ClientSecurityConfig
-from diloco.syncer.records import Refused, check_id
-from diloco.wire.auth import AuthConfigError, learner_token, load_token
 
 
 def register(subparsers) -> None:
@@ -27,6 +25,9 @@ def register(subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from diloco.syncer.records import Refused, check_id  # at run time: they import torch
+    from diloco.wire.auth import AuthConfigError, learner_token, load_token
+
     try:
         check_id(args.learner_id)
         secret = load_token(args.token_file)

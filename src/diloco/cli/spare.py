@@ -21,7 +21,8 @@ def warm_up() -> None:
     import diloco.cli  # noqa: F401
     import diloco.launch.learner_worker  # noqa: F401
     import diloco.learner.learner  # noqa: F401
-    import diloco.recipes  # noqa: F401
+    import diloco.recipes.language  # noqa: F401  (the text recipes: their model, data, optimizer)
+    import diloco.recipes.moe  # noqa: F401
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.recipes.optimizers import INNER_OPTIMIZERS, check_inner_optimizer
+from diloco.recipes.choices import INNER_OPTIMIZERS, check_inner_optimizer
 from diloco.runtime.schema import option
 
 

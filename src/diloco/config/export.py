@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.runtime.schema import option
-from diloco.runtime.tensor_files import parse_size
+from diloco.runtime.units import parse_size
 
 EXPORT_FORMATS = ("auto", "safetensors", "pt", "hf")
 """What ``--format`` accepts."""

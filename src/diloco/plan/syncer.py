@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from diloco.algorithm.codecs import CODECS
+from diloco.algorithm.codec_sizes import CODECS
 from diloco.runtime.schema import option, same_option
-from diloco.runtime.tensor_files import parse_size
-from diloco.runtime.units import GBIT_S, parse_rate
+from diloco.runtime.units import GBIT_S, parse_rate, parse_size
 from diloco.syncer.config import SyncerConfig
 from diloco.wire.comms import bytes_per_value
 

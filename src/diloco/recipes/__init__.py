@@ -18,14 +18,14 @@ package and its model is built from a config.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from diloco.recipes.base import Recipe
-from diloco.recipes.gpt import GPT, GPTConfig
-from diloco.recipes.language import RecipeUnavailable, TextRecipe
-from diloco.recipes.moe import MoEConfig
-from diloco.recipes.optimizers import check_inner_optimizer
-from diloco.recipes.text import DataError, TextCorpus
+from diloco.recipes.choices import check_inner_optimizer
+
+if TYPE_CHECKING:
+    from diloco.recipes.base import Recipe
 
 __all__ = [
     "Recipe",
@@ -40,6 +40,36 @@ __all__ = [
     "TextCorpus",
 ]
 
+_LAZY = {
+    "Recipe": "diloco.recipes.base",
+    "TextRecipe": "diloco.recipes.language",
+    "RecipeUnavailable": "diloco.recipes.language",
+    "GPT": "diloco.recipes.gpt",
+    "GPTConfig": "diloco.recipes.gpt",
+    "DataError": "diloco.recipes.text",
+    "TextCorpus": "diloco.recipes.text",
+}
+"""Public name -> its module, imported on first use: importing this package (as the command
+line does to check its flags) does not import torch."""
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'diloco.recipes' has no attribute {name!r}")
+
+
+def _text(name: str, data_path: str | None, sizes: dict, **fields) -> Recipe:
+    """The ``TextRecipe`` called ``name`` on ``data_path``: a model of ``sizes`` (a
+    ``MoEConfig`` for the ``moe`` architecture, else a ``GPTConfig``), ``fields`` the
+    recipe's other settings."""
+    from diloco.recipes.gpt import GPTConfig
+    from diloco.recipes.language import TextRecipe
+    from diloco.recipes.moe import MoEConfig
+
+    model = (MoEConfig if fields.get("architecture") == "moe" else GPTConfig)(**sizes)
+    return TextRecipe(name=name, model=model, data_path=data_path, **fields)
+
 
 def _digits(data_path: str | None) -> Recipe:
     from diloco.recipes.digits import DigitsRecipe
@@ -47,31 +77,22 @@ def _digits(data_path: str | None) -> Recipe:
     return DigitsRecipe(name="digits", data_path=data_path)
 
 
+GPT_SIZES = {"seq_len": 128, "layers": 4, "dim": 128, "heads": 4}
+"""The sizes of the ``shakespeare`` recipe's GPT (and of ``hf-gpt2``'s, and ``moe``'s blocks)."""
+
 RECIPES: dict[str, Callable[[str | None], Recipe]] = {
-    "shakespeare": lambda data: TextRecipe(
-        name="shakespeare", model=GPTConfig(seq_len=128, layers=4, dim=128, heads=4), data_path=data
+    "shakespeare": lambda data: _text("shakespeare", data, GPT_SIZES),
+    "tiny": lambda data: _text(
+        "tiny", data, {"seq_len": 32, "layers": 2, "dim": 32, "heads": 2}, eval_windows=32
     ),
-    "tiny": lambda data: TextRecipe(
-        name="tiny",
-        model=GPTConfig(seq_len=32, layers=2, dim=32, heads=2),
-        eval_windows=32,
-        data_path=data,
-    ),
-    "hf-gpt2": lambda data: TextRecipe(
-        name="hf-gpt2",
-        model=GPTConfig(seq_len=128, layers=4, dim=128, heads=4),
-        architecture="hf-gpt2",
-        data_path=data,
-    ),
-    "moe": lambda data: TextRecipe(
-        name="moe",
-        model=MoEConfig(seq_len=128, layers=4, dim=128, heads=4, experts=4, top_k=2),
-        architecture="moe",
-        data_path=data,
+    "hf-gpt2": lambda data: _text("hf-gpt2", data, GPT_SIZES, architecture="hf-gpt2"),
+    "moe": lambda data: _text(
+        "moe", data, {**GPT_SIZES, "experts": 4, "top_k": 2}, architecture="moe"
     ),
     "digits": _digits,
 }
-"""Recipe name -> its constructor (given ``--data``, or None)."""
+"""Recipe name -> its constructor (given ``--data``, or None); a constructor imports its
+recipe's modules (and torch)."""
 
 
 def get_recipe(

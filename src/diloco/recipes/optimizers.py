@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-INNER_OPTIMIZERS = ("adamw", "muon")
-"""The values of ``--inner-optimizer``."""
+from diloco.recipes.choices import check_inner_optimizer
 
 MUON_MOMENTUM = 0.95
 
@@ -21,19 +20,6 @@ NOT_HIDDEN = ("head", "lm_head", "classifier", "router", "gate")
 """Module names (a component of a parameter's dotted name) of 2-D weights that are not hidden
 matrices: output layers and mixture-of-experts routers stay with AdamW, as Muon's authors
 advise."""
-
-
-def check_inner_optimizer(name: str) -> str:
-    """``name`` if it is one of :data:`INNER_OPTIMIZERS` this torch provides, else ValueError
-    saying why (``torch.optim.Muon`` exists from torch 2.9 on)."""
-    if name not in INNER_OPTIMIZERS:
-        raise ValueError(f"inner optimizer {name!r}: choose one of {', '.join(INNER_OPTIMIZERS)}")
-    if name == "muon" and not hasattr(torch.optim, "Muon"):
-        raise ValueError(
-            f"--inner-optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch "
-            f"{torch.__version__}"
-        )
-    return name
 
 
 def muon_parameters(model: torch.nn.Module) -> set[int]:
@@ -107,7 +93,7 @@ def build_inner_optimizer(
     weight_decay: float,
     no_decay,
 ):
-    """The inner optimizer ``name`` (one of :data:`INNER_OPTIMIZERS`) for ``model``: peak
+    """The inner optimizer ``name`` (one of ``diloco.recipes.choices.INNER_OPTIMIZERS``) for ``model``: peak
     ``lr``, decoupled ``weight_decay`` except on the parameters ``no_decay(name, p)`` picks."""
     check_inner_optimizer(name)
     betas = (0.9, 0.95)

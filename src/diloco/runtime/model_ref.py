@@ -13,10 +13,10 @@ import importlib
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from diloco.runtime.modules import plain_module
+if TYPE_CHECKING:
+    from torch import nn
 
 _REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -34,7 +34,12 @@ def check_model_ref(ref: str) -> str:
 
 def load_model(ref: str) -> nn.Module:
     """Import ``MODULE`` of ``ref`` and return ``CALLABLE()``; every failure (no such module,
-    no such name, the call raising, not a module) is a ``ModelRefError`` naming ``ref``."""
+    no such name, the call raising, not a module) is a ``ModelRefError`` naming ``ref``.
+    Imports torch (:func:`check_model_ref` does not: the command line checks a flag with it)."""
+    from torch import nn
+
+    from diloco.runtime.modules import plain_module
+
     module_name, _, attribute = check_model_ref(ref).partition(":")
     cwd = os.getcwd()
     if cwd not in sys.path:

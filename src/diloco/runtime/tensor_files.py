@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -45,21 +44,6 @@ INDEX_FILE = "model.safetensors.index.json"
 """The index of a sharded state dict: which file holds each tensor."""
 HEADER_ALIGNMENT = 8
 """The header is padded with spaces to a multiple of this many bytes (as safetensors does)."""
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MiB"``, ``"1048576"`` -> bytes (> 0); ``ValueError`` otherwise."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MiB, 1000000)")
-    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
-    if size < 1:
-        raise ValueError(f"a size must be at least 1 byte, got {text!r}")
-    return size
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

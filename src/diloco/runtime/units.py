@@ -1,5 +1,6 @@
-"""The one duration grammar (the command line, the chaos specs) and the one link-rate grammar
-(``--wan``, ``diloco plan --link``)."""
+"""The one duration grammar (the command line, the chaos specs), the one link-rate grammar
+(``--wan``, ``diloco plan --link``) and the one size grammar (``--max-shard-size``, ``diloco
+plan --syncer-memory``)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,19 @@ def format_rate(bps: float | None) -> str:
         if bps >= RATE_PREFIXES[prefix]:
             return f"{bps / RATE_PREFIXES[prefix]:g}{prefix}bit"
     return f"{bps:g}bit"
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MiB"``, ``"1048576"`` -> bytes (> 0); ``ValueError`` otherwise."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MiB, 1000000)")
+    size = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").lower()])
+    if size < 1:
+        raise ValueError(f"a size must be at least 1 byte, got {text!r}")
+    return size

@@ -23,8 +23,8 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from diloco.algorithm.direction import consensus_cosines, secret_generator
 from diloco.algorithm.fragments import FragmentLayout
-from diloco.algorithm.guard import consensus_cosines, secret_generator
 from diloco.algorithm.merge import cap_weights, is_embedding_name
 from diloco.algorithm.outer import round_share, scheduled_outer_lr
 from diloco.syncer.config import SyncerConfig

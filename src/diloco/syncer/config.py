@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.algorithm.codecs import CODECS, check_codec
+from diloco.algorithm.codec_sizes import CODECS, check_codec
 from diloco.algorithm.guard import (
     DEFAULT_K,
     DEFAULT_MAX_RATIO,
@@ -108,7 +108,7 @@ class SyncerConfig:
     (``diloco.algorithm.merge.cap_weights``); 0 turns the cap off."""
     direction_floor: float = option(0.0, metavar="COS")
     """In a round of 3 or more contributions, one whose cosine with the round's
-    coordinate-wise median (``diloco.algorithm.guard.consensus_cosines``) is below this is
+    coordinate-wise median (``diloco.algorithm.direction.consensus_cosines``) is below this is
     left out of the merge (a reversed or unrelated delta); -1 turns the check off."""
     max_tokens_per_step: int = 1 << 24
     """Sanity bound on ``tokens / steps`` in a contribution."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.algorithm.codecs import check_codec, encoded_nbytes
+from diloco.algorithm.codec_sizes import check_codec, encoded_nbytes
 
 
 @dataclass(frozen=True)
