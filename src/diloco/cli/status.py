@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
-import time
+import threading
 
 from diloco.config import add_options
 from diloco.config.common import ClientSecurityConfig
@@ -48,12 +49,17 @@ def main(args: argparse.Namespace) -> int:
     except (AuthConfigError, ValueError, OSError) as exc:
         print(f"diloco status: error: {exc}", file=sys.stderr)
         return 2
+    # Ctrl-C ends a --watch with the last status's exit code. It only sets a flag: raised
+    # inside a gRPC call (most of a watch's time on a slow link) the interrupt could leave
+    # the call's threads hanging and the process up; a call ends within its deadline.
+    ctrl_c = threading.Event()
+    if args.watch is not None:
+        signal.signal(signal.SIGINT, lambda signum, frame: ctrl_c.set())
     try:
         code = show(client, args)
-        while args.watch is not None:
-            time.sleep(args.watch)
+        while args.watch is not None and not ctrl_c.wait(args.watch):
             code = show(client, args)
-    except KeyboardInterrupt:  # Ctrl-C ends a --watch: the last status's exit code
+    except KeyboardInterrupt:
         pass
     finally:
         client.close()
