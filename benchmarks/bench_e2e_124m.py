@@ -36,14 +36,18 @@ GPT-2 of width 64 over 512 tokens (0.1M parameters) with fewer steps: the same c
   every step it trained must come back merged (``learner.accounting()``).
 - ``export``: ``diloco export STATE_DIR --model ... --format safetensors --max-shard-size
   100MB`` of the fleet's state directory, after its syncer exited. Its peak RSS (the
-  kernel's ``ru_maxrss`` of that process, from ``wait4``) is compared with the model's fp32
+  process's ``VmHWM``, see below) is compared with the model's fp32
   bytes above a baseline process that only imports what the export imports: the export
   holds the model it writes into and one fragment at a time, so that difference must stay
   below two fp32 copies (about one, plus a fragment; building the 124M GPT-2 alone peaks
   about 0.3 copies above the model, transformers' initialisation). The written shards are
   loaded back strictly into a fresh model and compared with what the syncer committed.
 
-Peak RSS of every process is its ``ru_maxrss``; the syncer's is also reported per model
+Peak RSS of every process is the high-water mark of its own address space (``VmHWM``,
+``bench_learner_overhead.peak_rss_mb``; the ``diloco`` commands run in a ``--role cli``
+wrapper that writes it when they end), not ``ru_maxrss``: Linux carries a parent's peak
+across ``exec`` into its child's ``ru_maxrss``, and this script's own peak (it loads the
+exported model back) showed as every later child's. The syncer's is also reported per model
 parameter. Medians over ``--repeats`` are printed (and written as JSON with ``--json``), and
 whether each target was met; at ``--quick`` only the commits, the merged steps and the
 export's shards mean something (the processes' imports outweigh a 0.1M model).
@@ -224,9 +228,8 @@ def start(cmd: list[str], cpus: set[int] | None = None, output: Path | None = No
         return subprocess.Popen(cmd, env=child_env(), preexec_fn=pinned(cpus), stdout=out)
 
 
-def finish(proc: subprocess.Popen, timeout: float = PROCESS_TIMEOUT_S) -> float:
-    """Wait for ``proc`` (killed after ``timeout``); its peak RSS in MiB (``wait4``). Raises
-    ``RuntimeError`` when it failed."""
+def finish(proc: subprocess.Popen, timeout: float = PROCESS_TIMEOUT_S) -> None:
+    """Wait for ``proc`` (killed after ``timeout``). Raises ``RuntimeError`` when it failed."""
     deadline = time.monotonic() + timeout
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -240,7 +243,26 @@ def finish(proc: subprocess.Popen, timeout: float = PROCESS_TIMEOUT_S) -> float:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, proc.args[:6]))} ... exited {proc.returncode}")
-    return usage.ru_maxrss / 1024
+
+
+def diloco_command(peak_file: Path, *argv: str) -> list[str]:
+    """``diloco ARGV`` run by this script's ``--role cli``, which writes the command's peak
+    RSS in MiB to ``peak_file`` when it ends (``peak_mb`` reads it)."""
+    return [sys.executable, __file__, "--role=cli", f"--peak-file={peak_file}", "--", *argv]
+
+
+def run_diloco(argv: list[str], peak_file: str) -> int:
+    """``--role cli``: the ``diloco`` command ``argv`` in this process; then its peak RSS."""
+    from diloco.cli import main as diloco_main
+
+    try:
+        return diloco_main(argv)
+    finally:
+        Path(peak_file).write_text(f"{overhead.peak_rss_mb()}\n")
+
+
+def peak_mb(peak_file: Path) -> float:
+    return float(peak_file.read_text())
 
 
 def wait_for_files(paths: list[Path], procs: list[subprocess.Popen]) -> None:
@@ -279,9 +301,10 @@ def start_syncer(args, state_dir: Path, cpus: set[int] | None) -> tuple[subproce
     address."""
     port_file = state_dir.with_suffix(".port")  # (written once it serves)
     proc = start(
-        [sys.executable, "-m", "diloco.cli", "syncer", "--model", model_ref(args.size),
-         "--state-dir", str(state_dir), "--bind", "127.0.0.1:0", "--port-file", str(port_file),
-         "--stop-when-learners-leave"],
+        diloco_command(
+            state_dir.with_suffix(".peak"), "syncer", "--model", model_ref(args.size),
+            "--state-dir", str(state_dir), "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+            "--stop-when-learners-leave"),
         cpus,
     )  # fmt: skip
     try:
@@ -314,7 +337,8 @@ def measure_learners(args, work: Path, ids: tuple[str, ...], syncer_cpus) -> dic
             i: json.loads((work / f"{state_dir.name}-{i}.json").read_text().splitlines()[-1])
             for i in ids
         }
-        syncer_rss = finish(syncer)
+        finish(syncer)
+        syncer_rss = peak_mb(state_dir.with_suffix(".peak"))
     finally:
         kill_all(procs)
     return {"learners": results, "syncer_rss_mb": syncer_rss, "state_dir": state_dir}
@@ -346,11 +370,13 @@ def export(args, state_dir: Path, out: Path, params: int) -> dict:
     model's fp32 bytes above the imports' baseline; the shards loaded back and checked."""
     baseline = run_child("without-model", args, out.with_suffix(".json"))["peak_rss_mb"]
     proc = start(
-        [sys.executable, "-m", "diloco.cli", "export", str(state_dir), "--model",
-         model_ref(args.size), "-o", str(out), "--format", "safetensors",
-         "--max-shard-size", args.max_shard_size or SIZES[args.size].max_shard_size],
+        diloco_command(
+            out.with_suffix(".peak"), "export", str(state_dir), "--model", model_ref(args.size),
+            "-o", str(out), "--format", "safetensors",
+            "--max-shard-size", args.max_shard_size or SIZES[args.size].max_shard_size),
     )  # fmt: skip
-    peak = finish(proc)
+    finish(proc)
+    peak = peak_mb(out.with_suffix(".peak"))
     model_mb = params * 4 / 2**20
     return {
         "peak_rss_mb": peak,
@@ -440,7 +466,9 @@ def summarize(runs: list[dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--role", default="bench", choices=("bench", "train", "without-model"))
+    p.add_argument("--role", default="bench", choices=("bench", "train", "without-model", "cli"))
+    p.add_argument("--peak-file", default="", help=argparse.SUPPRESS)
+    p.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="the tiny model: a smoke test")
     p.add_argument("--size", choices=tuple(SIZES), default=None, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=None, help="measured steps per run")
@@ -458,6 +486,8 @@ def main() -> int:
     if args.role == "train":
         print(json.dumps(train(args)))
         return 0
+    if args.role == "cli":
+        return run_diloco(args.argv, args.peak_file)
     if args.role == "without-model":
         print(json.dumps(without_model(args.size)))
         return 0

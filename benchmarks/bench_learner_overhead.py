@@ -13,7 +13,7 @@ bytes of Shakespeare) runs in a fresh process per measurement:
   a syncer in another process (``SyncerServer.for_model``, same seed); ``--arenas 1`` sets
   its ``malloc_arenas`` (as ``diloco learner`` does), default: the process left alone.
 
-Each process reports its peak resident memory (``ru_maxrss``) and its steps/s over the
+Each process reports its peak resident memory (``peak_rss_mb``) and its steps/s over the
 measured steps (after 5 warm-up steps); the syncer reports its own peak memory, per model
 parameter. The training process (its training thread and the Learner's threads) is pinned
 to CPU 0 with one torch thread, the syncer to CPU 1: on this 2-core machine the syncer would
@@ -47,7 +47,17 @@ def build(layers: int, dim: int, seed: int = 0):
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far (``ru_maxrss``), MiB."""
+    """This process's peak resident memory so far, MiB: its address space's high-water mark
+    (``VmHWM`` in ``/proc/self/status``). Not ``ru_maxrss`` where ``/proc`` has it: Linux
+    carries the forking parent's peak across ``exec`` into the child's ``ru_maxrss``, so a
+    child of a large process reports at least that process's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -152,7 +162,7 @@ def serve(args) -> None:
         del model
         print(server.address, flush=True)
         sys.stdin.readline()  # the parent writes a line when the learner is done
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rss = peak_rss_mb() * 2**20
         print(json.dumps({"peak_rss_mb": rss / 2**20, "bytes_per_param": rss / params}), flush=True)
 
 

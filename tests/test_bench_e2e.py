@@ -48,3 +48,23 @@ def test_the_quick_end_to_end_benchmark_makes_every_due_commit_and_exports(tmp_p
     index = json.loads((tmp_path / "runs" / "repeat-0" / "export" /
                         "model.safetensors.index.json").read_text())  # fmt: skip
     assert len(set(index["weight_map"].values())) == export["shards"]
+
+
+def test_a_childs_peak_memory_is_its_own_not_its_large_parents():
+    """The benchmarks' children report their own peak (``bench_learner_overhead.peak_rss_mb``):
+    ``ru_maxrss`` would carry the peak of a parent that held 400 MiB when it started them
+    (the 124M benchmark's own, once it had loaded an exported model back)."""
+    parent = (
+        "import subprocess, sys\n"
+        "held = bytearray(400 << 20)\n"
+        "for i in range(0, len(held), 4096): held[i] = 1\n"
+        "child = 'import sys; sys.path.insert(0, sys.argv[1]); import bench_learner_overhead as o;"
+        " print(o.peak_rss_mb())'\n"
+        "sys.exit(subprocess.run([sys.executable, '-c', child, sys.argv[1]]).returncode)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", parent, str(BENCH.parent)], capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    child_peak_mb = float(done.stdout.strip().splitlines()[-1])
+    assert child_peak_mb < 300, child_peak_mb  # (an interpreter with torch not imported: ~20)
