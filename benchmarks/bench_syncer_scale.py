@@ -60,7 +60,9 @@ once); the learners listen ``--drain-steps`` more steps and stop; the syncer is 
 - *Memory*: the syncer's peak (``VmHWM``: its start included) and steady (``VmRSS`` at the
   window's end) resident bytes per parameter.
 - *Restart*: from starting the syncer again on its state directory (after SIGKILL) until it
-  answers both Status and a Join (s), the journal records it replayed, and its peak RSS.
+  answers both Status and a Join (s), the journal records it replayed, its peak RSS, and
+  where its start went (``SyncerServer.restart_times``: the seconds of each phase, and of
+  the restore's parts summed over its threads; the restart table).
 
 Output: a markdown summary table, one stage table per (N, M), and with ``--json PATH`` every
 row as JSON (``check_row`` says what a complete one holds). Everything shares one host:
@@ -175,7 +177,11 @@ def serve(args: argparse.Namespace) -> int:
             write_atomically(Path(args.stats_file), json.dumps(stats))
 
     threading.Thread(target=write_stats, daemon=True).start()
-    ready = {"address": server.address, "replayed": sum(server.store.replayed.values())}
+    ready = {
+        "address": server.address,
+        "replayed": sum(server.store.replayed.values()),
+        "phases": server.restart_times.summary(),
+    }
     write_atomically(Path(args.ready_file), json.dumps(ready))
     while not stop.wait(0.5):
         if os.getppid() == 1:  # the benchmark died: do not linger
@@ -522,6 +528,7 @@ def measure(args, params: int, m: int, work: Path) -> dict:
         "rss_steady_bytes_per_param": memory["VmRSS"] / n,
         "restart_s": restart_s,
         "restart_replayed": again.ready["replayed"],
+        "restart_phases": again.ready["phases"],
         "restart_rss_peak_bytes_per_param": restart_memory["VmHWM"] / n,
         "copy_ms": 1e3 * copy_s,
         "copy_GBps": 8 * numel / copy_s / 1e9,
@@ -606,6 +613,26 @@ def stage_table(row: dict) -> str:
     return "\n".join(lines)
 
 
+def restart_table(row: dict) -> str:
+    """Where the restart's time went: the syncer's own phases (wall seconds), then the
+    restore's parts (seconds summed over its threads)."""
+    from diloco.syncer.restart_times import PARTS, PHASES
+
+    phases = row["restart_phases"]
+    lines = [
+        f"restart of N = {size_name(row['params'])}, M = {row['learners']}: "
+        f"{row['restart_s']:.2f} s to serve, {phases['total_s']:.2f} s of it in the syncer's "
+        f"start ({phases['fragments']} fragments restored on {phases['threads']} threads, "
+        f"{phases['replayed']} journal records replayed)",
+        "",
+        "| phase | s |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {phases[name + '_s']:.2f} |" for name in PHASES]
+    lines += [f"| restore: {name} (thread s) | {phases[name + '_s']:.2f} |" for name in PARTS]
+    return "\n".join(lines)
+
+
 def bench(args: argparse.Namespace) -> int:
     rows = []
     root = Path(args.state_root) if args.state_root else None
@@ -625,6 +652,8 @@ def bench(args: argparse.Namespace) -> int:
     for row in rows:
         print()
         print(stage_table(row))
+        print()
+        print(restart_table(row))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     return 0

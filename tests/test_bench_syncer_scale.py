@@ -55,3 +55,8 @@ def test_the_short_form_reports_every_stage_bytes_memory_and_a_restart(tmp_path)
     assert row["wchar_per_commit"] > 0
     assert 0 < row["rss_steady_bytes_per_param"] <= row["rss_peak_bytes_per_param"]
     assert row["restart_s"] > 0 and row["restart_replayed"] >= 0
+    phases = row["restart_phases"]  # (the syncer's own account of its restart)
+    assert phases["fragments"] == 24 and phases["replayed"] == row["restart_replayed"]
+    assert 0 < phases["restore_s"] <= phases["total_s"] <= row["restart_s"]
+    assert phases["read_s"] > 0 and phases["checksum_s"] > 0
+    assert "| restore: checksum (thread s) |" in done.stdout

@@ -129,6 +129,8 @@ def serve(config: ServiceConfig) -> int:
         f"versions from {state_dir or 'memory'})",
         flush=True,
     )
+    if server.restart_times.fragments:  # (a restart: where its time went)
+        print(f"diloco syncer: {server.restart_times.line()}", flush=True)
     if outputs.url:
         print(f"dashboard: {outputs.url}", flush=True)
     rule = StopRule(

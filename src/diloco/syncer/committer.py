@@ -117,7 +117,8 @@ class Committer:
         watchdog: Watchdog,
         on_failure: Callable[[BaseException], None] | None,
     ) -> None:
-        """``wire``: the restored wire image of each fragment (default: Θ_p).
+        """``wire``: the restored wire image of each fragment (taken, not copied; default:
+        a copy of Θ_p).
         ``subscribers()``: the service's subscriptions now (a copy). ``on_failure(exc)``:
         called once, on the committer's thread, when the syncer fails."""
         self.state = state
@@ -142,7 +143,8 @@ class Committer:
         self._closing: list[int] = []
         """The contributions of each round the committer has closed and not yet published,
         in order (``waiting``)."""
-        self._wire = {p: (wire or {}).get(p, state.params[p]).clone() for p in state.served}
+        wire = wire or {}
+        self._wire = {p: wire[p] if p in wire else state.params[p].clone() for p in state.served}
         # Latest version of each fragment, its keyframe (W_p), who that version merged.
         self._payloads: dict[int, tuple[int, Keyframe, frozenset[str]]] = {
             p: (state.versions[p], Keyframe(self._wire[p]), frozenset()) for p in state.served

@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +190,7 @@ class CommitJournal:
         self.fence = fence
         self.epoch = epoch
         self._current: dict[int, int] = {}
+        self._counting = threading.Lock()  # (a restart begins the fragments' epochs in parallel)
         self.bytes_written = 0
         """Bytes appended since this journal was opened (records and claim markers, with
         their framing)."""
@@ -278,7 +280,8 @@ class CommitJournal:
             fsync_dir(self.dir)
         if self.fence is not None:
             self.fence()
-        self.bytes_written += len(record)
+        with self._counting:
+            self.bytes_written += len(record)
         return len(record)
 
     def _cut_torn_tail(self, path: Path) -> None:

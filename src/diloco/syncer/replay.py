@@ -132,6 +132,8 @@ class Recovered:
     merged_tokens: int | None
     replayed: int = 0
     """Journal records replayed onto the snapshot."""
+    digest: str | None = None
+    """``fragment_digest`` of ``params`` when the replay checked it (None: not known)."""
 
 
 def after_snapshot(
@@ -161,7 +163,8 @@ def replay(recovered: Recovered, records: Sequence[RoundInputs], piece_layout, w
     follow the version before it, or when replaying one does not give the Θ_p digest it
     recorded."""
     params = recovered.params
-    wire = recovered.state.get("wire", params).clone()
+    wire = recovered.state.get("wire")
+    wire = params.clone() if wire is None else wire  # (``redo`` never changes it in place)
     outer = None
     for r in records:
         if r.admitted != recovered.version:
@@ -175,7 +178,8 @@ def replay(recovered: Recovered, records: Sequence[RoundInputs], piece_layout, w
                 outer.load_fragment_state(r.fragment, recovered.state)
             wire = redo(r, params, outer, wire, piece_layout)
             recovered.state = {**outer.fragment_state(r.fragment), "wire": wire}
-            if r.digest and fragment_digest(params) != r.digest:
+            recovered.digest = fragment_digest(params) if r.digest else None
+            if r.digest and recovered.digest != r.digest:
                 raise StateError(
                     f"{where}: replaying the commit of version {r.version} does not give "
                     "the value it recorded"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import threading
 from collections.abc import Collection, Sequence
 from concurrent import futures
@@ -25,6 +26,8 @@ from diloco.syncer.generations import GenerationFile
 from diloco.syncer.limits import DEFAULT_MAX_LEARNERS
 from diloco.syncer.lineage import Rollback, behind, new_lineage, rollback_record, rollback_refusal
 from diloco.syncer.receipt_log import ReceiptLog
+from diloco.syncer.restart_times import RestartTimes
+from diloco.syncer.restore import Restored, restore_fragments, restore_threads
 from diloco.syncer.service import (
     SyncerService,
     pool_threads,
@@ -44,6 +47,8 @@ from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.protocol import CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 __all__ = ["CHUNK_BYTES", "SyncerServer", "SyncerService"]
+
+log = logging.getLogger(__name__)
 
 
 class SyncerServer:
@@ -120,6 +125,9 @@ class SyncerServer:
         self.lineage = ""
         """The lineage of the versions this syncer serves (``diloco.syncer.lineage``)."""
         self._rollback: Rollback | None = None
+        self.restart_times = RestartTimes()
+        """Where this syncer's start went, phase by phase (``diloco.syncer.restart_times``);
+        its ``line()`` is logged once the syncer can serve."""
         try:
             restored, taped = self._build(
                 initial_params,
@@ -144,7 +152,9 @@ class SyncerServer:
         pb_grpc.add_SyncerServicer_to_server(self.service, self._server)
         self.host = bind.rsplit(":", 1)[0]
         self._started = False
-        self._emit_start(restored, taped)
+        with self.restart_times.timing("start"):
+            self._emit_start(restored, taped)
+        log.info("syncer %s", self.restart_times.line())
 
     def _build(
         self, initial_params, owned, shard, state_dir, tape_path, accept_rollback, **service_options
@@ -154,17 +164,27 @@ class SyncerServer:
         version of each fragment the tape records under the directory's lineage)``. The
         state directory is claimed before anything in it is read (a second syncer on it:
         ``StateError``); one rolled back is refused unless ``accept_rollback``."""
-        if state_dir:
-            self.claim = claim_state_dir(state_dir)
-        self.tape_index = TapeIndex(tape_path, shard) if tape_path else None
-        taped = self.tape_index.read() if self.tape_index else Taped()
+        times = self.restart_times
+        with times.timing("claim"):
+            if state_dir:
+                self.claim = claim_state_dir(state_dir)
+        with times.timing("tape"):
+            self.tape_index = TapeIndex(tape_path, shard) if tape_path else None
+            taped = self.tape_index.read() if self.tape_index else Taped()
         self.store = (
-            FragmentStore(state_dir, fence=self.claim.check, epoch=self.claim.epoch)
+            FragmentStore(state_dir, fence=self.claim.check, epoch=self.claim.epoch, times=times)
             if state_dir
             else None
         )
-        params = [t.detach().to(torch.float32).reshape(-1).clone() for t in initial_params]
-        versions, restored, wire = self._restore(owned, params, shard)
+        with times.timing("restore"):
+            found = self._restore(owned, shard)
+        versions, restored = found.versions, found.optimizer
+        self._digests = found.digests
+        # (a restored fragment's Θ_p is the restore's: its initial value is never made)
+        params = [found.params.get(p) for p in range(self.layout.num_fragments)]
+        params = [t if t is not None else initial_params[p] for p, t in enumerate(params)]
+        del found.params  # (the state copies Θ_p: the restore's copy goes when it has)
+        state_began = times.clock()
         held = self.store.lineage if self.store is not None else None
         taped = taped.of_lineage(held)
         restoring = self.store is not None and not self.store.created
@@ -210,10 +230,11 @@ class SyncerServer:
             receipt_log=receipt_log,
             generation_file=generation_file,
             tape_index=self.tape_index,
-            wire=wire,
+            wire=found.wire,
             lineage=self.lineage,
             **service_options,
         )
+        times.add("state", times.clock() - state_began)
         return restored, taped
 
     def _lineage(self, held: str | None, taped_ahead, receipt_log) -> str:
@@ -231,22 +252,14 @@ class SyncerServer:
             self._rollback = Rollback(held, lineage, taped_ahead, logged_ahead)
         return lineage
 
-    def _restore(self, owned: list[int], params: list[torch.Tensor], shard: tuple[int, int]):
-        """Each owned fragment's saved version, value (into ``params``), optimizer state and
-        last wire image from the state directory: ``(versions, restored, wire)``."""
-        versions = [0] * self.layout.num_fragments
-        restored: dict[int, dict] = {}
-        wire: dict[int, object] = {}
+    def _restore(self, owned: list[int], shard: tuple[int, int]) -> Restored:
+        """Each owned fragment's saved version, value, optimizer state, last wire image and
+        digest from the state directory, restored in parallel (``diloco.syncer.restore``)."""
         if self.store is None:
-            return versions, restored, wire
+            return Restored(versions=[0] * self.layout.num_fragments)
         self.store.initialize(self.layout, dataclasses.asdict(self.config), shard=shard)
-        for p in owned:
-            loaded = self.store.load(p, self.layout.fragments[p].numel)
-            if loaded is not None:
-                versions[p], params[p], restored[p] = loaded
-                if "wire" in restored[p]:
-                    wire[p] = restored[p].pop("wire")
-        return versions, restored, wire
+        self.restart_times.threads = restore_threads(len(owned))
+        return restore_fragments(self.store, self.layout, owned, self.restart_times.threads)
 
     def _bind(self, bind: str, credentials, interceptors):
         """A gRPC server bound to ``bind`` (TLS with ``credentials``) with the pool's threads:
@@ -326,7 +339,8 @@ class SyncerServer:
         for p in sorted(restored):
             missing = [log for log in self.state.closing.history[p] if not taped.holds(log)]
             if missing or self.state.versions[p] > taped.versions.get(p, 0):
-                recovered.append(recovered_record(self.state, p, taped, missing))
+                digest = self._digests[p]
+                recovered.append(recovered_record(self.state, p, taped, missing, digest))
                 self.tape.append(recovered[-1])
         start = {
             "event": "start",
@@ -338,7 +352,9 @@ class SyncerServer:
             "epoch": self.claim.epoch if self.claim is not None else None,
             "lineage": self.lineage,
             "versions": list(self.state.versions),
-            "digests": [fragment_digest(t) for t in self.state.params],
+            "digests": [
+                self._digests.get(p) or fragment_digest(t) for p, t in enumerate(self.state.params)
+            ],
             "state_hash": state_hash(self.state.versions, self.state.params),
             # merged by weighted mean (None: the name rule of diloco.algorithm.merge)
             "embeddings": sorted(self.state.closing.embeddings)
@@ -437,12 +453,15 @@ class SyncerServer:
         self.stop()
 
 
-def recovered_record(state: SyncerState, fragment: int, taped: Taped, logs) -> dict:
+def recovered_record(
+    state: SyncerState, fragment: int, taped: Taped, logs, digest: str | None = None
+) -> dict:
     """The tape record of what a crash kept off the tape: commits persisted before it whose
     ``round`` record was not written (and dropped rounds whose ``dropped`` record was not):
     the restored version and digest, the persisted commit logs the tape lacks (``commits``:
     what each merged and left out), and the ``participants``, ``steps`` and ``uploads`` of
-    the restored version (as a ``round`` record has them)."""
+    the restored version (as a ``round`` record has them). ``digest``: ``fragment_digest``
+    of its Θ_p, when known (the restore took it)."""
     version = state.versions[fragment]
     taped_version = taped.versions.get(fragment, 0)
     newest = next((log for log in reversed(logs) if log.version == version), None)
@@ -453,7 +472,7 @@ def recovered_record(state: SyncerState, fragment: int, taped: Taped, logs) -> d
         "fragment": fragment,
         "version": version,
         "taped_version": taped_version,
-        "digest": fragment_digest(state.params[fragment]),
+        "digest": digest or fragment_digest(state.params[fragment]),
         "reason": "persisted before the crash; its round record was not written",
         "participants": sorted(merged),
         "steps": [sum(u.steps for u in merged[lid]) for lid in sorted(merged)],

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
 from diloco.algorithm.fragments import FragmentLayout
 from diloco.syncer.files import (  # noqa: F401 (the store's API, as before)
@@ -61,6 +61,8 @@ from diloco.syncer.journal import CommitJournal
 from diloco.syncer.lineage import new_lineage
 from diloco.syncer.receipts import CommitLog
 from diloco.syncer.replay import Recovered, after_snapshot, replay
+from diloco.syncer.restart_times import RestartTimes
+from diloco.syncer.snapshot_file import raw_bytes, read_snapshot, tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -68,23 +70,6 @@ _RECOVER = (
     "Restore the file from a backup of the state directory, or start from a fresh --state-dir "
     "(see 'Recovering from a corrupt state file' in docs/security.md)"
 )
-
-
-def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the names and raw bytes of ``tensors`` (sorted by name)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(_raw(t))
-    return h.hexdigest()
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without copying them (bfloat16 through int16)."""
-    array = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-    return memoryview(array).cast("B")
 
 
 def file_digest(
@@ -96,7 +81,14 @@ def file_digest(
 ) -> str:
     """Checksum stored in a fragment file: its tensors *and* its fragment id, version,
     commit logs and merged tokens (a bit flip in the metadata is as harmful as one in Θ)."""
-    h = hashlib.sha256(tensor_digest(tensors).encode())
+    return digest_of_file(tensor_digest(tensors), fragment, version, commits, merged_tokens)
+
+
+def digest_of_file(
+    tensors_digest: str, fragment: str, version: str, commits: str = "", merged_tokens: str = ""
+) -> str:
+    """``file_digest`` from the ``tensor_digest`` of the file's tensors."""
+    h = hashlib.sha256(tensors_digest.encode())
     h.update(f"fragment={fragment};version={version}".encode())
     if commits:
         h.update(f";commits={commits}".encode())
@@ -109,7 +101,7 @@ def state_hash(versions: Sequence[int], params: Sequence[torch.Tensor]) -> str:
     """Hash of a syncer's committed state (versions and every Θ_p): equal iff identical."""
     h = hashlib.sha256(json.dumps(list(versions)).encode())
     for t in params:
-        h.update(_raw(t.detach().cpu().contiguous()))
+        h.update(raw_bytes(t.detach().cpu().contiguous()))
     return h.hexdigest()
 
 
@@ -121,7 +113,9 @@ class FragmentStore:
     one has superseded never writes). Without one (export, audits, tools) nothing is
     checked: only a syncer's store writes, and it has claimed the directory first.
     ``epoch``: the claim's epoch, which the commit journal writes into its records and
-    begins in each fragment's journal before ``load`` reads it (``CommitJournal.begin_epoch``)."""
+    begins in each fragment's journal before ``load`` reads it (``CommitJournal.begin_epoch``).
+    ``times``: where ``load`` adds the seconds of its parts (``diloco.syncer.restart_times``).
+    ``load`` of different fragments may run on several threads at once."""
 
     def __init__(
         self,
@@ -129,6 +123,7 @@ class FragmentStore:
         *,
         fence: Callable[[], None] | None = None,
         epoch: int = 0,
+        times: RestartTimes | None = None,
     ) -> None:
         self.root = Path(root)
         self.fence = fence
@@ -144,7 +139,13 @@ class FragmentStore:
         """The commit journal (``diloco.syncer.journal``): what makes a commit durable."""
         self.replayed: dict[int, int] = {}
         """Per fragment ``load`` read, the journal records it replayed onto the snapshot."""
+        self.digests: dict[int, str | None] = {}
+        """Per fragment ``load`` read, ``fragment_digest`` of the Θ_p it returned when the
+        replay computed it (None: not computed)."""
         self.layout: FragmentLayout | None = None
+        self.times = times if times is not None else RestartTimes()
+        """Where ``load``'s time goes (its ``restore`` parts, ``diloco.syncer.restart_times``);
+        ``load`` may run on several threads at once, one fragment each."""
 
     def path(self, fragment: int) -> Path:
         return self.fragment_dir / f"p{fragment:03d}.safetensors"
@@ -271,10 +272,12 @@ class FragmentStore:
         return None
 
     def _recover(self, fragment: int, numel: int):
-        if self.path(fragment).exists():  # (a fragment without one has no journal to write)
-            self.journal.begin_epoch(fragment)
+        with self.times.timing("journal"):
+            if self.path(fragment).exists():  # (a fragment without one has no journal to write)
+                self.journal.begin_epoch(fragment)
         snapshot = self.load_snapshot(fragment, numel)
-        records = self.journal.read(fragment)
+        with self.times.timing("journal"):
+            records = self.journal.read(fragment)
         if snapshot is None:
             if records:
                 raise StateError(
@@ -286,10 +289,12 @@ class FragmentStore:
         recovered = Recovered(version, params, state, history, tokens)
         pending = after_snapshot(records, history, version)
         if pending:
-            replay(recovered, pending, self._pieces(fragment), self.path(fragment))
+            with self.times.timing("replay", count=len(pending)):
+                replay(recovered, pending, self._pieces(fragment), self.path(fragment))
         self._commits[fragment] = recovered.history
         self._merged_tokens[fragment] = recovered.merged_tokens
         self.replayed[fragment] = recovered.replayed
+        self.digests[fragment] = recovered.digest
         return recovered.version, recovered.params, recovered.state
 
     def _pieces(self, fragment: int):
@@ -307,15 +312,14 @@ class FragmentStore:
         if not path.exists():
             return None
         try:
-            tensors = load_file(str(path))
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-        except Exception as exc:  # safetensors raises several types for a damaged file
+            read = read_snapshot(path)
+        except Exception as exc:  # (a damaged file: bad header or ranges, cut short, unreadable)
             raise StateError(f"{path} is corrupt ({exc}). {_RECOVER}") from None
-        if meta.get("sha256") != file_digest(
-            tensors,
+        tensors, meta = read.tensors, read.metadata
+        self.times.add("read", read.read_s)
+        self.times.add("checksum", read.checksum_s)
+        if meta.get("sha256") != digest_of_file(
+            read.tensor_digest,
             str(meta.get("fragment")),
             str(meta.get("version")),
             meta.get("commits", ""),
