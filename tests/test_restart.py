@@ -95,6 +95,31 @@ def test_fragments_are_restored_in_parallel_and_the_first_corrupt_one_is_named(
         SyncerServer(layout, params, SyncerConfig(), state_dir=store.root)
 
 
+def test_after_a_corrupt_fragment_the_fragments_not_begun_are_not_begun(tmp_path, monkeypatch):
+    store, layout, params = saved_state(tmp_path, fragments=(0, 1, 2))
+    monkeypatch.setattr("diloco.syncer.server.restore_threads", lambda n: 2, raising=False)
+    data = bytearray(store.path(1).read_bytes())
+    data[-1] ^= 0x01
+    store.path(1).write_bytes(bytes(data))
+    one_failed, begun = threading.Event(), []
+    load = FragmentStore.load
+
+    def load_noting(self, fragment, numel):
+        begun.append(fragment)
+        if fragment == 0:  # (still restoring while fragment 1 fails on the other thread)
+            assert one_failed.wait(20)
+        try:
+            return load(self, fragment, numel)
+        finally:
+            if fragment == 1:
+                one_failed.set()
+
+    monkeypatch.setattr(FragmentStore, "load", load_noting)
+    with pytest.raises(StateError, match=r"p001\.safetensors is corrupt"):
+        SyncerServer(layout, params, SyncerConfig(), state_dir=store.root)
+    assert sorted(begun) == [0, 1]
+
+
 def commits(server: SyncerServer, rounds: int) -> None:
     """``rounds`` commits, over the fragments in turn, of both learners' uploads."""
     peers = [Peer(server, lid) for lid in LEARNERS]
@@ -183,6 +208,14 @@ def overlapping(header) -> None:
     header[second]["data_offsets"] = list(header[first]["data_offsets"])
 
 
+def in_utf16(path) -> None:
+    """The same header, in UTF-16 (JSON's other encodings are not safetensors')."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    text = raw[8 : 8 + length].decode().encode("utf-16")
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+
 def too_long_a_header(path) -> None:
     raw = bytearray(path.read_bytes())
     raw[:8] = struct.pack("<Q", len(raw))
@@ -198,6 +231,8 @@ def too_long_a_header(path) -> None:
         lambda path: rewritten(path, header_change=lambda h: h["params"].update(shape=[1])),
         too_long_a_header,
         lambda path: path.write_bytes(b"\x05\0\0\0\0\0\0\0[1,2]"),  # not an object
+        in_utf16,
+        lambda path: rewritten(path, header_change=lambda h: h.update(__metadata__=[])),
     ],
 )
 def test_a_malformed_snapshot_is_refused_as_safetensors_refuses_it(tmp_path, damage):
@@ -207,3 +242,11 @@ def test_a_malformed_snapshot_is_refused_as_safetensors_refuses_it(tmp_path, dam
         load_file(str(store.path(0)))
     with pytest.raises(StateError, match=r"p000\.safetensors is corrupt"):
         store.load(0, layout.fragments[0].numel)
+
+
+def test_initial_values_of_the_wrong_count_are_refused_before_the_directory_is_claimed(tmp_path):
+    store, layout, params = saved_state(tmp_path)
+    for wrong in (params[:-1], [*params, params[0]]):
+        with pytest.raises(ValueError, match="parameter vectors for 3 fragments"):
+            SyncerServer(layout, wrong, SyncerConfig(), state_dir=store.root)
+    SyncerServer(layout, params, SyncerConfig(), state_dir=store.root).stop()  # (unclaimed)

@@ -18,6 +18,7 @@ M contributions per commit); ``RESTORE_THREADS_MAX`` bounds that.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ import torch
 from diloco.algorithm.fragments import FragmentLayout, fragment_digest
 from diloco.syncer.store import FragmentStore
 
+_NOT_BEGUN = object()
+"""What a job returns for a fragment it skipped after another one's failure."""
 RESTORE_THREADS_MAX = 8
 """The most threads a restore runs on (one per core up to it)."""
 
@@ -63,8 +66,16 @@ def restore_fragments(
     fragment in ``owned``'s order that fails."""
     restored = Restored(versions=[0] * layout.num_fragments)
 
+    failed = threading.Event()  # (set by the first failure: fragments not begun are skipped)
+
     def restore(p: int):
-        loaded = store.load(p, layout.fragments[p].numel)
+        if failed.is_set():
+            return _NOT_BEGUN
+        try:
+            loaded = store.load(p, layout.fragments[p].numel)
+        except BaseException:
+            failed.set()
+            raise
         if loaded is None:
             return None
         digest = store.digests.get(p)
@@ -75,12 +86,9 @@ def restore_fragments(
 
     with futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="restore") as pool:
         jobs = [pool.submit(restore, p) for p in owned]
-        try:
-            results = [job.result() for job in jobs]
-        except BaseException:
-            for job in jobs:
-                job.cancel()
-            raise
+    # (the pool has ended every job: the first failure in ``owned``'s order is raised; the
+    # jobs run in that order, so every fragment before it was begun)
+    results = [job.result() for job in jobs]
     for p, result in zip(owned, results, strict=True):
         if result is None:
             continue

@@ -164,6 +164,10 @@ class SyncerServer:
         version of each fragment the tape records under the directory's lineage)``. The
         state directory is claimed before anything in it is read (a second syncer on it:
         ``StateError``); one rolled back is refused unless ``accept_rollback``."""
+        if len(initial_params) != self.layout.num_fragments:  # (before anything is claimed)
+            raise ValueError(
+                f"{len(initial_params)} parameter vectors for {self.layout.num_fragments} fragments"
+            )
         times = self.restart_times
         with times.timing("claim"):
             if state_dir:

@@ -32,7 +32,7 @@ from diloco.syncer.files import StateError
 
 CHUNK_BYTES = 8 << 20
 """Bytes read (and hashed while they are in the CPU's caches) at a time."""
-MAX_HEADER_BYTES = 100 << 20
+MAX_HEADER_BYTES = 100_000_000
 """The longest header read (safetensors' own limit): a longer length is a corrupt file."""
 _LENGTH = struct.Struct("<Q")
 _FLOAT32 = "F32"
@@ -77,7 +77,8 @@ def read_snapshot(path: Path) -> SnapshotFile:
         size = os.fstat(f.fileno()).st_size
         header, data_start = _header(f, size)
         entries = {name: spec for name, spec in header.items() if name != "__metadata__"}
-        metadata = header.get("__metadata__") or {}
+        metadata = header.get("__metadata__")
+        metadata = {} if metadata is None else metadata
         if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
         ):
@@ -123,7 +124,7 @@ def _header(f, size: int) -> tuple[dict, int]:
         raise StateError(f"its header length {length} does not fit the file")
     text = f.read(length)
     try:
-        header = json.loads(text)
+        header = json.loads(text.decode("utf-8"))  # (not another encoding json would guess)
     except (ValueError, UnicodeDecodeError) as exc:
         raise StateError(f"its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
