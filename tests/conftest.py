@@ -30,15 +30,17 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 #: Test modules that share something beyond their own temporary directories, by group: a
 #: group runs on one worker, its modules one after the other. Ray instances on one host share
-#: ``/tmp/ray`` (their sessions, the address of the latest cluster); the Slurm cluster's
-#: daemons and a Ray cluster's beside each other starved Slurm's requeue of a shard (not
-#: restarted within 90 s; alone, within 10 s).
-SHARED_MODULES = {"clusters": ("test_ray_backend.py", "test_ray_cluster.py", "test_slurm.py")}
+#: ``/tmp/ray`` (their sessions, the address of the latest cluster: ``test_launch`` starts
+#: local ones too); the Slurm cluster's daemons and a Ray cluster's beside each other starved
+#: Slurm's requeue of a shard (not restarted within 90 s; alone, within 10 s).
+SHARED_MODULES = {
+    "clusters": ("test_ray_backend.py", "test_ray_cluster.py", "test_slurm.py", "test_launch.py")
+}
 _GROUP_OF = {module: group for group, modules in SHARED_MODULES.items() for module in modules}
 #: The modules (or ``SHARED_MODULES`` groups: their first module) that take longest on one
 #: worker, longest first: a worker that starts one near the end of the run ends alone. The
-#: clusters group is one chain of ~5 minutes (a Ray cluster's two runs, then a Slurm
-#: cluster's two), every other here 30-70 s (the clean-clone CI run's ``--durations``).
+#: clusters group is one chain of ~5 minutes (the Ray runs, then a Slurm cluster's two),
+#: every other here 30-70 s (the clean-clone CI run's ``--durations``).
 LONGEST_FIRST = (
     "test_ray_backend.py",
     "test_bench_e2e.py",
@@ -49,7 +51,6 @@ LONGEST_FIRST = (
     "test_cli_errors.py",
     "test_scavenging.py",
     "test_sync_mode.py",
-    "test_launch.py",
 )
 #: Test modules whose claims are about time under chaos (commit gaps, stalls, a run's quality
 #: at a wall-clock budget): marked ``solo``, and ``make test`` runs them after the parallel
