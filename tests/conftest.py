@@ -7,9 +7,10 @@ the thread count to its user, see ``LearnerConfig.cpu_threads``).
 
 ``make test`` runs the suite on pytest-xdist's workers with ``--dist loadfile``: every module
 runs whole on one worker, and the modules of a ``SHARED_MODULES`` group on one worker, one
-after the other. Modules with ``slow`` tests are handed out first, so that the many short
-modules fill the end of the run. The ``solo`` modules (``SOLO_MODULES``) run afterwards, in
-one process.
+after the other. The longest modules (``LONGEST_FIRST``) are handed out first, longest
+first, then the other modules with ``slow`` tests, so that the many short modules fill the
+end of the run and the workers end together. The ``solo`` modules (``SOLO_MODULES``) run
+afterwards, in one process.
 """
 
 from __future__ import annotations
@@ -29,11 +30,28 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 #: Test modules that share something beyond their own temporary directories, by group: a
 #: group runs on one worker, its modules one after the other. Ray instances on one host share
-#: ``/tmp/ray`` (their sessions, the address of the latest cluster); the Slurm cluster's
-#: daemons and a Ray cluster's beside each other starved Slurm's requeue of a shard (not
-#: restarted within 90 s; alone, within 10 s).
-SHARED_MODULES = {"clusters": ("test_ray_backend.py", "test_ray_cluster.py", "test_slurm.py")}
+#: ``/tmp/ray`` (their sessions, the address of the latest cluster: ``test_launch`` starts
+#: local ones too); the Slurm cluster's daemons and a Ray cluster's beside each other starved
+#: Slurm's requeue of a shard (not restarted within 90 s; alone, within 10 s).
+SHARED_MODULES = {
+    "clusters": ("test_ray_backend.py", "test_ray_cluster.py", "test_slurm.py", "test_launch.py")
+}
 _GROUP_OF = {module: group for group, modules in SHARED_MODULES.items() for module in modules}
+#: The modules (or ``SHARED_MODULES`` groups: their first module) that take longest on one
+#: worker, longest first: a worker that starts one near the end of the run ends alone. The
+#: clusters group is one chain of ~5 minutes (the Ray runs, then a Slurm cluster's two),
+#: every other here 30-70 s (the clean-clone CI run's ``--durations``).
+LONGEST_FIRST = (
+    "test_ray_backend.py",
+    "test_bench_e2e.py",
+    "test_accounting.py",
+    "test_recipes_run.py",
+    "test_dp.py",
+    "test_island.py",
+    "test_cli_errors.py",
+    "test_scavenging.py",
+    "test_sync_mode.py",
+)
 #: Test modules whose claims are about time under chaos (commit gaps, stalls, a run's quality
 #: at a wall-clock budget): marked ``solo``, and ``make test`` runs them after the parallel
 #: part, one at a time, so that no other test process takes their CPU.
@@ -47,13 +65,24 @@ SOLO_MODULES = (
 
 
 def pytest_collection_modifyitems(items):
-    """Mark the tests of ``SOLO_MODULES`` ``solo``; order the modules with ``slow`` tests
-    first; each module's tests stay together, in their order (a stable sort)."""
+    """Mark the tests of ``SOLO_MODULES`` ``solo``; order the modules: ``LONGEST_FIRST`` in
+    its order, then the others with ``slow`` tests, then the rest; each module's tests stay
+    together, in their order (a stable sort)."""
     for item in items:
         if item.path.name in SOLO_MODULES:
             item.add_marker(pytest.mark.solo)
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules)
+    slow_modules = {item.path.name for item in items if item.get_closest_marker("slow")}
+    ranks = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+
+    def place(item) -> tuple[int, int]:
+        name = item.path.name
+        group = SHARED_MODULES.get(_GROUP_OF.get(name, ""), ())
+        first = group[0] if group else name
+        if first in ranks:
+            return (0, ranks[first])
+        return (1 if name in slow_modules else 2, 0)
+
+    items.sort(key=place)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

@@ -43,6 +43,16 @@ the moved syncer served; the moves take ~40 s)."""
 LEARNERS = 2
 LOOPBACK = "127.0.0.1"
 """Every node of the test cluster: its raylet, its workers, what the actors bind."""
+NODE_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+"""How the head finds a lost node: a health check each second, dead after 3 failed in a row,
+~3 s after the node's raylet died (Ray's defaults, every 3 s and 5 failures: 12-15 s, which
+learner-1 and the syncer waited before Ray restarted them on the replacement node, and the
+run then waited for in learner-1's steps). A killed raylet refuses the check at once; a
+live but busy one still has Ray's 10 s per check (``health_check_timeout_ms``) to answer."""
 
 
 def rounds_of(run_dir: Path) -> list[dict]:
@@ -57,7 +67,12 @@ def cluster():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, "node_ip_address": LOOPBACK},
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "node_ip_address": LOOPBACK,
+            "_system_config": NODE_HEALTH_CHECKS,
+        },
     )
     nodes = {}
     try:
