@@ -215,6 +215,48 @@ def run_diloco_json(*args: str, timeout: float = 240) -> dict:
     return json.loads(proc.stdout)
 
 
+class GrowingTape:
+    """The records of a running ``diloco run``'s tape (a JSONL file) as it grows: each
+    ``read()`` parses only the complete lines written since the last one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict] = []
+        self._offset = 0
+
+    def read(self) -> list[dict]:
+        """Every complete record so far (empty while there is no tape yet)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.records
+        complete = data.rfind(b"\n") + 1
+        self.records += [json.loads(line) for line in data[:complete].splitlines() if line]
+        self._offset += complete
+        return self.records
+
+
+def stop_when(
+    proc: subprocess.Popen,
+    tape: GrowingTape,
+    done: Callable[[list[dict]], object],
+    timeout: float,
+    what: str,
+) -> None:
+    """End the ``diloco run`` ``proc`` as Ctrl+C does (SIGTERM: its learners flush, the final
+    model is scored, the summary written) once ``done(its tape's records)`` is true, so that
+    a run bounded by a generous ``--minutes`` ends as soon as what a test checks has
+    happened. Sends nothing to a run that ended or is stopping by itself already (its
+    learners' ``stopping`` records are taped: late in its stop it no longer catches the
+    signal); fails naming ``what`` after ``timeout`` seconds."""
+    wait_until(lambda: proc.poll() is not None or done(tape.read()), timeout, what, interval=0.2)
+    stopping = any(r["event"] == "stopping" for r in tape.read())
+    if proc.poll() is None and not stopping:
+        proc.send_signal(signal.SIGTERM)
+
+
 def start_diloco(*args: str, cwd: Path | None = None) -> subprocess.Popen:
     """Start ``diloco ARGS`` in the background: output to pipes as text, no stdin. The
     caller ends it (and reads its pipes)."""

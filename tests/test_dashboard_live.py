@@ -15,7 +15,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kit import diloco_command, run_diloco, start_diloco, wait_until, wandb_history
+from kit import (
+    GrowingTape,
+    diloco_command,
+    run_diloco,
+    start_diloco,
+    stop_when,
+    wait_until,
+    wandb_history,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +68,8 @@ def scrape(url: str, token: str | None) -> dict:
 
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
-    """A 45-second run with a kill; yields (process, run directory, dashboard link)."""
+    """A run of at most 45 seconds with a kill; yields (process, run directory, dashboard
+    link). The last test ends it once the killed learner has rejoined."""
     runs = tmp_path_factory.mktemp("live")
     proc = start_diloco(
         "run",
@@ -154,6 +163,8 @@ def test_the_finished_run_leaves_tensorboard_scalars_and_a_report(live_run, tmp_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     proc, run_dir, url = live_run
+    tape = GrowingTape(run_dir / "syncer" / "events.jsonl")
+    stop_when(proc, tape, killed_learner_rejoined, 100, "the kill's rejoin")
     out, err = proc.communicate(timeout=100)
     assert proc.returncode == 0, err[-3000:]
     assert f"dashboard: {url}" in err
@@ -190,6 +201,18 @@ def test_the_finished_run_leaves_tensorboard_scalars_and_a_report(live_run, tmp_
     assert f"diloco run --config {run_dir / 'config.json'}" in page
     assert "--chaos kill:at=6s,down=2s" in page
     assert f"{100 * summary['goodput']:.1f}%" in page
+
+
+def killed_learner_rejoined(tape: list[dict]) -> bool:
+    """Whether the tape holds the kill's restart and every learner that restarted or
+    crashed has joined again since: the run's ``--minutes`` is an upper bound; the tests
+    above need no more of it, and no learner is stopped in the middle of its start."""
+    down: dict[str, float] = {}  # learner -> its last restart or crash
+    for r in tape:
+        if r["event"] in ("restart", "crash") and r["target"].startswith("learner"):
+            down[r["target"]] = r["t"]
+    joined = {r["learner"]: r["t"] for r in tape if r["event"] == "join"}
+    return bool(down) and all(joined.get(who, -1.0) > t for who, t in down.items())
 
 
 @pytest.mark.timeout(120)

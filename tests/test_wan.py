@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from kit import diloco_command, pids_mentioning, run_diloco_json, wait_until
@@ -233,7 +232,8 @@ def test_a_killed_run_leaves_nothing_after_the_next_start(tmp_path):
     )
     try:
         wait_until(lambda: len(_owned_by(proc.pid)) == 3, 60, "the run's namespaces", alive=proc)
-        time.sleep(3)  # learners and the bridges are up
+        # learners and the bridges are up: both learners train (through their links)
+        wait_until(lambda: _training(tmp_path) == 2, 60, "both learners training", alive=proc)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -243,6 +243,12 @@ def test_a_killed_run_leaves_nothing_after_the_next_start(tmp_path):
         assert _owned_by(proc.pid) == []
     # the children inside went with their namespaces
     wait_until(lambda: not pids_mentioning(str(tmp_path)), 20, "the run's children to end")
+
+
+def _training(runs_dir) -> int:
+    """How many learners of the run under ``runs_dir`` have logged that they train."""
+    logs = runs_dir.glob("*/logs/learner-*.log")
+    return sum("training from step" in log.read_text() for log in logs)
 
 
 @netns
