@@ -190,3 +190,17 @@ def test_encode_decoded_is_encode_then_decode(codec):
         data, got = codecs.encode_decoded(x.view(1, -1), codec)
         assert data == encode(x, codec)
         assert same_bits(got, decode(data, (1, n), codec))
+
+
+@pytest.mark.parametrize("codec", sorted(SIGN_BLOCKS))
+def test_sign_decode_in_several_chunks_gives_the_former_values(codec):
+    """Payloads of a few of the decoder's chunks, ending with a partial chunk and block."""
+    gen = np.random.default_rng(21)
+    for n in (2 * codecs.DECODE_CHUNK_VALUES, 2 * codecs.DECODE_CHUNK_VALUES + 1029):
+        x = values(n, gen)
+        data = encode(x, codec)
+        assert same_bits(decode(data, n, codec), decode_sign(data, n, codec))
+        nb = -(-n // SIGN_BLOCKS[codec])
+        valid = np.nan_to_num(scales(nb, 1, gen), nan=1.0, posinf=2.0).clip(-0.0, None)
+        made_up = valid.astype("<f4").tobytes() + data[4 * nb :]
+        assert same_bits(decode(made_up, n, codec), decode_sign(made_up, n, codec))
