@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_reference import decode_int, encode_int
 
 from diloco.algorithm import codecs, streaming
 from diloco.algorithm.fragments import balanced_fragments
@@ -103,3 +104,61 @@ def test_a_commit_chunked_is_the_whole_tensor_commit():
         assert torch.equal(outer.buffer(0), outer_ref.buffer(0))
         assert torch.equal(wire, wire_ref)
         assert sent == bytes_ref
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``torch.equal`` takes -0.0 for +0.0)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def former_down_step(params, wire, codec, chunk):
+    """The down step as it was made before ``codecs.encode_decoded``: each chunk encoded by
+    the former int encoder, then decoded again by the former decoder."""
+    parts, after = [[], []], torch.empty(params.numel())
+    for a in range(0, params.numel(), chunk):
+        b = min(params.numel(), a + chunk)
+        payload = encode_int(params[a:b] - wire[a:b], codec)
+        after[a:b] = wire[a:b] + decode_int(payload, b - a, codec)
+        scales = codecs.payload_sections(b - a, codec)[0]
+        parts[0].append(payload[:scales])
+        parts[1].append(payload[scales:])
+    return b"".join(parts[0] + parts[1]), after
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_down_step_gives_the_former_bytes_and_bits_where_nothing_moved(codec):
+    """Θ = W over whole blocks and ragged runs (zero deltas: blocks of +0), -0.0 in both."""
+    gen = torch.Generator().manual_seed(5)
+    n = 5 * CHUNK + 300
+    wire = torch.randn(n, generator=gen)
+    params = wire + torch.randn(n, generator=gen) * 1e-3
+    params[1000:5000] = wire[1000:5000]
+    params[7001:7301] = wire[7001:7301]
+    wire[9000:9500], params[9000:9500] = -0.0, 0.0
+    params[12000:12400] = -0.0
+    got_bytes, got_wire = streaming.down_step(params, wire, codec, chunk=CHUNK)
+    want_bytes, want_wire = former_down_step(params, wire, codec, CHUNK)
+    assert got_bytes == want_bytes
+    assert same_bits(got_wire, want_wire)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.37])
+def test_merge_into_is_bit_exact_with_a_share_when_directions_cancel(share):
+    layout = layout_of_odd_tensors()
+    gen = torch.Generator().manual_seed(9)
+    for fragment in layout.fragments:
+        v = torch.randn(fragment.numel, generator=gen)
+        v[:50] = -0.0
+        for deltas in ([v, -v], [v, v * 2, torch.zeros_like(v)]):
+            want = merge_contributions(deltas, [1.0, 1.0, 1.0][: len(deltas)], fragment)
+            want = want * share if share != 1.0 else want
+            got = streaming.merge_into(
+                torch.empty(fragment.numel),
+                deltas,
+                [1.0, 1.0, 1.0][: len(deltas)],
+                share,
+                fragment,
+                is_embedding_name,
+                chunk=CHUNK,
+            )
+            assert same_bits(got, want)

@@ -103,6 +103,9 @@ from diloco.algorithm.codec_sizes import (
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # largest |q|
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
+DECODE_CHUNK_VALUES = 1 << 18
+"""Values a sign decode writes at a time (1 MB of float32): its passes over them stay in the
+CPU's caches."""
 _BF16_REL = 2.0**-8  # half an ulp of bfloat16's 8-bit significand, relative
 
 
@@ -161,9 +164,17 @@ def _flat_f32(tensor: torch.Tensor, codec: str) -> torch.Tensor:
     return tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
 
 
-def _block_absmax(x: torch.Tensor) -> torch.Tensor:
-    """Per-block max |x| of a zero-padded (nb, BLOCK_SIZE) view; NaN/Inf propagate."""
-    lo, hi = torch.aminmax(x, dim=1)
+def _block_absmax(blocks: torch.Tensor) -> torch.Tensor:
+    """Per-block max |x| of a zero-padded (nb, BLOCK_SIZE) view, ``maximum(max, -min)``;
+    NaN/Inf propagate. The maxima and minima come from ``amax`` and ``amin``, an order of
+    magnitude faster than ``torch.aminmax`` along rows; a positive result is the same either
+    way. A block of zeros has a scale of +0 or -0, and payloads carry that sign as they always
+    did: its min and max are ``torch.aminmax``'s, and ``maximum`` runs over the whole vectors
+    (its vector lanes and its scalar tail pick between +0 and -0 by a block's position)."""
+    hi, lo = blocks.amax(1), blocks.amin(1)
+    zero = ((hi == 0) & (lo == 0)).nonzero().view(-1)
+    if zero.numel():
+        lo[zero], hi[zero] = torch.aminmax(blocks[zero], dim=1)
     return torch.maximum(hi, -lo)
 
 
@@ -192,40 +203,77 @@ def encode(tensor: torch.Tensor, codec: str) -> bytes:
     return _le(y.view(torch.int16), "<i2").tobytes()
 
 
-def _encode_int(tensor: torch.Tensor, codec: str) -> bytes:
+def _int_codes(tensor: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, q)`` of an int codec: per block its float32 scale, and the int8 codes of
+    ``tensor``'s values in ``(nb, BLOCK_SIZE)`` blocks (a partial last block padded with 0
+    codes). ``tensor`` is not modified; a contiguous float32 CPU tensor of whole blocks is
+    read where it is, without a working copy."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise CodecError(f"{codec}: expected a floating-point torch.Tensor, got {tensor!r:.80}")
     src = tensor.detach().reshape(-1)
     n = src.numel()
     nb = -(-n // BLOCK_SIZE)
-    buf = torch.empty(nb * BLOCK_SIZE, dtype=torch.float32)  # working copy, zero-padded
-    buf[:n].copy_(src)
-    buf[n:].zero_()
-    blocks = buf.view(nb, BLOCK_SIZE)
+    shared = src.dtype == torch.float32 and src.device.type == "cpu" and src.is_contiguous()
+    shared = shared and n % BLOCK_SIZE == 0
+    if shared:
+        blocks = src.view(nb, BLOCK_SIZE)  # the caller's values: read only
+    else:
+        buf = torch.empty(nb * BLOCK_SIZE, dtype=torch.float32)  # working copy, zero-padded
+        buf[:n].copy_(src)
+        buf[n:].zero_()
+        blocks = buf.view(nb, BLOCK_SIZE)
     absmax = _block_absmax(blocks)
     if not all_finite(absmax):
-        raise _non_finite_error(buf[:n], codec, "tensor")
+        raise _non_finite_error(blocks.view(-1)[:n], codec, "tensor")
     levels = _LEVELS[codec]
     scale = absmax / levels
     # Keep levels·scale <= absmax so decoding never overflows float32 (absmax near FLT_MAX).
     scale = torch.where(scale * levels > absmax, torch.nextafter(scale, torch.zeros(())), scale)
     # x / absmax is in [-1, 1] even for subnormal absmax (1/absmax could overflow).
-    denom = torch.where(absmax > 0, absmax, torch.ones(()))
-    q = blocks.div_(denom[:, None]).mul_(levels).round_().to(torch.int8).view(-1)
+    denom = torch.where(absmax > 0, absmax, torch.ones(()))[:, None]
+    q = blocks / denom if shared else blocks.div_(denom)
+    if levels != 1:  # (× 1 changes no float: int2 skips that pass)
+        q.mul_(levels)
+    return scale, q.round_().to(torch.int8)
+
+
+def _pack_codes(q: torch.Tensor, n: int, codec: str) -> np.ndarray:
+    """The code bytes of ``n`` values' int8 codes ``q`` (zero-padded to whole blocks): int8
+    as they are; int4 two nibbles per byte, int2 four pairs of bits, the first value in the
+    lowest bits. Done on little-endian words (``<u2`` / ``<u4``: the same bytes on any host)
+    that hold one byte's codes: masked, then shifted down onto the low byte."""
+    codes = q.numpy().reshape(-1)
+    if codec == "int8":
+        return codes[:n].view(np.uint8)
     if codec == "int4":
-        u = q.view(torch.uint8).view(-1, 2)  # nb·BLOCK_SIZE is even
-        q = ((u[:, 0] & 0x0F) | (u[:, 1] << 4))[: (n + 1) // 2]
-    elif codec == "int2":
-        u = q.view(torch.uint8).view(-1, 4)  # nb·BLOCK_SIZE is a multiple of 4
-        packed = (u[:, 0] & 0x03) | ((u[:, 1] & 0x03) << 2) | ((u[:, 2] & 0x03) << 4)
-        q = (packed | (u[:, 3] << 6))[: (n + 3) // 4]
-    else:
-        q = q[:n]
-    scales = _le(scale, "<f4").view(np.uint8)
-    out = np.empty(scales.size + q.numel(), dtype=np.uint8)
-    out[: scales.size] = scales
-    out[scales.size :] = q.numpy().view(np.uint8)
-    return out.tobytes()
+        words = codes.view("<u2") & 0x0F0F  # (nb·BLOCK_SIZE is even)
+        words |= words >> 4
+        return words.astype(np.uint8)[: (n + 1) // 2]
+    words = codes.view("<u4") & 0x03030303  # int2 (nb·BLOCK_SIZE is a multiple of 4)
+    words |= words >> 6
+    words |= words >> 12
+    return words.astype(np.uint8)[: (n + 3) // 4]
+
+
+def _encode_int(tensor: torch.Tensor, codec: str) -> bytes:
+    scale, q = _int_codes(tensor, codec)
+    return _le(scale, "<f4").tobytes() + _pack_codes(q, tensor.numel(), codec).tobytes()
+
+
+def encode_decoded(tensor: torch.Tensor, codec: str) -> tuple[bytes, torch.Tensor]:
+    """``(data, values)``: ``data = encode(tensor, codec)`` and ``values = decode(data,
+    tensor.shape, codec)``, bit for bit: what a sender that keeps its receivers' image needs
+    (the syncer's down step). The int codecs take the values from their codes (each code
+    times its block's scale, as decoding does) instead of unpacking the payload again."""
+    check_codec(codec)
+    if codec not in _LEVELS:
+        data = encode(tensor, codec)
+        return data, decode(data, tuple(tensor.shape), codec)
+    scale, q = _int_codes(tensor, codec)
+    n = tensor.numel()
+    data = _le(scale, "<f4").tobytes() + _pack_codes(q, n, codec).tobytes()
+    values = q.to(torch.float32).mul_(scale[:, None]).view(-1)[:n]
+    return data, values.view(tuple(tensor.shape))
 
 
 def _numel(shape: tuple[int, ...] | int) -> tuple[tuple[int, ...], int]:
@@ -271,6 +319,20 @@ def decode(
     return out.view(dims)
 
 
+def _codes_of_byte(per_byte: int) -> np.ndarray:
+    """Entry b: the ``per_byte`` codes of byte b (two's complement, the lowest bits first)
+    as int8 bytes of one little-endian word, the first code in its lowest byte."""
+    width = 8 // per_byte
+    words = []
+    for b in range(256):
+        fields = [(b >> (width * k)) & ((1 << width) - 1) for k in range(per_byte)]
+        words.append(bytes((f - (f >> (width - 1) << width)) & 0xFF for f in fields))
+    return np.frombuffer(b"".join(words), dtype=f"<u{per_byte}")
+
+
+_CODES_OF_BYTE = {"int4": _codes_of_byte(2), "int2": _codes_of_byte(4)}
+
+
 def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
     levels = _LEVELS[codec]
     nb = -(-n // BLOCK_SIZE)
@@ -279,24 +341,16 @@ def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
         raise _non_finite_error(scale, codec, "payload scales")
     if bool((scale < 0).any()) or bool((scale > _F32_MAX / levels).any()):
         raise CodecError(f"{codec}: payload has a scale outside [0, float32 max / {levels}]")
-    # a private copy of the codes (the payload's bytes are read-only)
-    codes = torch.from_numpy(np.frombuffer(mv, dtype=np.int8, offset=4 * nb).copy())
-    if codec == "int4":  # two's-complement nibbles, the low one first: sign-extend each
-        q = torch.empty((codes.numel(), 2), dtype=torch.int8)
-        torch.bitwise_right_shift(torch.bitwise_left_shift(codes, 4), 4, out=q[:, 0])
-        torch.bitwise_right_shift(codes, 4, out=q[:, 1])
-        codes = q.view(-1)[:n]
-    elif codec == "int2":  # two's-complement pairs of bits, the lowest first: sign-extend each
-        q = torch.empty((codes.numel(), 4), dtype=torch.int8)
-        for k in range(4):
-            torch.bitwise_right_shift(torch.bitwise_left_shift(codes, 6 - 2 * k), 6, out=q[:, k])
-        if bool(q.view(-1)[n:].any()):
-            raise CodecError(f"{codec}: payload has set padding bits after the last value")
-        codes = q.view(-1)[:n]
+    codes = np.frombuffer(mv, dtype=np.int8, offset=4 * nb)
+    if codec in _CODES_OF_BYTE:  # each byte's codes at once: one table lookup per byte
+        codes = np.take(_CODES_OF_BYTE[codec], codes.view(np.uint8)).view(np.int8)
+    if codec == "int2" and bool(codes[n:].any()):
+        raise CodecError(f"{codec}: payload has set padding bits after the last value")
+    codes = codes[:n]
     if n and int(codes.min()) == -(levels + 1):
         raise CodecError(f"{codec}: payload holds the code -{levels + 1}, never produced")
-    out = codes.to(torch.float32)  # |code| <= levels and scale <= max / levels: all finite
-    full = (n // BLOCK_SIZE) * BLOCK_SIZE
+    out = torch.from_numpy(codes.astype(np.float32))  # |code| <= levels and scale <= max /
+    full = (n // BLOCK_SIZE) * BLOCK_SIZE  # levels: all finite
     out[:full].view(-1, BLOCK_SIZE).mul_(scale[: full // BLOCK_SIZE, None])
     if full < n:
         out[full:].mul_(scale[-1])
@@ -436,23 +490,36 @@ def _encode_sign(x: torch.Tensor, block: int) -> bytes:
     return _le(scale, "<f4").tobytes() + packed[: (n + 7) // 8].tobytes()
 
 
-_SIGNS_OF_BYTE = torch.tensor([[-1.0 if b >> k & 1 else 1.0 for k in range(8)] for b in range(256)])
-"""Row b: the signs of the eight values whose sign bits are byte b (value k: bit k)."""
+_SIGN_BITS_OF_BYTE = np.array(
+    [[0x80000000 if b >> k & 1 else 0 for k in range(8)] for b in range(256)], dtype=np.uint32
+)
+"""Row b: the float32 sign bits of the eight values whose sign bits are byte b (value k: bit k)."""
 
 
 def _decode_sign(mv: memoryview, n: int, codec: str) -> torch.Tensor:
     block = SIGN_BLOCKS[codec]
     nb = -(-n // block)
-    scale = torch.from_numpy(np.frombuffer(mv, dtype="<f4", count=nb).astype(np.float32))
-    if not all_finite(scale):
-        raise _non_finite_error(scale, codec, "payload scales")
+    scale = np.frombuffer(mv, dtype="<f4", count=nb).astype(np.float32)  # (native order)
+    if not all_finite(torch.from_numpy(scale)):
+        raise _non_finite_error(torch.from_numpy(scale), codec, "payload scales")
     if bool((scale < 0).any()):
         raise CodecError(f"{codec}: payload has a negative scale")
     packed = np.frombuffer(mv, dtype=np.uint8, offset=4 * nb)
     if n % 8 and packed[-1] >> (n % 8):
         raise CodecError(f"{codec}: payload has set padding bits after the last value")
-    whole = np.zeros(nb * block // 8, dtype=np.int64)  # (the last block's padding: +)
-    whole[: packed.size] = packed
-    # two passes per value: each byte's eight signs from a table, then the block's scale
-    out = _SIGNS_OF_BYTE[torch.from_numpy(whole)].view(nb, block).mul_(scale[:, None])
-    return out.view(-1)[:n]
+    # two passes per value, a chunk at a time (in the CPU's caches): its sign bit from a
+    # table row per byte, then its block's scale's bits under it: ±scale, exactly the
+    # product ±1 · scale (a zero scale included)
+    words = np.empty((nb * block // 8, 8), dtype=np.uint32)
+    scale_bits = scale.view(np.uint32)[:, None]
+    per_chunk = max(1, DECODE_CHUNK_VALUES // block)  # blocks
+    for first in range(0, nb, per_chunk):
+        last = min(nb, first + per_chunk)
+        a, b = first * block // 8, last * block // 8  # these blocks' bytes of sign bits
+        real = min(b, packed.size) - a  # (the rest: the last block's padding, +)
+        rows = words[a:b]
+        np.take(_SIGN_BITS_OF_BYTE, packed[a : a + real], axis=0, out=rows[:real])
+        rows[real:] = 0
+        blocks = rows.reshape(last - first, block)
+        np.bitwise_xor(blocks, scale_bits[first:last], out=blocks)
+    return torch.from_numpy(words.reshape(-1).view(np.float32))[:n]

@@ -35,18 +35,22 @@ def _chunks(n: int, chunk: int):
         yield start, min(n, start + chunk)
 
 
-def _weighted_mean_into(out, parts, ws, total, chunk) -> None:
-    """``out := Σ w·v / Σ w`` (``merge.weighted_mean``'s order of sums), chunk by chunk."""
+def _weighted_mean_into(out, parts, ws, total, share, chunk) -> None:
+    """``out := Σ w·v / Σ w · share`` (``merge.weighted_mean``'s order of sums; ``× share``
+    when it is not 1), chunk by chunk: each chunk's last product while it is in cache."""
     for a, b in _chunks(out.numel(), chunk):
         piece = out[a:b].zero_()
         for v, w in zip(parts, ws, strict=True):
             if w:
                 piece.add_(v[a:b], alpha=w / total)
+        if share != 1.0:
+            piece.mul_(share)
 
 
-def _rda_into(out, parts, ws, chunk) -> None:
-    """``out := merge.rda(parts, ws)``: the norms first (whole), then the direction chunk by
-    chunk into ``out``, its norm (whole), then its scaling chunk by chunk."""
+def _rda_into(out, parts, ws, share, chunk) -> None:
+    """``out := merge.rda(parts, ws) · share``: the norms first (whole), then the direction
+    chunk by chunk into ``out``, its norm (whole), then its scaling and the share's chunk by
+    chunk (one pass over ``out`` for both, the same two products per value)."""
     total = sum(ws)
     radius = 0.0
     factors = []
@@ -61,11 +65,13 @@ def _rda_into(out, parts, ws, chunk) -> None:
             piece.add_(v[a:b], alpha=factor)
     dir_norm = float(torch.linalg.vector_norm(out))
     if dir_norm < CANCEL_TOL:
-        _weighted_mean_into(out, parts, ws, total, chunk)
+        _weighted_mean_into(out, parts, ws, total, share, chunk)
         return
     scale = radius / dir_norm
     for a, b in _chunks(out.numel(), chunk):
-        out[a:b].mul_(scale)
+        piece = out[a:b].mul_(scale)
+        if share != 1.0:
+            piece.mul_(share)
 
 
 def merge_into(
@@ -97,9 +103,9 @@ def merge_into(
             parts = [torch.cat([d[a:b] for a, b in where]) for d in deltas]
             target = torch.empty(sum(b - a for a, b in where), dtype=torch.float32)
         if mean:
-            _weighted_mean_into(target, parts, ws, sum(ws), chunk)
+            _weighted_mean_into(target, parts, ws, sum(ws), share, chunk)
         else:
-            _rda_into(target, parts, ws, chunk)
+            _rda_into(target, parts, ws, share, chunk)
         if len(where) > 1:
             start = 0
             for a, b in where:
@@ -110,9 +116,6 @@ def merge_into(
         raise ValueError(
             f"fragment pieces cover {covered} values but the deltas have {out.numel()}"
         )
-    if share != 1.0:
-        for a, b in _chunks(out.numel(), chunk):
-            out[a:b].mul_(share)
     return out
 
 
@@ -130,8 +133,8 @@ def down_step(
     after = torch.empty(n, dtype=torch.float32)
     sections: list[list[bytes]] = [[] for _ in codecs.payload_sections(0, codec)]
     for a, b in _chunks(n, chunk):
-        payload = codecs.encode(params[a:b] - wire[a:b], codec)
-        torch.add(wire[a:b], codecs.decode(payload, b - a, codec), out=after[a:b])
+        payload, values = codecs.encode_decoded(params[a:b] - wire[a:b], codec)
+        torch.add(wire[a:b], values, out=after[a:b])
         view, at = memoryview(payload), 0
         for k, size in enumerate(codecs.payload_sections(b - a, codec)):
             sections[k].append(view[at : at + size])
