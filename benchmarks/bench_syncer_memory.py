@@ -273,13 +273,13 @@ def measure_breakdown(args, layout) -> dict:
     os.environ[PARAMS_ENV] = str(args.params)
     import torch
 
-    from diloco.runtime.memory import release_large_frees
+    from diloco.runtime.memory import tune_for_large_tensors
     from diloco.syncer.config import SyncerConfig
     from diloco.syncer.server import SyncerServer
     from diloco.wire.protocol import ProtocolConfig
 
     torch.set_num_threads(1)
-    release_large_frees()  # as ``diloco syncer`` does
+    tune_for_large_tensors()  # as ``diloco syncer`` does
     base = rss_bytes()["VmRSS"]
     model = build()
     config = SyncerConfig(

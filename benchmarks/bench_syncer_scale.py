@@ -143,10 +143,12 @@ def serve(args: argparse.Namespace) -> int:
     SIGTERM (or until the benchmark dies)."""
     import torch
 
+    from diloco.runtime.memory import tune_for_large_tensors
     from diloco.syncer.config import SyncerConfig
     from diloco.syncer.server import SyncerServer
 
     torch.set_num_threads(syncer_threads())
+    tune_for_large_tensors()  # (as ``diloco syncer`` does)
     config = SyncerConfig()
     layout = fleet.synthetic_layout(args.params, config.protocol.num_fragments)
     server = SyncerServer(

@@ -3,15 +3,18 @@ syncer holds, per parameter")."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
 from kit import join_state, syncer_state, tiny_model
 
 from diloco.algorithm import codecs
-from diloco.runtime.memory import release_large_frees
+from diloco.runtime.memory import HUGE_PAGES_ENV, release_large_frees
 from diloco.syncer.broadcast import Keyframe
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.records import copied
@@ -41,6 +44,42 @@ def test_a_keyframe_of_non_finite_values_is_refused_as_the_codec_refuses_it():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_large_frees_go_back_to_the_system_on_linux():
     assert release_large_frees() is True
+
+
+def transparent_huge_pages_mode() -> str:
+    """The kernel's mode (``always``, ``madvise`` or ``never``; ``""`` without the file)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
+
+
+@pytest.mark.skipif(
+    transparent_huge_pages_mode() != "madvise",
+    reason="only a kernel in madvise mode tells whether torch asked for huge pages",
+)
+def test_the_syncers_large_tensors_are_backed_by_huge_pages():
+    """A fresh fragment-sized buffer costs one page fault per 4 KB without them (see
+    ``runtime.memory.huge_pages_for_large_tensors``): what ``diloco syncer`` sets up before
+    it builds anything gives a 64 MB tensor huge pages."""
+    child = (
+        "import sys, torch\n"
+        "from diloco.runtime.memory import tune_for_large_tensors\n"
+        "if sys.argv[1] == 'tuned': tune_for_large_tensors()\n"
+        "held = torch.ones(16 << 20)\n"
+        "rollup = open('/proc/self/smaps_rollup').read()\n"
+        "print(int(rollup.split('AnonHugePages:')[1].split()[0]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != HUGE_PAGES_ENV}
+
+    def huge_kb(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", child, mode], env=env, text=True,
+                              capture_output=True, timeout=120, check=True)  # fmt: skip
+        return int(done.stdout.split()[-1])
+
+    assert huge_kb("tuned") >= 32 << 10, "the 64 MB tensor has under 32 MB of huge pages"
+    assert huge_kb("untuned") == 0  # (the test can tell)
 
 
 def test_a_commit_carries_the_models_own_values_not_copies():

@@ -52,7 +52,7 @@ def serve(config: ServiceConfig) -> int:
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.algorithm.shards import ShardError, parse_shard
     from diloco.recipes import recipe_of
-    from diloco.runtime.memory import release_large_frees
+    from diloco.runtime.memory import tune_for_large_tensors
     from diloco.runtime.model_ref import ModelRefError, load_model
     from diloco.syncer.server import SyncerServer
     from diloco.syncer.store import StateError
@@ -63,7 +63,7 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
-    release_large_frees()  # (diloco.runtime.memory: commits' temporaries go back when freed)
+    tune_for_large_tensors()  # (before the model: large blocks freed go back, huge pages)
     try:
         model = (
             load_model(config.model)
