@@ -40,6 +40,10 @@ STEPS = 4000
 """Per learner: enough that neither finishes before the syncer has moved (on an idle machine
 learner-0, alone while site b is lost, trained 1,500 steps in 21 s and finished 2 s before
 the moved syncer served; the moves take ~40 s)."""
+RUN_MINUTES = 8
+"""The run's bound, far above its time on an idle machine (about 2 minutes, cluster start
+included): beside a CPU-bound process on one core its 4,000 steps took more than the 4
+minutes it had before, and it stopped by time (a clean-clone run, 2026-11-28)."""
 LEARNERS = 2
 LOOPBACK = "127.0.0.1"
 """Every node of the test cluster: its raylet, its workers, what the actors bind."""
@@ -111,7 +115,7 @@ def ray_run(cluster, tmp_path_factory):
         f"--steps={STEPS}",
         "--slow=0=3",
         "--slow=1=3",
-        "--minutes=4",
+        f"--minutes={RUN_MINUTES}",
         "--checkpoint-every=1",
         "--eval-every=0",
         f"--runs-dir={runs}",
@@ -187,13 +191,13 @@ def ray_run(cluster, tmp_path_factory):
             interval=0.2,
             alive=proc,
         )
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=RUN_MINUTES * 60 + 60)
         yield {"code": proc.returncode, "out": out, "err": err, "run_dir": run_dir, **events}
     finally:
         end_run(proc, run_dir)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(RUN_MINUTES * 60 + 300)  # (the first test of the run: its setup)
 def test_a_run_on_a_multi_node_cluster_finishes_and_counts_every_step_once(ray_run):
     assert ray_run["code"] == 0, ray_run["err"][-3000:]
     summary = json.loads(ray_run["out"])

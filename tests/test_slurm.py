@@ -86,33 +86,46 @@ def requeue(env, job_id: str) -> None:
     """``scontrol requeue`` (SIGTERM, then the job waits to run again), and start it now:
     Slurm holds a requeued job for a while (BeginTime); a test does not wait for that."""
     slurm(env, "scontrol", "requeue", job_id)
+    start_when_pending(env, job_id)
 
     def running_again():
-        if job(env, job_id)["JobState"] == "PENDING":
-            subprocess.run(
-                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                env=env,
-                capture_output=True,
-                timeout=30,
-            )
+        start_when_pending(env, job_id)
         return job(env, job_id)["JobState"] == "RUNNING"
 
     wait_until(running_again, 90, f"job {job_id} to run again", interval=0.5)
+
+
+REVOKED_CREDENTIAL_S = 2.0
+"""How long a requeued job waits before the tests start it: slurmd revokes the credential of
+a requeued job at a one-second resolution, and a start within the same second of that
+revocation is killed ("Job credential revoked") and never runs again (seen in a clean-clone
+run beside a CPU-bound process: allocated 0.8 s after the requeue, in the same second)."""
+_pending_since: dict[str, float] = {}
+
+
+def start_when_pending(env, job_id: str) -> None:
+    """Start ``job_id`` now if it has been pending (held by Slurm for a while after a
+    requeue: BeginTime) for ``REVOKED_CREDENTIAL_S``; notes when it was first seen pending."""
+    if job(env, job_id)["JobState"] != "PENDING":
+        _pending_since.pop(job_id, None)
+        return
+    since = _pending_since.setdefault(job_id, time.monotonic())
+    if time.monotonic() - since >= REVOKED_CREDENTIAL_S:
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+            env=env,
+            capture_output=True,
+            timeout=30,
+        )
 
 
 def release(env, job_id: str) -> None:
     """Start a job that requeued itself now (Slurm holds it for a while: BeginTime)."""
 
     def running_again():
-        state = job(env, job_id)["JobState"]
-        if state == "PENDING":
-            subprocess.run(
-                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                env=env,
-                capture_output=True,
-                timeout=30,
-            )
-        return state == "RUNNING" and job(env, job_id)["Restarts"] != "0"
+        start_when_pending(env, job_id)
+        info = job(env, job_id)
+        return info["JobState"] == "RUNNING" and info["Restarts"] != "0"
 
     wait_until(running_again, 90, f"job {job_id} to run again", interval=0.5)
 
