@@ -230,17 +230,11 @@ def start(cmd: list[str], cpus: set[int] | None = None, output: Path | None = No
 
 def finish(proc: subprocess.Popen, timeout: float = PROCESS_TIMEOUT_S) -> None:
     """Wait for ``proc`` (killed after ``timeout``). Raises ``RuntimeError`` when it failed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.monotonic() > deadline:
-            proc.kill()
-            pid, status, usage = os.wait4(proc.pid, 0)
-            break
-        time.sleep(0.2)  # (a child's exit, with its rusage: wait4 has no timeout)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, proc.args[:6]))} ... exited {proc.returncode}")
 
