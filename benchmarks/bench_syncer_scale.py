@@ -6,7 +6,7 @@
 **What runs.** For every model size N of ``--params`` (any count: ``100M``, ``1B``, ``2.5e6``)
 and every M of ``--learners``, a fresh real syncer process (the ``serve`` sub-command: the
 real ``SyncerServer`` with a state directory and its event tape in it, as ``diloco syncer
---state-dir`` runs it, with that command's default torch threads) over a synthetic model of
+--state-dir`` runs it, with that command's default torch and commit threads) over a synthetic model of
 N parameters (1024-column matrices: ``bench_syncer_capacity.synthetic_layout``; Θ starts as
 a ramp, which costs no random draws at a restart). The exchange is today's default,
 ``SyncerConfig()`` as it is: its P, H, codecs, quorum, grace window and snapshot interval
@@ -128,11 +128,11 @@ class RampParams:
         return torch.linspace(-0.05, 0.05, self.layout.fragments[p].numel)
 
 
-def syncer_threads() -> int:
-    """``diloco syncer``'s default torch threads (``ServiceConfig.threads``)."""
+def syncer_default(name: str) -> int:
+    """``diloco syncer``'s default of setting ``name`` (a ``ServiceConfig`` field)."""
     from diloco.config.service import ServiceConfig
 
-    return next(f.default for f in dataclasses.fields(ServiceConfig) if f.name == "threads")
+    return next(f.default for f in dataclasses.fields(ServiceConfig) if f.name == name)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -143,11 +143,13 @@ def serve(args: argparse.Namespace) -> int:
     SIGTERM (or until the benchmark dies)."""
     import torch
 
+    from diloco.algorithm import chunk_threads
     from diloco.runtime.memory import tune_for_large_tensors
     from diloco.syncer.config import SyncerConfig
     from diloco.syncer.server import SyncerServer
 
-    torch.set_num_threads(syncer_threads())
+    torch.set_num_threads(syncer_default("threads"))
+    chunk_threads.set_threads(syncer_default("commit_threads"))
     tune_for_large_tensors()  # (as ``diloco syncer`` does)
     config = SyncerConfig()
     layout = fleet.synthetic_layout(args.params, config.protocol.num_fragments)
@@ -375,7 +377,7 @@ def measure(args, params: int, m: int, work: Path) -> dict:
     layout = fleet.synthetic_layout(params, P)
     n = sum(f.numel for f in layout.fragments)
     numel = n / P
-    threads = syncer_threads()
+    threads = syncer_default("threads")
     copy_s = copy_reference_s(round(numel), threads)
     tag = f"n{n}-m{m}"
     payload_dir = work / f"payloads-{tag}"

@@ -343,7 +343,7 @@ def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
         raise CodecError(f"{codec}: payload has a scale outside [0, float32 max / {levels}]")
     codes = np.frombuffer(mv, dtype=np.int8, offset=4 * nb)
     if codec in _CODES_OF_BYTE:  # each byte's codes at once: one table lookup per byte
-        codes = np.take(_CODES_OF_BYTE[codec], codes.view(np.uint8)).view(np.int8)
+        codes = np.take(_CODES_OF_BYTE[codec], codes.view(np.uint8), mode="clip").view(np.int8)
     if codec == "int2" and bool(codes[n:].any()):
         raise CodecError(f"{codec}: payload has set padding bits after the last value")
     codes = codes[:n]
@@ -518,7 +518,9 @@ def _decode_sign(mv: memoryview, n: int, codec: str) -> torch.Tensor:
         a, b = first * block // 8, last * block // 8  # these blocks' bytes of sign bits
         real = min(b, packed.size) - a  # (the rest: the last block's padding, +)
         rows = words[a:b]
-        np.take(_SIGN_BITS_OF_BYTE, packed[a : a + real], axis=0, out=rows[:real])
+        # (a byte indexes a 256-row table: never out of range; numpy's default mode,
+        # "raise", would write into a copy of ``rows`` and copy it back)
+        np.take(_SIGN_BITS_OF_BYTE, packed[a : a + real], axis=0, out=rows[:real], mode="clip")
         rows[real:] = 0
         blocks = rows.reshape(last - first, block)
         np.bitwise_xor(blocks, scale_bits[first:last], out=blocks)

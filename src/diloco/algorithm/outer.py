@@ -25,6 +25,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from diloco.algorithm.chunk_threads import for_each_chunk
+from diloco.algorithm.streaming import CHUNK_VALUES
+
 
 def round_share(contributed: Sequence[int], expected_absent: Sequence[int | None]) -> float:
     """The share of one cycle of the live learners' work that a closing round holds.
@@ -113,13 +116,13 @@ class NesterovOuter:
         if not lr > 0:
             raise ValueError(f"outer lr must be > 0, got {lr}")
         if self.momentum == 0.0:
-            params.sub_(delta, alpha=lr)
+            for_each_chunk(params.numel(), CHUNK_VALUES, _plain_step(params, delta, lr))
             return
         buf = self._buffers.get(fragment)
         if buf is None:
             buf = self._buffers[fragment] = torch.zeros_like(params, dtype=torch.float32)
-        buf.mul_(self.momentum).add_(delta)
-        params.sub_(delta, alpha=lr).sub_(buf, alpha=lr * self.momentum)
+        step = _nesterov_step(params, delta, buf, lr, self.momentum)
+        for_each_chunk(params.numel(), CHUNK_VALUES, step)
 
     def buffer(self, fragment: int) -> torch.Tensor | None:
         """The momentum buffer of ``fragment`` itself (None before its first step with
@@ -152,3 +155,26 @@ class NesterovOuter:
         self._buffers = {
             int(p): b.detach().to(torch.float32).clone() for p, b in state["buffers"].items()
         }
+
+
+def _plain_step(params: torch.Tensor, delta: torch.Tensor, lr: float):
+    """One chunk ``[a, b)`` of ``Θ ← Θ − lr·Δ`` (elementwise: chunks on any thread give the
+    bits of the whole tensor's operation; ``chunk_threads``)."""
+    params, delta = params.view(-1), delta.reshape(-1)
+
+    def chunk(a: int, b: int) -> None:
+        params[a:b].sub_(delta[a:b], alpha=lr)
+
+    return chunk
+
+
+def _nesterov_step(params, delta, buf, lr: float, momentum: float):
+    """One chunk ``[a, b)`` of ``m ← μ·m + Δ; Θ ← Θ − lr·Δ − lr·μ·m``, in that order of
+    operations per value (elementwise, as ``_plain_step``)."""
+    params, delta, buf = params.view(-1), delta.reshape(-1), buf.view(-1)
+
+    def chunk(a: int, b: int) -> None:
+        m = buf[a:b].mul_(momentum).add_(delta[a:b])
+        params[a:b].sub_(delta[a:b], alpha=lr).sub_(m, alpha=lr * momentum)
+
+    return chunk

@@ -6,7 +6,8 @@ whole tensors, a commit makes several such temporaries: per tensor RDA's directi
 merged vector and its copy scaled by the round's share, then ``Θ_p − W_p``, the encoder's
 working copy, the decoded delta and ``W_p + d̂``. Here the merge writes into one output
 vector (``merge_into``) and the down step (``down_step``) goes through ``CHUNK_VALUES``
-values at a time, so that what a commit allocates beyond its results is a few chunks.
+values at a time, so that what a commit allocates beyond its results is a few chunks; the
+chunks of a pass are split over ``chunk_threads``' threads (the same bits on any of them).
 
 **Bit for bit.** Every operation done chunk by chunk is elementwise (a sum with a scalar
 factor, a product, a quantisation of a block that a chunk holds whole), and every reduction
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from diloco.algorithm import codecs
+from diloco.algorithm.chunk_threads import for_each_chunk, map_whole
 from diloco.algorithm.merge import CANCEL_TOL, check_contributions, spans_by_tensor
 
 CHUNK_VALUES = 1 << 18
@@ -30,15 +32,11 @@ CHUNK_VALUES = 1 << 18
 ``codecs.ALIGN_VALUES``."""
 
 
-def _chunks(n: int, chunk: int):
-    for start in range(0, n, chunk):
-        yield start, min(n, start + chunk)
-
-
 def _weighted_mean_into(out, parts, ws, total, share, chunk) -> None:
     """``out := Σ w·v / Σ w · share`` (``merge.weighted_mean``'s order of sums; ``× share``
     when it is not 1), chunk by chunk: each chunk's last product while it is in cache."""
-    for a, b in _chunks(out.numel(), chunk):
+
+    def mean(a: int, b: int) -> None:
         piece = out[a:b].zero_()
         for v, w in zip(parts, ws, strict=True):
             if w:
@@ -46,32 +44,44 @@ def _weighted_mean_into(out, parts, ws, total, share, chunk) -> None:
         if share != 1.0:
             piece.mul_(share)
 
+    for_each_chunk(out.numel(), chunk, mean)
+
+
+def _norm(v: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(v, dtype=torch.float32))
+
 
 def _rda_into(out, parts, ws, share, chunk) -> None:
-    """``out := merge.rda(parts, ws) · share``: the norms first (whole), then the direction
-    chunk by chunk into ``out``, its norm (whole), then its scaling and the share's chunk by
-    chunk (one pass over ``out`` for both, the same two products per value)."""
+    """``out := merge.rda(parts, ws) · share``: the norms first (whole, side by side), then
+    the direction chunk by chunk into ``out``, its norm (whole), then its scaling and the
+    share's chunk by chunk (one pass over ``out`` for both, the same two products per
+    value). The chunks are split over ``chunk_threads``' threads: the same bits."""
     total = sum(ws)
     radius = 0.0
     factors = []
-    for v, w in zip(parts, ws, strict=True):
-        norm = float(torch.linalg.vector_norm(v, dtype=torch.float32))
+    for v, w, norm in zip(parts, ws, map_whole(_norm, parts), strict=True):
         if w and norm > 0:
             radius += w * norm / total
             factors.append((v, w / (total * norm)))
-    for a, b in _chunks(out.numel(), chunk):
+
+    def direction(a: int, b: int) -> None:
         piece = out[a:b].zero_()
         for v, factor in factors:
             piece.add_(v[a:b], alpha=factor)
+
+    for_each_chunk(out.numel(), chunk, direction)
     dir_norm = float(torch.linalg.vector_norm(out))
     if dir_norm < CANCEL_TOL:
         _weighted_mean_into(out, parts, ws, total, share, chunk)
         return
     scale = radius / dir_norm
-    for a, b in _chunks(out.numel(), chunk):
+
+    def scaled(a: int, b: int) -> None:
         piece = out[a:b].mul_(scale)
         if share != 1.0:
             piece.mul_(share)
+
+    for_each_chunk(out.numel(), chunk, scaled)
 
 
 def merge_into(
@@ -131,14 +141,22 @@ def down_step(
     n = params.numel()
     params, wire = params.reshape(-1), wire.reshape(-1)
     after = torch.empty(n, dtype=torch.float32)
-    sections: list[list[bytes]] = [[] for _ in codecs.payload_sections(0, codec)]
-    for a, b in _chunks(n, chunk):
-        payload, values = codecs.encode_decoded(params[a:b] - wire[a:b], codec)
-        torch.add(wire[a:b], values, out=after[a:b])
-        view, at = memoryview(payload), 0
-        for k, size in enumerate(codecs.payload_sections(b - a, codec)):
-            sections[k].append(view[at : at + size])
-            at += size
     if n == 0:
         return codecs.encode(params - wire, codec), after
+    payloads: list[bytes] = [b""] * (-(-n // chunk))
+
+    def encoded(a: int, b: int) -> None:
+        payload, values = codecs.encode_decoded(params[a:b] - wire[a:b], codec)
+        torch.add(wire[a:b], values, out=after[a:b])
+        payloads[a // chunk] = payload
+
+    for_each_chunk(n, chunk, encoded)  # (split over chunk_threads' threads: the same bytes)
+    sections: list[list[memoryview]] = [[] for _ in codecs.payload_sections(0, codec)]
+    for i, payload in enumerate(payloads):
+        view, at = memoryview(payload), 0
+        for k, size in enumerate(
+            codecs.payload_sections(min(n, (i + 1) * chunk) - i * chunk, codec)
+        ):
+            sections[k].append(view[at : at + size])
+            at += size
     return b"".join(piece for section in sections for piece in section), after

@@ -68,6 +68,9 @@ class ServiceConfig:
     """Where snapshots go (default ``STATE_DIR/global.safetensors``)."""
     threads: int = option(1)
     """Torch CPU threads."""
+    commit_threads: int = option(2, metavar="N")
+    """Threads a commit's passes over a fragment (the merge, the outer step, the down step)
+    are split over; the bits do not depend on N (``diloco.algorithm.chunk_threads``)."""
     exit_with_parent: bool = option(False)
     """Stop (cleanly) if the parent process dies."""
 
@@ -83,6 +86,8 @@ class ServiceConfig:
                 f"--max-learners must be in [1, --max-learner-ids ({self.syncer.max_learner_ids})]"
                 f", got {self.max_learners}"
             )
+        if self.commit_threads < 1 or self.threads < 1:
+            raise ValueError("--commit-threads and --threads must be >= 1")
         if self.max_tokens < 0 or self.snapshot_every_s < 0:
             raise ValueError("--max-tokens and --snapshot-every must be >= 0")
         if self.snapshot_every_s > 0 and not (self.snapshot or self.state_dir):

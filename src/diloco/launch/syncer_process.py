@@ -48,6 +48,7 @@ def serve(config: ServiceConfig) -> int:
     persist a commit and must be restarted from its state directory; both said on stderr)."""
     import torch
 
+    from diloco.algorithm import chunk_threads
     from diloco.algorithm.embeddings import embedding_parameter_names
     from diloco.algorithm.fragments import balanced_fragments
     from diloco.algorithm.shards import ShardError, parse_shard
@@ -63,6 +64,7 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
+    chunk_threads.set_threads(config.commit_threads)
     tune_for_large_tensors()  # (before the model: large blocks freed go back, huge pages)
     try:
         model = (
