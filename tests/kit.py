@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -268,6 +269,45 @@ def start_diloco(*args: str, cwd: Path | None = None) -> subprocess.Popen:
         stdin=subprocess.DEVNULL,
         text=True,
     )
+
+
+#: Seconds a ``diloco run`` may take to stop after its SIGTERM: its learners flush and drain,
+#: the final model is scored, the summary written (a loaded machine takes tens of seconds).
+STOP_S = 120.0
+
+
+def run_diloco_until(
+    run_dir: Path,
+    *args: str,
+    done: Callable[[list[dict]], object],
+    timeout: float,
+    what: str,
+) -> dict:
+    """Run ``diloco run ARGS`` (its run directory ``run_dir``, ``--json`` among ``ARGS``) until
+    ``done(its tape's records)``, then end it as Ctrl+C does (``stop_when``): a run bounded by
+    a generous ``--minutes`` or ``--steps`` ends as soon as what a test checks has happened.
+    Asserts it exited 0 and returns the summary it printed; nothing of it outlives the call
+    (``end_run``). Its output goes to files, not pipes: a pipe nobody reads while it runs
+    could fill and stall it."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            diloco_command("run", *args),
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            tape = GrowingTape(run_dir / "syncer" / "events.jsonl")
+            stop_when(proc, tape, done, timeout, what)
+            proc.wait(STOP_S)
+        finally:
+            end_run(proc, run_dir)
+        out.seek(0)
+        err.seek(0)
+        printed, logged = out.read(), err.read()
+    assert proc.returncode == 0, (logged + printed)[-4000:]
+    return json.loads(printed)
 
 
 def train_in_threads(train: Callable, learners: list, models: list, *args, timeout: float = 30):

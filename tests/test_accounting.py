@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 from fleet import STEPS, P, finish_training, make_model, merged_steps, start_syncer, start_training
-from kit import run_diloco_json, wait_until
+from kit import run_diloco_json, run_diloco_until, wait_until
 
 from diloco.algorithm import balanced_fragments
 from diloco.launch.relay import Relay
@@ -224,6 +224,39 @@ CHAOS = (
 )
 
 
+def after_every_fault(tape: list[dict], targets: set[str], kinds: set[str]) -> bool:
+    """Every chaos event of ``kinds`` happened, every target of ``targets`` was healed or
+    resumed, and the syncer merged a round after the last of them: the run has trained on
+    past its faults, and what a test checks has happened."""
+    if {r["kind"] for r in tape if r["event"] == "chaos"} != kinds:
+        return False
+    back = {r["target"]: r["t"] for r in tape if r["event"] in ("heal", "resume")}
+    if not targets <= set(back):
+        return False
+    last = max(back[target] for target in targets)
+    return any(r["event"] == "round" and r["t"] > last for r in tape)
+
+
+def trained_steps(run_dir, learners: int) -> list[dict]:
+    """The learners' ``final.json`` (their final accounting), by index."""
+    return [
+        json.loads((run_dir / "learners" / f"learner-{i}" / "final.json").read_text())
+        for i in range(learners)
+    ]
+
+
+def assert_stopped_or_finished(summary: dict, finals: list[dict], steps: int) -> None:
+    """The run ended as one of the two ways ``run_diloco_until`` lets it: stopped by the
+    interrupt with every learner part way (a loaded machine), or its learners finished all
+    ``steps`` before the faults were over (an idle one)."""
+    trained = [final["step"] for final in finals]
+    if summary["stopped_by"] == "interrupt":
+        assert all(0 < n <= steps for n in trained), trained
+    else:
+        assert summary["stopped_by"] == "learners finished", summary["stopped_by"]
+        assert trained == [steps] * len(finals), trained
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_processes_merge_every_trained_step_exactly_once(tmp_path):
@@ -231,9 +264,12 @@ def test_real_processes_merge_every_trained_step_exactly_once(tmp_path):
     delayed by the learners' relays, and stale refusals (``--max-staleness 0``): per learner
     and fragment, the steps the tape's rounds merged plus the learner's unsent tail
     (``final.json``) and the steps it dropped on purpose (a norm-guard reset, counted) are
-    exactly the steps it trained."""
-    proc = run_diloco_json(
-        "run",
+    exactly the steps it trained. The run is stopped (SIGTERM, as Ctrl+C) once every fault
+    has healed and a round was merged after them, unless its learners trained their
+    ``STEPS_RUN`` steps first."""
+    run_dir = tmp_path / "acct"
+    summary = run_diloco_until(
+        run_dir,
         "--recipe=tiny",
         "--learners=2",
         f"--steps={STEPS_RUN}",
@@ -244,25 +280,27 @@ def test_real_processes_merge_every_trained_step_exactly_once(tmp_path):
         f"--runs-dir={tmp_path}",
         "--name=acct",
         "--json",
-        timeout=280,
+        done=lambda tape: after_every_fault(
+            tape, {"learner-1", "syncer"}, {"drop", "delay", "syncer-hang"}
+        ),
+        timeout=240,
+        what="every fault to heal and a round after them",
     )
-    summary = proc
-    assert summary["stopped_by"] == "learners finished"
-    run_dir = tmp_path / "acct"
+    finals = trained_steps(run_dir, 2)
+    assert_stopped_or_finished(summary, finals, STEPS_RUN)
     tape = read_tape(run_dir / "syncer" / "events.jsonl")
     kinds = {r["kind"] for r in tape if r["event"] == "chaos"}
     assert kinds == {"drop", "delay", "syncer-hang"}, kinds
     assert [r for r in tape if r["event"] == "stale"]  # refusals happened
     rounds = [r for r in tape if r["event"] == "round"]
     fragments = json.loads((run_dir / "config.json").read_text()).get("fragments", 24)
-    for i in range(2):
-        final = json.loads((run_dir / "learners" / f"learner-{i}" / "final.json").read_text())
-        assert final["step"] == STEPS_RUN
+    for i, final in enumerate(finals):
+        trained = final["step"]
         for p in range(fragments):
             merged = merged_steps(rounds, f"learner-{i}", p)
             # merged, still unsent at exit, or dropped on purpose (a norm-guard reset)
             accounted = merged + final["unsent"][p] + final["dropped"][p]
-            assert accounted == STEPS_RUN, (i, p, merged, final["unsent"][p], final["dropped"][p])
+            assert accounted == trained, (i, p, merged, final["unsent"][p], final["dropped"][p])
 
 
 DISK_AT, DISK_DOWN = 5.0, 8.0
@@ -276,11 +314,11 @@ def test_a_full_disk_and_lost_replies_in_a_run_lose_and_double_nothing(tmp_path)
     fragment files) for the down time: its commits fail, it fails and is restarted until
     there is room; ``--chaos lose-replies`` makes a learner's relay lose the syncer's replies
     to its uploads. Every trained step is merged exactly once, and the fragment files
-    outlive the small disk. The learners step at a third of their speed: unpaced, an idle
-    machine trained the 3,000 steps in 15.7 s, before the disk had room again (17 s), and
-    the run ended with 47 contributions that could not be committed. It claims nothing about
-    time (it is not ``solo``): a loaded machine only lengthens the training that must outlast
-    the full disk."""
+    outlive the small disk. The learners step at a third of their speed, so that training
+    outlasts both faults (unpaced, an idle machine trained the 3,000 steps in 15.7 s, before
+    the disk had room again at 17 s); the run is stopped (SIGTERM, as Ctrl+C) once both are
+    healed and a round was merged after them. It claims nothing about time (it is not
+    ``solo``)."""
     import os
 
     from diloco.report.audit_files import audit_directories
@@ -291,13 +329,16 @@ def test_a_full_disk_and_lost_replies_in_a_run_lose_and_double_nothing(tmp_path)
         f"disk-full:at={DISK_AT}s,down={DISK_DOWN}s;"
         f"lose-replies:at={LOSS_AT}s,down={LOSS_DOWN}s,p=0.5,learners=0"
     )
-    summary = run_diloco_json(
-        "run", "--recipe=tiny", "--learners=2", "--steps=3000", "--minutes=2",
-        "--slow=0=3", "--slow=1=3",  # ~25 s of training: it outlasts the full disk
-        "--eval-every=0", f"--chaos={chaos}", f"--runs-dir={tmp_path}", "--name=disk",
-        "--json", timeout=240,
-    )  # fmt: skip
     run_dir = tmp_path / "disk"
+    summary = run_diloco_until(
+        run_dir, "--recipe=tiny", "--learners=2", "--steps=3000", "--minutes=2",
+        "--slow=0=3", "--slow=1=3", "--eval-every=0", f"--chaos={chaos}",
+        f"--runs-dir={tmp_path}", "--name=disk", "--json",
+        done=lambda tape: after_every_fault(
+            tape, {"syncer", "learner-0"}, {"disk-full", "lose-replies"}
+        ),
+        timeout=240, what="both faults to heal and a round after them",
+    )  # fmt: skip
     tape = read_tape(run_dir / "syncer" / "events.jsonl")
     chaos_records = {r["kind"]: r for r in tape if r["event"] == "chaos"}
     assert set(chaos_records) == {"disk-full", "lose-replies"}, chaos_records
@@ -309,10 +350,12 @@ def test_a_full_disk_and_lost_replies_in_a_run_lose_and_double_nothing(tmp_path)
     assert failed and "No space" in failed[0]["error"], failed  # its commits could not land
     assert any(r["event"] == "resent" for r in tape)  # a lost reply, answered on its resend
     assert [r for r in tape if r["event"] == "round" and r["t"] > full_at + DISK_DOWN]
-    assert summary["stopped_by"] == "learners finished", summary["stopped_by"]
+    finals = trained_steps(run_dir, 2)
+    assert_stopped_or_finished(summary, finals, 3000)
     workdirs = {f"learner-{i}": run_dir / "learners" / f"learner-{i}" for i in range(2)}
     audit = audit_directories(run_dir / "syncer", workdirs, stopped_cleanly=True)
-    assert audit.problems == [] and audit.steps_trained == 6000, audit.problems
+    trained = sum(final["step"] for final in finals)
+    assert audit.problems == [] and audit.steps_trained == trained, audit.problems
     assert not os.path.ismount(run_dir / "syncer" / "fragments")
 
 

@@ -4,7 +4,7 @@ real run in which a learner joins late, is merged, and is counted."""
 from __future__ import annotations
 
 import pytest
-from kit import run_diloco_json
+from kit import run_diloco_until
 
 from diloco.config.run import RunConfig
 from diloco.launch.children import parse_additions, plan_learners
@@ -29,11 +29,26 @@ def test_added_learners_get_the_next_indices_and_their_own_settings():
     ]
 
 
+def merged_both(tape: list[dict]) -> list[dict]:
+    """The rounds that merged both the first learner and the added one."""
+    return [
+        r
+        for r in tape
+        if r.get("event") == "round" and set(r["participants"]) == {"learner-0", "learner-1"}
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_learner_added_mid_run_joins_is_merged_and_counted(tmp_path):
-    done = run_diloco_json("run", "--recipe=tiny", "--learners=1", "--add-learners=8s:1", "--minutes=0.45", "--eval-every=2", "--dashboard=off", f"--runs-dir={tmp_path}", "--name=it", "--json", timeout=180)  # fmt: skip
-    summary = done
+    """The run is stopped (SIGTERM, as Ctrl+C) once rounds merged both learners ten times:
+    ``--minutes`` only bounds it."""
+    summary = run_diloco_until(
+        tmp_path / "it", "--recipe=tiny", "--learners=1", "--add-learners=8s:1",
+        "--minutes=0.45", "--eval-every=2", "--dashboard=off", f"--runs-dir={tmp_path}",
+        "--name=it", "--json", done=lambda tape: len(merged_both(tape)) >= 10, timeout=150,
+        what="ten rounds that merge both learners",
+    )  # fmt: skip
     assert summary["learners"] == 2
     late = summary["per_learner"]["learner-1"]
     assert late["steps"] > 0 and late["contributions"] > 0 and late["exit_code"] == 0
@@ -46,6 +61,5 @@ def test_a_learner_added_mid_run_joins_is_merged_and_counted(tmp_path):
     assert joins and joins[0]["t"] >= added[0]["t"]
     rounds = [r for r in tape if r.get("event") == "round"]
     assert all("learner-1" not in r["participants"] for r in rounds if r["t"] < added[0]["t"])
-    both = [r for r in rounds if set(r["participants"]) == {"learner-0", "learner-1"}]
-    assert len(both) >= 10  # after it joined, rounds merge both learners
+    assert len(merged_both(tape)) >= 10  # after it joined, rounds merge both learners
     assert summary["useful_tokens"]["learner-1"] > 0
