@@ -174,10 +174,11 @@ def replay(recovered: Recovered, records: Sequence[RoundInputs], piece_layout, w
             )
         if r.changed:
             if outer is None or outer.momentum != r.outer_momentum:
+                if outer is not None:  # (the state so far, for the next momentum's optimizer)
+                    recovered.state = _replayed_state(outer, r.fragment, wire)
                 outer = NesterovOuter(momentum=r.outer_momentum)
                 outer.load_fragment_state(r.fragment, recovered.state)
             wire = redo(r, params, outer, wire, piece_layout)
-            recovered.state = {**outer.fragment_state(r.fragment), "wire": wire}
             recovered.digest = fragment_digest(params) if r.digest else None
             if r.digest and recovered.digest != r.digest:
                 raise StateError(
@@ -188,3 +189,12 @@ def replay(recovered: Recovered, records: Sequence[RoundInputs], piece_layout, w
         recovered.history = [*recovered.history, r.log][-PERSISTED_COMMITS:]
         recovered.merged_tokens = r.merged_tokens
         recovered.replayed += 1
+    if outer is not None:
+        recovered.state = _replayed_state(outer, records[-1].fragment, wire)
+
+
+def _replayed_state(outer: NesterovOuter, fragment: int, wire: torch.Tensor) -> dict:
+    """A replay's fragment state: ``outer``'s momentum buffer itself (the replay's optimizer is
+    its own and let go after it: no copy per record) and the wire image."""
+    momentum = outer.buffer(fragment)
+    return {"wire": wire} if momentum is None else {"momentum": momentum, "wire": wire}
