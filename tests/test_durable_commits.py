@@ -68,7 +68,7 @@ def assert_same_bits(got, want, what: str) -> None:
 def feed(server, peers, rounds, versions, *, first_id: int = 0) -> None:
     """Send each round (``(fragment, round number)``) from every learner and wait for its
     commit (``versions``: the versions it expects, advanced here)."""
-    numel = [server.layout.fragments[p].numel for p in range(P)]
+    numel = [f.numel for f in server.layout.fragments]
     for i, (fragment, number) in enumerate(rounds):
         for peer in peers:
             delta = delta_of(number, peer.learner_id, numel[fragment])
@@ -121,6 +121,39 @@ def test_replaying_the_journal_onto_a_snapshot_gives_the_live_commits_bits(tmp_p
             for peer in peers:
                 peer.close()
             server.stop()
+
+
+def test_the_fragments_snapshots_fall_in_different_cycles(tmp_path):
+    """Committed round-robin, every fragment reaches its snapshot interval in the same cycle
+    unless their first cycles start apart: with 4 fragments and a snapshot every 4 commits,
+    one fragment is snapshotted per cycle of the clock, never all 4 at once (their copies
+    waiting together for the writer, and a restart before them replaying 3 records of each)."""
+    fragments, every = 4, 4
+    server = local_syncer(
+        tiny_model(0, (16, 32, 32, 4), tanh=False),
+        config(commits_per_snapshot=every),
+        num_fragments=fragments,
+        state_dir=tmp_path / "state",
+    )
+    peers = [Peer(server, lid) for lid in LEARNERS]
+    snapshots = server.service.committer.snapshots
+    try:
+        for peer in peers:
+            peer.join()
+        versions = [0] * fragments
+        feed(server, peers, [(p, p) for p in range(fragments)], versions)  # written whole
+        per_cycle = []
+        for cycle in range(1, 2 * every + 1):
+            before = snapshots.written
+            rounds = [(p, cycle * fragments + p) for p in range(fragments)]
+            feed(server, peers, rounds, versions, first_id=1000 * cycle)
+            wait_until(snapshots.idle, timeout=30)
+            per_cycle.append(snapshots.written - before)
+        assert per_cycle == [1] * (2 * every), per_cycle
+    finally:
+        for peer in peers:
+            peer.close()
+        server.stop()
 
 
 def params_numel(server, fragment: int) -> int:

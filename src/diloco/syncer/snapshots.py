@@ -2,7 +2,8 @@
 committer holds: ``Committer.snapshots``).
 
 A fragment's first commit has no snapshot to replay onto: it is written whole, at once
-(``first``). Every later commit appends its journal record (``diloco.syncer.journal``); once
+(``first``); its first cycle is shorter by a head start that spreads the fragments'
+snapshots over the clock's cycles (``first_cycle_head_start``). Every later commit appends its journal record (``diloco.syncer.journal``); once
 a fragment has ``SyncerConfig.commits_per_snapshot`` records past its snapshot, the committer asks
 for a new one (``after_commit``): the journal moves on to a new segment and the snapshot's
 tensors (copies of the commit's Θ_p and momentum, and the new wire image, which nothing
@@ -41,6 +42,22 @@ class Snapshot:
     segment: int
 
 
+def first_cycle_head_start(rank: int, fragments: int, every: int) -> int:
+    """The journal records a fragment is counted as having past its first snapshot (the one
+    its first commit wrote whole): the ``rank``-th of a syncer's ``fragments`` starts
+    ``rank · every // fragments`` records into its cycle, so that the fragments' snapshots
+    (each one every ``every`` of its commits) fall in different cycles of the clock, about
+    ``fragments / every`` per cycle, instead of all in the same one. Without it the
+    fragments, committed round-robin, reach their snapshot together: a burst of every
+    fragment's copies waiting for the writer, and a restart just before it replays
+    ``every − 1`` records of every fragment instead of about half as many.
+
+    >>> [first_cycle_head_start(r, 4, 8) for r in range(4)]
+    [0, 2, 4, 6]
+    """
+    return rank * every // max(1, fragments)
+
+
 def snapshot_due(since: int | None, every: int) -> bool:
     """Whether a fragment with ``since`` journal records past its snapshot (None: it has
     none) needs a new one.
@@ -71,6 +88,11 @@ class Snapshots:
         self.store = store
         self.every = every
         self.since = dict(since)
+        self.head_start = {
+            p: first_cycle_head_start(rank, len(since), every)
+            for rank, p in enumerate(sorted(since))
+        }
+        """Per fragment, where its first cycle starts (``first_cycle_head_start``)."""
         self.on_failure = on_failure
         self.note = note
         self.stage_times = stage_times if stage_times is not None else StageTimes()
@@ -90,8 +112,9 @@ class Snapshots:
         return self.since.get(fragment) is None
 
     def written_whole(self, fragment: int) -> None:
-        """A commit of the fragment was written as a snapshot, synchronously."""
-        self.since[fragment] = 0
+        """A commit of the fragment was written as a snapshot, synchronously: its next one is
+        due after ``every`` journal records less its head start."""
+        self.since[fragment] = self.head_start.get(fragment, 0)
 
     def after_commit(self, commit: Commit, wire: torch.Tensor) -> None:
         """A commit's journal record is on disk: count it, and hand the fragment to the
