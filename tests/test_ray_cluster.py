@@ -53,8 +53,8 @@ commit with the moved syncer and each has trained past the step it then had, and
 may finish before that (on an idle machine learner-0, alone while site b is lost, trained
 1,500 steps in 21 s; the moves took up to ~40 s). Until the stop the learners trained on to
 4,000 steps, ~6 minutes beside other CPU-bound work; with it (2026-11-28) the run stopped
-after ~19 s of training, at steps 915 and 533 (learner-1 restarted), the module took 65 CPU
-seconds instead of 223 (everything it started, Ray's daemons included)."""
+after ~19 s of training, at steps 915 and 533 (learner-1 restarted), the module took 65-74
+CPU seconds instead of 195-223 (everything it started, Ray's daemons included)."""
 RUN_MINUTES = 8
 """The run's bound, far above its time (under a minute now that it stops after its last
 checked event): beside a CPU-bound process on one core its 4,000 steps, when it still

@@ -286,8 +286,8 @@ here, alone on the machine; 2,000 was tried: on the idle CI machine the killed t
 running again within 90 s in one of two clean-clone runs). Until the stop the learners
 trained on to 3,000: 35-65 s more on a loaded machine, ~350 s beside other CPU-bound work.
 With the stop (2026-11-28): serving again 8.1 s after the kill, the last event at steps 175
-and 205, the stop a second later; the module took 44 CPU seconds instead of 143 (its Slurm
-daemons and jobs included)."""
+and 205, the stop a second later; the module took 44-67 CPU seconds instead of 113-143 (its
+Slurm daemons and jobs included)."""
 KILLED = 1  # the shard whose process is killed
 
 
