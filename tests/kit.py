@@ -208,6 +208,25 @@ def last_step(workdir: Path) -> int:
     return max((json.loads(x).get("step", 0) for x in lines if x.endswith("}")), default=0)
 
 
+def steps_then_trained_past(
+    workdirs: list[Path], timeout: float, what: str, alive: subprocess.Popen | None = None
+) -> list[int]:
+    """The step each learner (by its work directory) has reached now, returned once every
+    one has recorded a later step: what a test records at the last event it checks, before it
+    stops the run there (its learners then trained after that event, and a final step of
+    at least this shows that nothing they reached was lost). Fails naming ``what`` after
+    ``timeout`` seconds (or, with ``alive``, once that process ended)."""
+    reached = [last_step(w) for w in workdirs]
+    wait_until(
+        lambda: all(last_step(w) > s for w, s in zip(workdirs, reached, strict=True)),
+        timeout,
+        what,
+        interval=0.2,
+        alive=alive,
+    )
+    return reached
+
+
 def run_diloco_json(*args: str, timeout: float = 240) -> dict:
     """Run ``diloco ARGS`` (a command with ``--json``), assert it exited 0 (its output is the
     message otherwise) and return what it printed, parsed."""
