@@ -203,10 +203,10 @@ def test_a_torn_journal_tail_is_cut_off_and_corruption_before_it_is_an_error(tmp
 
 CHILD = textwrap.dedent(
     """
-    import dataclasses, os, signal, sys, threading
+    import dataclasses, io, os, signal, sys, threading
     sys.path.insert(0, {tests!r})
     from kit import tiny_model
-    from diloco.syncer import files, journal
+    from diloco.syncer import journal, store
     from diloco.syncer.config import SyncerConfig
     from diloco.syncer.server import SyncerServer
 
@@ -227,14 +227,16 @@ CHILD = textwrap.dedent(
             real_write_all(fd, data, path)
         journal.write_all = write_all
     elif mode == "snapshot":
-        real_into = files._write_into
-        def write_into(file, data):
+        real_write_snapshot = store.write_snapshot
+        def write_snapshot(file, tensors, meta):
             if threading.current_thread().name == "snapshots":
                 calls[0] += 1
                 if calls[0] == n:
-                    die_after_half(lambda f, d: (f.write(d), f.flush()), file, data)
-            real_into(file, data)
-        files._write_into = write_into
+                    whole = io.BytesIO()
+                    real_write_snapshot(whole, tensors, meta)
+                    die_after_half(lambda f, d: (f.write(d), f.flush()), file, whole.getvalue())
+            real_write_snapshot(file, tensors, meta)
+        store.write_snapshot = write_snapshot
     elif mode == "drop":
         real_drop = journal.CommitJournal.drop_below
         def drop_below(self, fragment, number):

@@ -12,12 +12,12 @@ import threading
 import pytest
 import torch
 from kit import Peer, local_syncer, tiny_model, wait_until
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from diloco.algorithm import balanced_fragments
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.server import SyncerServer
-from diloco.syncer.snapshot_file import read_snapshot, tensor_digest
+from diloco.syncer.snapshot_file import read_snapshot, tensor_digest, write_snapshot
 from diloco.syncer.store import FragmentStore, StateError
 
 P = 3
@@ -220,6 +220,32 @@ def too_long_a_header(path) -> None:
     raw = bytearray(path.read_bytes())
     raw[:8] = struct.pack("<Q", len(raw))
     path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("names", [("params",), ("params", "wire"), ("momentum", "params", "wire")])
+def test_a_snapshot_written_from_its_tensors_is_the_file_safetensors_writes(tmp_path, names):
+    """The store writes a snapshot straight from the tensors (no serialised copy of them in
+    memory): the bytes safetensors' own writer makes, but for the order of the metadata's
+    keys (safetensors' is a hash map's: it changes between calls); safetensors and the one
+    pass reader read it back bit for bit."""
+    tensors = {n: torch.randn(1000 + i) for i, n in enumerate(names)}
+    for meta in ({}, {"fragment": "3", "version": "7", "sha256": "ab" * 32, "commits": "[1]"}):
+        path = tmp_path / "p003.safetensors"
+        with path.open("wb") as f:
+            write_snapshot(f, tensors, meta)
+        written, theirs = path.read_bytes(), save(tensors, metadata=meta or None)
+        (length,) = struct.unpack("<Q", written[:8])
+        assert len(written) == len(theirs) and written[8 + length :] == theirs[8 + length :]
+        assert json.loads(written[8 : 8 + length]) == json.loads(theirs[8 : 8 + length])
+        if not meta:
+            assert written == theirs
+        loaded = load_file(path)
+        assert loaded.keys() == tensors.keys()
+        assert all(torch.equal(loaded[n], tensors[n]) for n in names)
+        snapshot = read_snapshot(path)
+        assert snapshot.metadata == meta and snapshot.tensor_digest == tensor_digest(tensors)
+    with pytest.raises(ValueError, match="float32"), path.open("wb") as f:
+        write_snapshot(f, {"params": torch.zeros(3, dtype=torch.float64)}, {})
 
 
 @pytest.mark.parametrize(

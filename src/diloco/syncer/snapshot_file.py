@@ -1,6 +1,8 @@
 """Reading a fragment's snapshot file (``fragments/p007.safetensors``) in one pass: every
 tensor read straight into the tensor that keeps it, and its checksum computed on the bytes
-as they arrive (``diloco.syncer.store`` checks it), never in a second pass over memory.
+as they arrive (``diloco.syncer.store`` checks it), never in a second pass over memory; and
+writing one (``write_snapshot``) from the tensors themselves, with no serialised copy of
+them in memory (12 bytes per value of the fragment, 504 MB at 1B parameters and P = 24).
 
 The file is a safetensors file (8 bytes: the header's length, little-endian; the header,
 JSON: per tensor its dtype, shape and byte range in the data that follows, and the
@@ -66,6 +68,38 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying them (bfloat16 through int16)."""
     array = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     return memoryview(array).cast("B")
+
+
+def snapshot_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """The first bytes of a safetensors file of float32 ``tensors`` and ``metadata``, as
+    safetensors' own writer makes them: the header's length (8 bytes, little-endian), the
+    header (JSON without spaces: ``__metadata__``, then each tensor's dtype, shape and byte
+    range, the tensors in the order of their names), padded with spaces to a multiple of 8
+    bytes. The tensors' raw bytes follow, in that order."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.dtype != torch.float32:
+            raise ValueError(f"a snapshot holds float32 tensors; {name} is {t.dtype}")
+        header[name] = {
+            "dtype": _FLOAT32,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + 4 * t.numel()],
+        }
+        offset += 4 * t.numel()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return _LENGTH.pack(len(text)) + text
+
+
+def write_snapshot(file, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write the safetensors file of float32 ``tensors`` (contiguous, on the CPU) and
+    ``metadata`` into the binary ``file``: ``snapshot_header``, then each tensor's bytes
+    straight from its memory."""
+    file.write(snapshot_header(tensors, metadata))
+    for name in sorted(tensors):
+        file.write(raw_bytes(tensors[name]))
 
 
 def read_snapshot(path: Path) -> SnapshotFile:

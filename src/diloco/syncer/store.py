@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
 from diloco.algorithm.fragments import FragmentLayout
+from diloco.runtime.atomic_files import replace_atomically_with
 from diloco.syncer.files import (  # noqa: F401 (the store's API, as before)
     TMP_SUFFIX,
     StateError,
@@ -62,7 +62,7 @@ from diloco.syncer.lineage import new_lineage
 from diloco.syncer.receipts import CommitLog
 from diloco.syncer.replay import Recovered, after_snapshot, replay
 from diloco.syncer.restart_times import RestartTimes
-from diloco.syncer.snapshot_file import raw_bytes, read_snapshot, tensor_digest
+from diloco.syncer.snapshot_file import raw_bytes, read_snapshot, tensor_digest, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,9 @@ class FragmentStore:
             meta["merged_tokens"] = tokens
         final = self.path(fragment)
         tmp = final.with_name(final.name + f".{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
-        replace_atomically(final, save(tensors, metadata=meta), tmp=tmp, fence=self.fence)
+        replace_atomically_with(
+            final, lambda file: write_snapshot(file, tensors, meta), tmp=tmp, fence=self.fence
+        )
 
     def load(
         self, fragment: int, numel: int
