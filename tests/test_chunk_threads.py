@@ -53,6 +53,44 @@ def test_every_chunk_is_visited_once_and_the_groups_run_at_once(threads):
     assert chunk_threads.map_whole(lambda x: x * x, [1, 2, 3, 4, 5]) == [1, 4, 9, 16, 25]
 
 
+def test_the_first_failing_chunk_is_raised_whatever_the_thread_count(threads):
+    def fail(a, b):
+        raise ValueError(f"chunk {a}")
+
+    with pytest.raises(ValueError, match=r"chunk 0$"):
+        chunk_threads.for_each_chunk(6000, 1000, fail)
+
+    def fail_late(a, b):
+        if a >= 4000:
+            raise ValueError(f"chunk {a}")
+
+    with pytest.raises(ValueError, match=r"chunk 4000$"):
+        chunk_threads.for_each_chunk(6000, 1000, fail_late)
+
+
+def test_a_pass_running_while_the_count_changes_ends_whole():
+    chunk_threads.set_threads(3)
+    started, go = threading.Event(), threading.Event()
+    seen = []
+
+    def visit(a, b):
+        if a == 0:
+            started.set()
+            go.wait(30)
+        seen.append(a)
+
+    try:
+        runner = threading.Thread(target=chunk_threads.for_each_chunk, args=(6000, 1000, visit))
+        runner.start()
+        assert started.wait(30)
+        chunk_threads.set_threads(1)
+        go.set()
+        runner.join(30)
+        assert sorted(seen) == list(range(0, 6000, 1000))
+    finally:
+        chunk_threads.set_threads(1)
+
+
 def test_a_failing_chunk_raises_after_every_group_has_ended(threads):
     ended = []
 
@@ -69,7 +107,7 @@ def test_a_failing_chunk_raises_after_every_group_has_ended(threads):
 
 
 @pytest.mark.parametrize("mu", [0.0, 0.7])
-@pytest.mark.parametrize("numel", [1, 4099, 3 * CHUNK + 17])
+@pytest.mark.parametrize("numel", [1, 4099, 3 * streaming.CHUNK_VALUES + 17])
 def test_the_outer_step_split_over_threads_is_the_whole_tensor_step(threads, mu, numel):
     gen = torch.Generator().manual_seed(numel)
     params = torch.randn(numel, generator=gen)

@@ -37,14 +37,14 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def set_threads(n: int) -> None:
-    """Split each pass over ``n`` threads from now on (the caller's and ``n − 1`` more)."""
+    """Split each pass over ``n`` threads from now on (the caller's and ``n − 1`` more). A
+    pass already running keeps the pool it started with (its threads end once it is let
+    go), so it is never cut short."""
     global _threads, _pool
     if int(n) != n or n < 1:
         raise ValueError(f"commit threads must be a whole number >= 1, got {n!r}")
     with _lock:
-        old, _pool, _threads = _pool, None, int(n)
-    if old is not None:
-        old.shutdown(wait=False)
+        _pool, _threads = None, int(n)
 
 
 def threads() -> int:
@@ -52,43 +52,46 @@ def threads() -> int:
     return _threads
 
 
-def _executor() -> ThreadPoolExecutor:
+def _threads_and_pool() -> tuple[int, ThreadPoolExecutor | None]:
+    """The thread count and its pool (None for 1), read together: a ``set_threads`` at the
+    same time changes both for the next pass, never in the middle of one."""
     global _pool
     with _lock:
-        if _pool is None:
+        if _threads > 1 and _pool is None:
             _pool = ThreadPoolExecutor(_threads - 1, thread_name_prefix="commit-pass")
-        return _pool
-
-
-def _settle(futures: Sequence[Future]) -> None:
-    """Wait for every one of ``futures`` (they use the caller's tensors), then raise the first
-    failure, if any."""
-    wait(futures)
-    for f in futures:
-        f.result()
+        return _threads, _pool
 
 
 def _in_groups(items: Sequence[T], run: Callable[[Sequence[T]], None]) -> None:
     """``run`` on contiguous groups of ``items``, one group per thread (the caller's the
-    first), returning when all have; the first failure is raised after all have ended."""
-    count = min(_threads, len(items))
-    if count <= 1:
+    first), returning when all have. A group stops at its first failure; once every group
+    has ended, the failure of the earliest group that failed is raised: the failure of the
+    first failing item, as on one thread, whatever the count."""
+    count, pool = _threads_and_pool()
+    count = min(count, len(items))
+    if count <= 1 or pool is None:
         run(items)
         return
     size = -(-len(items) // count)
     groups = [items[i : i + size] for i in range(0, len(items), size)]
-    futures = [_executor().submit(run, g) for g in groups[1:]]
+    futures: list[Future] = []
     try:
+        for group in groups[1:]:
+            futures.append(pool.submit(run, group))
         run(groups[0])
-    finally:
-        _settle(futures)
+    except BaseException:
+        wait(futures)  # (they write the caller's tensors: never left running)
+        raise
+    wait(futures)
+    for f in futures:
+        f.result()
 
 
 def for_each_chunk(n: int, chunk: int, fn: Callable[[int, int], None]) -> None:
     """Call ``fn(a, b)`` once for every chunk ``[a, b)`` of ``range(n)`` (``chunk`` values
     each, the last one shorter), the chunks in contiguous groups, one per thread. ``fn``
     may touch only its own chunk of what it writes. Returns when every call has; raises the
-    first one's exception after all have ended."""
+    first failing chunk's exception (as on one thread) after every group has ended."""
 
     def run(group: Sequence[tuple[int, int]]) -> None:
         for a, b in group:
