@@ -149,7 +149,6 @@ def serve(args: argparse.Namespace) -> int:
     from diloco.syncer.server import SyncerServer
 
     torch.set_num_threads(syncer_default("threads"))
-    chunk_threads.set_threads(syncer_default("commit_threads"))
     tune_for_large_tensors()  # (as ``diloco syncer`` does)
     config = SyncerConfig()
     layout = fleet.synthetic_layout(args.params, config.protocol.num_fragments)
@@ -160,7 +159,9 @@ def serve(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         tape_path=Path(args.state_dir) / "events.jsonl",
         max_learners=args.max_learners,
-    ).start()
+    )
+    chunk_threads.set_threads(syncer_default("commit_threads"))  # (after the restore, as there)
+    server.start()
     committer = server.service.committer
     stop, dump = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

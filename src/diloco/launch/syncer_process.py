@@ -64,7 +64,6 @@ def serve(config: ServiceConfig) -> int:
         print(f"diloco syncer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
-    chunk_threads.set_threads(config.commit_threads)
     tune_for_large_tensors()  # (before the model: large blocks freed go back, huge pages)
     try:
         model = (
@@ -113,6 +112,8 @@ def serve(config: ServiceConfig) -> int:
         outputs.close()
         return 2
     del params  # (the server holds Θ_p: the gathered copies go)
+    # (after the restore, whose threads, one per core, each replay passes of their own)
+    chunk_threads.set_threads(config.commit_threads)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
