@@ -65,6 +65,7 @@ from diloco.report.exactly_once import Audit
 from diloco.runtime.clock import WALL_OFFSET_FILE_ENV
 from diloco.runtime.disk import SmallDisk
 from diloco.runtime.jsonl import read_jsonl
+from diloco.runtime.live_copy import copy_live_directory
 from diloco.runtime.procs import Child, diloco_command
 
 __all__ = ["FAULT_KINDS", "STALL_BOUND_S", "Fault", "Torture", "TortureSpec", "fault_schedule"]
@@ -329,8 +330,7 @@ class Torture:
         elif fault.kind == "second-syncer":
             self._second_due = True  # (started once the syncer serves: ``_watch_second_syncer``)
         elif fault.kind == "backup":
-            shutil.rmtree(self._backup, ignore_errors=True)
-            shutil.copytree(self.state_dir, self._backup, ignore=shutil.ignore_patterns("*.tmp"))
+            copy_live_directory(self.state_dir, self._backup)
         elif fault.kind == "rollback":
             self._roll_back(now, fault, restarts)
         elif fault.kind == "zombie":
