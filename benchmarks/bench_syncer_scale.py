@@ -4,11 +4,11 @@
     python benchmarks/bench_syncer_scale.py --params 100M,350M,1B --json scale.json
 
 **What runs.** For every model size N of ``--params`` (any count: ``100M``, ``1B``, ``2.5e6``)
-and every M of ``--learners``, a fresh real syncer process (the ``serve`` sub-command: the
-real ``SyncerServer`` with a state directory and its event tape in it, as ``diloco syncer
---state-dir`` runs it, with that command's default torch and commit threads) over a synthetic model of
-N parameters (1024-column matrices: ``bench_syncer_capacity.synthetic_layout``; Θ starts as
-a ramp, which costs no random draws at a restart). The exchange is today's default,
+and every M of ``--learners``, a fresh real syncer process (the ``serve`` sub-command: the real
+``SyncerServer`` with a state directory and its event tape in it, as ``diloco syncer
+--state-dir`` runs it, with that command's default torch and commit threads) over a synthetic
+model of N parameters (1024-column matrices: ``bench_syncer_capacity.synthetic_layout``; Θ
+starts as a ramp, which costs no random draws at a restart). The exchange is today's default,
 ``SyncerConfig()`` as it is: its P, H, codecs, quorum, grace window and snapshot interval
 (none of them is restated here). M synthetic learners (``bench_syncer_capacity``'s client
 processes: no model, no torch) join, heartbeat a ``--step`` step time, hold a ``Subscribe``

@@ -3,7 +3,8 @@ committer holds: ``Committer.snapshots``).
 
 A fragment's first commit has no snapshot to replay onto: it is written whole, at once
 (``first``); its first cycle is shorter by a head start that spreads the fragments'
-snapshots over the clock's cycles (``first_cycle_head_start``). Every later commit appends its journal record (``diloco.syncer.journal``); once
+snapshots over the clock's cycles (``first_cycle_head_start``). Every later commit appends
+its journal record (``diloco.syncer.journal``); once
 a fragment has ``SyncerConfig.commits_per_snapshot`` records past its snapshot, the committer asks
 for a new one (``after_commit``): the journal moves on to a new segment and the snapshot's
 tensors (copies of the commit's Θ_p and momentum, and the new wire image, which nothing
