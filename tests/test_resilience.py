@@ -5,6 +5,7 @@ against a fault-free run."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,14 @@ from diloco.syncer.store import read_tape
 pytestmark = pytest.mark.slow
 
 MINUTES = 0.9  # both runs stop by time: the chaos run must outlast its last failure
+# Chaos 4-6 s apart: a syncer or learner restarted on a machine running both runs takes ~4 s.
 # Chaos times count from the moment both learners are training (a few seconds after launch).
 KILL_AT, KILL_DOWN = 6.0, 2.0  # learner-1
 DROP_AT = 10.0  # learner-0
 SYNCER_AT, SYNCER_DOWN = 14.0, 1.0
-HANG_AT, HANG_DOWN = 20.0, 4.0  # learner-0
-PART_AT, PART_DOWN = 26.0, 5.0  # learner-1
-DELAY_AT, DELAY_DOWN, LATENCY = 26.0, 5.0, 0.3  # learner-0, while learner-1 is cut off
+HANG_AT, HANG_DOWN = 24.0, 4.0  # learner-0
+PART_AT, PART_DOWN = 32.0, 5.0  # learner-1
+DELAY_AT, DELAY_DOWN, LATENCY = 32.0, 5.0, 0.3  # learner-0, while learner-1 is cut off
 CHAOS = (
     f"kill:at={KILL_AT}s,down={KILL_DOWN}s,learners=1;"
     f"drop:at={DROP_AT}s,learners=0;"
@@ -53,10 +55,13 @@ def run(tmp_path, name: str, *extra: str) -> tuple[dict, list[dict]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The fault-free run and the chaos run side by side: both bounded by the same minute on
+    the same busy machine (half the wall time of one after the other)."""
     tmp = tmp_path_factory.mktemp("resilience")
-    clean = run(tmp, "clean")
-    faulty = run(tmp, "chaos", f"--chaos={CHAOS}")
-    return clean, faulty
+    with ThreadPoolExecutor(2) as pool:
+        clean = pool.submit(run, tmp, "clean")
+        faulty = pool.submit(run, tmp, "chaos", f"--chaos={CHAOS}")
+        return clean.result(), faulty.result()
 
 
 def rounds_between(tape, t0, t1, learner=None):

@@ -1,6 +1,7 @@
 """Warm spares: real interpreters that import torch, then become the restarted child."""
 
 import json
+from pathlib import Path
 
 import pytest
 from kit import wait_until
@@ -129,3 +130,46 @@ def test_a_dead_spare_is_replaced_and_the_syncer_never_takes_one(tmp_path):
     finally:
         sup.kill_everything()
         sup.close()
+
+
+def main_thread_nice(pid: int) -> int:
+    """The niceness of ``pid``'s main thread (Linux keeps one per thread), from ``/proc``."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.slow
+def test_a_restart_handed_to_a_spare_still_warming_up_gets_full_priority_at_once(tmp_path):
+    """A spare warms up at a lower priority; a restart handed over before its imports end must
+    not finish them at that priority (on a busy machine, a warm restart once waited 35 s)."""
+    import os
+    import subprocess
+    import sys
+
+    from diloco.runtime.spare import WARM_UP_NICE, can_restore_priority
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if not can_restore_priority(base) or base + WARM_UP_NICE > 19:
+        pytest.skip("this process may not raise a priority back")
+    gate = tmp_path / "imports-done"
+    warming = (  # the spare's own main, its imports held until the test opens the gate
+        "import os, sys, time\n"
+        "import diloco.cli.spare as spare\n"
+        "def held():\n"
+        "    while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+        "spare.warm_up = held\n"
+        "sys.exit(spare.main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", warming, str(gate)], stdin=subprocess.PIPE)
+    try:
+        wait_until(lambda: main_thread_nice(proc.pid) == base + WARM_UP_NICE, 30, "warming up")
+        proc.stdin.write(assignment(["plan", "--help"], str(tmp_path / "plan.log")))
+        proc.stdin.flush()
+        wait_until(lambda: main_thread_nice(proc.pid) == base, 20, "the priority restored")
+        assert not gate.exists() and proc.poll() is None  # still in its imports
+        gate.touch()
+        assert proc.wait(60) == 0
+        assert "usage" in (tmp_path / "plan.log").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
