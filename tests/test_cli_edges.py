@@ -160,3 +160,25 @@ def test_log_level_is_a_common_option_of_every_configured_command():
         assert "--log-level" in parsers[command].format_help()
     done = run_diloco("learner", "--log-level", "loud", "--no-sync", "--id", "x", timeout=60)
     assert done.returncode == 2 and "--log-level" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--chaos", "kill:mtbf=soon"],
+        ["--slow", "7=2"],
+        ["--add-learners", "10s:1", "--mode", "sync"],
+    ],
+)
+def test_run_refuses_a_bad_flag_before_importing_torch(flags):
+    """A mistake in a flag is said in a fifth of a second, not after torch's import."""
+    check = (
+        "import sys\n"
+        "from diloco.cli import main\n"
+        "status = main(['run', *sys.argv[1:]])\n"
+        "sys.exit(10 if 'torch' in sys.modules else status)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check, *flags], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr

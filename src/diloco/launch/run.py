@@ -71,10 +71,6 @@ def prepare(config: RunConfig) -> Prepared:
     from diloco.recipes import recipe_of
     from diloco.wire.auth import load_token
 
-    recipe = recipe_of(config.recipe)
-    recipe.load_data()  # validate the data and the model before starting anything
-    recipe.build_model(config.recipe.seed)  # (a recipe's missing optional package says so)
-    plans = plan_learners(config, recipe.batch_size)
     horizon = config.minutes * 60 if config.minutes else 24 * 3600.0
     clauses = parse_spec(config.chaos or "")
     chaos = schedule(clauses, config.learners, horizon, config.recipe.seed)
@@ -86,10 +82,16 @@ def prepare(config: RunConfig) -> Prepared:
         mode.check_chaos(clauses)
     ray_backend.check_config(config, {c.kind for c in clauses})
     check_wan(config, clauses)
-    check_additions(config, plans)
     check_wandb(config.wandb)
     if any(c.kind == "disk-full" for c in clauses) and os.geteuid() != 0:
         raise ValueError("--chaos disk-full needs root: it mounts a small tmpfs for the syncer")
+    check_additions(config, plan_learners(config, 1))  # (the batch sizes: once the recipe's)
+    # Then what needs the recipe, whose module imports torch (a second or more): the flags'
+    # mistakes above are said at once.
+    recipe = recipe_of(config.recipe)
+    plans = plan_learners(config, recipe.batch_size)
+    recipe.load_data()  # validate the data and the model before starting anything
+    recipe.build_model(config.recipe.seed)  # (a recipe's missing optional package says so)
     return Prepared(recipe, plans, clauses, chaos, corrupt, token)
 
 
@@ -110,21 +112,22 @@ def check_additions(config: RunConfig, plans) -> None:
 
 def run(config: RunConfig) -> int:
     """Run to the end; returns the exit status (0 clean, 1 a process failed, 2 bad input)."""
-    import torch
-
     from diloco.chaos import ChaosSpecError
     from diloco.launch.secrets import with_token
     from diloco.recipes import DataError
     from diloco.runtime.optional import MissingExtra
-    from diloco.syncer.store import EventTape
     from diloco.wire.auth import load_token
 
-    torch.set_num_threads(1)
     try:
         prep = prepare(config)
     except (DataError, ChaosSpecError, ValueError, MissingExtra) as exc:
         print(f"diloco run: {exc}", file=sys.stderr)
         return 2
+    import torch
+
+    from diloco.syncer.store import EventTape
+
+    torch.set_num_threads(1)
     run_dir = Path(config.runs_dir) / (config.name or time.strftime("%Y%m%d-%H%M%S"))
     if config.ray.backend == "ray":  # the actors' processes may run elsewhere: no relative paths
         run_dir = run_dir.resolve()

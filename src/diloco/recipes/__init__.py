@@ -46,7 +46,7 @@ _LAZY = {
     "RecipeUnavailable": "diloco.recipes.language",
     "GPT": "diloco.recipes.gpt",
     "GPTConfig": "diloco.recipes.gpt",
-    "DataError": "diloco.recipes.text",
+    "DataError": "diloco.recipes.errors",
     "TextCorpus": "diloco.recipes.text",
 }
 """Public name -> its module, imported on first use: importing this package (as the command

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import torch
 
+from diloco.recipes.errors import DataError
+
 HOLDOUT = 0.05
-
-
-class DataError(ValueError):
-    """The text source is missing, unreadable or too small."""
 
 
 class TextCorpus:
