@@ -12,6 +12,8 @@ import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from kit import diloco_command, pids_mentioning, run_diloco_json, wait_until
@@ -184,15 +186,31 @@ def _run_json(tmp_path, *flags: str) -> dict:
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def shaped_runs(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """Two runs over shaped links, side by side (each in namespaces of its own; both bounded
+    by time, so together they take the time of one), by name: their summaries and runs
+    directories.
+
+    ``decoupled``: int4 up, int8 down (the former default): the tiny recipe's payloads in the
+    default's one- and two-bit codecs are smaller than their headers, and the bound on it is
+    about counting payloads, not headers. ``dp``: data-parallel ranks."""
+    if not CAN_MAKE_NAMESPACES:
+        pytest.skip("needs root and iproute2 to make network namespaces")
+    flags = {
+        "decoupled": ("--minutes=0.3", "--wan=rate=20mbit,rtt=20ms", "--wan=1:up=5mbit",
+                      "--up-codec=int4", "--down-codec=int8"),
+        "dp": ("--mode=dp", "--minutes=0.25", "--wan=rate=50mbit"),
+    }  # fmt: skip
+    dirs = {name: tmp_path_factory.mktemp(name) for name in flags}
+    with ThreadPoolExecutor(len(flags)) as pool:
+        running = {name: pool.submit(_run_json, dirs[name], *f) for name, f in flags.items()}
+        return {name: (run.result(), dirs[name]) for name, run in running.items()}
+
+
 @netns
-def test_a_run_over_shaped_links_commits_and_its_interfaces_count_its_bytes(tmp_path):
-    # int4 up, int8 down (the former default): the tiny recipe's payloads in the default's
-    # one- and two-bit codecs are smaller than their headers, and the bound below is about
-    # counting payloads, not headers
-    summary = _run_json(
-        tmp_path, "--minutes=0.3", "--wan=rate=20mbit,rtt=20ms", "--wan=1:up=5mbit",
-        "--up-codec=int4", "--down-codec=int8",
-    )  # fmt: skip
+def test_a_run_over_shaped_links_commits_and_its_interfaces_count_its_bytes(shaped_runs):
+    summary, tmp_path = shaped_runs["decoupled"]
     assert summary["rounds"] > 0 and summary["stopped_by"] == "time"
     assert summary["val_loss"]["final"] < summary["val_loss"]["initial"]
     wan = summary["wan"]
@@ -213,8 +231,8 @@ def _owned_by_run_leftovers() -> list[str]:
 
 
 @netns
-def test_data_parallel_ranks_all_reduce_over_their_links(tmp_path):
-    summary = _run_json(tmp_path, "--mode=dp", "--minutes=0.25", "--wan=rate=50mbit")
+def test_data_parallel_ranks_all_reduce_over_their_links(shaped_runs):
+    summary, _ = shaped_runs["dp"]
     assert summary["rounds"] > 0
     for link in summary["wan"]["links"].values():
         # a rank counts the all-reduce bytes it sends; its interface sees them with headers
