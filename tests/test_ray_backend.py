@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from kit import end_run, last_step, pids_mentioning, start_diloco, wait_until
@@ -56,6 +57,7 @@ def ray_run(tmp_path_factory):
             alive=proc,
         )
         [victim] = pids_mentioning("learner", f"{run_dir}/config/learner-1.json")
+        niceness = {pid: nice_of(pid) for pid in pids_mentioning(f"{run_dir}/config/")}
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
         out, err = proc.communicate(timeout=240)
@@ -66,9 +68,22 @@ def ray_run(tmp_path_factory):
             "run_dir": run_dir,
             "victim": victim,
             "killed_at": killed_at,
+            "niceness": niceness,
         }
     finally:
         end_run(proc, run_dir)
+
+
+def nice_of(pid: int) -> int:
+    """The niceness of ``pid`` (its main thread's), from ``/proc``."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_the_syncer_and_learners_run_at_the_drivers_priority_not_rays_workers(ray_run):
+    """Ray starts its workers at niceness 15; a learner inheriting it trained not one step in
+    90 s beside two other test processes. The actor runs its child at the raylet's."""
+    assert ray_run["victim"] in ray_run["niceness"], ray_run["niceness"]  # (learner-1)
+    assert set(ray_run["niceness"].values()) == {os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 @pytest.mark.timeout(360)

@@ -291,7 +291,11 @@ def test_an_upload_past_its_deadline_is_refused_as_late(tmp_path):
                 call.result(timeout=30)
             assert ended.value.code() == grpc.StatusCode.CANCELLED
         release.set()
-        (record,) = [r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "refused"]
+        # (the call ends on the client before the server's handler has written its record)
+        refused = lambda: [  # noqa: E731
+            r for r in read_tape(tmp_path / "events.jsonl") if r["event"] == "refused"
+        ]
+        (record,) = wait_until(refused, 10, "the refusal on the tape")
         assert record["code"] == "CANCELLED", record
         assert "did not arrive within its deadline of 0.5 s" in record["reason"], record
         assert not server.state.rounds

@@ -59,6 +59,7 @@ class ProcActor:
             f.write(f"{PLACED_ON} {ray.get_runtime_context().get_node_id()} ({host})\n")
         self.name = name
         self.stopping = False
+        _priority_of_the_node(log)  # (the child inherits it)
         self.child = Child(name, [*(wrap or []), *diloco_command(*command)], Path(log), cwd=cwd)
         threading.Thread(target=self._watch, name=f"watch-{name}", daemon=True).start()
 
@@ -95,6 +96,25 @@ class ProcActor:
         self.stopping = True
         self.child.signal(signal.SIGCONT)
         self.child.kill()
+
+
+def _priority_of_the_node(log: str) -> None:
+    """Give this thread (and so the child it starts) the niceness of the raylet that started
+    this worker: Ray starts its workers at niceness 15 (``RAY_worker_niceness``), and a learner
+    or syncer inheriting it starves beside anything else on the node (a learner trained not
+    one step in 90 s beside two busy processes). Raising a priority needs root or an
+    ``RLIMIT_NICE`` that allows it: without, the child keeps Ray's and the log says so."""
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        node = os.getpriority(os.PRIO_PROCESS, os.getppid())
+        if node < now:
+            os.setpriority(os.PRIO_PROCESS, 0, node)  # (Linux: this thread's)
+    except OSError as exc:
+        with open(log, "a") as f:
+            f.write(
+                f"[ray] runs at Ray's worker niceness {now} ({exc.strerror}); start the "
+                "cluster with RAY_worker_niceness=0 to run it at the node's\n"
+            )
 
 
 def _binds_port_0(arg: str) -> bool:
