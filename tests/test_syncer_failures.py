@@ -136,6 +136,8 @@ def test_a_commit_persisted_but_not_taped_is_recovered_with_what_it_merged(tmp_p
     try:
         assert send(client, 31, steps=5).accepted
         wait_until(lambda: on_disk(server, state) == 1, timeout=10)
+        # (and its round on the tape: the record is written after the commit is persisted)
+        wait_until(lambda: [r for r in read_tape(full_tape) if r["event"] == "round"], 10)
         small_disk.fill()  # the tape's disk: the next commit is persisted, its record is not
         small_disk.pad(full_tape)
         assert send(client, 32, steps=7).accepted
