@@ -32,6 +32,11 @@ CHUNK_VALUES = 1 << 18
 ``codecs.ALIGN_VALUES``."""
 
 
+def _new_vector(n: int) -> torch.Tensor:
+    """A new uninitialised float32 vector of ``n`` values (the default ``empty``)."""
+    return torch.empty(n, dtype=torch.float32)
+
+
 def _weighted_mean_into(out, parts, ws, total, share, chunk) -> None:
     """``out := Σ w·v / Σ w · share`` (``merge.weighted_mean``'s order of sums; ``× share``
     when it is not 1), chunk by chunk: each chunk's last product while it is in cache."""
@@ -130,17 +135,22 @@ def merge_into(
 
 
 def down_step(
-    params: torch.Tensor, wire: torch.Tensor, codec: str, *, chunk: int = CHUNK_VALUES
+    params: torch.Tensor,
+    wire: torch.Tensor,
+    codec: str,
+    *,
+    chunk: int = CHUNK_VALUES,
+    empty: Callable[[int], torch.Tensor] = _new_vector,
 ) -> tuple[bytes, torch.Tensor]:
     """``(d, W')``: the broadcast delta ``d = codecs.encode(Θ_p − W_p, codec)`` and the wire
-    image a learner holds after applying it, ``W' = W_p + codecs.decode(d)`` (a new tensor;
-    ``params`` and ``wire`` are not changed), bit for bit, made ``chunk`` values at a time
-    (a multiple of ``codecs.ALIGN_VALUES``)."""
+    image a learner holds after applying it, ``W' = W_p + codecs.decode(d)`` (a new tensor
+    from ``empty(n)``, every value written; ``params`` and ``wire`` are not changed), bit for
+    bit, made ``chunk`` values at a time (a multiple of ``codecs.ALIGN_VALUES``)."""
     if chunk <= 0 or chunk % codecs.ALIGN_VALUES:
         raise ValueError(f"chunk must be a positive multiple of {codecs.ALIGN_VALUES}")
     n = params.numel()
     params, wire = params.reshape(-1), wire.reshape(-1)
-    after = torch.empty(n, dtype=torch.float32)
+    after = empty(n)
     if n == 0:
         return codecs.encode(params - wire, codec), after
     payloads: list[bytes] = [b""] * (-(-n // chunk))

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from diloco.runtime import clock
+from diloco.runtime.buffers import BufferPool
 from diloco.runtime.watchdog import Watchdog
 from diloco.syncer.broadcast import RECENT_VERSIONS, Keyframe, Subscriber
 from diloco.syncer.receipt_log import ReceiptLog
@@ -156,6 +157,10 @@ class Committer:
         """Per fragment, upload ids a dropped round left out (nothing was broadcast): they go
         out with the fragment's next version, the one their learners would take them as
         merged by."""
+        self.buffers = BufferPool(keep=len(state.served) + 2)
+        """The merged deltas' and the new wire images' buffers, reused (``runtime.buffers``):
+        one wire image per fragment held, a merged delta and the wire image a commit just
+        replaced; no fresh fragment-sized buffer (its pages zeroed) per commit."""
         self._thread = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
         self.snapshots = (
             Snapshots(
@@ -281,7 +286,7 @@ class Committer:
         a commit makes (the merged delta, the commit's copies, the round's decoded uploads)
         is let go when it returns, not kept by the clock's loop until its next wake-up."""
         with self.stage_times.timing("merge"):
-            merged = round_.merge()  # the costly part, while uploads go on
+            merged = round_.merge(self.buffers.tensor)  # the costly part, while uploads go on
         with self.lock, self.stage_times.timing("outer"):
             commit = self.state.apply(round_, merged, t0)
         del merged, round_
@@ -331,7 +336,7 @@ class Committer:
         codec = self.state.config.down_codec
         if commit.changed:
             with self.stage_times.timing("encode"):
-                delta, wire = down_step(commit.params, self._wire[p], codec)
+                delta, wire = down_step(commit.params, self._wire[p], codec, self.buffers.tensor)
             if not self.state.config.down_feedback:  # Θ_p takes the value learners will hold
                 with self.lock:  # (``commit.params`` is Θ_p itself: it holds W_p now)
                     self.state.model.take_wire_image(p, wire)

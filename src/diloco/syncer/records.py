@@ -227,13 +227,15 @@ class Closing:
     piece_layout: object
     """The fragment's ``fragments.Fragment`` (which tensor each span of the vector is)."""
 
-    def merge(self) -> torch.Tensor | None:
-        """The round's merged delta, scaled by its share (a pure function of the above);
-        None for a dropped round."""
+    def merge(self, empty: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The round's merged delta, scaled by its share (a pure function of the above), in
+        a tensor from ``empty(n)`` when given; None for a dropped round."""
         if not self.contributions:
             return None
         deltas = [c.delta for c in self.contributions]
-        return merged_delta(deltas, self.weights, self.share, self.piece_layout, self.is_embedding)
+        return merged_delta(
+            deltas, self.weights, self.share, self.piece_layout, self.is_embedding, empty
+        )
 
 
 @dataclass(frozen=True)

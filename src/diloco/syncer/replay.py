@@ -86,18 +86,32 @@ def merged_delta(
     share: float,
     piece_layout,
     is_embedding: Callable[[str], bool],
+    empty: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A round's merged delta (``merge.merge_contributions``), scaled by its share: a new
-    tensor, written chunk by chunk (``streaming.merge_into``: the same bits)."""
-    out = torch.empty(deltas[0].shape, dtype=torch.float32) if deltas else torch.empty(0)
+    tensor (from ``empty(n)`` when given: a ``runtime.buffers.BufferPool``'s), written chunk
+    by chunk (``streaming.merge_into``: the same bits)."""
+    if not deltas:
+        return torch.empty(0)
+    n = deltas[0].numel()
+    out = empty(n) if empty is not None else torch.empty(n, dtype=torch.float32)
+    out = out.view(deltas[0].shape)
     return streaming.merge_into(out, deltas, weights, share, piece_layout, is_embedding)
 
 
-def down_step(params: torch.Tensor, wire: torch.Tensor, codec: str) -> tuple[bytes, torch.Tensor]:
+def down_step(
+    params: torch.Tensor,
+    wire: torch.Tensor,
+    codec: str,
+    empty: Callable[[int], torch.Tensor] | None = None,
+) -> tuple[bytes, torch.Tensor]:
     """``(d, W')``: the broadcast delta ``d = encode(Θ_p − W_p)`` and the wire image a
-    learner holds after applying it, ``W' = W_p + decode(d)`` (a new tensor), made chunk by
-    chunk (``streaming.down_step``: the same bits, without whole-fragment temporaries)."""
-    return streaming.down_step(params, wire, codec)
+    learner holds after applying it, ``W' = W_p + decode(d)`` (a new tensor, from
+    ``empty(n)`` when given), made chunk by chunk (``streaming.down_step``: the same bits,
+    without whole-fragment temporaries)."""
+    if empty is None:
+        return streaming.down_step(params, wire, codec)
+    return streaming.down_step(params, wire, codec, empty=empty)
 
 
 def redo(
