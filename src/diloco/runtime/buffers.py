@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 _HELD_ONLY_BY_THE_POOL = 2
-"""``sys.getrefcount`` of an idle pool buffer: the pool's list and the call's argument."""
+"""``sys.getrefcount`` of an idle pool buffer: the pool's list and the call's argument
+(CPython's count; ``tests/test_buffers.py`` fails if an interpreter counts otherwise)."""
 
 
 class BufferPool:

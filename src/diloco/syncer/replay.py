@@ -91,8 +91,8 @@ def merged_delta(
     """A round's merged delta (``merge.merge_contributions``), scaled by its share: a new
     tensor (from ``empty(n)`` when given: a ``runtime.buffers.BufferPool``'s), written chunk
     by chunk (``streaming.merge_into``: the same bits)."""
-    if not deltas:
-        return torch.empty(0)
+    if not deltas:  # (refused by merge_into, as before: "need at least one contribution")
+        return streaming.merge_into(torch.empty(0), deltas, weights, share, piece_layout, None)
     n = deltas[0].numel()
     out = empty(n) if empty is not None else torch.empty(n, dtype=torch.float32)
     out = out.view(deltas[0].shape)
