@@ -32,7 +32,7 @@ CHUNK_VALUES = 1 << 18
 ``codecs.ALIGN_VALUES``."""
 
 
-def _new_vector(n: int) -> torch.Tensor:
+def new_vector(n: int) -> torch.Tensor:
     """A new uninitialised float32 vector of ``n`` values (the default ``empty``)."""
     return torch.empty(n, dtype=torch.float32)
 
@@ -140,7 +140,7 @@ def down_step(
     codec: str,
     *,
     chunk: int = CHUNK_VALUES,
-    empty: Callable[[int], torch.Tensor] = _new_vector,
+    empty: Callable[[int], torch.Tensor] = new_vector,
 ) -> tuple[bytes, torch.Tensor]:
     """``(d, W')``: the broadcast delta ``d = codecs.encode(Θ_p − W_p, codec)`` and the wire
     image a learner holds after applying it, ``W' = W_p + codecs.decode(d)`` (a new tensor

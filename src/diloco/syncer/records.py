@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from diloco.algorithm import codecs
+from diloco.algorithm import codecs, streaming
 from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import token_weight
 from diloco.syncer.pace import StepPace
@@ -227,9 +227,11 @@ class Closing:
     piece_layout: object
     """The fragment's ``fragments.Fragment`` (which tensor each span of the vector is)."""
 
-    def merge(self, empty: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor | None:
+    def merge(
+        self, empty: Callable[[int], torch.Tensor] = streaming.new_vector
+    ) -> torch.Tensor | None:
         """The round's merged delta, scaled by its share (a pure function of the above), in
-        a tensor from ``empty(n)`` when given; None for a dropped round."""
+        a tensor from ``empty(n)`` (a new one by default); None for a dropped round."""
         if not self.contributions:
             return None
         deltas = [c.delta for c in self.contributions]

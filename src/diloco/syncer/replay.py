@@ -86,16 +86,14 @@ def merged_delta(
     share: float,
     piece_layout,
     is_embedding: Callable[[str], bool],
-    empty: Callable[[int], torch.Tensor] | None = None,
+    empty: Callable[[int], torch.Tensor] = streaming.new_vector,
 ) -> torch.Tensor:
     """A round's merged delta (``merge.merge_contributions``), scaled by its share: a new
-    tensor (from ``empty(n)`` when given: a ``runtime.buffers.BufferPool``'s), written chunk
-    by chunk (``streaming.merge_into``: the same bits)."""
+    tensor (from ``empty(n)``: a ``runtime.buffers.BufferPool``'s, or new), written chunk by
+    chunk (``streaming.merge_into``: the same bits)."""
     if not deltas:  # (refused by merge_into, as before: "need at least one contribution")
         return streaming.merge_into(torch.empty(0), deltas, weights, share, piece_layout, None)
-    n = deltas[0].numel()
-    out = empty(n) if empty is not None else torch.empty(n, dtype=torch.float32)
-    out = out.view(deltas[0].shape)
+    out = empty(deltas[0].numel()).view(deltas[0].shape)
     return streaming.merge_into(out, deltas, weights, share, piece_layout, is_embedding)
 
 
@@ -103,14 +101,12 @@ def down_step(
     params: torch.Tensor,
     wire: torch.Tensor,
     codec: str,
-    empty: Callable[[int], torch.Tensor] | None = None,
+    empty: Callable[[int], torch.Tensor] = streaming.new_vector,
 ) -> tuple[bytes, torch.Tensor]:
     """``(d, W')``: the broadcast delta ``d = encode(Θ_p − W_p)`` and the wire image a
-    learner holds after applying it, ``W' = W_p + decode(d)`` (a new tensor, from
-    ``empty(n)`` when given), made chunk by chunk (``streaming.down_step``: the same bits,
-    without whole-fragment temporaries)."""
-    if empty is None:
-        return streaming.down_step(params, wire, codec)
+    learner holds after applying it, ``W' = W_p + decode(d)`` (a tensor from ``empty(n)``),
+    made chunk by chunk (``streaming.down_step``: the same bits, without whole-fragment
+    temporaries)."""
     return streaming.down_step(params, wire, codec, empty=empty)
 
 
