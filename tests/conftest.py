@@ -64,6 +64,14 @@ SOLO_MODULES = (
 )
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m solo`` (``make test``'s second part) only ``SOLO_MODULES`` are collected:
+    importing every other test module only to deselect its tests took seconds."""
+    if config.getoption("markexpr") == "solo" and collection_path.suffix == ".py":
+        return collection_path.name.startswith("test_") and collection_path.name not in SOLO_MODULES
+    return None
+
+
 def pytest_collection_modifyitems(items):
     """Mark the tests of ``SOLO_MODULES`` ``solo``; order the modules: ``LONGEST_FIRST`` in
     its order, then the others with ``slow`` tests, then the rest; each module's tests stay

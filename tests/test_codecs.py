@@ -597,3 +597,22 @@ def test_the_sign_codecs_are_bit_exact_with_their_first_implementation(codec, n)
     expected = _reference_sign_decode(data, n, block)
     assert torch.equal(decoded, expected)
     assert torch.equal(torch.signbit(decoded), torch.signbit(expected))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("n", [1, 257, 5000])
+def test_decoding_into_a_used_buffer_gives_the_bits_of_a_fresh_one(codec, n):
+    """``decode(..., empty)``: the result is written into the buffer ``empty`` gives (a
+    reused one holds whatever was there: NaNs here), every value, and is the same bits."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3.0
+    x[::7] = 0.0
+    data = encode(x, codec)
+    given = []
+
+    def used(k: int) -> torch.Tensor:
+        given.append(torch.full((k + 3,), float("nan"))[:k])  # (a larger buffer's front)
+        return given[-1]
+
+    fresh, reused = decode(data, (n,), codec), decode(data, (n,), codec, used)
+    assert torch.equal(fresh.view(torch.int32), reused.view(torch.int32))
+    assert len(given) == 1 and reused.data_ptr() == given[0].data_ptr()

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -107,6 +108,13 @@ DECODE_CHUNK_VALUES = 1 << 18
 """Values a sign decode writes at a time (1 MB of float32): its passes over them stay in the
 CPU's caches."""
 _BF16_REL = 2.0**-8  # half an ulp of bfloat16's 8-bit significand, relative
+
+
+def new_vector(n: int) -> torch.Tensor:
+    """A new uninitialised float32 vector of ``n`` values: the default ``empty`` of the
+    functions that write a fragment-sized result (``decode``, ``streaming``'s and the
+    syncer's), which a caller may replace by its own buffers (``runtime.buffers``)."""
+    return torch.empty(n, dtype=torch.float32)
 
 
 class NonFiniteError(CodecError):
@@ -284,9 +292,14 @@ def _numel(shape: tuple[int, ...] | int) -> tuple[tuple[int, ...], int]:
 
 
 def decode(
-    data: bytes | bytearray | memoryview, shape: tuple[int, ...] | int, codec: str
+    data: bytes | bytearray | memoryview,
+    shape: tuple[int, ...] | int,
+    codec: str,
+    empty: Callable[[int], torch.Tensor] = new_vector,
 ) -> torch.Tensor:
-    """Decode a payload into a new float32 tensor of ``shape`` (the caller owns it).
+    """Decode a payload into a float32 tensor of ``shape``, written into ``empty(k)`` (a
+    contiguous float32 vector of ``k >= numel`` values, its contents never read; ``k`` is
+    ``numel`` rounded up to whole sign blocks) and a view of it; the caller owns it.
 
     Raises :class:`CodecError` if ``len(data) != encoded_nbytes(numel, codec)``, on an unknown
     codec or bad shape, or on a quantized code the encoder never produces; raises
@@ -301,19 +314,21 @@ def decode(
             f"{codec}: payload is {mv.nbytes} bytes, expected {want} for {n} values {dims}"
         )
     if codec in _LEVELS:
-        out = _decode_int(mv, n, codec)
+        out = _decode_int(mv, n, codec, empty)
     elif codec == "topk2":
-        out = _decode_topk(mv, n)
+        out = _decode_topk(mv, n, empty)
     elif codec in SIGN_BLOCKS:
-        out = _decode_sign(mv, n, codec)
+        out = _decode_sign(mv, n, codec, empty)
     else:
+        out = empty(n)[:n]
         if codec == "fp32":
-            out = torch.from_numpy(np.frombuffer(mv, dtype="<f4").astype(np.float32))
+            out.numpy()[:] = np.frombuffer(mv, dtype="<f4")  # (to native order)
         else:
             # bfloat16 bits are the high half of float32: place them, zero the low half.
-            wide = np.zeros(2 * n, dtype=np.uint16)
-            wide[1 if sys.byteorder == "little" else 0 :: 2] = np.frombuffer(mv, dtype="<u2")
-            out = torch.from_numpy(wide.view(np.float32))
+            wide = out.numpy().view(np.uint16)
+            high = 1 if sys.byteorder == "little" else 0
+            wide[1 - high :: 2] = 0
+            wide[high::2] = np.frombuffer(mv, dtype="<u2")
         if not all_finite(out):
             raise _non_finite_error(out, codec, "payload")
     return out.view(dims)
@@ -333,7 +348,7 @@ def _codes_of_byte(per_byte: int) -> np.ndarray:
 _CODES_OF_BYTE = {"int4": _codes_of_byte(2), "int2": _codes_of_byte(4)}
 
 
-def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
+def _decode_int(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:
     levels = _LEVELS[codec]
     nb = -(-n // BLOCK_SIZE)
     scale = torch.from_numpy(np.frombuffer(mv, dtype="<f4", count=nb).astype(np.float32))
@@ -349,7 +364,8 @@ def _decode_int(mv: memoryview, n: int, codec: str) -> torch.Tensor:
     codes = codes[:n]
     if n and int(codes.min()) == -(levels + 1):
         raise CodecError(f"{codec}: payload holds the code -{levels + 1}, never produced")
-    out = torch.from_numpy(codes.astype(np.float32))  # |code| <= levels and scale <= max /
+    out = empty(n)[:n]
+    out.numpy()[:] = codes  # |code| <= levels and scale <= max /
     full = (n // BLOCK_SIZE) * BLOCK_SIZE  # levels: all finite
     out[:full].view(-1, BLOCK_SIZE).mul_(scale[: full // BLOCK_SIZE, None])
     if full < n:
@@ -427,9 +443,9 @@ def _encode_topk(x: torch.Tensor) -> bytes:
     )
 
 
-def _decode_topk(mv: memoryview, n: int) -> torch.Tensor:
+def _decode_topk(mv: memoryview, n: int, empty) -> torch.Tensor:
     chunks, kept = topk_counts(n)
-    out = torch.zeros(n, dtype=torch.float32)
+    out = empty(n)[:n].zero_()
     if not chunks:
         return out
     scales = torch.from_numpy(np.frombuffer(mv, dtype="<f4", count=2 * chunks).astype(np.float32))
@@ -496,7 +512,7 @@ _SIGN_BITS_OF_BYTE = np.array(
 """Row b: the float32 sign bits of the eight values whose sign bits are byte b (value k: bit k)."""
 
 
-def _decode_sign(mv: memoryview, n: int, codec: str) -> torch.Tensor:
+def _decode_sign(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:
     block = SIGN_BLOCKS[codec]
     nb = -(-n // block)
     scale = np.frombuffer(mv, dtype="<f4", count=nb).astype(np.float32)  # (native order)
@@ -510,7 +526,7 @@ def _decode_sign(mv: memoryview, n: int, codec: str) -> torch.Tensor:
     # two passes per value, a chunk at a time (in the CPU's caches): its sign bit from a
     # table row per byte, then its block's scale's bits under it: ±scale, exactly the
     # product ±1 · scale (a zero scale included)
-    words = np.empty((nb * block // 8, 8), dtype=np.uint32)
+    words = empty(nb * block)[: nb * block].numpy().view(np.uint32).reshape(-1, 8)
     scale_bits = scale.view(np.uint32)[:, None]
     per_chunk = max(1, DECODE_CHUNK_VALUES // block)  # blocks
     for first in range(0, nb, per_chunk):

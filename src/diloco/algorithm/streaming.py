@@ -32,11 +32,6 @@ CHUNK_VALUES = 1 << 18
 ``codecs.ALIGN_VALUES``."""
 
 
-def new_vector(n: int) -> torch.Tensor:
-    """A new uninitialised float32 vector of ``n`` values (the default ``empty``)."""
-    return torch.empty(n, dtype=torch.float32)
-
-
 def _weighted_mean_into(out, parts, ws, total, share, chunk) -> None:
     """``out := Σ w·v / Σ w · share`` (``merge.weighted_mean``'s order of sums; ``× share``
     when it is not 1), chunk by chunk: each chunk's last product while it is in cache."""
@@ -140,7 +135,7 @@ def down_step(
     codec: str,
     *,
     chunk: int = CHUNK_VALUES,
-    empty: Callable[[int], torch.Tensor] = new_vector,
+    empty: Callable[[int], torch.Tensor] = codecs.new_vector,
 ) -> tuple[bytes, torch.Tensor]:
     """``(d, W')``: the broadcast delta ``d = codecs.encode(Θ_p − W_p, codec)`` and the wire
     image a learner holds after applying it, ``W' = W_p + codecs.decode(d)`` (a new tensor

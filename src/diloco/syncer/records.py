@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from diloco.algorithm import codecs, streaming
+from diloco.algorithm import codecs
 from diloco.algorithm.codecs import all_finite
 from diloco.algorithm.merge import token_weight
 from diloco.syncer.pace import StepPace
@@ -228,7 +228,7 @@ class Closing:
     """The fragment's ``fragments.Fragment`` (which tensor each span of the vector is)."""
 
     def merge(
-        self, empty: Callable[[int], torch.Tensor] = streaming.new_vector
+        self, empty: Callable[[int], torch.Tensor] = codecs.new_vector
     ) -> torch.Tensor | None:
         """The round's merged delta, scaled by its share (a pure function of the above), in
         a tensor from ``empty(n)`` (a new one by default); None for a dropped round."""

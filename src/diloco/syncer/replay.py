@@ -86,7 +86,7 @@ def merged_delta(
     share: float,
     piece_layout,
     is_embedding: Callable[[str], bool],
-    empty: Callable[[int], torch.Tensor] = streaming.new_vector,
+    empty: Callable[[int], torch.Tensor] = codecs.new_vector,
 ) -> torch.Tensor:
     """A round's merged delta (``merge.merge_contributions``), scaled by its share: a new
     tensor (from ``empty(n)``: a ``runtime.buffers.BufferPool``'s, or new), written chunk by
@@ -101,7 +101,7 @@ def down_step(
     params: torch.Tensor,
     wire: torch.Tensor,
     codec: str,
-    empty: Callable[[int], torch.Tensor] = streaming.new_vector,
+    empty: Callable[[int], torch.Tensor] = codecs.new_vector,
 ) -> tuple[bytes, torch.Tensor]:
     """``(d, W')``: the broadcast delta ``d = encode(Θ_p − W_p)`` and the wire image a
     learner holds after applying it, ``W' = W_p + decode(d)`` (a tensor from ``empty(n)``),

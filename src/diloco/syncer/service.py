@@ -25,6 +25,7 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.runtime import clock
+from diloco.runtime.buffers import BufferPool
 from diloco.runtime.watchdog import Watchdog
 from diloco.syncer.broadcast import Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
@@ -69,8 +70,7 @@ def pool_threads(limits: StreamLimits) -> int:
 
 
 class SyncerService(pb_grpc.SyncerServicer):
-    """The RPC handlers; its ``committer`` runs the committer thread. Use ``SyncerServer``
-    to run it."""
+    """The RPC handlers; its ``committer`` runs the committer thread (``SyncerServer`` runs it)."""
 
     def __init__(
         self,
@@ -93,8 +93,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         shared token (the interceptor checks it; the handlers check whose id a call may use),
         ``learner_tokens``: the shared token may not act as a learner (``diloco.wire.auth``).
         ``generation_file``: where the learners' highest generations are kept
-        (``diloco.syncer.generations``). ``limits``: caps on open streams (``diloco.syncer.limits``; default:
-        ``DEFAULT_MAX_LEARNERS`` learners').
+        (``diloco.syncer.generations``). ``limits``: caps on open streams
+        (``diloco.syncer.limits``; default: ``DEFAULT_MAX_LEARNERS`` learners').
         ``on_failure(exc)``: called once, on the committer's thread, when the syncer fails
         (see the module docstring). ``lineage``: the lineage of its versions, told to
         learners at join (``diloco.syncer.lineage``)."""
@@ -104,6 +104,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.secret = secret
         self.learner_tokens = learner_tokens
         self.limits = limits or stream_limits(DEFAULT_MAX_LEARNERS)
+        self.decoded = BufferPool(keep=2 * self.limits.caps["upload"])
+        """Decoded uploads' buffers, reused once merged (``runtime.buffers``; the most held at once)."""
         self.watchdog = Watchdog()
         self.first_chunk_s = FIRST_CHUNK_S
         """Seconds an upload may wait for its first chunk (``limits.FIRST_CHUNK_S``)."""
@@ -137,8 +139,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.committer.start()
 
     def stop(self) -> None:
-        """Stop: uploads are refused from now on, the streams end and the committer commits
-        what waits (``Committer.stop``); the upload deadlines' watchdog ends."""
+        """Stop: refuse uploads, end the streams, commit what waits (``Committer.stop``)."""
         self.committer.stop()
         self.watchdog.close()
 
@@ -156,8 +157,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             )
 
     def _refuse(self, context: grpc.ServicerContext, learner_id: str, err: Refused, rpc: str):
-        """Tape the refusal (``refused`` record) and answer with its status and trailing
-        metadata (``Refused.metadata``); never returns."""
+        """Tape the refusal, answer its status and ``Refused.metadata``; never returns."""
         with self.lock:
             self.state.note_refusal(learner_id, err.code, err.message, clock.monotonic(), rpc=rpc)
         if err.metadata:
@@ -430,7 +430,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         numel = self.state.layout.fragments[header.fragment].numel
         try:
             with self.committer.stage_times.timing("decode"):
-                delta = codecs.decode(payload, numel, header.codec)
+                delta = codecs.decode(payload, numel, header.codec, self.decoded.tensor)
                 norm = float(delta.norm())  # here, not under the lock
         except codecs.CodecError as exc:
             raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
