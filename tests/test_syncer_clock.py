@@ -66,8 +66,14 @@ def test_the_pace_and_the_turns_of_the_clock():
     assert (t.fragment, t.next_at, t.cursor) == (1, 5.5, 2)  # 0 is still open: skipped
     t = next_tick(5.2, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
     assert t.fragment is None and t.next_at == 5.5
+    # a late tick: the one it passed over comes at once, then the period runs from there;
+    # the seven more it passed over are not made up
     t = next_tick(9.0, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
-    assert (t.fragment, t.next_at) == (2, 9.5)  # ticks that fell behind are not made up
+    assert (t.fragment, t.next_at, t.cursor) == (2, 9.0, 0)
+    t = next_tick(9.01, due_at=9.0, period=0.5, cursor=0, served=[0, 1, 2], open_fragments=[])
+    assert (t.fragment, t.next_at) == (0, 9.5)
+    t = next_tick(5.9, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
+    assert (t.fragment, t.next_at) == (2, 6.0)  # late by less than a period: on its beat
     with pytest.raises(ValueError):
         tick_period(0.1, sync_every=0, fragments=1)
 

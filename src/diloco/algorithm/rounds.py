@@ -273,15 +273,16 @@ def next_tick(
     Fragments are taken in turn (``served[cursor]``); a fragment whose previous round is
     still open is skipped this turn (its learners are still answering), so at most one round
     per fragment is open. ``due_at`` is when this tick was due (``None``: the first tick,
-    due now). Ticks that fell behind are not made up: the next one is due one period from now
-    at the latest.
+    due now). A tick a period or more late makes up the one it passed over: the next is due
+    at once (``now``), and from that one the period runs again; more ticks passed over are not
+    made up. So a commit that held the clock back costs no round, a longer stall no burst.
     """
     if period is None:
         return Tick(None, None, cursor, "no step estimate yet")
     if due_at is not None and now < due_at:
         return Tick(None, due_at, cursor, "not yet")
     start = due_at if due_at is not None else now
-    next_at = start + period if now < start + period else now + period
+    next_at = start + period if now < start + period else now
     n = len(served)
     for k in range(n):
         p = served[(cursor + k) % n]
