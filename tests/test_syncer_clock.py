@@ -130,6 +130,33 @@ def test_a_round_nobody_answers_is_asked_again_on_its_next_turn():
     assert request.fragment == 0  # no answer to the first request: asked again
 
 
+def test_a_late_tick_makes_up_one_tick_and_no_more_even_when_the_pace_rises():
+    """A tick a period or more late makes up the one it passed over, at once, and only that
+    one: not a second when the pace rises meanwhile (the earlier due time of the faster pace
+    lies in the past), and the made-up tick does not ask again a round opened just before."""
+    state, layout, _ = make_state(P=2, sync_every=4)  # 10 steps/s: a tick every 0.2 s
+    session = join(state, "a", layout)
+    request, next_at = state.tick(1.0)
+    assert request.fragment == 0 and next_at == pytest.approx(1.2)
+    request, next_at = state.tick(1.5)  # due at 1.2: a period late
+    assert request is not None and next_at == 1.5
+    state.heartbeat("a", session, now=1.5, steps_per_s=40.0)  # a tick every 0.05 s now
+    fired = 0
+    t = 1.5
+    while t <= 1.5:
+        request, t = state.tick(1.5)
+        fired += request is not None
+    assert fired == 1 and t == pytest.approx(1.55)  # the one made up, then the new pace
+
+    state, layout, _ = make_state(P=1, sync_every=1)  # one fragment: a tick every 0.1 s
+    join(state, "a", layout)
+    assert state.tick(1.0)[0].fragment == 0
+    request, next_at = state.tick(1.25)  # unanswered on its next turn: asked again, late
+    assert request.fragment == 0 and next_at == 1.25
+    request, next_at = state.tick(1.25)  # the made-up tick: that round was asked just now
+    assert request is None and next_at == pytest.approx(1.35)
+
+
 def test_a_final_answer_answers_the_next_round_and_nothing_waits_forever_without_learners():
     state, layout, _ = make_state(P=2, sync_every=4)
     sa, sb = join(state, "a", layout), join(state, "b", layout)

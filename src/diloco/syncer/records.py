@@ -181,6 +181,13 @@ class FragmentRound:
     """When a tick first opened it (a round asked again keeps it): its longest wait counts
     from here (``rounds.held_deadline``)."""
 
+    def busy(self, now: float, just_s: float) -> bool:
+        """Whether the clock's next turn passes over it: open and answered (it closes within
+        its grace window), or opened less than ``just_s`` before ``now`` (asked just now)."""
+        if self.opened_at is None:
+            return False
+        return bool(self.answered()) or now - self.opened_at < just_s
+
     def answered(self) -> frozenset[str]:
         """Learners with a contribution that arrived since the round opened: a late one from
         the previous round rides along but does not answer this round's request (a final one,

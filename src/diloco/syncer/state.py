@@ -466,11 +466,13 @@ class SyncerState:
             self.fleet_step_s(now), sync_every=self.sync_every(), fragments=len(self.served)
         )
         # A round open with no answer when its turn comes again (its learners died or could
-        # not answer) is asked again; one with answers closes within its grace window.
-        busy = [p for p, r in self.rounds.items() if r.opened_at is not None and r.answered()]
+        # not answer) is asked again, unless it was asked under half a period ago (by the
+        # tick before a made-up one); one with answers closes within its grace window.
+        busy = [p for p, r in self.rounds.items() if r.busy(now, (period or 0.0) / 2)]
         due = self._tick_due
         if due is not None and period is not None and period < (self._period or 0.0):
-            due -= self._period - period  # the pace rose: the next tick comes sooner too
+            # the pace rose: the next tick comes sooner too, but not before now (not late)
+            due = max(now, due - (self._period - period))
         self._period = period
         t = next_tick(
             now,
