@@ -3,7 +3,9 @@
 Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_algorithm.py [--values N]``).
 
 * codecs: encode and decode a vector of N float32 values (default 25M) with each codec;
-  reports milliseconds and GB/s of float32 input (median of ``--repeats`` runs).
+  reports milliseconds and GB/s of float32 input (median of ``--repeats`` runs); the decode
+  into a new tensor (its pages zeroed by the kernel on first write) and into a buffer used
+  before (``decode_reused_ms``: how the syncer decodes uploads, ``runtime.buffers``).
 * merge: M = 2, 4, 8, 16 contributions for a 25M-parameter model cut into 24 fragments. The
   syncer's work per fragment is ``merge_contributions`` (RDA per tensor, weighted mean for
   embeddings) followed by one ``NesterovOuter.step``. The floor is one plain pass that reads
@@ -27,6 +29,7 @@ import time
 import torch
 
 from diloco.algorithm import NesterovOuter, balanced_fragments, codecs, merge_contributions
+from diloco.runtime.buffers import BufferPool
 
 CLOCK = time.perf_counter
 """What :func:`timed` reads: wall seconds, or CPU seconds with ``--cpu-time``."""
@@ -50,10 +53,16 @@ def bench_codecs(n: int, repeats: int) -> dict:
         data = codecs.encode(x, codec)
         enc = timed(lambda codec=codec: codecs.encode(x, codec), repeats)
         dec = timed(lambda codec=codec, data=data: codecs.decode(data, (n,), codec), repeats)
+        pool = BufferPool(keep=1)  # as the syncer decodes uploads: into a buffer used before
+        again = timed(
+            lambda codec=codec, data=data, pool=pool: codecs.decode(data, (n,), codec, pool.tensor),
+            repeats,
+        )
         out[codec] = {
             "bytes_per_value": len(data) / n,
             "encode_ms": enc * 1e3,
             "decode_ms": dec * 1e3,
+            "decode_reused_ms": again * 1e3,
             "encode_GBps": n * 4 / enc / 1e9,
             "decode_GBps": n * 4 / dec / 1e9,
         }

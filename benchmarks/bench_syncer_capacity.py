@@ -145,6 +145,9 @@ def client(args: argparse.Namespace) -> int:
     options = [
         ("grpc.max_receive_message_length", 4 << 20),
         ("grpc.max_send_message_length", 4 << 20),
+        # each synthetic learner on a TCP connection of its own, as a real learner's link:
+        # sharing one, they met the syncer's per-connection caps (2 subscriptions each)
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     tensors = [pb.TensorSpec(name=n, shape=s, dtype=d) for n, s, d in spec["tensors"]]
     clocked = spec["schedule"] == "syncer"
