@@ -329,6 +329,16 @@ def run_diloco_until(
     return json.loads(printed)
 
 
+def progress_of(run: Path, learner: str) -> list[dict]:
+    """A learner's (or data-parallel rank's) progress records of ``diloco run``'s run
+    directory ``run`` so far: the complete lines of its ``progress.jsonl``."""
+    try:
+        text = (run / "learners" / learner / "progress.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines()[: text.count("\n")] if line]
+
+
 def train_in_threads(train: Callable, learners: list, models: list, *args, timeout: float = 30):
     """``train(learner, model, i, *args)`` for every learner on a thread of its own, all
     joined (each bounded by ``timeout`` seconds)."""

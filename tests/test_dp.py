@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from kit import run_diloco, run_diloco_until
+from kit import progress_of, run_diloco, run_diloco_until
 
 from diloco.baselines.dp import checkpoint as ckpt
 from diloco.launch.supervisor import Supervisor
@@ -156,15 +156,6 @@ def dp_run(tmp_path, *flags: str, trained_after: dict[str, int]) -> tuple[dict, 
 
 PROGRESS_AFTER = 3
 """Progress records (one a second) a rank reports after its last start before a run stops."""
-
-
-def progress_of(run, rank: str) -> list[dict]:
-    """A rank's progress records so far (the complete lines)."""
-    try:
-        text = (run / "learners" / rank / "progress.jsonl").read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines()[: text.count("\n")] if line]
 
 
 @pytest.mark.slow
