@@ -297,9 +297,10 @@ def decode(
     codec: str,
     empty: Callable[[int], torch.Tensor] = new_vector,
 ) -> torch.Tensor:
-    """Decode a payload into a float32 tensor of ``shape``, written into ``empty(k)`` (a
-    contiguous float32 vector of ``k >= numel`` values, its contents never read; ``k`` is
-    ``numel`` rounded up to whole sign blocks) and a view of it; the caller owns it.
+    """Decode a payload into a float32 tensor of ``shape``: a view of ``empty(k)`` (a
+    contiguous float32 vector of at least ``k`` values, its contents never read; ``k`` is
+    ``numel``, rounded up to whole blocks for a sign codec), every value written; the caller
+    owns it.
 
     Raises :class:`CodecError` if ``len(data) != encoded_nbytes(numel, codec)``, on an unknown
     codec or bad shape, or on a quantized code the encoder never produces; raises
