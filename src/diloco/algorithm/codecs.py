@@ -349,6 +349,12 @@ def _codes_of_byte(per_byte: int) -> np.ndarray:
 _CODES_OF_BYTE = {"int4": _codes_of_byte(2), "int2": _codes_of_byte(4)}
 
 
+def codes_of_byte(codec: str) -> np.ndarray:
+    """``int4``'s or ``int2``'s table: entry b holds byte b's codes, as :func:`decode` reads
+    them (a copy: the table itself stays as it is)."""
+    return _CODES_OF_BYTE[codec].copy()
+
+
 def _decode_int(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:
     levels = _LEVELS[codec]
     nb = -(-n // BLOCK_SIZE)
@@ -513,9 +519,10 @@ _SIGN_BITS_OF_BYTE = np.array(
 """Row b: the float32 sign bits of the eight values whose sign bits are byte b (value k: bit k)."""
 
 
-def _decode_sign(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:
-    block = SIGN_BLOCKS[codec]
-    nb = -(-n // block)
+def _sign_parts(mv: memoryview, n: int, codec: str) -> tuple[np.ndarray, np.ndarray]:
+    """A sign payload's scales (native float32) and packed bits, refused as :func:`decode`
+    refuses them: non-finite or negative scales, set padding bits."""
+    nb = -(-n // SIGN_BLOCKS[codec])
     scale = np.frombuffer(mv, dtype="<f4", count=nb).astype(np.float32)  # (native order)
     if not all_finite(torch.from_numpy(scale)):
         raise _non_finite_error(torch.from_numpy(scale), codec, "payload scales")
@@ -524,6 +531,29 @@ def _decode_sign(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:
     packed = np.frombuffer(mv, dtype=np.uint8, offset=4 * nb)
     if n % 8 and packed[-1] >> (n % 8):
         raise CodecError(f"{codec}: payload has set padding bits after the last value")
+    return scale, packed
+
+
+def payload_norm(data: bytes | bytearray | memoryview, numel: int, codec: str) -> float | None:
+    """``‖decode(data, numel, codec)‖`` read from a sign codec's scales alone (every value of
+    a block is ± its scale: ``√Σ count·scale²``, summed in float64, not the bits of a norm
+    of the decoded tensor), the payload refused as :func:`decode` refuses it; ``None`` for
+    the other codecs (their values need their codes)."""
+    if codec not in SIGN_BLOCKS:
+        return None
+    mv = memoryview(data).cast("B")
+    want = encoded_nbytes(numel, codec)
+    if mv.nbytes != want:
+        raise CodecError(f"{codec}: payload is {mv.nbytes} bytes, expected {want}")
+    scale, _ = _sign_parts(mv, numel, codec)
+    counts = _block_counts(numel, SIGN_BLOCKS[codec]).numpy().astype(np.float64)
+    return math.sqrt(float(np.dot(counts, np.square(scale, dtype=np.float64))))
+
+
+def _decode_sign(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:
+    block = SIGN_BLOCKS[codec]
+    nb = -(-n // block)
+    scale, packed = _sign_parts(mv, n, codec)
     # two passes per value, a chunk at a time (in the CPU's caches): its sign bit from a
     # table row per byte, then its block's scale's bits under it: ±scale, exactly the
     # product ±1 · scale (a zero scale included)

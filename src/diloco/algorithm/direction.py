@@ -9,6 +9,8 @@ import secrets
 
 import torch
 
+from diloco.algorithm.encoded_delta import EncodedDelta
+
 DIRECTION_WHOLE = 1 << 17
 """Fragments of at most this many values are compared whole by the direction check.
 
@@ -41,8 +43,17 @@ def direction_sample(numel: int, generator: torch.Generator) -> torch.Tensor | N
     return torch.randint(numel, (DIRECTION_SAMPLE,), generator=generator)
 
 
+def _values(delta: torch.Tensor | EncodedDelta, indices: torch.Tensor | None) -> torch.Tensor:
+    """``delta``'s values (float32, flat) at ``indices``, or all of them (``None``): an
+    ``EncodedDelta`` read at those indices only."""
+    if isinstance(delta, EncodedDelta):
+        return delta.decoded() if indices is None else delta.at(indices)
+    flat = delta.reshape(-1)
+    return (flat if indices is None else flat[indices]).float()
+
+
 def consensus_cosines(
-    deltas: list[torch.Tensor], generator: torch.Generator | None = None
+    deltas: list[torch.Tensor | EncodedDelta], generator: torch.Generator | None = None
 ) -> list[float]:
     """Each delta's cosine with the coordinate-wise median of all of them.
 
@@ -63,8 +74,7 @@ def consensus_cosines(
             "(direction.secret_generator())"
         )
     indices = direction_sample(numel, generator) if generator is not None else None
-    flat = [d.reshape(-1) for d in deltas]
-    sample = torch.stack([(f if indices is None else f[indices]).float() for f in flat])
+    sample = torch.stack([_values(d, indices) for d in deltas])
     median = sample.median(dim=0).values
     cosines = torch.nn.functional.cosine_similarity(sample, median.unsqueeze(0), dim=1)
     return [float(c) for c in cosines]

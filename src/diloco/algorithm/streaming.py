@@ -8,6 +8,8 @@ working copy, the decoded delta and ``W_p + d̂``. Here the merge writes into on
 vector (``merge_into``) and the down step (``down_step``) goes through ``CHUNK_VALUES``
 values at a time, so that what a commit allocates beyond its results is a few chunks; the
 chunks of a pass are split over ``chunk_threads``' threads (the same bits on any of them).
+The merge reads uploads kept as they arrived (``encoded_delta.EncodedDelta``) one tensor's
+span at a time (``WHOLE_SPAN_VALUES``).
 
 **Bit for bit.** Every operation done chunk by chunk is elementwise (a sum with a scalar
 factor, a product, a quantisation of a block that a chunk holds whole), and every reduction
@@ -25,11 +27,56 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.algorithm.chunk_threads import for_each_chunk, map_whole
+from diloco.algorithm.encoded_delta import EncodedDelta
 from diloco.algorithm.merge import CANCEL_TOL, check_contributions, spans_by_tensor
 
 CHUNK_VALUES = 1 << 18
 """Values per chunk (1 MB of fp32, a few of which stay in the CPU's caches): a multiple of
 ``codecs.ALIGN_VALUES``."""
+
+
+Delta = torch.Tensor | EncodedDelta
+"""A contribution to merge: decoded, or as its uploads arrived (decoded where it is read)."""
+
+
+class _Span:
+    """Values ``[start, stop)`` of an ``EncodedDelta``: one tensor's part of a fragment,
+    decoded a piece at a time where it is read (``_piece``) or whole for its norm."""
+
+    def __init__(self, delta: EncodedDelta, start: int, stop: int) -> None:
+        self.delta, self.start, self.stop = delta, start, stop
+
+    def read(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.delta.read(self.start + a, self.start + b, out)
+
+
+WHOLE_SPAN_VALUES = 1 << 23
+"""An encoded delta's span of one tensor up to this many values (32 MB of float32) is
+decoded whole, once, into a ``scratch`` buffer that serves both its norm and the sums (a
+merge of M contributions then holds M of them); a larger one is read twice, whole for its
+norm and a chunk at a time for the sums."""
+
+
+def _part(delta: Delta, where: list[tuple[int, int]], scratch):
+    """One tensor's values of ``delta``: a view (one span of a tensor), an encoded delta's
+    span decoded into ``scratch(n)`` (up to ``WHOLE_SPAN_VALUES``) or a ``_Span`` read where
+    it is used, or, for a tensor cut into several spans, the spans gathered into a new
+    tensor (as ``merge.merge_contributions`` gathers them)."""
+    if len(where) == 1:
+        a, b = where[0]
+        if isinstance(delta, torch.Tensor):
+            return delta[a:b]
+        if b - a <= WHOLE_SPAN_VALUES:
+            return delta.read(a, b, scratch(b - a)[: b - a])
+        return _Span(delta, a, b)
+    if isinstance(delta, torch.Tensor):
+        return torch.cat([delta[a:b] for a, b in where])
+    return torch.cat([delta.read(a, b) for a, b in where])
+
+
+def _piece(v, a: int, b: int) -> torch.Tensor:
+    """Values ``[a, b)`` of a part (``_part``)."""
+    return v[a:b] if isinstance(v, torch.Tensor) else v.read(a, b)
 
 
 def _weighted_mean_into(out, parts, ws, total, share, chunk) -> None:
@@ -40,7 +87,7 @@ def _weighted_mean_into(out, parts, ws, total, share, chunk) -> None:
         piece = out[a:b].zero_()
         for v, w in zip(parts, ws, strict=True):
             if w:
-                piece.add_(v[a:b], alpha=w / total)
+                piece.add_(_piece(v, a, b), alpha=w / total)
         if share != 1.0:
             piece.mul_(share)
 
@@ -51,7 +98,7 @@ def _norm(v: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(v, dtype=torch.float32))
 
 
-def _rda_into(out, parts, ws, share, chunk) -> None:
+def _rda_into(out, parts, ws, share, chunk, scratch=codecs.new_vector) -> None:
     """``out := merge.rda(parts, ws) · share``: the norms first (whole, side by side), then
     the direction chunk by chunk into ``out``, its norm (whole), then its scaling and the
     share's chunk by chunk (one pass over ``out`` for both, the same two products per
@@ -59,7 +106,14 @@ def _rda_into(out, parts, ws, share, chunk) -> None:
     total = sum(ws)
     radius = 0.0
     factors = []
-    for v, w, norm in zip(parts, ws, map_whole(_norm, parts), strict=True):
+
+    def norm_of(v) -> float:  # (a whole tensor's norm: an encoded part decoded whole first)
+        if isinstance(v, torch.Tensor):
+            return _norm(v)
+        n = v.stop - v.start
+        return _norm(v.read(0, n, scratch(n)[:n]))
+
+    for v, w, norm in zip(parts, ws, map_whole(norm_of, parts), strict=True):
         if w and norm > 0:
             radius += w * norm / total
             factors.append((v, w / (total * norm)))
@@ -67,7 +121,7 @@ def _rda_into(out, parts, ws, share, chunk) -> None:
     def direction(a: int, b: int) -> None:
         piece = out[a:b].zero_()
         for v, factor in factors:
-            piece.add_(v[a:b], alpha=factor)
+            piece.add_(_piece(v, a, b), alpha=factor)
 
     for_each_chunk(out.numel(), chunk, direction)
     dir_norm = float(torch.linalg.vector_norm(out))
@@ -86,19 +140,23 @@ def _rda_into(out, parts, ws, share, chunk) -> None:
 
 def merge_into(
     out: torch.Tensor,
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Delta],
     weights: Sequence[float],
     share: float,
     fragment,
     is_embedding: Callable[[str], bool],
     *,
     chunk: int = CHUNK_VALUES,
+    scratch: Callable[[int], torch.Tensor] = codecs.new_vector,
 ) -> torch.Tensor:
     """``out := merge.merge_contributions(deltas, weights, fragment, is_embedding) · share``
     (``× share`` only when it is not 1), bit for bit, without a whole-tensor temporary
     (``out``: a flat float32 tensor of the deltas' length, not one of them). A tensor cut
     into several spans of the fragment is gathered as ``merge_contributions`` gathers it.
-    Returns ``out``."""
+    An ``EncodedDelta`` is decoded where it is read (the bits of its decoded tensor): a
+    tensor's span into a ``scratch(n)`` buffer, held while that tensor is merged, or, beyond
+    ``WHOLE_SPAN_VALUES``, whole for its norm (let go right after) and a chunk at a time for
+    the sums. Returns ``out``."""
     ws = check_contributions(deltas, weights)
     if out.shape != deltas[0].shape or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 of shape {tuple(deltas[0].shape)}")
@@ -106,21 +164,21 @@ def merge_into(
     covered = 0
     for name, where in spans.items():
         mean = fragment is not None and is_embedding(name)
+        parts = [_part(d, where, scratch) for d in deltas]
         if len(where) == 1:
-            a, b = where[0]
-            parts, target = [d[a:b] for d in deltas], out[a:b]
+            target = out[where[0][0] : where[0][1]]
         else:  # (rare: gathered as the whole-tensor merge gathers it)
-            parts = [torch.cat([d[a:b] for a, b in where]) for d in deltas]
             target = torch.empty(sum(b - a for a, b in where), dtype=torch.float32)
         if mean:
             _weighted_mean_into(target, parts, ws, sum(ws), share, chunk)
         else:
-            _rda_into(target, parts, ws, share, chunk)
+            _rda_into(target, parts, ws, share, chunk, scratch)
         if len(where) > 1:
             start = 0
             for a, b in where:
                 out[a:b] = target[start : start + (b - a)]
                 start += b - a
+        del parts  # (decoded spans go back before the next tensor's are asked for)
         covered += sum(b - a for a, b in where)
     if covered != out.numel():
         raise ValueError(
