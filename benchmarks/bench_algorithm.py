@@ -5,7 +5,10 @@ Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_algorithm.py [--valu
 * codecs: encode and decode a vector of N float32 values (default 25M) with each codec;
   reports milliseconds and GB/s of float32 input (median of ``--repeats`` runs); the decode
   into a new tensor (its pages zeroed by the kernel on first write) and into a buffer used
-  before (``decode_reused_ms``: how the syncer decodes uploads, ``runtime.buffers``).
+  before (``decode_reused_ms``: how the syncer's merge decodes one tensor's span of an
+  upload, ``runtime.buffers``), and an upload kept as it arrived read a chunk at a time for
+  its norm (``norm_chunked_ms``: ``EncodedDelta.norm``, the syncer's pass on arrival; its
+  merge reads the sums' chunks the same way).
 * merge: M = 2, 4, 8, 16 contributions for a 25M-parameter model cut into 24 fragments. The
   syncer's work per fragment is ``merge_contributions`` (RDA per tensor, weighted mean for
   embeddings) followed by one ``NesterovOuter.step``. The floor is one plain pass that reads
@@ -29,6 +32,7 @@ import time
 import torch
 
 from diloco.algorithm import NesterovOuter, balanced_fragments, codecs, merge_contributions
+from diloco.algorithm.encoded_delta import EncodedDelta
 from diloco.runtime.buffers import BufferPool
 
 CLOCK = time.perf_counter
@@ -58,11 +62,14 @@ def bench_codecs(n: int, repeats: int) -> dict:
             lambda codec=codec, data=data, pool=pool: codecs.decode(data, (n,), codec, pool.tensor),
             repeats,
         )
+        kept = EncodedDelta([(codec, data)], n)  # as the syncer holds an upload
+        chunked = timed(kept.norm, repeats)
         out[codec] = {
             "bytes_per_value": len(data) / n,
             "encode_ms": enc * 1e3,
             "decode_ms": dec * 1e3,
             "decode_reused_ms": again * 1e3,
+            "norm_chunked_ms": chunked * 1e3,
             "encode_GBps": n * 4 / enc / 1e9,
             "decode_GBps": n * 4 / dec / 1e9,
         }

@@ -17,8 +17,9 @@ layers, ``--params`` values; ``--fragments`` P, default exchange otherwise):
 2. *Who holds it* (``--no-breakdown`` skips it): the same exchange against a
    ``SyncerServer.for_model`` in this process, then every live tensor storage and every
    large ``bytes`` object is found (``gc``) and attributed to its owner: Θ, outer momentum,
-   the committer's wire images, keyframes and their payloads, decoded uploads waiting in open
-   rounds, the model the server was built from, anything else.
+   the committer's wire images, keyframes and their payloads, uploads waiting in open
+   rounds (held as they arrived: their payloads are ``bytes``), the model the server was
+   built from, anything else.
 
 Prints one JSON object per measurement. Run it under ``nice -n 19`` on a shared machine.
 """
@@ -249,6 +250,8 @@ def measure_program(args, layout) -> dict:
 
 def owners_of(server, model) -> dict[str, set[int]]:
     """Storage addresses by owner ."""
+    import torch
+
     state, committer = server.state, server.service.committer
     owners: dict[str, set[int]] = {
         "theta": {t.untyped_storage().data_ptr() for t in state.params},
@@ -258,10 +261,11 @@ def owners_of(server, model) -> dict[str, set[int]]:
             if state.outer.buffer(p) is not None
         },
         "wire_images": {committer.wire_image(p).untyped_storage().data_ptr() for p in state.served},
-        "decoded_uploads": {
+        "decoded_uploads": {  # (the service keeps uploads as they arrived: none)
             c.delta.untyped_storage().data_ptr()
             for r in state.rounds.values()
             for c in r.contributions.values()
+            if isinstance(c.delta, torch.Tensor)
         },
         "model_built": {t.untyped_storage().data_ptr() for t in model.parameters()},
     }

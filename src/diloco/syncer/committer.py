@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from diloco.algorithm.streaming import WHOLE_SPAN_VALUES
 from diloco.runtime import clock
 from diloco.runtime.buffers import BufferPool
 from diloco.runtime.watchdog import Watchdog
@@ -54,6 +55,11 @@ from diloco.syncer.store import EventTape, FragmentStore, SyncFailed
 from diloco.syncer.tape_index import TapeIndex, dropped_in
 
 log = logging.getLogger(__name__)
+
+SPAN_BUFFERS = 8
+"""Span buffers the committer keeps for its merges (``Committer.spans``): one per upload of a
+round of up to 8 learners; a larger round's others are new for each tensor. At most 8 × 32
+MB (``streaming.WHOLE_SPAN_VALUES``), 4 MB each for 1024 × 1024 matrices."""
 
 MAX_REASON_CHARS = 500
 """Refusal messages are cut to this length (they may quote what a client sent)."""
@@ -157,10 +163,15 @@ class Committer:
         """Per fragment, upload ids a dropped round left out (nothing was broadcast): they go
         out with the fragment's next version, the one their learners would take them as
         merged by."""
-        self.buffers = BufferPool(keep=len(state.served) + 2)
+        self.buffers = BufferPool(keep=len(state.served) + 3)
         """The merged deltas' and the new wire images' buffers, reused (``runtime.buffers``):
-        one wire image per fragment held, a merged delta and the wire image a commit just
-        replaced; no fresh fragment-sized buffer (its pages zeroed) per commit."""
+        one wire image per fragment held, a merged delta, the wire image a commit just
+        replaced and the span of a tensor the merge decodes beyond
+        ``streaming.WHOLE_SPAN_VALUES`` for its norm; no fresh fragment-sized buffer (its
+        pages zeroed) per commit."""
+        self.spans = BufferPool(keep=SPAN_BUFFERS)
+        """The buffers the merge decodes its uploads' tensor spans into (one per upload of
+        the tensor being merged, up to ``streaming.WHOLE_SPAN_VALUES`` values each)."""
         self._thread = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
         self.snapshots = (
             Snapshots(
@@ -283,16 +294,23 @@ class Committer:
 
     def _commit(self, round_: Closing, t0: float) -> None:
         """Merge, apply, persist and broadcast one closed round. A method of its own: what
-        a commit makes (the merged delta, the commit's copies, the round's decoded uploads)
-        is let go when it returns, not kept by the clock's loop until its next wake-up."""
+        a commit makes (the merged delta, the commit's copies, the round's uploads) is let go
+        when it returns, not kept by the clock's loop until its next wake-up."""
         with self.stage_times.timing("merge"):
-            merged = round_.merge(self.buffers.tensor)  # the costly part, while uploads go on
+            # the costly part, while uploads go on
+            merged = round_.merge(self.buffers.tensor, self._span_buffer)
         with self.lock, self.stage_times.timing("outer"):
             commit = self.state.apply(round_, merged, t0)
         del merged, round_
         self._publish_in_time(commit, t0)
         with self.lock:
             self._closing.pop(0)
+
+    def _span_buffer(self, n: int) -> torch.Tensor:
+        """A buffer for the merge to decode ``n`` values of an upload into: a kept one up to
+        ``streaming.WHOLE_SPAN_VALUES`` values, else a fragment-sized one of ``buffers``."""
+        pool = self.spans if n <= WHOLE_SPAN_VALUES else self.buffers
+        return pool.tensor(n)
 
     def waiting(self) -> int:
         """Contributions admitted and not yet settled: in open rounds, or in rounds the

@@ -12,10 +12,11 @@ import torch
 
 from diloco.algorithm import codecs
 from diloco.algorithm.codecs import all_finite
+from diloco.algorithm.encoded_delta import Encoded, EncodedDelta
 from diloco.algorithm.merge import token_weight
 from diloco.syncer.pace import StepPace
 from diloco.syncer.receipts import UPLOADS_PER_ROUND, CommitLog, UploadPart
-from diloco.syncer.replay import Encoded, RoundInputs, merged_delta
+from diloco.syncer.replay import RoundInputs, merged_delta
 
 SUSPECT_WINDOW = 8
 """Checked contributions the direction check's verdicts are remembered for, per learner."""
@@ -116,7 +117,10 @@ class LearnerInfo:
 @dataclass
 class Contribution:
     learner_id: str
-    delta: torch.Tensor
+    delta: torch.Tensor | EncodedDelta
+    """Its uploads as they arrived (the syncer's service: an ``EncodedDelta``, 26 times
+    smaller than decoded in ``sign1``, decoded where the merge reads it), or a delta given
+    decoded (e.g. by a test)."""
     base_version: int
     steps: int
     tokens: int
@@ -133,15 +137,13 @@ class Contribution:
     credited: int = 0
     """The steps the norm guard credited it with (``roster.credited_steps``), summed from
     increments: a later increment is judged on the sum's size over the sum's credit."""
-    encoded: list[Encoded] | None = None
-    """Its uploads as they arrived (codec, bytes), in the order they were summed: what the
-    commit journal keeps to make the merge again (None: a delta given decoded, e.g. by a
-    test; the journal then keeps the summed delta in fp32)."""
 
     def as_arrived(self) -> list[Encoded]:
-        """``encoded``, or the summed delta in fp32 when some upload was given decoded."""
-        if self.encoded is not None:
-            return self.encoded
+        """Its uploads as they arrived (codec, bytes), in the order they were summed: what
+        the commit journal keeps to make the merge again; for a delta given decoded, the
+        summed delta in fp32."""
+        if isinstance(self.delta, EncodedDelta):
+            return list(self.delta.parts)
         return [("fp32", codecs.encode(self.delta, "fp32"))]
 
     @property
@@ -152,7 +154,10 @@ class Contribution:
         """Sum a later increment of the same learner into this one: deltas and counters add,
         the older base version and the smaller discount stay (the increment is no fresher
         than its oldest part)."""
-        self.delta = self.delta + other.delta
+        if isinstance(self.delta, EncodedDelta) and isinstance(other.delta, EncodedDelta):
+            self.delta = self.delta.plus(other.delta)
+        else:  # (a delta given decoded: the sum decoded)
+            self.delta = decoded(self.delta) + decoded(other.delta)
         self.steps += other.steps
         self.tokens += other.tokens
         self.base_version = min(self.base_version, other.base_version)
@@ -164,8 +169,11 @@ class Contribution:
         self.credited += other.credited
         self.final = self.final or other.final
         self.uploads = self.uploads + other.uploads
-        both = self.encoded is not None and other.encoded is not None
-        self.encoded = self.encoded + other.encoded if both else None
+
+
+def decoded(delta: torch.Tensor | EncodedDelta) -> torch.Tensor:
+    """A contribution's delta as a tensor (an ``EncodedDelta`` decoded into a new one)."""
+    return delta.decoded() if isinstance(delta, EncodedDelta) else delta
 
 
 @dataclass
@@ -235,15 +243,18 @@ class Closing:
     """The fragment's ``fragments.Fragment`` (which tensor each span of the vector is)."""
 
     def merge(
-        self, empty: Callable[[int], torch.Tensor] = codecs.new_vector
+        self,
+        empty: Callable[[int], torch.Tensor] = codecs.new_vector,
+        scratch: Callable[[int], torch.Tensor] = codecs.new_vector,
     ) -> torch.Tensor | None:
         """The round's merged delta, scaled by its share (a pure function of the above), in
-        a tensor from ``empty(n)`` (a new one by default); None for a dropped round."""
+        a tensor from ``empty(n)`` (a new one by default; ``scratch``: where its uploads'
+        tensor spans are decoded, ``streaming.merge_into``); None for a dropped round."""
         if not self.contributions:
             return None
         deltas = [c.delta for c in self.contributions]
         return merged_delta(
-            deltas, self.weights, self.share, self.piece_layout, self.is_embedding, empty
+            deltas, self.weights, self.share, self.piece_layout, self.is_embedding, empty, scratch
         )
 
 
@@ -325,15 +336,16 @@ def check_counters(
     fragment: int,
     steps: int,
     tokens: int,
-    delta: torch.Tensor,
+    delta: torch.Tensor | EncodedDelta,
     step_time_s: float,
 ) -> None:
     """Raise ``Refused`` unless a contribution's shape, counters, step time and values are
     within bounds: the length of its fragment, ``1 <= steps``, ``1 <= tokens``, the sanity
     bounds of ``config`` (a ``SyncerConfig``), at most the tokens per step ``info``'s learner
-    may claim (``tokens_per_step_bound``), finite values."""
+    may claim (``tokens_per_step_bound``), finite values (an ``EncodedDelta``'s were read
+    for its norm, which refuses a non-finite one: the service reads it before it submits)."""
     expected = numel
-    if delta.dim() != 1 or delta.numel() != expected:
+    if len(delta.shape) != 1 or delta.numel() != expected:
         raise Refused(
             "INVALID_ARGUMENT",
             f"fragment {fragment} has {expected} values, got {delta.numel()}",
@@ -365,7 +377,7 @@ def check_counters(
             "INVALID_ARGUMENT",
             f"step_time_s must be in [0, {MAX_STEP_TIME_S:g}), got {step_time_s}",
         )
-    if not all_finite(delta):
+    if isinstance(delta, torch.Tensor) and not all_finite(delta):
         raise Refused("INVALID_ARGUMENT", "delta has non-finite values")
 
 
@@ -415,7 +427,12 @@ def state_digest(state) -> str:
         for lid in sorted(r.contributions):
             c = r.contributions[lid]
             h.update(repr((lid, c.base_version, c.steps, c.tokens, c.discount)).encode())
-            h.update(c.delta.contiguous().numpy().tobytes())
+            if isinstance(c.delta, EncodedDelta):  # (its bytes as they arrived)
+                for codec, payload in c.delta.parts:
+                    h.update(codec.encode())
+                    h.update(payload)
+            else:
+                h.update(c.delta.contiguous().numpy().tobytes())
     for p in range(state.layout.num_fragments):
         h.update(repr(state.norms.of(p)).encode())  # per learner
     for lid in sorted(state.learners):

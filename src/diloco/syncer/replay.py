@@ -24,13 +24,11 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.algorithm import codecs, streaming
+from diloco.algorithm.encoded_delta import Encoded, EncodedDelta
 from diloco.algorithm.fragments import fragment_digest
 from diloco.algorithm.outer import NesterovOuter
 from diloco.syncer.files import StateError
 from diloco.syncer.receipts import PERSISTED_COMMITS, CommitLog
-
-Encoded = tuple[str, bytes]
-"""One upload's delta as it arrived: ``(codec, payload)``."""
 
 
 @dataclass(frozen=True)
@@ -68,33 +66,25 @@ class RoundInputs:
         return self.log.admitted
 
 
-def contribution_delta(parts: Sequence[Encoded], numel: int) -> torch.Tensor:
-    """A contribution's delta from its uploads: each decoded, summed in order (as
-    ``records.Contribution.add`` sums them live)."""
-    delta = None
-    for codec, payload in parts:
-        decoded = codecs.decode(payload, numel, codec)
-        delta = decoded if delta is None else delta.add_(decoded)
-    if delta is None:
-        raise ValueError("a contribution without uploads")
-    return delta
-
-
 def merged_delta(
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[streaming.Delta],
     weights: Sequence[float],
     share: float,
     piece_layout,
     is_embedding: Callable[[str], bool],
     empty: Callable[[int], torch.Tensor] = codecs.new_vector,
+    scratch: Callable[[int], torch.Tensor] = codecs.new_vector,
 ) -> torch.Tensor:
     """A round's merged delta (``merge.merge_contributions``), scaled by its share: a new
     tensor (from ``empty(n)``: a ``runtime.buffers.BufferPool``'s, or new), written chunk by
-    chunk (``streaming.merge_into``: the same bits)."""
+    chunk (``streaming.merge_into``: the same bits; an encoded delta's tensor spans are
+    decoded into ``scratch`` buffers, one tensor's at a time)."""
     if not deltas:  # (refused by merge_into, as before: "need at least one contribution")
         return streaming.merge_into(torch.empty(0), deltas, weights, share, piece_layout, None)
     out = empty(deltas[0].numel()).view(deltas[0].shape)
-    return streaming.merge_into(out, deltas, weights, share, piece_layout, is_embedding)
+    return streaming.merge_into(
+        out, deltas, weights, share, piece_layout, is_embedding, scratch=scratch
+    )
 
 
 def down_step(
@@ -120,7 +110,7 @@ def redo(
     """Make the commit ``inputs`` records again on ``params`` (Θ_p, changed in place) and
     ``outer``'s momentum of the fragment; returns the new wire image."""
     numel = params.numel()
-    deltas = [contribution_delta(parts, numel) for parts in inputs.contributions]
+    deltas = [EncodedDelta(parts, numel) for parts in inputs.contributions]
     mean = frozenset(inputs.mean_pieces)
     merged = merged_delta(deltas, inputs.weights, inputs.share, piece_layout, mean.__contains__)
     outer.step(inputs.fragment, params, merged, lr=inputs.outer_lr)

@@ -10,9 +10,10 @@ one by one would restore it, and when one fails (a corrupt file) the error raise
 of the first failing fragment in the order of their ids, as one by one, and the fragments
 not begun are not begun.
 
-Each thread holds, while it replays, one fragment's replay temporaries (its decoded uploads,
-the merged delta and the new wire image: about (M + 2)·4 bytes per value of a fragment for
-M contributions per commit); ``RESTORE_THREADS_MAX`` bounds that.
+Each thread holds, while it replays, one fragment's replay temporaries (the merged delta,
+the new wire image and one tensor's span of an upload decoded for its norm: at most 3·4
+bytes per value of a fragment; the uploads stay as the journal holds them, decoded where
+the merge reads them); ``RESTORE_THREADS_MAX`` bounds that.
 """
 
 from __future__ import annotations

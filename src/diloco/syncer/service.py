@@ -24,8 +24,8 @@ import grpc
 import torch
 
 from diloco.algorithm import codecs
+from diloco.algorithm.encoded_delta import EncodedDelta
 from diloco.runtime import clock
-from diloco.runtime.buffers import BufferPool
 from diloco.runtime.watchdog import Watchdog
 from diloco.syncer.broadcast import Subscriber, chunk_payload
 from diloco.syncer.committer import MAX_REASON_CHARS, Committer
@@ -104,8 +104,6 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.secret = secret
         self.learner_tokens = learner_tokens
         self.limits = limits or stream_limits(DEFAULT_MAX_LEARNERS)
-        self.decoded = BufferPool(keep=2 * self.limits.caps["upload"])
-        """Decoded uploads' buffers, reused once merged (``runtime.buffers``; the most held at once)."""
         self.watchdog = Watchdog()
         self.first_chunk_s = FIRST_CHUNK_S
         """Seconds an upload may wait for its first chunk (``limits.FIRST_CHUNK_S``)."""
@@ -426,12 +424,14 @@ class SyncerService(pb_grpc.SyncerServicer):
         return ((NOT_ADMITTED_KEY, "1"),) if never else ()
 
     def _admit(self, header: pb.UploadChunk, payload: bytes) -> pb.UploadReply:
-        """Decode a received upload and submit it to the state; its reply."""
+        """Submit a received upload to the state, as it arrived (decoded once here, a chunk
+        at a time, for its norm and to refuse a bad payload; the merge decodes it again
+        where it reads it: ``EncodedDelta``); its reply."""
         numel = self.state.layout.fragments[header.fragment].numel
         try:
             with self.committer.stage_times.timing("decode"):
-                delta = codecs.decode(payload, numel, header.codec, self.decoded.tensor)
-                norm = float(delta.norm())  # here, not under the lock
+                delta = EncodedDelta([(header.codec, payload)], numel)
+                norm = delta.norm()  # here, not under the lock
         except codecs.CodecError as exc:
             raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
         with self.lock:
@@ -453,7 +453,6 @@ class SyncerService(pb_grpc.SyncerServicer):
                 delta_norm=norm,
                 final_fragments=tuple(header.final_fragments),
                 resend=header.resend,
-                encoded=(header.codec, payload),
             )
             current = self.state.versions[header.fragment]
             if admission.version is not None:

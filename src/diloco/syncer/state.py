@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from diloco.algorithm.encoded_delta import EncodedDelta
 from diloco.algorithm.fragments import FragmentLayout, fragment_digest
 from diloco.algorithm.guard import NormHistory, check_norm
 from diloco.algorithm.outer import NesterovOuter
@@ -211,7 +212,7 @@ class SyncerState:
         base_version: int,
         steps: int,
         tokens: int,
-        delta: torch.Tensor,
+        delta: torch.Tensor | EncodedDelta,
         step_time_s: float,
         nbytes: int,
         now: float,
@@ -220,10 +221,9 @@ class SyncerState:
         delta_norm: float | None = None,
         final_fragments: Collection[int] = (),
         resend: bool = False,
-        encoded: tuple[str, bytes] | None = None,
     ) -> Admission:
-        """Put a decoded contribution into fragment ``fragment``'s open round (``encoded``:
-        the upload as it arrived, ``(codec, bytes)``, kept for the commit journal).
+        """Put a contribution into fragment ``fragment``'s open round: ``delta`` as the
+        upload arrived (an ``EncodedDelta``: what the commit journal keeps), or decoded.
 
         ``delta_norm``: ``‖delta‖`` when the caller computed it already (outside the
         syncer's lock: the service does); computed here otherwise.
@@ -294,7 +294,6 @@ class SyncerState:
             credited=credited,
             uploads=[UploadPart(upload_id, steps, tokens)],
             norm=norm,
-            encoded=[encoded] if encoded is not None else None,
         )
         self._into_round(fragment, contribution, now)
         info.contributions += 1
