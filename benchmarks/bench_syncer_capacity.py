@@ -55,7 +55,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 from diloco.wire.protocol import ProtocolConfig
@@ -333,7 +333,11 @@ def start_syncers(args, shards: int, work: Path) -> tuple[list[subprocess.Popen]
                 f"--fragments={args.fragments}",
                 f"--shard={i}/{shards}",
                 f"--port-file={port_file}",
-                f"--max-learners={max(args.learners) + 8}",
+                # every synthetic learner calls from 127.0.0.1 with no token of its own, and
+                # one address may hold half of each cap (``limits.ADDRESS_SHARE``) while the
+                # clock asks all M at once: sized for 2·M, so that the M uploads fit (at
+                # M + 8, half of the uploads at M = 24 and 32 were refused, RESOURCE_EXHAUSTED)
+                f"--max-learners={2 * max(args.learners) + 8}",
                 f"--schedule={args.schedule}",
             ]
             if not args.no_persist:
@@ -435,6 +439,7 @@ def measure(args, layout, payload_files, syncers, addresses, shards, m, work, ta
         "accepted_per_s": accepted / dur,
         "stale": stale,
         "refused": refused,
+        "refused_by": dict(Counter(r[4] for r in recs if r[4].startswith(("refused", "failed")))),
         "commits_per_s": commits,
         "merged_MBps": merged,
         "down_MBps": sum(r["received_bytes"] for r in results) / dur / 1e6,
