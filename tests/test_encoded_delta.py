@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.algorithm import codecs, streaming
+from diloco.algorithm import codecs, merge_sizes, streaming
 from diloco.algorithm.codec_sizes import CODECS
 from diloco.algorithm.direction import consensus_cosines
 from diloco.algorithm.encoded_delta import EncodedDelta, decode_span, values_at
@@ -125,14 +125,14 @@ def layout_of_odd_tensors():
     return balanced_fragments(named, 3)
 
 
-@pytest.mark.parametrize("whole_span", [streaming.WHOLE_SPAN_VALUES, 1000])
+@pytest.mark.parametrize("whole_span", [merge_sizes.WHOLE_SPAN_VALUES, 1000])
 @pytest.mark.parametrize("contributors", [1, 3])
 def test_a_merge_of_encoded_deltas_is_the_merge_of_their_decodes(
     contributors, whole_span, monkeypatch
 ):
     """Each tensor's spans decoded whole, or (beyond ``WHOLE_SPAN_VALUES``: here 1,000)
     whole for the norm and a chunk at a time for the sums: the same bits either way."""
-    monkeypatch.setattr(streaming, "WHOLE_SPAN_VALUES", whole_span)
+    monkeypatch.setattr(merge_sizes, "WHOLE_SPAN_VALUES", whole_span)
     layout = layout_of_odd_tensors()
     for i, fragment in enumerate(layout.fragments):
         n = fragment.numel

@@ -9,7 +9,7 @@ vector (``merge_into``) and the down step (``down_step``) goes through ``CHUNK_V
 values at a time, so that what a commit allocates beyond its results is a few chunks; the
 chunks of a pass are split over ``chunk_threads``' threads (the same bits on any of them).
 The merge reads uploads kept as they arrived (``encoded_delta.EncodedDelta``) one tensor's
-span at a time (``WHOLE_SPAN_VALUES``).
+span at a time (``merge_sizes.WHOLE_SPAN_VALUES``).
 
 **Bit for bit.** Every operation done chunk by chunk is elementwise (a sum with a scalar
 factor, a product, a quantisation of a block that a chunk holds whole), and every reduction
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diloco.algorithm import codecs
+from diloco.algorithm import codecs, merge_sizes
 from diloco.algorithm.chunk_threads import for_each_chunk, map_whole
 from diloco.algorithm.encoded_delta import EncodedDelta
 from diloco.algorithm.merge import CANCEL_TOL, check_contributions, spans_by_tensor
@@ -50,23 +50,16 @@ class _Span:
         return self.delta.read(self.start + a, self.start + b, out)
 
 
-WHOLE_SPAN_VALUES = 1 << 23
-"""An encoded delta's span of one tensor up to this many values (32 MB of float32) is
-decoded whole, once, into a ``scratch`` buffer that serves both its norm and the sums (a
-merge of M contributions then holds M of them); a larger one is read twice, whole for its
-norm and a chunk at a time for the sums."""
-
-
 def _part(delta: Delta, where: list[tuple[int, int]], scratch):
     """One tensor's values of ``delta``: a view (one span of a tensor), an encoded delta's
-    span decoded into ``scratch(n)`` (up to ``WHOLE_SPAN_VALUES``) or a ``_Span`` read where
-    it is used, or, for a tensor cut into several spans, the spans gathered into a new
-    tensor (as ``merge.merge_contributions`` gathers them)."""
+    span decoded into ``scratch(n)`` (up to ``merge_sizes.WHOLE_SPAN_VALUES``) or a
+    ``_Span`` read where it is used, or, for a tensor cut into several spans, the spans
+    gathered into a new tensor (as ``merge.merge_contributions`` gathers them)."""
     if len(where) == 1:
         a, b = where[0]
         if isinstance(delta, torch.Tensor):
             return delta[a:b]
-        if b - a <= WHOLE_SPAN_VALUES:
+        if b - a <= merge_sizes.WHOLE_SPAN_VALUES:
             return delta.read(a, b, scratch(b - a)[: b - a])
         return _Span(delta, a, b)
     if isinstance(delta, torch.Tensor):
@@ -155,8 +148,8 @@ def merge_into(
     into several spans of the fragment is gathered as ``merge_contributions`` gathers it.
     An ``EncodedDelta`` is decoded where it is read (the bits of its decoded tensor): a
     tensor's span into a ``scratch(n)`` buffer, held while that tensor is merged, or, beyond
-    ``WHOLE_SPAN_VALUES``, whole for its norm (let go right after) and a chunk at a time for
-    the sums. Returns ``out``."""
+    ``merge_sizes.WHOLE_SPAN_VALUES``, whole for its norm (let go right after) and a chunk
+    at a time for the sums. Returns ``out``."""
     ws = check_contributions(deltas, weights)
     if out.shape != deltas[0].shape or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 of shape {tuple(deltas[0].shape)}")

@@ -11,7 +11,8 @@ commit merges M uploads of its fragment and sends its delta to M learners. Per s
     CPU s/s  = commits/s · v · (M·(decode_up + merge + u·wire) + outer + encode_down
                                 + d·M·wire + durable·persist)
     disk B/s = commits/s · v · durable,     durable = M·u·journal + snapshot/K
-    memory   = f·v·held + M·v·(decoded + u)   (every served value; one round's uploads)
+    memory   = f·v·held + M·(min(v, W)·decoded + v·u)   (every served value; one round's
+               uploads, and the merge's spans of them: W = merge_sizes.WHOLE_SPAN_VALUES)
     network  = commits/s · v · M · u  in,   commits/s · v · M · d  out
 
 The costs (:class:`SyncerCosts`) are measured on the project's 2-core reference machine, one
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from diloco.algorithm.codec_sizes import CODECS
+from diloco.algorithm.merge_sizes import WHOLE_SPAN_VALUES
 from diloco.runtime.schema import option, same_option
 from diloco.runtime.units import GBIT_S, parse_rate, parse_size
 from diloco.syncer.config import SyncerConfig
@@ -33,19 +35,21 @@ REFERENCE_MACHINE = "the project's 2-core reference machine (one torch thread)"
 """Where every cost below was measured; a faster core needs proportionally fewer seconds."""
 
 CODEC_CPU_MS_PER_25M_VALUES: dict[str, tuple[float, float]] = {
-    "fp32": (43.0, 12.8),
-    "bf16": (48.5, 18.1),
-    "int8": (123.7, 43.0),
-    "int4": (116.6, 53.7),
-    "int2": (114.7, 54.8),
-    "sign1": (74.9, 207.5),
-    "sign1w": (76.4, 214.1),
-    "topk2": (1208.1, 61.5),
+    "fp32": (51.1, 24.0),
+    "bf16": (52.5, 37.3),
+    "int8": (79.4, 16.7),
+    "int4": (74.5, 37.7),
+    "int2": (73.3, 23.5),
+    "sign1": (72.9, 8.5),
+    "sign1w": (75.2, 8.7),
+    "topk2": (1277.8, 41.2),
 }
-"""(encode, decode) CPU milliseconds of 25M float32 values per codec, one torch thread:
+"""(encode, read) CPU milliseconds of 25M float32 values per codec, one torch thread:
 benchmarks/RESULTS.md, "Algorithm core", the CPU-time row (`bench_algorithm.py --cpu-time`,
-reference machine, 2026-11-28). The syncer decodes every upload (up codec) and encodes every
-commit's delta (down codec)."""
+reference machine, 2026-11-29). The syncer encodes every commit's delta (down codec) and
+reads every upload (up codec) twice: on arrival for its norm (``norm_chunked_ms``: a sign
+codec's from its scales alone) and at the merge, decoded into a buffer used before
+(``decode_reused_ms``); the read is their sum."""
 
 MERGE_SECONDS_PER_VALUE_PER_CONTRIBUTION = 0.236e-9
 """CPU seconds the merge (token-weighted RDA) spends per value per contribution: the slope of
@@ -61,13 +65,13 @@ PERSIST_SECONDS_PER_BYTE = 3.63e-9
 of one 504 MB commit of a 1B model's fragment through ``FragmentStore`` on the reference
 machine (SHA-256 0.35 s + serialisation 1.48 s; the write and fsync, 1.64 s, are the disk's)."""
 
-WIRE_SECONDS_PER_BYTE = 0.666e-9
+WIRE_SECONDS_PER_BYTE = 1.33e-9
 """CPU seconds per byte received or sent (gRPC in Python, validation): what is left of the
-syncer's measured CPU once the stages above are priced, in RESULTS "Syncer capacity" (M = 24,
-100M parameters, P = H = 24, 0.5 s steps, int4 up, int8 down, 12 bytes/value persisted per
-commit then: 1.10 cores for 104.9 MB/s merged and 196.4 MB/s sent down; reference machine,
-2026-11-26). The same costs price that table's M = 16 rows at 0.86 cores (measured 0.84
-and 0.87: ``tests/test_plan_syncer.py``)."""
+syncer's measured CPU once the stages above are priced, fitted (least squares) to the three
+rows of RESULTS "Syncer capacity" of 2026-11-29 (100M parameters, P = H = 24, 0.5 s steps,
+int4 up, int8 down, the journal and a snapshot every 8 commits; M = 16, 24, 32: 0.88, 1.04
+and 1.00 cores, the last two the whole of the syncer's interpreter lock). With it the model
+gives those rows within 7% (``tests/test_plan_syncer.py``)."""
 
 JOURNAL_BYTES_PER_UPLOAD_BYTE = 1.0
 """Bytes a commit's journal record writes per compressed upload byte it merged: 6.25 MB for
@@ -83,12 +87,13 @@ SYNCER_BYTES_PER_PARAM = 14.0
 """Memory the syncer process holds per parameter it serves, beyond the interpreter: Θ,
 momentum and the wire image need 12; measured 13.8 with ``benchmarks/bench_syncer_memory.py
 --params 50e6 --commits 24`` on the reference machine (2026-11-28; docs/architecture.md,
-"What the syncer holds, per parameter"), rounded up. A round's decoded uploads are counted
-apart (``DECODED_BYTES_PER_VALUE``)."""
+"What the syncer holds, per parameter"), rounded up. A round's uploads and the merge's
+decoded spans are counted apart (``DECODED_BYTES_PER_VALUE``)."""
 
 DECODED_BYTES_PER_VALUE = 4.0
-"""Bytes an upload holds once decoded (fp32): the syncer decodes each on arrival and keeps it
-until its round merges (``syncer/service.py``), beside its compressed bytes for the journal."""
+"""Bytes a value of an upload holds decoded (fp32): the syncer keeps its uploads as they
+arrived (``u`` bytes per value each) and its merge decodes one tensor's span of each at a
+time, at most ``merge_sizes.WHOLE_SPAN_VALUES`` values (``syncer/committer.py``)."""
 
 DEFAULT_SYNCER_MEMORY = parse_size("24GiB")
 """The reference machine's memory (23.5 GiB), rounded."""
@@ -97,6 +102,12 @@ DEFAULT_DISK_MB_S = 300.0
 1.64 s)."""
 DEFAULT_SYNCER_NETWORK_BPS = 10e9
 """10 Gbit/s each way: an assumption (a data-centre NIC), not a measurement."""
+
+PROCESS_CORES = 1.0
+"""Cores one syncer process keeps busy at most, whatever its machine has: its handlers and its
+committer share one interpreter lock. The capacity benchmark's rows that did not keep up
+(RESULTS "Syncer capacity", 2026-11-29: M = 24 and 32) used 1.04 and 1.00 of the 2 cores
+there were. A shard is one process (``diloco syncer --shard I/S``)."""
 
 RESOURCES = ("cores", "memory", "disk", "network")
 """What a shard must fit, in the order the plan reports them."""
@@ -258,18 +269,27 @@ def shard_load(x: Exchange, shards: int, costs: SyncerCosts | None = None) -> Sh
         commits_per_s=commits,
         cores=flow * commit_cpu_s_per_value(x, costs),
         memory_bytes=served * values * costs.held_bytes_per_param
-        + x.learners * values * (costs.decoded_bytes_per_value + bytes_per_value(x.up_codec)),
+        + x.learners
+        * (
+            min(values, WHOLE_SPAN_VALUES) * costs.decoded_bytes_per_value
+            + values * bytes_per_value(x.up_codec)
+        ),
         disk_bytes_per_s=flow * durable_bytes_per_value(x, costs),
         network_in_bps=8 * flow * x.learners * bytes_per_value(x.up_codec),
         network_out_bps=8 * flow * x.learners * bytes_per_value(x.down_codec),
     )
 
 
+def usable_cores(machine: SyncerPlanInputs) -> float:
+    """The cores one shard can keep busy: the machine's, at most ``PROCESS_CORES``."""
+    return min(machine.syncer_cores, PROCESS_CORES)
+
+
 def use(load: ShardLoad, machine: SyncerPlanInputs) -> dict[str, float]:
     """Each resource's share of one shard's machine that ``load`` takes (network: the busier
     direction); a resource fits at most 1."""
     return {
-        "cores": load.cores / machine.syncer_cores,
+        "cores": load.cores / usable_cores(machine),
         "memory": load.memory_bytes / machine.syncer_memory,
         "disk": load.disk_bytes_per_s / (machine.syncer_disk_mbps * 1e6),
         "network": max(load.network_in_bps, load.network_out_bps) / machine.syncer_network,
@@ -349,7 +369,7 @@ def syncer_lines(section: dict) -> list[str]:
         )
         lines.append(
             f"    {who}: "
-            f"{shard['cores']:.3g} of {machine.syncer_cores:g} cores, "
+            f"{shard['cores']:.3g} of {_cores(machine)}, "
             f"{_bytes(shard['memory_bytes'])} of {_bytes(machine.syncer_memory)}, "
             f"{shard['disk_bytes_per_s'] / 1e6:.3g} of {machine.syncer_disk_mbps:g} MB/s, "
             f"{max(shard['network_in_bps'], shard['network_out_bps']) / 1e9:.3g} of "
@@ -360,6 +380,14 @@ def syncer_lines(section: dict) -> list[str]:
         f"at {SYNCER_BYTES_PER_PARAM:g} bytes/parameter, what a syncer holds today"
     )
     return lines
+
+
+def _cores(machine: SyncerPlanInputs) -> str:
+    """``2 cores``, or ``1 core (one process's, of 2)`` where the process limit binds."""
+    usable = usable_cores(machine)
+    if usable < machine.syncer_cores:
+        return f"{usable:g} core (one process's, of {machine.syncer_cores:g})"
+    return f"{usable:g} cores"
 
 
 def _count(n: float) -> str:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.algorithm.streaming import WHOLE_SPAN_VALUES
+from diloco.algorithm.merge_sizes import WHOLE_SPAN_VALUES
 from diloco.runtime import clock
 from diloco.runtime.buffers import BufferPool
 from diloco.runtime.watchdog import Watchdog
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 SPAN_BUFFERS = 8
 """Span buffers the committer keeps for its merges (``Committer.spans``): one per upload of a
 round of up to 8 learners; a larger round's others are new for each tensor. At most 8 × 32
-MB (``streaming.WHOLE_SPAN_VALUES``), 4 MB each for 1024 × 1024 matrices."""
+MB (``merge_sizes.WHOLE_SPAN_VALUES``), 4 MB each for 1024 × 1024 matrices."""
 
 MAX_REASON_CHARS = 500
 """Refusal messages are cut to this length (they may quote what a client sent)."""
@@ -167,11 +167,11 @@ class Committer:
         """The merged deltas' and the new wire images' buffers, reused (``runtime.buffers``):
         one wire image per fragment held, a merged delta, the wire image a commit just
         replaced and the span of a tensor the merge decodes beyond
-        ``streaming.WHOLE_SPAN_VALUES`` for its norm; no fresh fragment-sized buffer (its
+        ``merge_sizes.WHOLE_SPAN_VALUES`` for its norm; no fresh fragment-sized buffer (its
         pages zeroed) per commit."""
         self.spans = BufferPool(keep=SPAN_BUFFERS)
         """The buffers the merge decodes its uploads' tensor spans into (one per upload of
-        the tensor being merged, up to ``streaming.WHOLE_SPAN_VALUES`` values each)."""
+        the tensor being merged, up to ``merge_sizes.WHOLE_SPAN_VALUES`` values each)."""
         self._thread = threading.Thread(target=self._commit_loop, name="committer", daemon=True)
         self.snapshots = (
             Snapshots(
@@ -308,7 +308,7 @@ class Committer:
 
     def _span_buffer(self, n: int) -> torch.Tensor:
         """A buffer for the merge to decode ``n`` values of an upload into: a kept one up to
-        ``streaming.WHOLE_SPAN_VALUES`` values, else a fragment-sized one of ``buffers``."""
+        ``merge_sizes.WHOLE_SPAN_VALUES`` values, else a fragment-sized one of ``buffers``."""
         pool = self.spans if n <= WHOLE_SPAN_VALUES else self.buffers
         return pool.tensor(n)
 
