@@ -133,3 +133,26 @@ def test_an_admitted_upload_waits_for_its_commit_as_it_arrived_not_decoded():
     finally:
         peer.close()
         server.stop()
+
+
+def test_an_encoded_upload_is_refused_as_its_decoded_tensor_was_even_without_the_norm_guard():
+    """Kept as it arrived, an upload is still refused where its decoded tensor was: a norm
+    past float32's range (the decoded tensor's norm overflowed to inf, which the guard
+    refuses even when it is off) and a payload that does not decode (``Refused``, not a
+    codec error, when the caller left the norm to ``submit``)."""
+    from diloco.syncer.records import Refused
+
+    config = SyncerConfig(schedule="learner", norm_guard_k=0.0, quorum=2)
+    state, layout, _ = syncer_state(tiny_model(0, (64, 64, 4), tanh=False), config, num_fragments=2)
+    session = join_state(state, "a")
+    n = layout.fragments[0].numel
+    huge = codecs.encode(torch.full((n,), 3e18), "sign1")  # ‖·‖ ≈ 3e18·√n: past 1.8e19
+    assert float(codecs.decode(huge, n, "sign1").norm()) == float("inf")
+    bad = bytearray(codecs.encode(torch.ones(n), "sign1"))
+    bad[0:4] = bytes.fromhex("0000c07f")  # a NaN scale
+    for payload, why in ((huge, "norm"), (bytes(bad), "cannot decode")):
+        delta = EncodedDelta([("sign1", payload)], n)
+        with pytest.raises(Refused, match=why):
+            state.submit("a", session, fragment=0, base_version=0, steps=2, tokens=10,
+                         delta=delta, step_time_s=1.0, nbytes=len(payload), now=1.0)  # fmt: skip
+    assert state.rounds.get(0) is None or not state.rounds[0].contributions

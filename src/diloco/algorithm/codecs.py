@@ -537,8 +537,9 @@ def _sign_parts(mv: memoryview, n: int, codec: str) -> tuple[np.ndarray, np.ndar
 def payload_norm(data: bytes | bytearray | memoryview, numel: int, codec: str) -> float | None:
     """``‖decode(data, numel, codec)‖`` read from a sign codec's scales alone (every value of
     a block is ± its scale: ``√Σ count·scale²``, summed in float64, not the bits of a norm
-    of the decoded tensor), the payload refused as :func:`decode` refuses it; ``None`` for
-    the other codecs (their values need their codes)."""
+    of the decoded tensor; ``inf`` once the sum of squares passes float32's largest value,
+    as a float32 norm overflows), the payload refused as :func:`decode` refuses it; ``None``
+    for the other codecs (their values need their codes)."""
     if codec not in SIGN_BLOCKS:
         return None
     mv = memoryview(data).cast("B")
@@ -547,7 +548,8 @@ def payload_norm(data: bytes | bytearray | memoryview, numel: int, codec: str) -
         raise CodecError(f"{codec}: payload is {mv.nbytes} bytes, expected {want}")
     scale, _ = _sign_parts(mv, numel, codec)
     counts = _block_counts(numel, SIGN_BLOCKS[codec]).numpy().astype(np.float64)
-    return math.sqrt(float(np.dot(counts, np.square(scale, dtype=np.float64))))
+    squares = float(np.dot(counts, np.square(scale, dtype=np.float64)))
+    return math.inf if squares > _F32_MAX else math.sqrt(squares)
 
 
 def _decode_sign(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:

@@ -38,6 +38,7 @@ go may wait for another thread's turn to get it back: beside a thread running Py
 decoded whole (reference machine, median of 5; 17-22 ms each alone)."""
 
 _INT_LEVELS = {"int8": 1, "int4": 2, "int2": 4}  # codes per byte
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def decode_span(
@@ -196,9 +197,10 @@ class EncodedDelta:
     def norm(self) -> float:
         """``‖delta‖``: for one upload of a sign codec from its scales alone
         (``codecs.payload_norm``), else from one pass a chunk at a time (the chunks' norms
-        summed in float64); not the bits of a whole-tensor norm. Raises what
-        ``codecs.decode`` raises on a bad payload: the syncer admits an upload only after
-        this."""
+        summed in float64); not the bits of a whole-tensor norm, but ``inf`` where that one
+        overflows float32 (its sum of squares past float32's largest value: the norm guard
+        refuses it, as it refused the decoded tensor's). Raises what ``codecs.decode``
+        raises on a bad payload: the syncer admits an upload only after this."""
         if len(self.parts) == 1:
             codec, payload = self.parts[0]
             fast = codecs.payload_norm(payload, self._numel, codec)
@@ -209,4 +211,4 @@ class EncodedDelta:
         for a in range(0, self._numel, READ_CHUNK_VALUES):
             b = min(self._numel, a + READ_CHUNK_VALUES)
             squares += float(torch.linalg.vector_norm(self.read(a, b, chunk[: b - a]))) ** 2
-        return math.sqrt(squares)
+        return math.inf if squares > FLOAT32_MAX else math.sqrt(squares)

@@ -381,6 +381,15 @@ def check_counters(
         raise Refused("INVALID_ARGUMENT", "delta has non-finite values")
 
 
+def norm_of(delta: torch.Tensor | EncodedDelta) -> float:
+    """``‖delta‖``; ``Refused`` (INVALID_ARGUMENT) for an ``EncodedDelta`` whose payload does
+    not decode (``EncodedDelta.norm`` reads it all)."""
+    try:
+        return float(delta.norm())
+    except codecs.CodecError as exc:
+        raise Refused("INVALID_ARGUMENT", f"cannot decode the delta: {exc}") from None
+
+
 def check_room_in_round(earlier: Contribution | None, *, fragment: int) -> None:
     """Raise ``Refused("FAILED_PRECONDITION")`` when ``earlier``, a learner's contribution
     to ``fragment``'s open round (None: it has none), already sums ``UPLOADS_PER_ROUND``

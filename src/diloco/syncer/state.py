@@ -56,6 +56,7 @@ from diloco.syncer.records import (
     check_counters,
     check_room_in_round,
     learn_tokens_per_step,
+    norm_of,
     span,
     state_digest,
 )
@@ -358,7 +359,7 @@ class SyncerState:
         round_ = self.rounds.get(fragment)  # an earlier increment is summed with this one
         earlier = round_.contributions.get(info.learner_id) if round_ is not None else None
         check_room_in_round(earlier, fragment=fragment)
-        norm = float(counters["delta"].norm()) if norm is None else norm
+        norm = norm_of(counters["delta"]) if norm is None else norm
         steps = self.roster.credited_steps(info, fragment, counters["steps"], now)
         verdict = check_norm(
             norm,
