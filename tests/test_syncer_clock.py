@@ -13,7 +13,7 @@ import torch
 from kit import join_state, syncer_state, tiny_model
 
 from diloco.algorithm.guard import MAX_SPEEDUP
-from diloco.algorithm.rounds import fleet_step_time, next_tick, tick_period
+from diloco.algorithm.rounds import MAKE_UP_TICKS, fleet_step_time, next_tick, tick_period
 from diloco.config import from_dict
 from diloco.config.run import RunConfig
 from diloco.syncer.config import SyncerConfig
@@ -66,12 +66,20 @@ def test_the_pace_and_the_turns_of_the_clock():
     assert (t.fragment, t.next_at, t.cursor) == (1, 5.5, 2)  # 0 is still open: skipped
     t = next_tick(5.2, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
     assert t.fragment is None and t.next_at == 5.5
-    # a late tick: the one it passed over comes at once, then the period runs from there;
-    # the seven more it passed over are not made up
+    # a late tick: the two before now on the period's beat come at once (MAKE_UP_TICKS),
+    # then the period runs from there; the five more it passed over are not made up
+    assert MAKE_UP_TICKS == 2
     t = next_tick(9.0, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
-    assert (t.fragment, t.next_at, t.cursor) == (2, 9.0, 0)
-    t = next_tick(9.01, due_at=9.0, period=0.5, cursor=0, served=[0, 1, 2], open_fragments=[])
-    assert (t.fragment, t.next_at) == (0, 9.5)
+    assert (t.fragment, t.next_at, t.cursor) == (2, 8.5, 0)
+    t = next_tick(9.01, due_at=8.5, period=0.5, cursor=0, served=[0, 1, 2], open_fragments=[])
+    assert (t.fragment, t.next_at) == (0, 9.0)
+    t = next_tick(9.02, due_at=9.0, period=0.5, cursor=1, served=[0, 1, 2], open_fragments=[])
+    assert (t.fragment, t.next_at) == (1, 9.5)
+    # late by 1.4 periods (a commit held the clock): the one passed over, on the beat
+    t = next_tick(6.2, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
+    assert t.next_at == 6.0
+    t = next_tick(6.21, due_at=6.0, period=0.5, cursor=0, served=[0, 1, 2], open_fragments=[])
+    assert t.next_at == 6.5
     t = next_tick(5.9, due_at=5.5, period=0.5, cursor=2, served=[0, 1, 2], open_fragments=[])
     assert (t.fragment, t.next_at) == (2, 6.0)  # late by less than a period: on its beat
     with pytest.raises(ValueError):
@@ -131,15 +139,16 @@ def test_a_round_nobody_answers_is_asked_again_on_its_next_turn():
 
 
 def test_a_late_tick_makes_up_one_tick_and_no_more_even_when_the_pace_rises():
-    """A tick a period or more late makes up the one it passed over, at once, and only that
-    one: not a second when the pace rises meanwhile (the earlier due time of the faster pace
-    lies in the past), and the made-up tick does not ask again a round opened just before."""
+    """A tick a period or more (and under two) late makes up the one it passed over, at
+    once, and only that one: not a second when the pace rises meanwhile (the earlier due
+    time of the faster pace lies in the past), and the made-up tick does not ask again a
+    round opened just before."""
     state, layout, _ = make_state(P=2, sync_every=4)  # 10 steps/s: a tick every 0.2 s
     session = join(state, "a", layout)
     request, next_at = state.tick(1.0)
     assert request.fragment == 0 and next_at == pytest.approx(1.2)
-    request, next_at = state.tick(1.5)  # due at 1.2: a period late
-    assert request is not None and next_at == 1.5
+    request, next_at = state.tick(1.5)  # due at 1.2: a period and a half late
+    assert request is not None and next_at == pytest.approx(1.4)  # (the one passed over)
     state.heartbeat("a", session, now=1.5, steps_per_s=40.0)  # a tick every 0.05 s now
     fired = 0
     t = 1.5
@@ -152,9 +161,9 @@ def test_a_late_tick_makes_up_one_tick_and_no_more_even_when_the_pace_rises():
     join(state, "a", layout)
     assert state.tick(1.0)[0].fragment == 0
     request, next_at = state.tick(1.25)  # unanswered on its next turn: asked again, late
-    assert request.fragment == 0 and next_at == 1.25
+    assert request.fragment == 0 and next_at == pytest.approx(1.2)
     request, next_at = state.tick(1.25)  # the made-up tick: that round was asked just now
-    assert request is None and next_at == pytest.approx(1.35)
+    assert request is None and next_at == pytest.approx(1.3)
 
 
 def test_a_final_answer_answers_the_next_round_and_nothing_waits_forever_without_learners():

@@ -259,6 +259,12 @@ class Tick:
     reason: str
 
 
+MAKE_UP_TICKS = 2
+"""Ticks a late tick may make up: on a 1B tape (P = 24, M = 4, a tick every 0.667 s) the
+clock lost four ticks in 128 s to intervals of 2.1 to 2.4 periods, while commits held the
+committer's thread, when one was made up."""
+
+
 def next_tick(
     now: float,
     *,
@@ -273,16 +279,18 @@ def next_tick(
     Fragments are taken in turn (``served[cursor]``); a fragment whose previous round is
     still open is skipped this turn (its learners are still answering), so at most one round
     per fragment is open. ``due_at`` is when this tick was due (``None``: the first tick,
-    due now). A tick a period or more late makes up the one it passed over: the next is due
-    at once (``now``), and from that one the period runs again; more ticks passed over are not
-    made up. So a commit that held the clock back costs no round, a longer stall no burst.
+    due now). A tick a period or more late makes up the ticks it passed over, at most
+    ``MAKE_UP_TICKS`` of them: the next is due on the period's beat, but never more than
+    ``MAKE_UP_TICKS − 1`` periods before ``now`` (so that many come at once), and from the
+    last the period runs again. So commits that held the clock back cost no round, a longer
+    stall no more than a short burst.
     """
     if period is None:
         return Tick(None, None, cursor, "no step estimate yet")
     if due_at is not None and now < due_at:
         return Tick(None, due_at, cursor, "not yet")
     start = due_at if due_at is not None else now
-    next_at = start + period if now < start + period else now
+    next_at = max(start + period, now - (MAKE_UP_TICKS - 1) * period)
     n = len(served)
     for k in range(n):
         p = served[(cursor + k) % n]
