@@ -102,7 +102,8 @@ from diloco.algorithm.codec_sizes import (
 )
 
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # largest |q|
-_F32_MAX = float(torch.finfo(torch.float32).max)
+F32_MAX = float(torch.finfo(torch.float32).max)
+"""float32's largest finite value."""
 _F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
 DECODE_CHUNK_VALUES = 1 << 18
 """Values a sign decode writes at a time (1 MB of float32): its passes over them stay in the
@@ -361,7 +362,7 @@ def _decode_int(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:
     scale = torch.from_numpy(np.frombuffer(mv, dtype="<f4", count=nb).astype(np.float32))
     if not all_finite(scale):
         raise _non_finite_error(scale, codec, "payload scales")
-    if bool((scale < 0).any()) or bool((scale > _F32_MAX / levels).any()):
+    if bool((scale < 0).any()) or bool((scale > F32_MAX / levels).any()):
         raise CodecError(f"{codec}: payload has a scale outside [0, float32 max / {levels}]")
     codes = np.frombuffer(mv, dtype=np.int8, offset=4 * nb)
     if codec in _CODES_OF_BYTE:  # each byte's codes at once: one table lookup per byte
@@ -508,7 +509,7 @@ def _encode_sign(x: torch.Tensor, block: int) -> bytes:
     scale = buf.view(nb, block).abs_().div_(_block_counts(n, block)[:, None]).sum(1)
     # a mean is at most its largest |x|, but the rounding of a block whose length is not a
     # power of two can carry it above float32's max: keep what is sent decodable
-    scale.clamp_(max=_F32_MAX)
+    scale.clamp_(max=F32_MAX)
     packed = np.packbits(bits.numpy(), axis=None, bitorder="little")  # value 8j + k: bit k
     return _le(scale, "<f4").tobytes() + packed[: (n + 7) // 8].tobytes()
 
@@ -549,7 +550,7 @@ def payload_norm(data: bytes | bytearray | memoryview, numel: int, codec: str) -
     scale, _ = _sign_parts(mv, numel, codec)
     counts = _block_counts(numel, SIGN_BLOCKS[codec]).numpy().astype(np.float64)
     squares = float(np.dot(counts, np.square(scale, dtype=np.float64)))
-    return math.inf if squares > _F32_MAX else math.sqrt(squares)
+    return math.inf if squares > F32_MAX else math.sqrt(squares)
 
 
 def _decode_sign(mv: memoryview, n: int, codec: str, empty) -> torch.Tensor:

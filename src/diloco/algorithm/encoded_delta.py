@@ -38,7 +38,6 @@ go may wait for another thread's turn to get it back: beside a thread running Py
 decoded whole (reference machine, median of 5; 17-22 ms each alone)."""
 
 _INT_LEVELS = {"int8": 1, "int4": 2, "int2": 4}  # codes per byte
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def decode_span(
@@ -211,4 +210,4 @@ class EncodedDelta:
         for a in range(0, self._numel, READ_CHUNK_VALUES):
             b = min(self._numel, a + READ_CHUNK_VALUES)
             squares += float(torch.linalg.vector_norm(self.read(a, b, chunk[: b - a]))) ** 2
-        return math.inf if squares > FLOAT32_MAX else math.sqrt(squares)
+        return math.inf if squares > codecs.F32_MAX else math.sqrt(squares)
