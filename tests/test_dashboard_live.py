@@ -143,15 +143,23 @@ def test_metrics_are_scraped_during_the_run(live_run):
     tokens = ("diloco_tokens_total", ())
     first = scrape(base + "metrics", token)
 
+    learners = ("learner-0", "learner-1")
+
+    def learner_tokens(scraped: dict, learner: str) -> float:
+        return scraped.get(("diloco_learner_tokens_total", (("learner", learner),)), 0.0)
+
     def grown() -> dict | None:
         now = scrape(base + "metrics", token)
-        return now if now[tokens] > first[tokens] else None
+        reported = all(learner_tokens(now, learner) > 0 for learner in learners)
+        return now if now[tokens] > first[tokens] and reported else None
 
     # The tokens trained grow with the learners' next progress report: wait for it, not for a
-    # fixed window (on a loaded machine 3 s once saw none).
+    # fixed window (on a loaded machine 3 s once saw none). A learner restarted by the kill
+    # counts its tokens from 0 again until its first report after the restart (a counter
+    # reset, as a restarted process's counters are): wait for that report too.
     second = wait_until(grown, METRICS_GROW_S, f"{tokens[0]} to grow", interval=0.5, alive=proc)
     assert second[("diloco_rounds_total", ())] > 0
-    for learner in ("learner-0", "learner-1"):
+    for learner in learners:
         assert second[("diloco_learner_tokens_total", (("learner", learner),))] > 0
         assert second[("diloco_learner_contributions_total", (("learner", learner),))] > 0
     versions = [v for (name, _), v in second.items() if name == "diloco_fragment_version"]
