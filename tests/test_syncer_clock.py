@@ -13,7 +13,13 @@ import torch
 from kit import join_state, syncer_state, tiny_model
 
 from diloco.algorithm.guard import MAX_SPEEDUP
-from diloco.algorithm.rounds import MAKE_UP_TICKS, fleet_step_time, next_tick, tick_period
+from diloco.algorithm.rounds import (
+    MAKE_UP_TICKS,
+    RoundClock,
+    fleet_step_time,
+    next_tick,
+    tick_period,
+)
 from diloco.config import from_dict
 from diloco.config.run import RunConfig
 from diloco.syncer.config import SyncerConfig
@@ -164,6 +170,37 @@ def test_a_late_tick_makes_up_one_tick_and_no_more_even_when_the_pace_rises():
     assert request.fragment == 0 and next_at == pytest.approx(1.2)
     request, next_at = state.tick(1.25)  # the made-up tick: that round was asked just now
     assert request is None and next_at == pytest.approx(1.3)
+
+
+def test_the_clock_counts_the_due_ticks_it_did_not_make():
+    """``RoundClock.lost``: beats a stall passed over beyond the make-up, a due tick that found
+    every fragment's round open, and an owed tick's time when the pace rose; none while no
+    learner is live (nothing is due then)."""
+    clock, served = RoundClock(), [0, 1, 2]
+    assert clock.tick(1.0, 0.5, served, [], live=True).fragment == 0
+    assert clock.tick(1.5, 0.5, served, [], live=True).lost == 0  # on its beat
+    t = clock.tick(4.0, 0.5, served, [], live=True)  # due at 2.0: 2.5 and 3.0 passed over
+    assert t.fragment is not None and t.next_at == 3.5 and clock.lost == 2.0
+    clock.tick(4.0, 0.5, served, [], live=True)  # 3.5, made up
+    assert clock.due_at == 4.0 and clock.lost == 2.0
+    clock.tick(4.0, 0.5, served, [], live=True)  # 4.0, on its beat: three ticks at once
+    assert clock.due_at == 4.5 and clock.lost == 2.0
+    t = clock.tick(4.5, 0.5, served, served, live=True)  # due, but every round still open
+    assert t.fragment is None and t.next_at == 5.0 and clock.lost == 3.0
+    t = clock.tick(20.0, 0.5, served, [], live=False)  # nobody live: nothing was due
+    assert t.fragment is None and clock.lost == 3.0
+    clock = RoundClock()
+    clock.tick(1.0, 0.5, served, [], live=True)
+    t = clock.tick(1.75, 0.25, served, [], live=True)  # owed since 1.5, and the pace rose
+    assert t.fragment is not None and t.next_at == 2.0 and clock.lost == 1.0
+
+
+def test_a_syncer_whose_clock_stalled_says_how_many_due_ticks_it_lost():
+    state, layout, _ = make_state(P=2, sync_every=4)  # 10 steps/s: a tick every 0.2 s
+    join(state, "a", layout)
+    assert state.tick(1.0)[0] is not None and state.clock.lost == 0
+    request, _ = state.tick(2.0)  # due at 1.2: 1.4, 1.6 passed over, 1.8 made up at once
+    assert request is not None and state.clock.lost == pytest.approx(2.0)
 
 
 def test_a_final_answer_answers_the_next_round_and_nothing_waits_forever_without_learners():

@@ -257,6 +257,10 @@ class Tick:
     cursor: int
     """Index in the served fragments of the fragment the next tick considers."""
     reason: str
+    lost: float = 0.0
+    """Due ticks this one did not make, in periods: those a stall passed over beyond
+    ``MAKE_UP_TICKS`` (a fraction when the beat moves), and this one itself when every
+    fragment still had an open round."""
 
 
 MAKE_UP_TICKS = 2
@@ -291,12 +295,60 @@ def next_tick(
         return Tick(None, due_at, cursor, "not yet")
     start = due_at if due_at is not None else now
     next_at = max(start + period, now - (MAKE_UP_TICKS - 1) * period)
+    passed_over = (next_at - (start + period)) / period
     n = len(served)
     for k in range(n):
         p = served[(cursor + k) % n]
         if p not in open_fragments:
-            return Tick(p, next_at, (cursor + k + 1) % n, f"fragment {p}'s turn")
-    return Tick(None, next_at, cursor, "every fragment has an open round")
+            return Tick(p, next_at, (cursor + k + 1) % n, f"fragment {p}'s turn", passed_over)
+    return Tick(None, next_at, cursor, "every fragment has an open round", passed_over + 1)
+
+
+class RoundClock:
+    """The syncer's clock as a part that owns its state: when the next tick is due, the
+    period that was set with, whose turn it is, and the due ticks lost so far. Each call is
+    ``next_tick`` with the clock read by the caller (``now``)."""
+
+    def __init__(self) -> None:
+        self.due_at: float | None = None
+        """When the next tick is due (``None``: the first tick, due at once)."""
+        self.period: float | None = None
+        """The period ``due_at`` was set with."""
+        self.cursor = 0
+        """Index in the served fragments of the fragment the next tick considers."""
+        self.lost = 0.0
+        """Due ticks lost while learners were live, in periods (``Tick.lost``, summed): a
+        syncer that makes every due commit keeps this at 0."""
+
+    def tick(
+        self,
+        now: float,
+        period: float | None,
+        served: list[int],
+        open_fragments: Collection[int],
+        live: bool,
+    ) -> Tick:
+        """The tick at ``now`` at ``period`` (``tick_period``). When the pace rose, the due
+        tick comes sooner too, but not before ``now``: a tick owed then is made now, and the
+        time since it was due counts as lost. ``live``: some learner can be asked
+        (with none, no round opens and no tick counts as lost)."""
+        due, lost = self.due_at, 0.0
+        if due is not None and period is not None and period < (self.period or 0.0):
+            lost = max(0.0, now - due) / period  # (a tick owed: its beat moves to now)
+            due = max(now, due - (self.period - period))
+        self.period = period
+        t = next_tick(
+            now,
+            due_at=due,
+            period=period,
+            cursor=self.cursor,
+            served=served,
+            open_fragments=open_fragments if live else served,
+        )
+        self.due_at, self.cursor = t.next_at, t.cursor
+        if live:
+            self.lost += t.lost + lost
+        return t
 
 
 class Ema:

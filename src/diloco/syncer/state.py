@@ -34,9 +34,9 @@ from diloco.algorithm.rounds import (
     Ema,
     Estimates,
     OpenRound,
+    RoundClock,
     admit_contribution,
     decide_round,
-    next_tick,
     scheduled_sync_every,
     tick_period,
 )
@@ -124,9 +124,8 @@ class SyncerState:
         self.bytes_down = 0
         self._ema_quorum = Ema(config.ema_decay)
         self._ema_sync = Ema(config.ema_decay)
-        self._tick_due: float | None = None
-        self._period: float | None = None  # the period the due tick was set with
-        self._cursor = 0
+        self.clock = RoundClock()
+        """The syncer's clock: the next tick and the due ticks lost (``rounds.RoundClock``)."""
         self.roster = LearnerRoster(
             config,
             layout,
@@ -469,20 +468,7 @@ class SyncerState:
         # not answer) is asked again, unless it was asked under half a period ago (by the
         # tick before a made-up one); one with answers closes within its grace window.
         busy = [p for p, r in self.rounds.items() if r.busy(now, (period or 0.0) / 2)]
-        due = self._tick_due
-        if due is not None and period is not None and period < (self._period or 0.0):
-            # the pace rose: the next tick comes sooner too, but not before now (not late)
-            due = max(now, due - (self._period - period))
-        self._period = period
-        t = next_tick(
-            now,
-            due_at=due,
-            period=period,
-            cursor=self._cursor,
-            served=self.served,
-            open_fragments=busy if live else self.served,  # nobody to ask: no round opens
-        )
-        self._tick_due, self._cursor = t.next_at, t.cursor
+        t = self.clock.tick(now, period, self.served, busy, live=bool(live))
         if t.fragment is None:
             return None, t.next_at
         round_ = self.rounds.get(t.fragment)
