@@ -21,8 +21,9 @@ tmpfs, for the kernel to count write bytes).
 **Phases.** Warm-up until every fragment has committed once (a fragment's first commit is
 written whole; later ones append to the journal), then ``--settle`` seconds; the measured
 window (``--duration`` seconds; by default one snapshot cycle at the due rate, K·P commits
-with K = ``commits_per_snapshot``, so that the kernel's count holds each fragment's snapshot
-once); the learners listen ``--drain-steps`` more steps and stop; the syncer is killed
+with K the records between a fragment's snapshots for M uploads per commit,
+``snapshot_interval.records_per_snapshot``, so that the kernel's count holds each fragment's
+snapshot once); the learners listen ``--drain-steps`` more steps and stop; the syncer is killed
 (SIGKILL) and started again on its state directory.
 
 **Measures**, per (N, M), over the window:
@@ -46,7 +47,10 @@ once); the learners listen ``--drain-steps`` more steps and stop; the syncer is 
   at most ``floor(W / period) + 1`` due times, whatever their phase; made are the commits
   (the tape's round records, read after the learners stop) of rounds the clock opened in
   the window. The per-commit figures below divide by the commits the syncer made in the
-  window (its Status), whichever round they closed.
+  window (its Status), whichever round they closed. The clock's own count is exact, phase
+  included: its ticks in the window (the tape's tick records), those whose round was
+  committed, and the due ticks it lost in the window (``RoundClock.lost``, in periods).
+  Every due commit was made when the ticks committed are the ticks made and none was lost.
 - *Upload-to-commit latency*, in steps: from an accepted upload's send to the arrival, on
   its learner's stream, of the version that merges it (``current_version + 1``); an upload
   whose version had not arrived when the learners stopped counts as infinite (JSON:
@@ -55,8 +59,9 @@ once); the learners listen ``--drain-steps`` more steps and stop; the syncer is 
   the kernel's ``write_bytes`` (less ``cancelled_write_bytes``) and ``wchar`` of the syncer
   process (``/proc/PID/io``: all its threads) per commit; the *durable bytes per commit*:
   those write bytes less the snapshots written in the window, plus one snapshot file's size
-  over the snapshot interval (snapshots amortised: each fragment is written whole every
-  ``commits_per_snapshot`` of its commits), and its ratio to the compressed bytes merged.
+  over the snapshot interval (snapshots amortised: each fragment is written whole every K
+  of its commits, K as the syncer decides it from those bytes per commit,
+  ``snapshot_every``), and its ratio to the compressed bytes merged.
 - *Memory*: the syncer's peak (``VmHWM``: its start included) and steady (``VmRSS`` at the
   window's end) resident bytes per parameter.
 - *Restart*: from starting the syncer again on its state directory (after SIGKILL) until it
@@ -178,6 +183,7 @@ def serve(args: argparse.Namespace) -> int:
                 "seq": seq,
                 "stages": committer.stage_times.take(),
                 "snapshots_written": committer.snapshots.written,
+                "clock_lost": server.state.clock.lost,
             }
             write_atomically(Path(args.stats_file), json.dumps(stats))
 
@@ -328,21 +334,28 @@ def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.2) -> None:
         time.sleep(poll_s)
 
 
-def tape_rounds(tape: Path) -> list[dict]:
-    """The tape's round records (their ``t``: when the round closed, ``opened_at``: when the
-    clock last opened it, wall time)."""
-    rounds = []
+def tape_records(tape: Path, event: str) -> list[dict]:
+    """The tape's records of ``event`` (a torn last line, from the kill, skipped). Rounds:
+    ``t`` when the round closed, ``opened_at`` when the clock last opened it (wall time);
+    ticks: ``t`` when the clock opened a round and asked its learners."""
+    records = []
     with tape.open() as f:
         for line in f:
-            if '"round"' not in line:
+            if f'"{event}"' not in line:
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if record.get("event") == "round":
-                rounds.append(record)
-    return rounds
+            if record.get("event") == event:
+                records.append(record)
+    return records
+
+
+def committed_after(rounds: list[dict], tick: dict) -> bool:
+    """Whether the round ``tick`` opened was committed: the tape holds a round of its
+    fragment at a version above the one the tick asked about."""
+    return any(r["fragment"] == tick["fragment"] and r["version"] > tick["version"] for r in rounds)
 
 
 def latencies_steps(results: list[dict], t0: float, t1: float, step: float) -> list[float]:
@@ -371,6 +384,7 @@ def measure(args, params: int, m: int, work: Path) -> dict:
     """One (N, M) point: a fresh syncer, M learners, the window, the restart; its row."""
     from diloco.algorithm.rounds import tick_period
     from diloco.syncer.config import SyncerConfig
+    from diloco.syncer.snapshot_interval import records_per_snapshot
     from diloco.syncer.stage_times import STAGES, percentile
 
     config = SyncerConfig()
@@ -381,6 +395,7 @@ def measure(args, params: int, m: int, work: Path) -> dict:
     threads = syncer_default("threads")
     copy_s = copy_reference_s(round(numel), threads)
     tag = f"n{n}-m{m}"
+    duration = args.duration if args.duration is not None else snapshot_cycle_s(args.step, m)
     payload_dir = work / f"payloads-{tag}"
     payload_dir.mkdir()
     payloads = fleet.write_payloads(layout, payload_dir, config.up_codec)
@@ -402,7 +417,7 @@ def measure(args, params: int, m: int, work: Path) -> dict:
             "step_s": args.step,
             "start_at": time.time() + 2.0,  # time for every client to join first
             "warmup_s": 0.0,
-            "duration_s": args.warmup_timeout + args.settle + args.duration + 600,
+            "duration_s": args.warmup_timeout + args.settle + duration + 600,
             "subscribe": True,
             "schedule": config.schedule,
             "steps": H,
@@ -426,8 +441,8 @@ def measure(args, params: int, m: int, work: Path) -> dict:
         time.sleep(args.settle)
         syncer.stats()  # (the warm-up's stage times, forgotten)
         s0, io0, w0 = status(syncer.address), proc_io(syncer.proc.pid), time.time()
-        snaps0 = syncer.stats()["snapshots_written"]
-        time.sleep(args.duration)
+        stats0 = syncer.stats()
+        time.sleep(duration)
         window = syncer.stats()
         s1, io1, w1 = status(syncer.address), proc_io(syncer.proc.pid), time.time()
         memory = proc_memory(syncer.proc.pid)
@@ -459,7 +474,7 @@ def measure(args, params: int, m: int, work: Path) -> dict:
     committed = s1.rounds - s0.rounds
     span = w1 - w0
     period = tick_period(args.step, sync_every=H, fragments=P)
-    taped = tape_rounds(state_dir / "events.jsonl")
+    taped = tape_records(state_dir / "events.jsonl", "round")
     rounds = [r for r in taped if w0 <= r["t"] <= w1]
     opened = [r for r in taped if r["opened_at"] is not None and w0 <= r["opened_at"] <= w1]
     compressed = statistics.mean(r["bytes_up"] for r in rounds) if rounds else 0.0
@@ -469,11 +484,12 @@ def measure(args, params: int, m: int, work: Path) -> dict:
     )
     snapshot_files = list((state_dir / "fragments").glob("p*.safetensors"))
     snapshot_bytes = statistics.mean(f.stat().st_size for f in snapshot_files)
-    snapshots = window["snapshots_written"] - snaps0
+    snapshots = window["snapshots_written"] - stats0["snapshots_written"]
+    ticks = [t for t in tape_records(state_dir / "events.jsonl", "tick") if w0 <= t["t"] <= w1]
     per_commit = max(committed, 1)
-    durable = max(0.0, written - snapshots * snapshot_bytes) / per_commit + (
-        snapshot_bytes / config.commits_per_snapshot
-    )
+    journal = max(0.0, written - snapshots * snapshot_bytes) / per_commit
+    snapshot_every = records_per_snapshot(journal, snapshot_bytes, config.commits_per_snapshot)
+    durable = journal + snapshot_bytes / snapshot_every
     lat = latencies_steps(results, w0, w1, args.step)
     records = [r for res in results for r in res["records"] if w0 <= r[1] <= w1]
     stages = {}
@@ -510,11 +526,15 @@ def measure(args, params: int, m: int, work: Path) -> dict:
         "up_codec": config.up_codec,
         "down_codec": config.down_codec,
         "commits_per_snapshot": config.commits_per_snapshot,
+        "snapshot_every": snapshot_every,
         "fragment_values": numel,
         "window_s": span,
         "commits_in_window": committed,
         "commits_made": len(opened),
         "commits_due": math.floor(span / period) + 1,
+        "clock_ticks": len(ticks),
+        "clock_ticks_committed": sum(committed_after(taped, tick) for tick in ticks),
+        "clock_lost": window["clock_lost"] - stats0["clock_lost"],
         "due_per_s": 1 / period,
         "uploads": len(records),
         "uploads_accepted": sum(r[4] == "accepted" for r in records),
@@ -555,6 +575,10 @@ def check_row(row: dict) -> list[str]:
         problems.append("no commit in the window")
     if row["commits_made"] > row["commits_due"]:
         problems.append(f"{row['commits_made']} commits made of {row['commits_due']} due")
+    if not row["clock_ticks_committed"] <= row["clock_ticks"] <= row["commits_due"]:
+        problems.append(f"{row['clock_ticks_committed']} of {row['clock_ticks']} ticks committed")
+    if row["clock_lost"] < 0:
+        problems.append(f"the clock lost {row['clock_lost']} ticks")
     for key in ("compressed_bytes_per_commit", "write_bytes_per_commit", "snapshot_bytes"):
         if not row[key] > 0:
             problems.append(f"{key} is {row[key]}")
@@ -582,7 +606,8 @@ def size_name(n: float) -> str:
 
 def summary_table(rows: list[dict]) -> str:
     head = (
-        "| N | M | step s | made / due | upload→commit p50 / p95 (steps) | compressed B/commit "
+        "| N | M | step s | made / due | ticks committed / made, lost "
+        "| upload→commit p50 / p95 (steps) | compressed B/commit "
         "| durable B/commit | durable / compressed | RSS peak / steady B/param | restart s "
         "| copy GB/s |"
     )
@@ -591,6 +616,7 @@ def summary_table(rows: list[dict]) -> str:
         lines.append(
             f"| {size_name(r['params'])} | {r['learners']} | {r['step_s']:g} "
             f"| {r['commits_made']} / {r['commits_due']} "
+            f"| {r['clock_ticks_committed']} / {r['clock_ticks']}, {r['clock_lost']:.2g} "
             f"| {fmt(r['latency_p50_steps'], '.2f')} / {fmt(r['latency_p95_steps'], '.2f')} "
             f"| {r['compressed_bytes_per_commit'] / 1e6:.2f} MB "
             f"| {r['durable_bytes_per_commit'] / 1e6:.2f} MB "
@@ -701,20 +727,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--learners and --params must be >= 1 and --step > 0")
     if args.settle is None:
         args.settle = 2 * args.step
-    if args.duration is None:
-        args.duration = snapshot_cycle_s(args.step)
     return bench(args)
 
 
-def snapshot_cycle_s(step: float) -> float:
-    """Seconds the clock takes, at ``step``, to make every fragment due K times (K:
-    ``commits_per_snapshot``): each fragment's snapshot is written once per cycle."""
+def snapshot_cycle_s(step: float, learners: int) -> float:
+    """Seconds the clock takes, at ``step``, to make every fragment due K times (K: the
+    records between a fragment's snapshots, ``snapshot_interval.records_per_snapshot`` for
+    ``learners`` uploads of the default up codec per commit): each fragment's snapshot is
+    written once per cycle."""
     from diloco.algorithm.rounds import tick_period
     from diloco.syncer.config import SyncerConfig
+    from diloco.syncer.snapshot_interval import SNAPSHOT_BYTES_PER_VALUE, records_per_snapshot
+    from diloco.wire.comms import bytes_per_value
 
     config = SyncerConfig()
     P, H = config.protocol.num_fragments, config.protocol.sync_every
-    return config.commits_per_snapshot * P * tick_period(step, sync_every=H, fragments=P)
+    journal = learners * bytes_per_value(config.up_codec)  # (per value of a fragment)
+    every = records_per_snapshot(journal, SNAPSHOT_BYTES_PER_VALUE, config.commits_per_snapshot)
+    return every * P * tick_period(step, sync_every=H, fragments=P)
 
 
 if __name__ == "__main__":

@@ -161,6 +161,53 @@ def test_the_fragments_snapshots_fall_in_different_cycles(tmp_path):
         server.stop()
 
 
+def test_by_bytes_one_learners_commit_makes_under_4x_what_it_merged_durable(tmp_path):
+    """The default interval follows the bytes (``diloco.syncer.snapshot_interval``): one
+    learner's sign1 uploads of a 90,300-value fragment make a snapshot due once the records
+    past the last one hold 0.4 of a snapshot's bytes, about 30 records here (a fixed 8 would
+    make each commit write about 10 × what it merged). A restarted syncer counts the records
+    already in the journal, so its snapshot comes where it would have; the state reads back."""
+    from diloco.syncer.snapshot_interval import JOURNAL_SHARE, snapshot_bytes
+
+    model = tiny_model(0, (300, 300), tanh=False)  # one fragment: 300 × 300 + 300 values
+    numel = sum(t.numel() for t in model.parameters())
+    state = tmp_path / "state"
+    one = config(wait_for_all=1)
+    assert one.commits_per_snapshot == 0  # (the default)
+    versions, records = [0], []
+
+    def commit_until(server, done) -> None:
+        """One commit at a time, each journal record's bytes kept, until ``done()``."""
+        snapshots = server.service.committer.snapshots
+        peer = Peer(server, "a")
+        peer.join()
+        try:
+            while not done(snapshots):
+                before = server.store.journal.bytes_written
+                feed(server, [peer], [(0, versions[0])], versions, first_id=10 * versions[0])
+                wait_until(snapshots.idle, timeout=30)
+                if versions[0] > 1:  # (the first commit is written whole)
+                    records.append(server.store.journal.bytes_written - before)
+        finally:
+            peer.close()
+            server.stop()
+
+    commit_until(
+        local_syncer(model, one, num_fragments=1, state_dir=state), lambda _: len(records) == 10
+    )
+    restarted = local_syncer(model, one, num_fragments=1, state_dir=state)
+    assert restarted.store.replayed[0] == 10
+    commit_until(restarted, lambda snapshots: snapshots.written)
+    full = snapshot_bytes(numel)
+    every = len(records)  # records from the first commit's snapshot to the next one's
+    assert sum(records[:-1]) < JOURNAL_SHARE * full <= sum(records), (records, full)
+    assert 8 < every <= 64
+    payload = numel / 8 + 4 * -(-numel // 128)  # sign1: a bit per value, a scale per 128
+    durable = (sum(records) + (state / "fragments" / "p000.safetensors").stat().st_size) / every
+    assert durable <= 4 * payload, (durable, payload)
+    assert FragmentStore(state).load(0, numel)[0] == versions[0]
+
+
 def params_numel(server, fragment: int) -> int:
     return server.layout.fragments[fragment].numel
 

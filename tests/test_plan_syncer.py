@@ -137,9 +137,10 @@ MACHINES = [
 ]
 
 
+@pytest.mark.parametrize("every", [8, 0], ids=["K=8", "by-bytes"])
 @pytest.mark.parametrize("m", MACHINES, ids=["reference", "small", "large"])
 @pytest.mark.parametrize("comms", sorted(COMMS))
-def test_more_params_more_learners_or_faster_steps_never_need_fewer_shards(m, comms):
+def test_more_params_more_learners_or_faster_steps_never_need_fewer_shards(m, comms, every):
     setting = COMMS[comms]
     base = Exchange(
         params=1e8,
@@ -149,7 +150,7 @@ def test_more_params_more_learners_or_faster_steps_never_need_fewer_shards(m, co
         learners=4,
         up_codec=setting.up_codec,
         down_codec=setting.down_codec,
-        commits_per_snapshot=8,
+        commits_per_snapshot=every,
     )
     ladders = {
         "params": [1e7, 1e8, 3.5e8, 1e9, 7e9, 7e10],
@@ -214,7 +215,7 @@ def test_syncer_inputs_are_validated():
         {"syncer_memory": 0},
         {"syncer_disk_mbps": -1.0},
         {"syncer_network": 0.0},
-        {"commits_per_snapshot": 0},
+        {"commits_per_snapshot": -1},
     ):
         with pytest.raises(ValueError):
             SyncerPlanInputs(**kw)
@@ -227,8 +228,15 @@ def test_a_billion_parameters_at_todays_default(capsys):
     section = json.loads(capsys.readouterr().out)["syncer"]
     assert section["commits_per_s"] == pytest.approx(24 / 16)
     assert section["exchange"]["learners"] == 4
-    # the journal's 4 sign1 uploads and a 12-byte snapshot every 8 commits, per value
+    # the journal's 4 sign1 uploads and a 12-byte snapshot every 8 commits, per value (by
+    # bytes: once the records hold 0.4 of a snapshot, 0.4 · 12 / 0.625 → 8)
+    assert section["snapshot_every"] == 8 and section["exchange"]["commits_per_snapshot"] == 0
     assert section["durable_bytes_per_commit"] == pytest.approx(1e9 / 24 * (4 * 0.15625 + 1.5))
+    assert cli_main([*argv[:4], "1", *argv[5:], "default", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)["syncer"]  # one learner: 0.4 · 12 / 0.156 → 31
+    assert alone["snapshot_every"] == 31
+    assert alone["durable_bytes_per_commit"] == pytest.approx(1e9 / 24 * (0.15625 + 12 / 31))
+    assert alone["durable_bytes_per_commit"] <= 4 * 1e9 / 24 * 0.15625
     assert section["whole"]["memory_bytes"] > 1e9 * SYNCER_BYTES_PER_PARAM
     assert section["shards"] == max(section["shards_per_resource"].values()) >= 2
     assert section["shards_per_resource"]["memory"] == 1  # 14.7 GB: within 24 GiB

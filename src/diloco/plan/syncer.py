@@ -2,7 +2,8 @@
 
 The model (docs/plan.md, "Syncer shards", has it with a worked example). N parameters in P
 fragments of ``v = N/P`` values, M learners, H, step time t, the exchange's up and down
-codecs (``u`` and ``d`` bytes per value), a full snapshot every K commits. On the syncer's
+codecs (``u`` and ``d`` bytes per value), a full snapshot every K commits (by default K
+follows the bytes: ``diloco.syncer.snapshot_interval``). On the syncer's
 clock every fragment is merged once per H fleet steps, so the whole model makes ``P/(H·t)``
 commits a second; shard i of S serves fragments ``p mod S = i`` (docs/algorithm.md, "Syncer
 shards"), the busiest ``f = ⌈P/S⌉`` of them, and makes ``f/(H·t)`` commits a second. Each
@@ -28,7 +29,9 @@ from diloco.algorithm.codec_sizes import CODECS
 from diloco.algorithm.merge_sizes import WHOLE_SPAN_VALUES
 from diloco.runtime.schema import option, same_option
 from diloco.runtime.units import GBIT_S, parse_rate, parse_size
+from diloco.syncer import snapshot_interval
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.snapshot_interval import records_per_snapshot
 from diloco.wire.comms import bytes_per_value
 
 REFERENCE_MACHINE = "the project's 2-core reference machine (one torch thread)"
@@ -79,9 +82,9 @@ four sign1 uploads of a 10.0M-value fragment (issue 48's notes, reference machin
 2026-11-28; the record holds the admitted uploads as they arrived, its other fields are a
 few hundred bytes)."""
 
-SNAPSHOT_BYTES_PER_VALUE = 12.0
+SNAPSHOT_BYTES_PER_VALUE = float(snapshot_interval.SNAPSHOT_BYTES_PER_VALUE)
 """Bytes a full snapshot writes per value: Θ_p, its momentum and the wire image in fp32
-(measured: 120.0 MB for the same 10.0M-value fragment), one every K commits."""
+(measured: 120.0 MB for the same 10.0M-value fragment)."""
 
 SYNCER_BYTES_PER_PARAM = 14.0
 """Memory the syncer process holds per parameter it serves, beyond the interpreter: Θ,
@@ -141,7 +144,8 @@ class SyncerPlanInputs:
     Gbps; the default is assumed, not measured)."""
     commits_per_snapshot: int = same_option(SyncerConfig, "commits_per_snapshot")
     """K: a shard writes a full snapshot of a fragment every K commits (its 12 bytes per value
-    amortised over them) and journals the uploads of the others."""
+    amortised over them; 0: by bytes, ``diloco.syncer.snapshot_interval``) and journals the
+    uploads of the others."""
 
     def __post_init__(self) -> None:
         if self.learners is not None and self.learners < 1:
@@ -150,8 +154,8 @@ class SyncerPlanInputs:
             raise ValueError("syncer cores and disk MB/s must be > 0")
         if not self.syncer_memory > 0 or not self.syncer_network > 0:
             raise ValueError("syncer memory and network must be > 0")
-        if self.commits_per_snapshot < 1:
-            raise ValueError(f"commits_per_snapshot must be >= 1, got {self.commits_per_snapshot}")
+        if self.commits_per_snapshot < 0:
+            raise ValueError(f"commits_per_snapshot must be >= 0, got {self.commits_per_snapshot}")
 
 
 @dataclass(frozen=True)
@@ -212,10 +216,24 @@ def codec_for_bits(bits: float) -> str:
 
 
 def durable_bytes_per_value(x: Exchange, costs: SyncerCosts) -> float:
-    """Bytes a commit makes durable per value of its fragment, snapshots amortised over K:
-    ``M·u·journal + snapshot/K``."""
-    journal = x.learners * bytes_per_value(x.up_codec) * costs.journal_bytes_per_upload_byte
-    return journal + costs.snapshot_bytes_per_value / x.commits_per_snapshot
+    """Bytes a commit makes durable per value of its fragment, snapshots amortised over
+    their interval: ``M·u·journal + snapshot/K`` (K: ``snapshot_every``)."""
+    return journal_bytes_per_value(x, costs) + costs.snapshot_bytes_per_value / snapshot_every(
+        x, costs
+    )
+
+
+def journal_bytes_per_value(x: Exchange, costs: SyncerCosts) -> float:
+    """Bytes a commit's journal record writes per value of its fragment: ``M·u·journal``."""
+    return x.learners * bytes_per_value(x.up_codec) * costs.journal_bytes_per_upload_byte
+
+
+def snapshot_every(x: Exchange, costs: SyncerCosts) -> int:
+    """K: the commits of a fragment between its snapshots (by bytes when the exchange's K is
+    0: ``snapshot_interval.records_per_snapshot``)."""
+    return records_per_snapshot(
+        journal_bytes_per_value(x, costs), costs.snapshot_bytes_per_value, x.commits_per_snapshot
+    )
 
 
 def commit_cpu_s_per_value(
@@ -323,6 +341,7 @@ def shards_needed(x: Exchange, machine: SyncerPlanInputs, costs: SyncerCosts | N
         "commits_per_s": x.num_fragments / (x.sync_every * x.step_time_s),
         "values_per_fragment": x.params / x.num_fragments,
         "durable_bytes_per_commit": durable_bytes_per_value(x, costs) * x.params / x.num_fragments,
+        "snapshot_every": snapshot_every(x, costs),
         "whole": asdict(loads[0]),
         "per_shard": asdict(loads[at]),
         "per_shard_use": uses[at],
@@ -343,7 +362,7 @@ def syncer_lines(section: dict) -> list[str]:
     lines = [
         f"  syncer (M={x['learners']} learners, {x['up_codec']} up / {x['down_codec']} down, "
         f"P={x['num_fragments']}, H={x['sync_every']}, a snapshot every "
-        f"{x['commits_per_snapshot']} commits):",
+        f"{section['snapshot_every']} commits{'' if x['commits_per_snapshot'] else ', by bytes'}):",
         f"    due: {section['commits_per_s']:.3g} commits/s (a fragment of "
         f"{_count(section['values_per_fragment'])} values every {period:.3g} s), "
         f"{_bytes(section['durable_bytes_per_commit'])} made durable per commit",

@@ -178,6 +178,8 @@ class Committer:
                 store,
                 state.config.commits_per_snapshot,
                 {p: store.replayed.get(p) for p in state.served},
+                numel={p: state.layout.fragments[p].numel for p in state.served},
+                journal_bytes={p: store.journal.size(p) for p in state.served},
                 on_failure=self.fail,
                 note=self._note,
                 stage_times=self.stage_times,
@@ -367,7 +369,7 @@ class Committer:
             with self.stage_times.timing("persist"):
                 retrying(lambda: journalled.append(self._persist(commit, wire, digest)))
             if journalled[-1]:  # (the commit is made: a snapshot may be due)
-                self.snapshots.after_commit(commit, wire)
+                self.snapshots.after_commit(commit, wire, journalled[-1])
         logged_at = self.stage_times.clock()
         if self.receipt_log is not None:  # (after the commit is made: a successor re-appends it)
             retrying(lambda: self.receipt_log.append(commit.log))
@@ -420,14 +422,13 @@ class Committer:
                 )
             self.state.record_sync_time(clock.monotonic() - t0)
 
-    def _persist(self, commit: Commit, wire: torch.Tensor, digest: str) -> bool:
+    def _persist(self, commit: Commit, wire: torch.Tensor, digest: str) -> int:
         """Make ``commit`` durable: its journal record appended and synced, or, for a
         fragment without a snapshot yet, the whole fragment written (``FragmentStore.save``).
-        Returns whether it was journalled. Raises what the store raises."""
+        Returns the bytes journalled (0: written whole). Raises what the store raises."""
         p = commit.fragment
         if commit.inputs is not None and not self.snapshots.first(p):
-            self.store.journal.append(dataclasses.replace(commit.inputs, digest=digest))
-            return True
+            return self.store.journal.append(dataclasses.replace(commit.inputs, digest=digest))
         self.store.save(
             p,
             commit.version,
@@ -438,7 +439,7 @@ class Committer:
             merged_tokens=commit.merged_tokens,
         )
         self.snapshots.written_whole(p)
-        return False
+        return 0
 
     def save_tape_index(self) -> None:
         """Write the tape's index (``diloco.syncer.tape_index``; nothing without a tape),

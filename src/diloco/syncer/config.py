@@ -148,15 +148,17 @@ class SyncerConfig:
     commit_log_pin_s: float = option(COMMIT_LOG_PIN_S, metavar="SECONDS")
     """How long after its lease a learner that stopped reporting keeps its pin on the commit
     logs (and a restarted syncer holds every log for the learners to report again)."""
-    commits_per_snapshot: int = option(8, metavar="K")
+    commits_per_snapshot: int = option(0, metavar="K")
     """Commits of a fragment between two full snapshots of it, written in the background
-    (``diloco.syncer.snapshots``); each commit in between appends its admitted uploads, as
-    they arrived, to the commit journal (``diloco.syncer.journal``), and a restart replays at
-    most K of them. Bytes made durable per commit, per value of the fragment: the journal's
-    M × u (u: the up codec's bytes per value) plus 12/K for the snapshot (Θ_p, momentum and
-    wire image in fp32). With the default exchange (sign1 up, u = 0.156) and M = 4 that is
-    0.625 + 1.5 = 2.1 B per value at K = 8, within 4 × the 0.625 B the commit merged
-    (K = 7 is the least that keeps it: 0.625 + 1.71)."""
+    (``diloco.syncer.snapshots``); 0 (the default): by bytes, a snapshot once the records
+    past the last one hold 0.4 of a snapshot's bytes, 8 to 64 records apart
+    (``diloco.syncer.snapshot_interval``). Each commit in between appends its admitted
+    uploads, as they arrived, to the commit journal (``diloco.syncer.journal``); a restart
+    replays the records past the snapshot. Bytes made durable per commit, per value of the
+    fragment: the journal's M × u (u: the up codec's bytes per value) plus 12/K for the
+    snapshot (Θ_p, momentum and wire image in fp32). By bytes that is about 3.5 × M × u
+    whatever M: with sign1 up (u = 0.156) a snapshot every 8 commits for M = 4, every 31
+    for M = 1; a fixed K = 8 would make one learner's commit write 10.6 × what it merged."""
 
     @staticmethod
     def upgrade_file_data(data: dict) -> dict:
@@ -249,8 +251,10 @@ class SyncerConfig:
             raise ValueError(
                 f"outer_scale must be one of {OUTER_SCALES} (got {self.outer_scale!r})"
             )
-        if self.commits_per_snapshot < 1:
-            raise ValueError(f"commits_per_snapshot must be >= 1 (got {self.commits_per_snapshot})")
+        if self.commits_per_snapshot < 0:
+            raise ValueError(
+                f"commits_per_snapshot must be >= 0, 0 for by bytes (got {self.commits_per_snapshot})"
+            )
         if self.commit_logs_kept < 1 or self.commit_logs_max < self.commit_logs_kept:
             raise ValueError(
                 "commit_logs_kept must be >= 1 and commit_logs_max >= commit_logs_kept "

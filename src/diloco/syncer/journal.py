@@ -204,6 +204,10 @@ class CommitJournal:
                 found.append((int(number), path))
         return sorted(found)
 
+    def size(self, fragment: int) -> int:
+        """The bytes of the fragment's segments (those a restart reads)."""
+        return sum(path.stat().st_size for _, path in self.segments(fragment))
+
     def _path(self, fragment: int, number: int) -> Path:
         return self.dir / f"p{fragment:03d}.{number:06d}{SUFFIX}"
 

@@ -4,9 +4,9 @@ committer holds: ``Committer.snapshots``).
 A fragment's first commit has no snapshot to replay onto: it is written whole, at once
 (``first``); its first cycle is shorter by a head start that spreads the fragments'
 snapshots over the clock's cycles (``first_cycle_head_start``). Every later commit appends
-its journal record (``diloco.syncer.journal``); once
-a fragment has ``SyncerConfig.commits_per_snapshot`` records past its snapshot, the committer asks
-for a new one (``after_commit``): the journal moves on to a new segment and the snapshot's
+its journal record (``diloco.syncer.journal``); once a fragment's records past its snapshot
+make a new one due (``diloco.syncer.snapshot_interval``: every ``SyncerConfig.commits_per_snapshot``
+records, or by their bytes), the committer asks for it (``after_commit``): the journal moves on to a new segment and the snapshot's
 tensors (copies of the commit's Θ_p and momentum, and the new wire image, which nothing
 changes afterwards) go to the writer thread. A commit never waits for a snapshot; a newer
 request for a fragment replaces one still waiting. The writer renames the file into place
@@ -27,6 +27,12 @@ import torch
 
 from diloco.syncer.fencing import Superseded
 from diloco.syncer.records import Commit, copied
+from diloco.syncer.snapshot_interval import (
+    MAX_RECORDS,
+    first_cycle_head_start,
+    snapshot_bytes,
+    snapshot_due,
+)
 from diloco.syncer.stage_times import StageTimes
 from diloco.syncer.store import FragmentStore
 
@@ -43,32 +49,6 @@ class Snapshot:
     segment: int
 
 
-def first_cycle_head_start(rank: int, fragments: int, every: int) -> int:
-    """The journal records a fragment is counted as having past its first snapshot (the one
-    its first commit wrote whole): the ``rank``-th of a syncer's ``fragments`` starts
-    ``rank · every // fragments`` records into its cycle, so that the fragments' snapshots
-    (each one every ``every`` of its commits) fall in different cycles of the clock, about
-    ``fragments / every`` per cycle, instead of all in the same one. Without it the
-    fragments, committed round-robin, reach their snapshot together: a burst of every
-    fragment's copies waiting for the writer, and a restart just before it replays
-    ``every − 1`` records of every fragment instead of about half as many.
-
-    >>> [first_cycle_head_start(r, 4, 8) for r in range(4)]
-    [0, 2, 4, 6]
-    """
-    return rank * every // max(1, fragments)
-
-
-def snapshot_due(since: int | None, every: int) -> bool:
-    """Whether a fragment with ``since`` journal records past its snapshot (None: it has
-    none) needs a new one.
-
-    >>> snapshot_due(None, 8), snapshot_due(7, 8), snapshot_due(8, 8)
-    (True, False, True)
-    """
-    return since is None or since >= every
-
-
 class Snapshots:
     """Decides when each fragment is snapshotted and writes the snapshots on its thread."""
 
@@ -78,22 +58,31 @@ class Snapshots:
         every: int,
         since: dict[int, int | None],
         *,
+        numel: dict[int, int],
+        journal_bytes: dict[int, int] | None = None,
         on_failure: Callable[[BaseException], None],
         note: Callable[[dict], None],
         stage_times: StageTimes | None = None,
     ) -> None:
-        """``since``: per fragment, the journal records past its snapshot at start (None:
-        no snapshot yet); ``on_failure``: called with ``Superseded`` (the syncer must
-        stop writing); ``note``: a tape record the run can do without; ``stage_times``:
-        where each snapshot's write is timed (its ``snapshot`` stage)."""
+        """``every``: K, 0 for the automatic interval (``snapshot_interval``); ``since``:
+        per fragment, the journal records past its snapshot at start (None: no snapshot
+        yet); ``numel``: per fragment, its values; ``journal_bytes``: per fragment, the
+        bytes of those records at start; ``on_failure``: called with ``Superseded`` (the
+        syncer must stop writing); ``note``: a tape record the run can do without;
+        ``stage_times``: where each snapshot's write is timed (its ``snapshot`` stage)."""
         self.store = store
         self.every = every
         self.since = dict(since)
+        self.full_bytes = {p: snapshot_bytes(numel[p]) for p in since}
+        """Per fragment, a snapshot's bytes (``snapshot_interval.snapshot_bytes``)."""
+        self.journal_bytes = {p: (journal_bytes or {}).get(p, 0) for p in since}
+        """Per fragment, the bytes of its journal records past its snapshot."""
         self.head_start = {
-            p: first_cycle_head_start(rank, len(since), every)
+            p: first_cycle_head_start(rank, len(since), every, self.full_bytes[p])
             for rank, p in enumerate(sorted(since))
         }
-        """Per fragment, where its first cycle starts (``first_cycle_head_start``)."""
+        """Per fragment, where its first cycle starts, in records and bytes
+        (``snapshot_interval.first_cycle_head_start``)."""
         self.on_failure = on_failure
         self.note = note
         self.stage_times = stage_times if stage_times is not None else StageTimes()
@@ -114,15 +103,18 @@ class Snapshots:
 
     def written_whole(self, fragment: int) -> None:
         """A commit of the fragment was written as a snapshot, synchronously: its next one is
-        due after ``every`` journal records less its head start."""
-        self.since[fragment] = self.head_start.get(fragment, 0)
+        due after an interval less its head start."""
+        self.since[fragment], self.journal_bytes[fragment] = self.head_start.get(fragment, (0, 0))
 
-    def after_commit(self, commit: Commit, wire: torch.Tensor) -> None:
-        """A commit's journal record is on disk: count it, and hand the fragment to the
-        writer when a snapshot is due (committer thread, never blocking)."""
+    def after_commit(self, commit: Commit, wire: torch.Tensor, record_bytes: int) -> None:
+        """A commit's journal record (``record_bytes`` long) is on disk: count it, and hand
+        the fragment to the writer when a snapshot is due (committer thread, never
+        blocking)."""
         p = commit.fragment
         self.since[p] = (self.since.get(p) or 0) + 1
-        if not snapshot_due(self.since[p], self.every):
+        self.journal_bytes[p] = self.journal_bytes.get(p, 0) + record_bytes
+        full = self.full_bytes.get(p) or snapshot_bytes(commit.params.numel())
+        if not snapshot_due(self.since[p], self.journal_bytes[p], full, self.every):
             return
         segment = self.store.journal.rotate(p)
         with self._cond:
@@ -132,7 +124,7 @@ class Snapshots:
             self._cond.notify()
             if not self._thread.is_alive():
                 self._thread.start()
-        self.since[p] = 0
+        self.since[p], self.journal_bytes[p] = 0, 0
 
     def idle(self) -> bool:
         """Whether no snapshot is waiting or being written."""
@@ -185,5 +177,5 @@ class Snapshots:
             self.on_failure(exc)
         except OSError as exc:  # the journal holds the commits: tried again later
             log.warning("snapshot of fragment %d failed: %s", commit.fragment, exc)
-            self.since[commit.fragment] = self.every
+            self.since[commit.fragment] = self.every or MAX_RECORDS  # (due at the next)
             self.note({"event": "snapshot_failed", "fragment": commit.fragment, "error": str(exc)})
