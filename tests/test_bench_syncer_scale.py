@@ -46,7 +46,7 @@ def test_the_short_form_reports_every_stage_bytes_memory_and_a_restart(tmp_path)
     assert row["stages"]["merge"]["bandwidth_fraction"] > 0  # against the copy reference
     assert row["copy_GBps"] > 0
     assert 1 <= row["commits_made"] <= row["commits_due"]
-    assert 1 <= row["clock_ticks_committed"] <= row["clock_ticks"] <= row["commits_due"]
+    assert 1 <= row["clock_ticks_committed"] <= row["clock_ticks"]
     assert row["clock_lost"] >= 0  # (what it lost depends on the machine's load)
     assert row["commits_in_window"] >= 1 and row["uploads_accepted"] >= 1
     assert 0 < row["latency_p50_steps"] <= row["latency_p95_steps"]

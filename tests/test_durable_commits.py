@@ -23,6 +23,7 @@ from diloco.syncer import journal
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.journal import SUFFIX
 from diloco.syncer.server import SyncerServer
+from diloco.syncer.snapshot_interval import MIN_RECORDS
 from diloco.syncer.store import FragmentStore, StateError
 from diloco.wire import diloco_pb2 as pb
 
@@ -128,12 +129,16 @@ def test_replaying_the_journal_onto_a_snapshot_gives_the_live_commits_bits(tmp_p
             server.stop()
 
 
-def test_the_fragments_snapshots_fall_in_different_cycles(tmp_path):
+@pytest.mark.parametrize("every", [4, 0], ids=["K=4", "by-bytes"])
+def test_the_fragments_snapshots_fall_in_different_cycles(tmp_path, every):
     """Committed round-robin, every fragment reaches its snapshot interval in the same cycle
     unless their first cycles start apart: with 4 fragments and a snapshot every 4 commits,
     one fragment is snapshotted per cycle of the clock, never all 4 at once (their copies
-    waiting together for the writer, and a restart before them replaying 3 records of each)."""
-    fragments, every = 4, 4
+    waiting together for the writer, and a restart before them replaying 3 records of each).
+    By bytes (the default) these small records make the interval its least, 8 records: a
+    snapshot every second cycle, one fragment at a time."""
+    fragments = 4
+    interval = every or MIN_RECORDS
     server = local_syncer(
         tiny_model(0, (16, 32, 32, 4), tanh=False),
         config(commits_per_snapshot=every),
@@ -148,13 +153,13 @@ def test_the_fragments_snapshots_fall_in_different_cycles(tmp_path):
         versions = [0] * fragments
         feed(server, peers, [(p, p) for p in range(fragments)], versions)  # written whole
         per_cycle = []
-        for cycle in range(1, 2 * every + 1):
+        for cycle in range(1, 2 * interval + 1):
             before = snapshots.written
             rounds = [(p, cycle * fragments + p) for p in range(fragments)]
             feed(server, peers, rounds, versions, first_id=1000 * cycle)
             wait_until(snapshots.idle, timeout=30)
             per_cycle.append(snapshots.written - before)
-        assert per_cycle == [1] * (2 * every), per_cycle
+        assert max(per_cycle) == 1 and sum(per_cycle) == 2 * fragments, per_cycle
     finally:
         for peer in peers:
             peer.close()

@@ -193,6 +193,8 @@ def test_the_clock_counts_the_due_ticks_it_did_not_make():
     clock.tick(1.0, 0.5, served, [], live=True)
     t = clock.tick(1.75, 0.25, served, [], live=True)  # owed since 1.5, and the pace rose
     assert t.fragment is not None and t.next_at == 2.0 and clock.lost == 1.0
+    clock.tick(2.003, 0.2, served, [], live=True)  # 3 ms late as the pace rises: none lost
+    assert clock.lost == 1.0
 
 
 def test_a_syncer_whose_clock_stalled_says_how_many_due_ticks_it_lost():

@@ -35,6 +35,7 @@ learner is told to resync. A base version from the future is invalid.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -330,11 +331,11 @@ class RoundClock:
     ) -> Tick:
         """The tick at ``now`` at ``period`` (``tick_period``). When the pace rose, the due
         tick comes sooner too, but not before ``now``: a tick owed then is made now, and the
-        time since it was due counts as lost. ``live``: some learner can be asked
+        whole periods since it was due count as lost (a tick a few ms late loses none). ``live``: some learner can be asked
         (with none, no round opens and no tick counts as lost)."""
         due, lost = self.due_at, 0.0
         if due is not None and period is not None and period < (self.period or 0.0):
-            lost = max(0.0, now - due) / period  # (a tick owed: its beat moves to now)
+            lost = float(max(0, math.floor((now - due) / period)))  # (owed: its beat moves)
             due = max(now, due - (self.period - period))
         self.period = period
         t = next_tick(

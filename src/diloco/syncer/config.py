@@ -156,9 +156,10 @@ class SyncerConfig:
     uploads, as they arrived, to the commit journal (``diloco.syncer.journal``); a restart
     replays the records past the snapshot. Bytes made durable per commit, per value of the
     fragment: the journal's M × u (u: the up codec's bytes per value) plus 12/K for the
-    snapshot (Θ_p, momentum and wire image in fp32). By bytes that is about 3.5 × M × u
-    whatever M: with sign1 up (u = 0.156) a snapshot every 8 commits for M = 4, every 31
-    for M = 1; a fixed K = 8 would make one learner's commit write 10.6 × what it merged."""
+    snapshot (Θ_p, momentum and wire image in fp32). By bytes that is at most about
+    3.5 × M × u (while M × u ≥ 0.075; below, 64 records bind): with sign1 up (u = 0.156) a
+    snapshot every 8 commits for M = 4, every 31 for M = 1; a fixed K = 8 would make one
+    learner's commit write 10.6 × what it merged."""
 
     @staticmethod
     def upgrade_file_data(data: dict) -> dict:

@@ -205,8 +205,15 @@ class CommitJournal:
         return sorted(found)
 
     def size(self, fragment: int) -> int:
-        """The bytes of the fragment's segments (those a restart reads)."""
-        return sum(path.stat().st_size for _, path in self.segments(fragment))
+        """The bytes of the fragment's segments (those a restart reads; one deleted
+        meanwhile, by a predecessor's snapshot writer, counts 0)."""
+        total = 0
+        for _, path in self.segments(fragment):
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:
+                continue
+        return total
 
     def _path(self, fragment: int, number: int) -> Path:
         return self.dir / f"p{fragment:03d}.{number:06d}{SUFFIX}"

@@ -86,22 +86,17 @@ def records_per_snapshot(record_bytes: float, full_bytes: float, every: int) -> 
     return max(MIN_RECORDS, min(MAX_RECORDS, by_bytes))
 
 
-def first_cycle_head_start(
-    rank: int, fragments: int, every: int, full_bytes: int
-) -> tuple[int, int]:
-    """Where the ``rank``-th of a syncer's ``fragments`` fragments starts its first cycle, in
-    records and in journal bytes: ``rank / fragments`` of the way through it. So the
-    fragments' snapshots (due together, as the fragments commit round-robin) fall in
-    different cycles of the clock, about ``fragments`` / interval per cycle: no burst of
-    every fragment's copies waiting for the writer, and a restart replays about half an
-    interval per fragment instead of a whole one.
+def first_cycle_head_start(rank: int, fragments: int, interval: int) -> int:
+    """The records by which the ``rank``-th of a syncer's ``fragments`` fragments starts its
+    first cycle ahead (``rank / fragments`` of its ``interval``, ``records_per_snapshot`` of
+    its first record), so that the fragments' snapshots (due together, as the fragments
+    commit round-robin) fall in different cycles of the clock, about ``fragments /
+    interval`` per cycle: no burst of every fragment's copies waiting for the writer, and a
+    restart replays about half an interval per fragment instead of a whole one.
 
-    >>> [first_cycle_head_start(r, 4, 8, 0) for r in range(4)]
-    [(0, 0), (2, 0), (4, 0), (6, 0)]
-    >>> [first_cycle_head_start(r, 4, 0, 1000) for r in range(4)]
-    [(0, 0), (2, 100), (4, 200), (6, 300)]
+    >>> [first_cycle_head_start(r, 4, 8) for r in range(4)]
+    [0, 2, 4, 6]
+    >>> [first_cycle_head_start(r, 24, 31) for r in (1, 12, 23)]
+    [1, 15, 29]
     """
-    share = rank / max(1, fragments)
-    if every > 0:
-        return rank * every // max(1, fragments), 0
-    return int(share * MIN_RECORDS), int(share * JOURNAL_SHARE * full_bytes)
+    return rank * interval // max(1, fragments)

@@ -5,10 +5,11 @@ A fragment's first commit has no snapshot to replay onto: it is written whole, a
 (``first``); its first cycle is shorter by a head start that spreads the fragments'
 snapshots over the clock's cycles (``first_cycle_head_start``). Every later commit appends
 its journal record (``diloco.syncer.journal``); once a fragment's records past its snapshot
-make a new one due (``diloco.syncer.snapshot_interval``: every ``SyncerConfig.commits_per_snapshot``
-records, or by their bytes), the committer asks for it (``after_commit``): the journal moves on to a new segment and the snapshot's
-tensors (copies of the commit's Θ_p and momentum, and the new wire image, which nothing
-changes afterwards) go to the writer thread. A commit never waits for a snapshot; a newer
+make a new one due (``diloco.syncer.snapshot_interval``: by their bytes, or every
+``SyncerConfig.commits_per_snapshot`` records), the committer asks for it
+(``after_commit``): the journal moves on to a new segment and the snapshot's tensors
+(copies of the commit's Θ_p and momentum, and the new wire image, which nothing changes
+afterwards) go to the writer thread. A commit never waits for a snapshot; a newer
 request for a fragment replaces one still waiting. The writer renames the file into place
 (``FragmentStore.save``: temp file, fsync, fenced rename, directory fsync), then deletes the
 journal segments the snapshot holds. A snapshot that cannot be written (disk full) is tried
@@ -30,6 +31,7 @@ from diloco.syncer.records import Commit, copied
 from diloco.syncer.snapshot_interval import (
     MAX_RECORDS,
     first_cycle_head_start,
+    records_per_snapshot,
     snapshot_bytes,
     snapshot_due,
 )
@@ -77,12 +79,11 @@ class Snapshots:
         """Per fragment, a snapshot's bytes (``snapshot_interval.snapshot_bytes``)."""
         self.journal_bytes = {p: (journal_bytes or {}).get(p, 0) for p in since}
         """Per fragment, the bytes of its journal records past its snapshot."""
-        self.head_start = {
-            p: first_cycle_head_start(rank, len(since), every, self.full_bytes[p])
-            for rank, p in enumerate(sorted(since))
-        }
-        """Per fragment, where its first cycle starts, in records and bytes
+        self.rank = {p: rank for rank, p in enumerate(sorted(since))}
+        """Per fragment, its rank among the served: where its first cycle starts
         (``snapshot_interval.first_cycle_head_start``)."""
+        self._first_cycle: set[int] = set()
+        """Fragments written whole whose first record is still to come (its head start)."""
         self.on_failure = on_failure
         self.note = note
         self.stage_times = stage_times if stage_times is not None else StageTimes()
@@ -103,28 +104,39 @@ class Snapshots:
 
     def written_whole(self, fragment: int) -> None:
         """A commit of the fragment was written as a snapshot, synchronously: its next one is
-        due after an interval less its head start."""
-        self.since[fragment], self.journal_bytes[fragment] = self.head_start.get(fragment, (0, 0))
+        due after an interval less its head start (taken at its first record, whose size
+        says the interval)."""
+        with self._cond:
+            self.since[fragment], self.journal_bytes[fragment] = 0, 0
+            self._first_cycle.add(fragment)
 
     def after_commit(self, commit: Commit, wire: torch.Tensor, record_bytes: int) -> None:
         """A commit's journal record (``record_bytes`` long) is on disk: count it, and hand
         the fragment to the writer when a snapshot is due (committer thread, never
-        blocking)."""
+        blocking). The counters change under the lock the writer takes to mark a failed
+        snapshot due again, so neither update is lost."""
         p = commit.fragment
-        self.since[p] = (self.since.get(p) or 0) + 1
-        self.journal_bytes[p] = self.journal_bytes.get(p, 0) + record_bytes
         full = self.full_bytes.get(p) or snapshot_bytes(commit.params.numel())
-        if not snapshot_due(self.since[p], self.journal_bytes[p], full, self.every):
+        with self._cond:
+            since = (self.since.get(p) or 0) + 1
+            journal = self.journal_bytes.get(p, 0) + record_bytes
+            if p in self._first_cycle:
+                self._first_cycle.discard(p)
+                interval = records_per_snapshot(record_bytes, full, self.every)
+                ahead = first_cycle_head_start(self.rank.get(p, 0), len(self.rank), interval)
+                since, journal = since + ahead, journal + ahead * record_bytes
+            due = snapshot_due(since, journal, full, self.every) and not self._closed
+            self.since[p], self.journal_bytes[p] = (0, 0) if due else (since, journal)
+        if not due:
             return
-        segment = self.store.journal.rotate(p)
+        job = Snapshot(copied(commit), wire, self.store.journal.rotate(p))
         with self._cond:
             if self._closed:
                 return
-            self._waiting[p] = Snapshot(copied(commit), wire, segment)
+            self._waiting[p] = job
             self._cond.notify()
             if not self._thread.is_alive():
                 self._thread.start()
-        self.since[p], self.journal_bytes[p] = 0, 0
 
     def idle(self) -> bool:
         """Whether no snapshot is waiting or being written."""
@@ -177,5 +189,6 @@ class Snapshots:
             self.on_failure(exc)
         except OSError as exc:  # the journal holds the commits: tried again later
             log.warning("snapshot of fragment %d failed: %s", commit.fragment, exc)
-            self.since[commit.fragment] = self.every or MAX_RECORDS  # (due at the next)
+            with self._cond:  # (due again at the fragment's next commit)
+                self.since[commit.fragment] = self.every or MAX_RECORDS
             self.note({"event": "snapshot_failed", "fragment": commit.fragment, "error": str(exc)})

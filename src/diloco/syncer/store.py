@@ -18,8 +18,8 @@ Layout of a state directory::
 A fragment file is a *snapshot*: written to a temp file, fsync, rename, fsync of the
 directory, so a crash leaves the old file or the new one. A fragment's first commit writes
 one at once; later commits append a journal record (the commit is made when it is synced)
-and a snapshot is written in the background every ``SyncerConfig.commits_per_snapshot`` commits
-(``diloco.syncer.snapshots``). ``load`` is the snapshot with the journal's records after it
+and a snapshot is written in the background when the records make it due
+(``diloco.syncer.snapshots``, ``diloco.syncer.snapshot_interval``). ``load`` is the snapshot with the journal's records after it
 replayed, bit for bit. Files are safetensors (no pickle); each carries a SHA-256 of its
 tensor bytes, fragment id, version and commit logs, so a corrupt file is detected at start
 and reported (naming the file), never silently loaded; journal records carry their own
