@@ -13,6 +13,7 @@ STAMP := $(VENV)/.installed
 # Three on the 2-core reference machine: about a sixth of the parallel part waits on events
 # (restarts, chaos schedules), and a third worker fills it: 507 s on 3 workers, 558 s on 2
 # (clean clones, one after the other, 2026-11-29; six heavy modules alone were faster on 2).
+# Four were no faster (555 s, a clean clone, 2026-11-29) and starved a Ray restart.
 # The modules marked `solo` (claims about time under chaos) run after, in one process.
 TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -330,6 +330,31 @@ class RaySupervisor(Supervisor):
             slot.child.signal(signal.SIGSTOP)
             slot.resume_at = now + event.down_s
 
+    def poll(self) -> None:
+        """``Supervisor.poll``, then ``_restart_stopped_syncers``."""
+        super().poll()
+        self._restart_stopped_syncers(self.clock())
+
+    def _restart_stopped_syncers(self, now: float) -> None:
+        """Start again a syncer that stopped by itself (exit 0) while a learner is still to
+        run. ``diloco launch`` starts its syncer with ``--stop-when-learners-leave``: it stops
+        once every learner has been gone for a lease. Ray restarts a syncer's actor only when
+        the syncer fails, so a learner that Ray was still restarting when the others had
+        finished came back to no syncer, and failed until Ray gave up on it. The local
+        supervisor starts a syncer again whatever its exit; this does the same."""
+        if all(slot.finished for slot in self.learners()):
+            return  # (the run is over: the syncer stopped as it should)
+        for slot in self.slots.values():
+            if not is_syncer(slot.name) or slot.child is None or slot.restart_at is not None:
+                continue
+            if slot.child.poll() != 0:
+                continue
+            slot.expected_death = True  # (its restart is not a crash)
+            slot.planned_deaths += 1
+            slot.restart_at = now  # down until Ray's restart of its actor is seen
+            self.tape({"event": "syncer-stopped", "t": time.time(), "target": slot.name})
+            self.ray.kill(slot.child.actor, no_restart=False)
+
     def _check(self, slot: ProcessSlot, now: float) -> None:
         child = slot.child
         if slot.resume_at is not None and now >= slot.resume_at:

@@ -10,7 +10,9 @@ of ``diloco run`` does. A copy that exits non-zero (or is killed) ends its actor
 Ray starts the actor again with the same arguments: the same id, environment and work
 directory, so the copy resumes from its checkpoint. Ray restarts it at most ``--max-restarts``
 times; one more failure fails the run (exit 1), as with the local backend. A copy that exits
-0 has finished; the run ends when every copy has.
+0 has finished; the run ends when every copy has. The syncer stops by itself once every copy
+has left; if it does while a copy is still down (Ray restarting it after the others had
+finished), it is started again, so the copy finds it (``RaySupervisor.poll``).
 
 Requirements are ``diloco run --backend ray``'s: ``diloco launch`` runs on a node of the
 cluster, and the working directory (the script, ``--runs-dir``) is at the same path on every
