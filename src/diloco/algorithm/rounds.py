@@ -331,8 +331,9 @@ class RoundClock:
     ) -> Tick:
         """The tick at ``now`` at ``period`` (``tick_period``). When the pace rose, the due
         tick comes sooner too, but not before ``now``: a tick owed then is made now, and the
-        whole periods since it was due count as lost (a tick a few ms late loses none). ``live``: some learner can be asked
-        (with none, no round opens and no tick counts as lost)."""
+        whole periods since it was due count as lost (a tick a few ms late loses none).
+        ``live``: some learner can be asked (with none, no round opens and no tick counts as
+        lost)."""
         due, lost = self.due_at, 0.0
         if due is not None and period is not None and period < (self.period or 0.0):
             lost = float(max(0, math.floor((now - due) / period)))  # (owed: its beat moves)
